@@ -1,0 +1,300 @@
+"""Hashing, deterministic packing and safe unpacking of bundle folders.
+
+A bundle ships as a `.tar.gz` holding one top-level folder. Packing is byte-reproducible so
+that two builds of the same bundle can be compared by archive digest alone; unpacking treats
+the archive as hostile input, because bundles are downloaded from shared stores.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import shutil
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from qpcbuild.errors import UsageError
+
+__all__ = ["ArchiveError", "file_digest", "hash_tree", "pack", "unpack"]
+
+CHUNK_SIZE = 1 << 20
+# Any fixed level keeps archives reproducible; 6 is much faster than 9 on multi-GB weights.
+GZIP_LEVEL = 6
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+# Regular-file tar types; GNU sparse is left out because its size header is not what lands on disk.
+_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+_REFUSED_KINDS = {
+    tarfile.SYMTYPE: "symbolic link",
+    tarfile.LNKTYPE: "hard link",
+    tarfile.CHRTYPE: "character device",
+    tarfile.BLKTYPE: "block device",
+    tarfile.FIFOTYPE: "fifo",
+    tarfile.GNUTYPE_SPARSE: "sparse file",
+}
+
+
+class ArchiveError(UsageError):
+    """A bundle folder or archive that cannot be packed or unpacked safely (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    rel: str  # POSIX path relative to the tree root
+    path: Path
+    is_dir: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Hashing
+
+
+def _digest_and_size(path: Path) -> tuple[str, int]:
+    # Size is counted from the bytes hashed so the two can never disagree if the file changes.
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_SIZE):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 hex digest of a file, read in 1 MiB chunks so multi-GB files fit in memory."""
+    return _digest_and_size(path)[0]
+
+
+def _walk(root: Path, exclude: frozenset[str] = frozenset()) -> list[_Entry]:
+    """Directories and regular files under root, sorted by relative path.
+
+    Raises ArchiveError on symlinks and special files: a bundle must be self-contained data.
+    """
+    # The root itself may be reached through a link; only what lies inside must be plain.
+    if not root.is_dir():
+        raise ArchiveError(f"{root}: not a directory")
+    entries: list[_Entry] = []
+    stack: list[tuple[Path, str]] = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        with os.scandir(folder) as it:
+            for item in it:
+                rel = f"{prefix}{item.name}"
+                if rel in exclude:
+                    continue
+                if item.is_symlink():
+                    raise ArchiveError(f"{rel}: symbolic links are not allowed in a bundle")
+                if item.is_dir(follow_symlinks=False):
+                    entries.append(_Entry(rel, Path(item.path), True))
+                    stack.append((Path(item.path), f"{rel}/"))
+                elif item.is_file(follow_symlinks=False):
+                    entries.append(_Entry(rel, Path(item.path), False))
+                else:
+                    raise ArchiveError(f"{rel}: special files are not allowed in a bundle")
+    entries.sort(key=lambda e: e.rel)
+    return entries
+
+
+def hash_tree(root: Path, exclude: Iterable[str] = ()) -> dict[str, dict]:
+    """{relative POSIX path: {"size", "sha256"}} for every regular file under root, sorted.
+
+    `exclude` names relative paths (files or whole folders) that are skipped unexamined.
+    """
+    skip = frozenset(str(PurePosixPath(e)) for e in exclude)
+    result: dict[str, dict] = {}
+    for entry in _walk(Path(root), skip):
+        if not entry.is_dir:
+            digest, size = _digest_and_size(entry.path)
+            result[entry.rel] = {"size": size, "sha256": digest}
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+
+def _tarinfo(name: str, is_dir: bool, size: int = 0) -> tarfile.TarInfo:
+    # Everything that varies between machines or checkouts is pinned here.
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
+    info.mode = DIR_MODE if is_dir else FILE_MODE
+    info.size = size
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def _add_entry(tar: tarfile.TarFile, arcname: str, entry: _Entry) -> None:
+    if entry.is_dir:
+        tar.addfile(_tarinfo(arcname, True))
+        return
+    with open(entry.path, "rb") as f:
+        # Size from the open handle, not the earlier walk, to narrow the window for a change.
+        tar.addfile(_tarinfo(arcname, False, os.fstat(f.fileno()).st_size), f)
+
+
+def _write_tar_gz(raw: BinaryIO, top: str, entries: list[_Entry]) -> None:
+    # filename="" and mtime=0 keep the gzip header free of the temp name and the clock.
+    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=GZIP_LEVEL) as gz:
+        with tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            tar.addfile(_tarinfo(top, True))
+            for entry in entries:
+                _add_entry(tar, f"{top}/{entry.rel}", entry)
+
+
+def pack(bundle_dir: Path, out_file: Path) -> Path:
+    """Write bundle_dir as a reproducible .tar.gz at out_file, atomically; returns out_file."""
+    src = Path(os.path.abspath(bundle_dir))
+    out = Path(os.path.abspath(out_file))
+    if not src.name:
+        raise ArchiveError(f"{bundle_dir}: cannot pack a filesystem root")
+    if src == out or src in out.parents:
+        raise ArchiveError(f"{out_file}: the archive must not be written inside {bundle_dir}")
+    entries = _walk(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            _write_tar_gz(raw, src.name, entries)
+            raw.flush()
+            # mkstemp creates 0600; archives are shared artifacts. fsync so replace is durable.
+            os.fchmod(raw.fileno(), FILE_MODE)
+            os.fsync(raw.fileno())
+        os.replace(tmp_name, out)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return out_file
+
+
+# ---------------------------------------------------------------------------------------------
+# Unpacking
+
+
+def _member_parts(member: tarfile.TarInfo) -> tuple[str, ...]:
+    """Path components of a member name, or ArchiveError saying why the name is unsafe."""
+    name = member.name
+    if name.startswith("/"):
+        raise ArchiveError(f"{name}: absolute path in archive")
+    if "\\" in name:
+        raise ArchiveError(f"{name}: backslash in member name (ambiguous on Windows)")
+    raw = name.split("/")
+    if ".." in raw:
+        raise ArchiveError(f"{name}: '..' component in archive path")
+    parts = tuple(p for p in raw if p not in ("", "."))
+    if not parts:
+        raise ArchiveError(f"{name!r}: empty member name")
+    return parts
+
+
+def _check_kind(member: tarfile.TarInfo) -> None:
+    if member.isdir() or member.type in _FILE_TYPES:
+        return
+    kind = _REFUSED_KINDS.get(member.type, f"special member (type {member.type!r})")
+    raise ArchiveError(f"{member.name}: {kind} not allowed in a bundle archive")
+
+
+def _target(stage: Path, member: tarfile.TarInfo, parts: tuple[str, ...]) -> Path:
+    # Defence in depth: the name checks already exclude escapes, this catches anything missed.
+    target = Path(os.path.normpath(stage.joinpath(*parts)))
+    if stage not in target.parents:
+        raise ArchiveError(f"{member.name}: would be extracted outside the destination")
+    return target
+
+
+def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -> None:
+    try:
+        if member.isdir():
+            target.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            return
+        target.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        src = tar.extractfile(member)
+        assert src is not None  # regular members always have data
+        # O_EXCL: a duplicate member must not silently replace an earlier one.
+        with src, open(target, "xb") as dst:
+            shutil.copyfileobj(src, dst, CHUNK_SIZE)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise ArchiveError(f"{member.name}: clashes with an earlier member") from exc
+
+
+class _Limits:
+    """Running totals against the archive-bomb caps."""
+
+    def __init__(self, max_bytes: int, max_members: int) -> None:
+        self.max_bytes, self.max_members = max_bytes, max_members
+        self.bytes = self.members = 0
+
+    def admit(self, member: tarfile.TarInfo) -> None:
+        self.members += 1
+        if self.members > self.max_members:
+            raise ArchiveError(f"{member.name}: archive has more than {self.max_members} members")
+        self.bytes += member.size if member.isreg() else 0
+        if self.bytes > self.max_bytes:
+            raise ArchiveError(f"{member.name}: archive expands beyond {self.max_bytes} bytes")
+
+
+def _extract_all(archive: Path, stage: Path, limits: _Limits) -> str:
+    """Stream the archive into stage with every check; returns the single top-level name."""
+    top: str | None = None
+    with tarfile.open(archive, mode="r|gz") as tar:
+        for member in tar:
+            limits.admit(member)
+            _check_kind(member)
+            parts = _member_parts(member)
+            if top is not None and parts[0] != top:
+                raise ArchiveError(f"{member.name}: second top-level entry besides {top!r}")
+            top = parts[0]
+            if len(parts) == 1 and not member.isdir():
+                raise ArchiveError(f"{member.name}: top-level entry must be a folder")
+            _write_member(tar, member, _target(stage, member, parts))
+    if top is None:
+        raise ArchiveError(f"{archive}: archive is empty")
+    return top
+
+
+def _prepare_dest(dest: Path) -> Path:
+    """Staging directory on dest's filesystem, so the final rename is atomic."""
+    if dest.exists() or dest.is_symlink():
+        if dest.is_symlink() or not dest.is_dir() or any(dest.iterdir()):
+            raise ArchiveError(f"{dest}: destination exists and is not an empty folder")
+        return Path(tempfile.mkdtemp(dir=dest, prefix=".unpack-"))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.unpack-"))
+
+
+def unpack(
+    archive: Path,
+    dest: Path,
+    max_bytes: int = 512 * 2**30,
+    max_members: int = 100_000,
+) -> Path:
+    """Safely extract a bundle .tar.gz into dest (absent or empty); returns dest/<bundle>.
+
+    On any refusal or error nothing is left at dest (an existing empty dest stays empty).
+    """
+    dest = Path(os.path.abspath(dest))
+    if not Path(archive).is_file():
+        raise ArchiveError(f"{archive}: archive not found")
+    existed = dest.is_dir()
+    stage = _prepare_dest(dest)
+    try:
+        top = _extract_all(Path(archive), stage, _Limits(max_bytes, max_members))
+        if existed:
+            os.rename(stage / top, dest / top)
+            stage.rmdir()
+        else:
+            os.rename(stage, dest)
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise ArchiveError(f"{archive}: corrupt or unreadable archive ({exc})") from exc
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return dest / top

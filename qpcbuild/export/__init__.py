@@ -1,0 +1,114 @@
+"""Checkpoint -> ONNX graph (one graph per model, used by every specialization and backend).
+
+`export_model` streams the weights tensor by tensor into `model.onnx.data` while the decoder
+graph is written, so peak memory stays near the largest single tensor. The output folder appears
+complete or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .. import __version__
+from ..arch import ArchSpec, arch_from_config
+from ..errors import QpcbuildError, UsageError
+from ..source import ModelSource, safetensors_files, tokenizer_files
+from .builder import GraphBuilder, save
+from .decoder import Decoder
+from .safetensors_reader import WeightReader
+
+OPSET = 17
+GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    onnx_path: Path
+    role: str
+    arch: ArchSpec
+    weights_digest: str  # over every tensor's name and source bytes, independent of sharding
+    metadata: dict[str, str]
+
+
+def _check_tokenizer(path: Path, arch: ArchSpec) -> None:
+    files = tokenizer_files(path)
+    if not files:
+        return
+    tok = path / "tokenizer.json"
+    if tok.is_file():
+        try:
+            data = json.loads(tok.read_text(encoding="utf-8"))
+            vocab = data.get("model", {}).get("vocab", {})
+            size = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))],
+                       default=-1) + 1 if isinstance(vocab, dict) else len(vocab)
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError,
+                KeyError) as exc:
+            raise UsageError(f"{tok}: unreadable tokenizer ({exc})") from None
+        if size > arch.vocab_size:
+            raise UsageError(f"{tok}: tokenizer has {size} tokens but config.json's vocab_size is "
+                             f"{arch.vocab_size}: the tokenizer does not belong to this model")
+
+
+def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
+                 weight_dtype: str = "float32") -> ExportResult:
+    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft")."""
+    if role not in ("target", "draft"):
+        raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
+    model_dir = source.require_path()
+    arch = arch_from_config(source.config, f"{model_dir}/config.json")
+    _check_tokenizer(model_dir, arch)
+    reader = WeightReader(safetensors_files(model_dir))
+    if not arch.tie_word_embeddings and not reader.has("lm_head.weight"):
+        raise UsageError(f"{model_dir}: config says tie_word_embeddings=false but the checkpoint "
+                         "has no lm_head.weight")
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        with open(tmp / DATA_FILE, "wb") as data:
+            g = GraphBuilder(data, DATA_FILE)
+            loaded: dict[str, str] = {}
+            np_dtype = np.float16 if weight_dtype == "float16" else np.float32
+
+            def load(name: str, shape: tuple[int, ...], transpose: bool) -> str:
+                key = f"{name}{'^T' if transpose else ''}"
+                if key not in loaded:
+                    arr, raw = reader.read(name, shape)
+                    arr = arr.T if transpose else arr
+                    w = g.weight(key, arr.astype(np_dtype),
+                                 hashlib.sha256(raw).hexdigest())
+                    loaded[key] = w if np_dtype == np.float32 else \
+                        g.op("Cast", w, to=onnx.TensorProto.FLOAT)
+                return loaded[key]
+
+            Decoder(g, arch, load).build(role, continuous_batching)
+            data.flush()
+            os.fsync(data.fileno())
+        per_tensor = sorted(f"{k.removesuffix('^T')}:{v}" for k, v in g.weight_hashes.items())
+        weights_digest = hashlib.sha256("\n".join(sorted(set(per_tensor))).encode()).hexdigest()
+        metadata = {"qpcbuild_version": __version__, "role": role, "source_model": source.ref,
+                    "source_revision": source.revision or "", "weights_digest": weights_digest,
+                    "config_digest": source.config_digest, "architecture": arch.architecture,
+                    "continuous_batching": str(continuous_batching).lower(),
+                    "weight_dtype": weight_dtype}
+        save(g.model(f"qpcbuild_{role}", OPSET, metadata), tmp / GRAPH_FILE)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise QpcbuildError(f"writing {out_dir} failed: {exc.strerror or exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out_dir / GRAPH_FILE, role, arch, weights_digest, metadata)

@@ -1,0 +1,90 @@
+"""A tiny ONNX graph builder: sequential names (so graphs are byte-for-byte deterministic) and
+weights appended to one external data file as they are streamed in."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
+
+
+class GraphBuilder:
+    def __init__(self, data_file: BinaryIO, data_name: str):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._count = 0
+        self._consts: dict[tuple, str] = {}
+        self._data, self._data_name, self._offset = data_file, data_name, 0
+        self.weight_hashes: dict[str, str] = {}
+
+    def _name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, n_out: int = 1,
+           **attrs) -> str | list[str]:
+        outs = [out] if out else [self._name(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs,
+                                           name=f"n{len(self.nodes)}_{op_type}", **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, dtype=np.int64) -> str:
+        """Small constants, deduplicated, stored inline."""
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            name = self._name("const")
+            self.initializers.append(numpy_helper.from_array(arr, name))
+            self._consts[key] = name
+        return self._consts[key]
+
+    def weight(self, name: str, arr: np.ndarray, source_digest: str | None = None) -> str:
+        """A large tensor written to the external data file at a page-aligned offset."""
+        arr = np.ascontiguousarray(arr)
+        pad = (-self._offset) % ALIGN
+        if pad:
+            self._data.write(b"\0" * pad)
+            self._offset += pad
+        raw = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        self._data.write(raw)
+        tensor = TensorProto()
+        tensor.name = name
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        tensor.dims.extend(arr.shape)
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self._data_name), ("offset", str(self._offset)),
+                           ("length", str(len(raw)))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        self._offset += len(raw)
+        self.initializers.append(tensor)
+        self.weight_hashes[name] = source_digest or hashlib.sha256(raw).hexdigest()
+        return name
+
+    def input(self, name: str, elem: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    def output(self, name: str, elem: int, shape: list) -> None:
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+
+    def model(self, graph_name: str, opset: int, metadata: dict[str, str]) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs,
+                                  self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                                  producer_name="qpcbuild")
+        model.ir_version = 8  # opset 17 era; accepted by older runtimes and the Qualcomm SDK
+        helper.set_model_props(model, metadata)
+        return model
+
+
+def save(model: onnx.ModelProto, path: Path) -> None:
+    path.write_bytes(model.SerializeToString(deterministic=True))

@@ -1,0 +1,105 @@
+"""Read safetensors tensors one at a time, straight from the file, with every header checked.
+
+We parse the format ourselves (8-byte header length, JSON header, raw little-endian data) so that
+bfloat16 needs no framework, a truncated shard is caught before any byte is trusted, and peak
+memory stays at one tensor whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UsageError
+
+DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
+MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    length: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw_len = fh.read(8)
+        if len(raw_len) < 8:
+            raise UsageError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > MAX_HEADER or 8 + n > size:
+            raise UsageError(f"{path}: corrupt or truncated safetensors header "
+                             f"(header length {n}, file size {size})")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path}: corrupt safetensors header ({exc})") from None
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(v) for v in meta["data_offsets"])
+            dtype, shape = str(meta["dtype"]), tuple(int(d) for d in meta["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"{path}: malformed header entry for tensor '{name}'") from None
+        if 8 + n + end > size or begin > end:
+            raise UsageError(f"{path}: tensor '{name}' lies beyond the end of the file "
+                             f"(file is {size} bytes): the shard is truncated")
+        out[name] = TensorInfo(path, dtype, shape, 8 + n + begin, end - begin)
+    return out
+
+
+class WeightReader:
+    """All tensors of a checkpoint by name; `read` returns one float32 array at a time."""
+
+    def __init__(self, files: list[Path]):
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            if f.suffix != ".safetensors":
+                raise UsageError(f"{f}: only safetensors weights can be streamed; convert this "
+                                 "checkpoint with transformers' save_pretrained(safe_serialization=True)")
+            self.tensors.update(read_header(f))
+        self.files = files
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def raw(self, name: str, expected_shape: tuple[int, ...]) -> tuple[bytes, TensorInfo]:
+        info = self.tensors.get(name)
+        if info is None:
+            names = ", ".join(f.name for f in self.files)
+            raise UsageError(f"tensor '{name}' is missing from the checkpoint ({names})")
+        if info.dtype not in DTYPES:
+            raise UsageError(f"{info.file}: tensor '{name}' has dtype {info.dtype}; supported: "
+                             f"{', '.join(DTYPES)}")
+        if info.shape != tuple(expected_shape):
+            raise UsageError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, the "
+                             f"config implies {list(expected_shape)}")
+        itemsize = DTYPES[info.dtype][1]
+        if info.length != itemsize * int(np.prod(info.shape, dtype=np.int64)):
+            raise UsageError(f"{info.file}: tensor '{name}' byte length {info.length} does not "
+                             f"match its shape and dtype")
+        with open(info.file, "rb") as fh:
+            fh.seek(info.start)
+            data = fh.read(info.length)
+        if len(data) != info.length:
+            raise UsageError(f"{info.file}: truncated while reading tensor '{name}'")
+        return data, info
+
+    def read(self, name: str, expected_shape: tuple[int, ...]) -> tuple[np.ndarray, bytes]:
+        data, info = self.raw(name, expected_shape)
+        np_dtype = DTYPES[info.dtype][0]
+        arr = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<"))
+        if info.dtype == "BF16":  # bfloat16 is the top half of a float32
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr.astype(np.float32, copy=False).reshape(info.shape), data

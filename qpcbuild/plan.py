@@ -1,0 +1,273 @@
+"""Recipe -> BuildPlan: every decision `compile` will act on, made once and shown up front.
+
+The plan needs configs, never weights, so it runs in a second on a laptop for an 8B model. It is
+the single source of truth for K, shapes, core split and compiler inputs; later stages only read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import __version__
+from .arch import ArchSpec, arch_from_config
+from .errors import Problem, RecipeError, UsageError
+from .recipe import CARDS, Recipe, resolve_model_path, resolved_cores
+from .source import ModelSource, resolve, weights_fingerprint
+from .tokenizer_check import alignment
+
+EXPORTER_VERSION = "1"  # bump when the exported graph changes for the same inputs
+QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
+KV_BYTES = {"float16": 2.0, "mxint8": 33 / 32}  # mxint8: 8-bit values + one scale per 32
+WEIGHT_BYTES = {"none": 2.0, "mxfp6": 25 / 32}  # the card runs fp16; mxfp6: 6 bits + scale/32
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: str  # "target" | "draft"
+    source: dict[str, Any]  # ref, revision, origin, path, config digest
+    arch: ArchSpec
+    ks: tuple[int, ...]  # target: compiled Ks; draft: ()
+    specializations: list[dict[str, Any]]  # named form: {"name": ..., "symbols": {...}}
+    io: dict[str, list[dict[str, Any]]]
+    custom_io: list[dict[str, str]]
+    mdp_partition: dict[str, Any] | None
+    device_group: list[int]
+    num_cores: int
+    compiler_argv: list[str]  # relative to the bundle root; argv[0] is the compiler
+    ort: dict[str, Any]
+    memory: dict[str, float]
+    cache_keys: dict[str, str]
+
+    def specializations_file(self, fmt: str) -> dict[str, Any]:
+        if fmt == "flat":
+            return {"specializations": [s["symbols"] for s in self.specializations]}
+        return {"specializations": self.specializations}
+
+    def custom_io_yaml(self) -> str:
+        return "".join(f" - IOName: {e['IOName']}\n   Precision: {e['Precision']}\n\n"
+                       for e in self.custom_io)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    recipe: Recipe
+    roles: tuple[RolePlan, ...]
+    method: str
+    method_options: dict[str, Any]
+    ks: tuple[int, ...]
+    tokenizer: dict[str, Any]
+    cores_per_qid: list[dict[str, int]]
+    memory_per_qid: list[dict[str, float]]
+    dram_gib_per_qid: int
+    warnings: list[str] = field(default_factory=list)
+
+    def role(self, name: str) -> RolePlan | None:
+        return next((r for r in self.roles if r.role == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "qpcbuild_version": __version__,
+            "recipe": self.recipe.to_yaml_dict(),
+            "method": self.method, "method_options": self.method_options, "ks": list(self.ks),
+            "tokenizer": self.tokenizer,
+            "roles": {r.role: {**{k: v for k, v in asdict(r).items() if k not in ("role", "arch")},
+                               "arch": r.arch.to_dict(),
+                               "compiler_command": shlex.join(r.compiler_argv)}
+                      for r in self.roles},
+            "cores_per_qid": self.cores_per_qid, "memory_per_qid_gib": self.memory_per_qid,
+            "dram_gib_per_qid": self.dram_gib_per_qid, "warnings": self.warnings,
+        }
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
+    """The Qualcomm compiler: --compiler, $QAIC_COMPILER, then the SDK's two known paths."""
+    tried = []
+    for candidate in (explicit, os.environ.get("QAIC_COMPILER"), *QAIC_COMPILERS):
+        if not candidate:
+            continue
+        tried.append(candidate)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate, tried
+    return None, tried
+
+
+def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[dict[str, Any]]:
+    s = r.shapes
+    fbs = s.full_batch_size
+    prefill = {"batch_size": 1 if fbs else s.batch_size, "seq_len": s.prefill_seq_len,
+               "ctx_len": s.ctx_len}
+    decode_batch = fbs or s.batch_size
+    if role == "target":
+        prefill["num_logits_to_keep"] = 1
+        decodes = [{"batch_size": decode_batch, "seq_len": k + 1, "ctx_len": s.ctx_len,
+                    "num_logits_to_keep": k + 1} for k in ks]
+    else:
+        decodes = [] if s.prefill_seq_len == 1 and not fbs else \
+            [{"batch_size": decode_batch, "seq_len": 1, "ctx_len": s.ctx_len}]
+    entries = [prefill] + decodes
+    if fbs:
+        for e in entries:
+            e["full_batch_size"] = fbs
+    names = ["Prefill"] + (["Decode"] if len(decodes) == 1 else
+                           [f"Decode_{i}" for i in range(len(decodes))])
+    return [{"name": n, "symbols": {k: str(v) for k, v in e.items()}}
+            for n, e in zip(names, entries)]
+
+
+def io_signature(role: str, arch: ArchSpec, continuous_batching: bool, dtype: str) -> dict:
+    kv_batch = "full_batch_size" if continuous_batching else "batch_size"
+    kv_shape = [kv_batch, arch.num_kv_heads, "ctx_len", arch.head_dim]
+    inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]},
+              {"name": "position_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]}]
+    if continuous_batching:
+        inputs.append({"name": "batch_index", "dtype": "int64", "shape": ["batch_size", 1]})
+    outputs = [{"name": "logits", "dtype": "float32",
+                "shape": ["batch_size", "num_logits_to_keep" if role == "target" else 1,
+                          arch.vocab_size]}]
+    for i in range(arch.num_layers):
+        for kind in ("key", "value"):
+            inputs.append({"name": f"past_{kind}.{i}", "dtype": dtype, "shape": kv_shape})
+            outputs.append({"name": f"past_{kind}.{i}_RetainedState", "dtype": dtype,
+                            "shape": kv_shape})
+    if role == "target":
+        inputs.append({"name": "num_logits_to_keep", "dtype": "int64",
+                       "shape": ["num_logits_to_keep", 1]})
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
+    if len(devices) < 2:
+        return None
+    n = len(devices)  # logical ids 0..n-1; physical QIDs are bound when the QPC is loaded
+    return {"connections": [{"devices": list(range(n)), "type": "p2p"}],
+            "partitions": [{"name": "Partition0",
+                            "devices": [{"deviceId": d, "numCores": cores} for d in range(n)]}]}
+
+
+def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: str) -> list[str]:
+    opts, q = r.hardware.compiler_options, f"{role}/qaic"
+    argv = [compiler, "-aic-hw", f"-aic-hw-version={r.hardware.aic_hw_version}",
+            f"-m={role}/onnx/model.onnx", "-retained-state", "-convert-to-fp16"]
+    if r.precision.quantization == "mxfp6":
+        argv.append("-mxfp6-matmul")
+    argv.append(f"-aic-num-cores={cores}")
+    if opts.aic_enable_depth_first:
+        argv.append("-aic-enable-depth-first")
+    if opts.mos is not None:
+        argv.append(f"-mos={opts.mos}")
+    if opts.allow_mxint8_mdp_io:
+        argv.append("-allow-mxint8-mdp-io")
+    argv += list(opts.extra_flags)
+    if n_devices > 1:
+        argv.append(f"-mdp-load-partition-config={q}/mdp_ts_{n_devices}.json")
+    argv += [f"-network-specialization-config={q}/specializations.json",
+             f"-custom-IO-list-file={q}/custom_io.yaml", f"-aic-binary-dir={role}/qpc"]
+    return argv
+
+
+def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
+               compiler: str) -> RolePlan:
+    arch = arch_from_config(src.config, f"{src.ref}/config.json")
+    hw = getattr(r.hardware, role)
+    cb = r.shapes.full_batch_size is not None
+    kv_prec = r.precision.kv_cache_dtype
+    names = [f"past_{kind}.{i}{suffix}" for i in range(arch.num_layers)
+             for kind in ("key", "value") for suffix in ("", "_RetainedState")]
+    specs = specializations(role, r, ks)
+    source = {"ref": src.ref, "revision": src.revision, "origin": src.origin,
+              "path": str(src.path) if src.path else None, "config_digest": src.config_digest}
+    fingerprint = weights_fingerprint(src.path) if src.path else "absent"
+    export_key = digest({"exporter": EXPORTER_VERSION, "config": src.config_digest,
+                         "weights": fingerprint, "role": role, "continuous_batching": cb,
+                         "dtype": r.precision.export_dtype})
+    argv = compiler_argv(role, r, cores, len(hw.device_group), compiler)
+    batch = r.shapes.full_batch_size or r.shapes.batch_size
+    n_dev = len(hw.device_group)
+    memory = {
+        # The compiler compresses matmul weights only; the embedding table stays fp16.
+        "weights_gib": ((arch.param_count - arch.embedding_param_count)
+                        * WEIGHT_BYTES[r.precision.quantization]
+                        + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
+        "kv_cache_gib": arch.kv_bytes_per_token(KV_BYTES[kv_prec]) * r.shapes.ctx_len * batch
+        / 2**30 / n_dev,
+    }
+    ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
+           "kv_dtype": "float32", "weight_quantization": r.onnxruntime.weight_quantization,
+           "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
+           "intra_op_threads": r.onnxruntime.intra_op_threads}
+    cache_keys = {"export": export_key,
+                  "onnxruntime": digest({"export": export_key, "ort": ort, "specs": specs}),
+                  "qaic": digest({"export": export_key, "argv": argv[1:], "specs": specs,
+                                  "custom_io": kv_prec, "fmt": r.hardware.specializations_format})}
+    return RolePlan(
+        role=role, source=source, arch=arch, ks=ks if role == "target" else (),
+        specializations=specs, io=io_signature(role, arch, cb, r.precision.export_dtype),
+        custom_io=[{"IOName": n, "Precision": kv_prec} for n in names],
+        mdp_partition=mdp_partition(hw.device_group, cores), device_group=list(hw.device_group),
+        num_cores=cores, compiler_argv=argv, ort=ort, memory=memory, cache_keys=cache_keys)
+
+
+def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
+    """Resolve models (configs only), check what needs them, and decide everything."""
+    problems: list[Problem] = []
+    sources: dict[str, ModelSource] = {}
+    refs = {"target": (r.target.model, r.target.revision, "target.model")}
+    if r.draft.method == "draft_model":
+        refs["draft"] = (r.draft.model, r.draft.revision, "draft.model")
+    for role, (ref, rev, key) in refs.items():
+        try:
+            sources[role] = resolve(resolve_model_path(r, ref), rev)
+            arch_from_config(sources[role].config, f"{ref}/config.json")
+        except UsageError as exc:
+            problems.append(Problem(key, str(exc), r.line_of(key)))
+    if problems:
+        raise RecipeError(str(r.source_dir()), problems)
+
+    warnings = [str(w) for w in r.warnings]
+    tok = alignment(sources["target"], sources.get("draft"))
+    if tok["verdict"] == "incompatible":
+        raise RecipeError(str(r.source_dir()), [Problem("draft.model", "target and draft "
+                          f"tokenizers are incompatible: {tok['detail']}", r.line_of("draft.model"))])
+    if tok["verdict"] in ("unverified", "same-family"):
+        warnings.append(f"tokenizers: {tok['detail']}")
+
+    cores = resolved_cores(r)
+    compiler = compiler or find_compiler()[0] or "qaic-compile"
+    roles = [_role_plan("target", r, sources["target"], r.ks, cores["target"], compiler)]
+    if "draft" in sources:
+        roles.append(_role_plan("draft", r, sources["draft"], (), cores["draft"], compiler))
+        t, d = roles[0].arch.param_count, roles[1].arch.param_count
+        if d >= t:
+            warnings.append(f"draft.model: the draft ({d:,} parameters) is not smaller than the "
+                            f"target ({t:,}); speculation will not pay off")
+
+    card = CARDS[r.hardware.card]
+    qids = sorted({q for rp in roles for q in rp.device_group})
+    core_rows, mem_rows = [], []
+    for q in qids:
+        row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
+        row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
+        core_rows.append(row)
+        mem = {"qid": q}
+        for rp in roles:
+            if q in rp.device_group:
+                mem[f"{rp.role}_weights"] = round(rp.memory["weights_gib"], 3)
+                mem[f"{rp.role}_kv"] = round(rp.memory["kv_cache_gib"], 3)
+        mem["total"] = round(sum(v for k, v in mem.items() if k != "qid"), 3)
+        mem_rows.append(mem)
+        if mem["total"] > card["dram_gib_per_qid"]:
+            warnings.append(f"QID {q}: estimated {mem['total']:.1f} GiB of weights and KV cache "
+                            f"exceed its {card['dram_gib_per_qid']} GiB of on-board memory")
+    return BuildPlan(recipe=r, roles=tuple(roles), method=r.draft.method,
+                     method_options=r.method_options, ks=r.ks, tokenizer=tok,
+                     cores_per_qid=core_rows, memory_per_qid=mem_rows,
+                     dram_gib_per_qid=card["dram_gib_per_qid"], warnings=warnings)

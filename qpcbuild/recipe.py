@@ -1,0 +1,440 @@
+"""Recipe: the one YAML file a user writes. Schema, loading with line numbers, static checks.
+
+Loading never trusts the file: it is size-capped, parsed with a safe loader that refuses YAML
+aliases (the "billion laughs" bomb), validated against a strict schema, and every problem is
+reported at once with its key path and line. Checks that need model configs live in `plan`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from .errors import Problem, RecipeError
+
+MAX_RECIPE_BYTES = 1 << 20
+MAX_K = 32
+CTX_LEN_MULTIPLE = 32
+
+# Cards we know: QIDs (SoCs) per card, NSP cores per QID, on-board DRAM per QID in GiB.
+# Source: Qualcomm Cloud AI 100 product briefs (Ultra: 4 SoCs, 64 cores, 128 GB;
+# Pro: 1 SoC, 16 cores, 32 GB; Standard: 1 SoC, 14 cores, 16 GB).
+CARDS: dict[str, dict[str, int]] = {
+    "cloud-ai-100-ultra": {"qids": 4, "cores_per_qid": 16, "dram_gib_per_qid": 32},
+    "cloud-ai-100-pro": {"qids": 1, "cores_per_qid": 16, "dram_gib_per_qid": 32},
+    "cloud-ai-100-standard": {"qids": 1, "cores_per_qid": 14, "dram_gib_per_qid": 16},
+}
+
+Method = Literal["draft_model", "ngram", "suffix"]
+Backend = Literal["onnxruntime", "qaic"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelRef(_Strict):
+    model: str = Field(min_length=1)
+    revision: str | None = None
+    trust_remote_code: bool = False
+    allow_pickle: bool = False  # .bin/.pt checkpoints execute code on load: opt in only
+
+
+class Draft(_Strict):
+    method: Method = "draft_model"
+    model: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    # ngram (vLLM names and defaults)
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    # suffix (vLLM names and defaults)
+    suffix_decoding_max_tree_depth: int | None = Field(default=None, ge=1)
+    suffix_decoding_max_cached_requests: int | None = Field(default=None, ge=0)
+    suffix_decoding_max_spec_factor: float | None = Field(default=None, gt=0)
+    suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0, le=1)
+
+
+NGRAM_DEFAULTS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
+
+
+class Speculation(_Strict):
+    num_speculative_tokens: Union[int, list[int]] = 3
+
+
+class Shapes(_Strict):
+    batch_size: int = Field(default=1, ge=1, le=1024)
+    full_batch_size: int | None = Field(default=None, ge=1, le=1024)
+    prefill_seq_len: int = Field(default=32, ge=1)
+    ctx_len: int = Field(default=128, ge=1)
+
+
+class Precision(_Strict):
+    quantization: Literal["none", "mxfp6"] = "none"
+    kv_cache_dtype: Literal["float16", "mxint8"] = "float16"
+    export_dtype: Literal["float32", "float16"] = "float32"
+
+
+class RoleHardware(_Strict):
+    device_group: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    num_cores: int | None = Field(default=None, ge=1)
+
+
+class CompilerOptions(_Strict):
+    aic_enable_depth_first: bool = False
+    mos: int | None = Field(default=None, ge=1)
+    allow_mxint8_mdp_io: bool = False
+    extra_flags: list[str] = Field(default_factory=list)
+
+
+class Hardware(_Strict):
+    card: Literal["cloud-ai-100-ultra", "cloud-ai-100-pro", "cloud-ai-100-standard"] = \
+        "cloud-ai-100-ultra"
+    num_cards: int = Field(default=1, ge=1, le=16)
+    aic_hw_version: Literal["ai100", "ai200"] = "ai100"
+    target: RoleHardware = Field(default_factory=RoleHardware)
+    draft: RoleHardware = Field(default_factory=RoleHardware)
+    compiler_options: CompilerOptions = Field(default_factory=CompilerOptions)
+    specializations_format: Literal["named", "flat"] = "named"
+
+
+class OrtOptions(_Strict):
+    weight_quantization: Literal["none", "int8"] = "none"
+    intra_op_threads: int | None = Field(default=None, ge=1)  # None: from the core split
+
+
+class Recipe(_Strict):
+    schema_: Literal[1] = Field(alias="schema")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    target: ModelRef
+    draft: Draft = Field(default_factory=Draft)
+    speculation: Speculation = Field(default_factory=Speculation)
+    shapes: Shapes = Field(default_factory=Shapes)
+    precision: Precision = Field(default_factory=Precision)
+    hardware: Hardware = Field(default_factory=Hardware)
+    backends: list[Backend] = Field(default_factory=lambda: ["onnxruntime"], min_length=1)
+    onnxruntime: OrtOptions = Field(default_factory=OrtOptions)
+    output: str | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+    _source_dir: Path | None = PrivateAttr(default=None)
+    _warnings: list = PrivateAttr(default_factory=list)
+    _lines: dict = PrivateAttr(default_factory=dict)
+
+    # ----- resolved views (one place decides each default) -----
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """Compiled speculative lengths, ascending. ngram/suffix get [0, K] unless a list is given."""
+        k = self.speculation.num_speculative_tokens
+        if isinstance(k, list):
+            return tuple(sorted(set(k)))
+        if self.draft.method != "draft_model" and k > 0:
+            return (0, k)
+        return (k,)
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        defaults = {"ngram": NGRAM_DEFAULTS, "suffix": SUFFIX_DEFAULTS}.get(self.draft.method, {})
+        return {key: getattr(self.draft, key) if getattr(self.draft, key) is not None else value
+                for key, value in defaults.items()}
+
+    def source_dir(self) -> Path:
+        return self._source_dir or Path.cwd()
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return list(self._warnings)
+
+    def line_of(self, path: str) -> int | None:
+        loc = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]\.?", path) if p)
+        return next((self._lines[loc[:i]] for i in range(len(loc), -1, -1)
+                     if loc[:i] in self._lines), None)
+
+    def output_dir(self) -> Path:
+        out = Path(self.output or f"build/{self.name}")
+        return out if out.is_absolute() else Path.cwd() / out
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# ---------------------------------------------------------------- YAML with line numbers
+class _NoAliasLoader(yaml.SafeLoader):
+    """A safe loader that also refuses anchors/aliases, which enable exponential blow-up."""
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.MarkedYAMLError("while composing", None,
+                                       "YAML aliases (*name) are not allowed in recipes",
+                                       event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def _key_lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
+    out = {} if out is None else out
+    out[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            k = key.value if isinstance(key, yaml.ScalarNode) else str(key)
+            out[path + (k,)] = key.start_mark.line + 1
+            _key_lines(value, path + (k,), out)
+            out[path + (k,)] = key.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _key_lines(item, path + (i,), out)
+    return out
+
+
+def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
+        raise RecipeError(source, [Problem("<file>", f"recipe is larger than {MAX_RECIPE_BYTES} "
+                                           "bytes; a recipe is a short YAML file")])
+    loader = _NoAliasLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise RecipeError(source, [Problem("<file>", "recipe is empty; start from "
+                                               "recipes/demo.yaml")])
+        data = loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        raise RecipeError(source, [Problem("<file>", f"malformed YAML: {exc.problem}", line)]) from None
+    except yaml.YAMLError as exc:
+        raise RecipeError(source, [Problem("<file>", f"malformed YAML: {exc}")]) from None
+    finally:
+        loader.dispose()
+    return data, _key_lines(node)
+
+
+# ---------------------------------------------------------------- validation
+def _dotted(loc: tuple) -> str:
+    parts = []
+    for p in loc:
+        parts.append(f"[{p}]" if isinstance(p, int) else ("." if parts else "") + str(p))
+    return "".join(parts) or "<root>"
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    cls: Any = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = next((f for n, f in cls.model_fields.items() if (f.alias or n) == part), None)
+        if field is None:
+            return []
+        ann = field.annotation
+        candidates = [ann] + list(get_args(ann)) if get_origin(ann) else [ann]
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if cls is None:
+            return []
+    return [f.alias or n for n, f in cls.model_fields.items()]
+
+
+def _schema_problems(exc: ValidationError, lines: dict[tuple, int]) -> list[Problem]:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and
+                                                  p in ("int", "list[int]", "function-after")))
+        line = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), None)
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(loc[:-1])
+            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f"; did you mean '{guess[0]}'?" if guess else ""
+            msg = f"unknown key '{loc[-1]}'{hint} (allowed: {', '.join(allowed)})"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            msg = f"{err['msg']} (got {err.get('input')!r})"
+        problems.append(Problem(_dotted(loc), msg, line))
+    return problems
+
+
+def static_problems(r: Recipe) -> list[Problem]:
+    """Cross-field rules that need no model files."""
+    out: list[Problem] = []
+
+    def add(path: str, msg: str, severity: str = "error") -> None:
+        out.append(Problem(path, msg, r.line_of(path), severity))
+
+    k = r.speculation.num_speculative_tokens
+    ks = k if isinstance(k, list) else [k]
+    if not ks:
+        add("speculation.num_speculative_tokens", "empty list; give K or a list such as [0, 3]")
+    for i, v in enumerate(ks):
+        if isinstance(v, bool) or v < 0 or v > MAX_K:
+            add("speculation.num_speculative_tokens", f"K={v} is outside 0..{MAX_K}")
+    if isinstance(k, list) and len(set(k)) != len(k):
+        add("speculation.num_speculative_tokens", f"duplicate values in {k}")
+    if r.draft.method == "draft_model" and ks and max(ks) == 0:
+        add("speculation.num_speculative_tokens", "draft_model needs K >= 1")
+    s = r.shapes
+    kmax = max(ks) if ks else 0
+    if s.prefill_seq_len < kmax + 1:
+        add("shapes.prefill_seq_len", f"{s.prefill_seq_len} is less than K+1 = {kmax + 1}; the "
+            "target's prefill specialization must hold a whole verify window")
+    if s.prefill_seq_len > s.ctx_len:
+        add("shapes.prefill_seq_len", f"{s.prefill_seq_len} is larger than ctx_len {s.ctx_len}")
+    if s.ctx_len % CTX_LEN_MULTIPLE:
+        add("shapes.ctx_len", f"{s.ctx_len} is not a multiple of {CTX_LEN_MULTIPLE} (see README, "
+            "'ctx_len rule')")
+    if s.full_batch_size is not None and s.full_batch_size < s.batch_size:
+        add("shapes.full_batch_size", f"{s.full_batch_size} is smaller than batch_size {s.batch_size}")
+
+    d = r.draft
+    if d.method == "draft_model" and not d.model:
+        add("draft.model", "draft_model needs a draft model (Hugging Face id or local folder)")
+    if d.method != "draft_model":
+        for key in ("model", "revision"):
+            if getattr(d, key) is not None:
+                add(f"draft.{key}", f"method '{d.method}' uses no draft model; remove this key")
+    own = {"ngram": NGRAM_DEFAULTS, "suffix": SUFFIX_DEFAULTS}.get(d.method, {})
+    for key in list(NGRAM_DEFAULTS) + list(SUFFIX_DEFAULTS):
+        if getattr(d, key) is not None and key not in own:
+            add(f"draft.{key}", f"option belongs to another method than '{d.method}'")
+    if d.method == "ngram":
+        lo, hi = r.method_options["prompt_lookup_min"], r.method_options["prompt_lookup_max"]
+        if lo > hi:
+            add("draft.prompt_lookup_min", f"{lo} is larger than prompt_lookup_max {hi}")
+
+    p, h = r.precision, r.hardware
+    if "qaic" not in r.backends:
+        if p.kv_cache_dtype == "mxint8":
+            add("precision.kv_cache_dtype", "mxint8 KV exists only on Cloud AI (qaic backend); "
+                "add qaic to backends or use float16")
+        if p.quantization == "mxfp6":
+            add("precision.quantization", "mxfp6 exists only on Cloud AI (qaic backend); add qaic "
+                "to backends or use none")
+    if p.kv_cache_dtype == "mxint8" and h.aic_hw_version != "ai100":
+        add("precision.kv_cache_dtype", f"mxint8 KV is only known to work on ai100, not "
+            f"{h.aic_hw_version}", "warning")
+    if len(r.backends) != len(set(r.backends)):
+        add("backends", f"duplicate backends in {r.backends}")
+
+    card = CARDS[h.card]
+    n_qids = card["qids"] * h.num_cards
+    roles = [("target", h.target)] + ([("draft", h.draft)] if d.method == "draft_model" else [])
+    for role, hw in roles:
+        if len(set(hw.device_group)) != len(hw.device_group):
+            add(f"hardware.{role}.device_group", f"duplicate device ids in {hw.device_group}")
+        for i, qid in enumerate(hw.device_group):
+            if qid < 0 or qid >= n_qids:
+                add(f"hardware.{role}.device_group[{i}]", f"device {qid} is outside the "
+                    f"{n_qids} QIDs of {h.num_cards} x {h.card} (0..{n_qids - 1})")
+        if hw.num_cores is not None and hw.num_cores > card["cores_per_qid"]:
+            add(f"hardware.{role}.num_cores", f"{hw.num_cores} cores exceed the "
+                f"{card['cores_per_qid']} per QID of {h.card}")
+    if d.method == "draft_model":
+        shared = set(h.target.device_group) & set(h.draft.device_group)
+        cores = resolved_cores(r)
+        if shared and cores["target"] + cores["draft"] > card["cores_per_qid"]:
+            add("hardware.draft.num_cores", f"target {cores['target']} + draft {cores['draft']} "
+                f"cores exceed the {card['cores_per_qid']} cores of shared QID(s) {sorted(shared)}")
+    elif r.hardware.draft != RoleHardware():
+        add("hardware.draft", f"method '{d.method}' has no draft model to place", "warning")
+    return out
+
+
+def resolved_cores(r: Recipe) -> dict[str, int]:
+    """Cores per QID for each role. Shared QIDs with no explicit split: half each (8/8)."""
+    per_qid = CARDS[r.hardware.card]["cores_per_qid"]
+    t, d = r.hardware.target, r.hardware.draft
+    if r.draft.method != "draft_model":
+        return {"target": t.num_cores or per_qid}
+    shared = bool(set(t.device_group) & set(d.device_group))
+    if not shared:
+        return {"target": t.num_cores or per_qid, "draft": d.num_cores or per_qid}
+    if t.num_cores is None and d.num_cores is None:
+        return {"target": per_qid // 2, "draft": per_qid - per_qid // 2}
+    if t.num_cores is None:
+        return {"target": max(1, per_qid - d.num_cores), "draft": d.num_cores}
+    if d.num_cores is None:
+        return {"target": t.num_cores, "draft": max(1, per_qid - t.num_cores)}
+    return {"target": t.num_cores, "draft": d.num_cores}
+
+
+# ---------------------------------------------------------------- overrides and entry point
+def apply_override(data: dict, assignment: str) -> None:
+    """`--set shapes.ctx_len=4096`: the value is parsed as a YAML scalar or flow sequence."""
+    if "=" not in assignment:
+        raise RecipeError("--set", [Problem(assignment, "expected KEY.PATH=VALUE")])
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise RecipeError("--set", [Problem(key, "empty key path")])
+    value, _ = parse_yaml(raw or '""', f"--set {key}")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError("--set", [Problem(key, f"'{part}' is not a mapping")])
+        node = child
+    node[parts[-1]] = value
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read, validate and resolve a recipe; raises RecipeError listing every problem."""
+    path = Path(path)
+    source = str(path)
+    try:
+        if path.is_dir():
+            raise RecipeError(source, [Problem("<file>", "is a folder, not a recipe file")])
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(source, [Problem("<file>", f"recipe is larger than "
+                                               f"{MAX_RECIPE_BYTES} bytes")])
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise RecipeError(source, [Problem("<file>", "no such file")]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(source, [Problem("<file>", f"not UTF-8 text ({exc.reason} at byte "
+                                           f"{exc.start})")]) from None
+    return recipe_from_text(text, source, overrides, base_dir=path.resolve().parent)
+
+
+def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
+                     base_dir: Path | None = None) -> Recipe:
+    data, lines = parse_yaml(text, source)
+    if not isinstance(data, dict):
+        raise RecipeError(source, [Problem("<root>", f"a recipe is a mapping of keys "
+                                           f"(schema, name, target, ...), not a {type(data).__name__}")])
+    if any(not isinstance(key, str) for key in data):
+        raise RecipeError(source, [Problem("<root>", "keys must be strings")])
+    for assignment in overrides:
+        apply_override(data, assignment)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(source, _schema_problems(exc, lines)) from None
+    except (TypeError, ValueError, RecursionError) as exc:  # e.g. unhashable keys deep inside
+        raise RecipeError(source, [Problem("<root>", f"cannot read recipe: {exc}")]) from None
+    recipe._lines = lines
+    problems = static_problems(recipe)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise RecipeError(source, errors)
+    recipe._source_dir = base_dir or Path.cwd()
+    recipe._warnings = [p for p in problems if p.severity == "warning"]
+    return recipe
+
+
+def resolve_model_path(recipe: Recipe, ref: str) -> str:
+    """A local folder is taken relative to the recipe's folder; anything else is a hub id."""
+    candidate = Path(ref).expanduser()
+    if not candidate.is_absolute():
+        candidate = recipe.source_dir() / candidate
+    if candidate.exists() or ref.startswith((".", "/", "~")):
+        return str(candidate.resolve())
+    return ref

@@ -1,0 +1,91 @@
+"""Human-readable views (rich) of the plan, build results and bundles. No decisions here."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .plan import BuildPlan
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return t
+
+
+def show_plan(plan: BuildPlan) -> None:
+    r = plan.recipe
+    console.print(f"[bold]Plan for '{r.name}'[/]  method={plan.method}  K={list(plan.ks)}  "
+                  f"backends={r.backends}  output={r.output_dir()}")
+    if plan.method_options:
+        console.print(f"method options: {plan.method_options}")
+    console.print(f"tokenizer alignment: [bold]{plan.tokenizer['verdict']}[/] "
+                  f"({plan.tokenizer['detail']})")
+    for rp in plan.roles:
+        a = rp.arch
+        console.rule(f"[bold]{rp.role}[/]: {rp.source['ref']} ({rp.source['origin']})")
+        console.print(_kv_table("", [
+            ("architecture", f"{a.architecture} ({a.family})"),
+            ("parameters", f"{a.param_count:,}"),
+            ("layers / heads / kv heads / head_dim", f"{a.num_layers} / {a.num_heads} / "
+             f"{a.num_kv_heads} / {a.head_dim}"),
+            ("hidden / mlp / vocab", f"{a.hidden_size} / {a.intermediate_size} / {a.vocab_size}"),
+            ("rope", f"theta {a.rope_theta:g}, scaling {a.rope_scaling or 'none'}"),
+            ("device group / cores per QID", f"{rp.device_group} / {rp.num_cores}"),
+        ]))
+        spec = Table("name", *rp.specializations[0]["symbols"].keys(), title="specializations",
+                     title_justify="left")
+        for s in rp.specializations:
+            spec.add_row(s["name"], *s["symbols"].values())
+        console.print(spec)
+        io = Table("direction", "name", "dtype", "shape", title="graph I/O", title_justify="left")
+        for direction in ("inputs", "outputs"):
+            items = rp.io[direction]
+            shown = items if len(items) <= 8 else items[:5] + [None] + items[-2:]
+            for item in shown:
+                if item is None:
+                    io.add_row("", f"... {len(items) - 7} more KV buffers", "", "")
+                else:
+                    io.add_row(direction[:-1], item["name"], item["dtype"], str(item["shape"]))
+        console.print(io)
+        console.print(f"custom_io.yaml: {len(rp.custom_io)} entries, Precision "
+                      f"{rp.custom_io[0]['Precision']} (past_key.0, past_key.0_RetainedState, ...)")
+        if rp.mdp_partition:
+            console.print(f"mdp_ts_{len(rp.device_group)}.json: "
+                          f"{json.dumps(rp.mdp_partition, separators=(',', ':'))}")
+        if "qaic" in r.backends:
+            console.print(f"[bold]qaic compile[/] (cwd = bundle root):\n  "
+                          f"{shlex.join(rp.compiler_argv)}")
+        if "onnxruntime" in r.backends:
+            o = rp.ort
+            console.print(f"[bold]onnxruntime[/]: {o['artifact']} with batch_size={o['batch_size']},"
+                          f" ctx_len={o['ctx_len']} fixed, {o['kv_dtype']} KV, weight quantization "
+                          f"{o['weight_quantization']}, {o['core_share']:.0%} of the CPU threads")
+        console.print(f"cache keys: export {rp.cache_keys['export']}, onnxruntime "
+                      f"{rp.cache_keys['onnxruntime']}, qaic {rp.cache_keys['qaic']}")
+    console.rule("[bold]cores and memory per QID[/]")
+    roles = [rp.role for rp in plan.roles]
+    cores = Table("QID", *roles, "free", title="NSP cores", title_justify="left")
+    for row in plan.cores_per_qid:
+        cores.add_row(str(row["qid"]), *(str(row[x]) for x in roles), str(row["free"]))
+    console.print(cores)
+    mem = Table("QID", *(f"{x} weights" for x in roles), *(f"{x} KV" for x in roles), "total",
+                title=f"memory estimate, GiB (card: {plan.dram_gib_per_qid} GiB per QID; "
+                "excludes activations and compiler scratch)", title_justify="left")
+    for row in plan.memory_per_qid:
+        mem.add_row(str(row["qid"]), *(str(row.get(f"{x}_weights", "-")) for x in roles),
+                    *(str(row.get(f"{x}_kv", "-")) for x in roles), str(row["total"]))
+    console.print(mem)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {w}")

@@ -1,0 +1,145 @@
+"""Where a model's files come from: a local folder, the Hugging Face cache, or (for planning
+only) the shipped table of well-known public configs. Nothing is ever downloaded here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    ref: str  # what the recipe said
+    revision: str | None
+    config: dict[str, Any]
+    origin: str  # "local" | "hf-cache" | "known-models"
+    path: Path | None  # folder with the files, None for known-models
+    tokenizer_family: str | None = None
+
+    @property
+    def config_digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()
+
+    def require_path(self) -> Path:
+        if self.path is None:
+            raise UsageError(weights_missing_message(self.ref, self.revision))
+        return self.path
+
+
+@lru_cache(maxsize=1)
+def known_models() -> dict[str, Any]:
+    text = resources.files("qpcbuild").joinpath("data/known_models.json").read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+def weights_missing_message(ref: str, revision: str | None) -> str:
+    rev = f" --revision {revision}" if revision else ""
+    return (f"model '{ref}' is not on this machine (not a local folder, not in the Hugging Face "
+            f"cache at {hf_cache_dir()}). Get it on a machine with network access with "
+            f"`huggingface-cli download {ref}{rev}` (gated models need `HF_TOKEN` and an accepted "
+            "licence), copy the cache or folder here, and keep `HF_HUB_OFFLINE=1` for offline "
+            "builds; or point the recipe at a local folder.")
+
+
+def hf_cache_dir() -> str:
+    try:
+        from huggingface_hub import constants
+        return str(constants.HF_HUB_CACHE)
+    except Exception:  # pragma: no cover - very old huggingface_hub
+        return os.path.expanduser("~/.cache/huggingface/hub")
+
+
+def _from_hf_cache(ref: str, revision: str | None) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        found = try_to_load_from_cache(ref, "config.json", revision=revision)
+    except Exception:  # an id that is not a valid repo name, for instance
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():
+        raise UsageError(f"{path}: no config.json; a model folder needs config.json, "
+                         "*.safetensors and tokenizer files")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{file}: expected a JSON object")
+    return config
+
+
+def resolve(ref: str, revision: str | None = None, allow_known: bool = True) -> ModelSource:
+    """Find a model's config (and folder when present) without touching the network."""
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        return ModelSource(ref, revision, _read_config(local), "local", local.resolve())
+    if local.is_absolute() or ref.startswith((".", "~")) or local.exists():
+        raise UsageError(f"model folder '{ref}' does not exist or is not a folder")
+    cached = _from_hf_cache(ref, revision)
+    if cached is not None:
+        return ModelSource(ref, revision, _read_config(cached), "hf-cache", cached)
+    known = known_models().get(ref)
+    if allow_known and known is not None:
+        return ModelSource(ref, revision, known["config"], "known-models", None,
+                           known.get("tokenizer_family"))
+    raise UsageError(weights_missing_message(ref, revision))
+
+
+def safetensors_files(path: Path, allow_pickle: bool = False) -> list[Path]:
+    """The weight files of a folder, in index order when an index exists."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UsageError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (path / name).is_file():
+                raise UsageError(f"{index} names shard '{name}', which is missing in {path}")
+        return [path / n for n in files]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [p for p in sorted(path.iterdir()) if p.suffix in PICKLE_SUFFIXES]
+    if pickles and not allow_pickle:
+        raise UsageError(f"{path}: only pickle checkpoints ({pickles[0].name}); loading them can "
+                         "run arbitrary code. Convert to safetensors, or set "
+                         "`allow_pickle: true` for this model in the recipe if you trust it")
+    if pickles:
+        return pickles
+    raise UsageError(f"{path}: no *.safetensors weights found")
+
+
+def weights_fingerprint(path: Path) -> str:
+    """Cheap identity of the weight files (name, size, mtime) used as a cache key; the exact
+    content digest is computed while exporting and recorded in the graph and manifest."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file() and (f.suffix in (".safetensors", ".json") or f.suffix in PICKLE_SUFFIXES):
+            st = f.stat()
+            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    return [path / n for n in TOKENIZER_FILES if (path / n).is_file()]

@@ -1,0 +1,77 @@
+"""Can the draft's token ids be verified by the target? Compare the two tokenizers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from .source import ModelSource
+
+
+def _id_to_token(path: Path) -> dict[int, str] | None:
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        vocab = data.get("model", {}).get("vocab", {})
+        # BPE/WordPiece store token -> id; Unigram stores a list of [token, score] pairs.
+        table = {i: t for t, i in vocab.items()} if isinstance(vocab, dict) else \
+            {i: pair[0] for i, pair in enumerate(vocab)}
+        for added in data.get("added_tokens", []):
+            table[int(added["id"])] = added["content"]
+        return table
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError,
+            ValueError):
+        return None
+
+
+def tokenizer_digest(path: Path | None) -> str | None:
+    if path is None or not (path / "tokenizer.json").is_file():
+        return None
+    return hashlib.sha256((path / "tokenizer.json").read_bytes()).hexdigest()
+
+
+def _special_ids(src: ModelSource) -> dict[str, Any]:
+    return {"bos": src.config.get("bos_token_id"), "eos": src.config.get("eos_token_id")}
+
+
+def alignment(target: ModelSource, draft: ModelSource | None) -> dict[str, Any]:
+    """Verdicts: identical | target-padded | same-family | unverified | incompatible |
+    not-applicable (model-free proposers)."""
+    t_digest = tokenizer_digest(target.path)
+    if draft is None:
+        return {"verdict": "not-applicable", "detail": "model-free proposer uses the target's "
+                "tokenizer", "target_digest": t_digest, "draft_digest": None}
+    out = {"target_digest": t_digest, "draft_digest": tokenizer_digest(draft.path)}
+    t_vocab = int(target.config.get("vocab_size", 0))
+    d_vocab = int(draft.config.get("vocab_size", 0))
+    if d_vocab > t_vocab:
+        return {**out, "verdict": "incompatible", "detail": f"draft vocab_size {d_vocab} is "
+                f"larger than the target's {t_vocab}: the draft can propose ids the target lacks"}
+    t_map = _id_to_token(target.path) if target.path else None
+    d_map = _id_to_token(draft.path) if draft.path else None
+    if t_map is None or d_map is None:
+        tf, df = target.tokenizer_family, draft.tokenizer_family
+        if tf and df and tf == df:
+            return {**out, "verdict": "same-family", "detail": f"both use the '{tf}' tokenizer "
+                    "(known-models table); compared again when the files are present"}
+        if tf and df:
+            return {**out, "verdict": "incompatible", "detail": f"target uses the '{tf}' "
+                    f"tokenizer, draft the '{df}' tokenizer"}
+        return {**out, "verdict": "unverified", "detail": "tokenizer files not present for both "
+                "models; they are compared when the weights are"}
+    diff = [i for i in d_map if t_map.get(i) != d_map[i]]
+    if diff:
+        i = diff[0]
+        return {**out, "verdict": "incompatible", "detail": f"{len(diff)} token id(s) differ, "
+                f"first id {i}: target {t_map.get(i)!r}, draft {d_map[i]!r}"}
+    if _special_ids(target) != _special_ids(draft):
+        return {**out, "verdict": "incompatible", "detail": f"special token ids differ: target "
+                f"{_special_ids(target)}, draft {_special_ids(draft)}"}
+    if len(t_map) > len(d_map) or t_vocab > d_vocab:
+        return {**out, "verdict": "target-padded", "detail": f"same tokens; the target's "
+                f"vocabulary ({t_vocab}) extends beyond the draft's ({d_vocab})"}
+    return {**out, "verdict": "identical", "detail": "same token strings and special ids"}

@@ -1,0 +1,39 @@
+"""Versions of everything that shaped a build, recorded in every manifest."""
+
+from __future__ import annotations
+
+import platform
+import re
+from importlib import metadata
+from pathlib import Path
+
+from . import __version__
+
+SDK_VERSION_FILES = ("/opt/qti-aic/versions/apps.xml", "/opt/qti-aic/versions/platform.xml")
+
+
+def _pkg(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def qaic_sdk_versions(files=SDK_VERSION_FILES) -> dict[str, str] | None:
+    """Apps/platform SDK versions from the SDK's XML files; None when the SDK is absent."""
+    found = {}
+    for f in map(Path, files):
+        if f.is_file():
+            text = f.read_text(errors="replace")
+            # The files carry <base_version>1.x.y</base_version> and <build_id>...</build_id>.
+            parts = [m.group(1) for tag in ("base_version", "build_id")
+                     for m in [re.search(rf"<{tag}>\s*([^<]+?)\s*</{tag}>", text)] if m]
+            found[f.stem] = ".".join(parts) if parts else text.strip()[:200]
+    return found or None
+
+
+def versions() -> dict[str, object]:
+    return {"qpcbuild": __version__, "python": platform.python_version(),
+            "onnx": _pkg("onnx"), "onnxruntime": _pkg("onnxruntime"),
+            "transformers": _pkg("transformers"), "tokenizers": _pkg("tokenizers"),
+            "numpy": _pkg("numpy"), "qaic_sdk": qaic_sdk_versions()}
