@@ -119,3 +119,200 @@ def version():
 
 def main() -> None:  # pragma: no cover
     app()
+
+
+# ---------------------------------------------------------------- build and bundles
+@app.command()
+@handles_errors
+def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
+            out: Optional[Path] = typer.Option(None, "-o", "--out",
+                                               help="Bundle folder (default: the recipe's output)."),
+            emit_only: bool = typer.Option(False, "--emit-only", help="qaic: write graphs, "
+                                           "compiler inputs and compile.sh; do not compile."),
+            compiler: Optional[str] = typer.Option(None, help="Path to qaic-compile/qaic-exec."),
+            cache_dir: Optional[Path] = typer.Option(None, help="Build cache (default: the user "
+                                                     "cache dir, or $QPCBUILD_CACHE)."),
+            jobs: int = typer.Option(2, min=1, help="Export target and draft concurrently."),
+            smoke_weights: bool = typer.Option(False, "--smoke-weights", help="Use random weights "
+                                               "of the recipe's exact shapes (for checking a "
+                                               "recipe without the real checkpoint)."),
+            smoke_layers: Optional[int] = typer.Option(2, min=1, help="With --smoke-weights: "
+                                                       "layers per model (0 = all)."),
+            json_out: bool = typer.Option(False, "--json", help="One JSON result at the end.")):
+    """Build the bundle: export both models, compile for each backend, write the manifest."""
+    import time
+
+    from .bundle import build_bundle
+    from .cache import Cache
+    from .plan import make_plan
+    from .recipe import load_recipe
+
+    r = load_recipe(recipe, set_ or [])
+    cache = Cache(cache_dir)
+    if smoke_weights:
+        from .smoke import with_smoke_weights
+        r = with_smoke_weights(r, cache.root / "smoke", smoke_layers or None,
+                               say=lambda m: err_console.print(m))
+    plan_ = make_plan(r, compiler)
+    started = time.perf_counter()
+
+    def progress(stage: str, how: str, seconds: float) -> None:
+        if not json_out:
+            mark = "[green]✓[/]" if how == "built" else "[cyan]↺[/]"
+            console.print(f"{mark} {stage:<28} {how:<7} {seconds:6.1f} s   "
+                          f"(elapsed {time.perf_counter() - started:.1f} s)")
+
+    for w in plan_.warnings:
+        err_console.print(f"[yellow]warning:[/] {w}")
+    result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only, compiler=compiler,
+                          jobs=jobs, progress=progress, argv=["qpcbuild", *sys.argv[1:]])
+    if json_out:
+        emit_json(result.to_dict())
+    else:
+        console.print(f"bundle [bold]{result.bundle}[/] id {result.bundle_id[:16]} built in "
+                      f"{result.seconds:.1f} s")
+
+
+@app.command()
+@handles_errors
+def verify(bundle: Path = typer.Argument(..., help="Bundle folder."),
+           fast: bool = typer.Option(False, "--fast", help="Check presence and sizes only "
+                                     "(for huge QPCs); skips SHA-256.")):
+    """Recompute every file digest against the manifest. Exit 1 on any difference."""
+    from .bundle import verify_bundle
+
+    problems = verify_bundle(bundle, fast=fast)
+    if problems:
+        for p in problems:
+            err_console.print(f"[red]✗[/] {p}")
+        raise typer.Exit(1)
+    console.print(f"[green]✓[/] {bundle}: every file matches the manifest"
+                  + (" (sizes only)" if fast else ""))
+
+
+@app.command()
+@handles_errors
+def inspect(bundle: Path = typer.Argument(..., help="Bundle folder."),
+            json_out: bool = typer.Option(False, "--json", help="Print the manifest.")):
+    """Summarize a bundle: roles, shapes, Ks, cores, backends, files."""
+    from .bundle import read_manifest
+    from .render import show_manifest
+
+    m = read_manifest(bundle)
+    emit_json(m) if json_out else show_manifest(m)
+
+
+@app.command()
+@handles_errors
+def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
+            out: Path = typer.Option(..., "-o", "--out", help="Archive path (.tar.gz).")):
+    """Deterministic .tar.gz of a bundle (sorted entries, fixed mtimes and owners)."""
+    from .archive import pack
+    from .bundle import read_manifest
+
+    read_manifest(bundle)
+    pack(bundle, out)
+    console.print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+
+
+@app.command()
+@handles_errors
+def unpack(archive: Path = typer.Argument(..., help="A .tar.gz made by `qpcbuild package`."),
+           dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into.")):
+    """Safely unpack a bundle archive (refuses absolute paths, '..', links and devices)."""
+    from .archive import unpack as unpack_archive
+
+    path = unpack_archive(archive, dest)
+    console.print(f"unpacked {path}; check it with `qpcbuild verify {path}`")
+
+
+# ---------------------------------------------------------------- runtime
+def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
+    from .errors import UsageError
+
+    prompts = list(prompt or [])
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise UsageError(f"{prompt_file}: no such file") from None
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{prompt_file}: not UTF-8 text (byte {exc.start})") from None
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    item = json.loads(line)
+                    prompts.append(item["prompt"] if "prompt" in item else item["text"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise UsageError(f"{prompt_file}:{n}: a JSON line needs a \"prompt\" (or "
+                                     "\"text\") string") from None
+            else:
+                prompts.append(line.replace("\\n", "\n"))
+    if not prompts:
+        raise UsageError("give --prompt TEXT or --prompt-file FILE")
+    for n, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise UsageError(f"prompt {n} is empty")
+    return prompts
+
+
+@app.command()
+@handles_errors
+def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
+        prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="Prompt text "
+                                                   "(repeatable: one batch)."),
+        prompt_file: Optional[Path] = typer.Option(None, help="One prompt per line ('\\n' for "
+                                                   "newlines), or JSONL with a \"prompt\" key."),
+        max_new_tokens: int = typer.Option(64, help="New tokens per prompt."),
+        temperature: float = typer.Option(0.0, help="0 = greedy."),
+        top_p: float = typer.Option(1.0), top_k: int = typer.Option(0),
+        seed: Optional[int] = typer.Option(None),
+        method: Optional[str] = typer.Option(None, help="draft_model | ngram | suffix "
+                                             "(default: the bundle's)."),
+        k: Optional[int] = typer.Option(None, "--k", help="One of the compiled Ks."),
+        backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
+        verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
+        stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
+        compare_baseline: bool = typer.Option(False, help="Also decode target-only and report "
+                                              "the speedup and whether outputs match."),
+        json_out: bool = typer.Option(False, "--json", help="Text, token ids and stats as JSON.")):
+    """Run speculative decoding from a bundle (smoke test, with acceptance statistics)."""
+    from .errors import UsageError
+    from .render import show_run
+    from .runtime.loader import load
+
+    prompts = _read_prompts(prompt, prompt_file)
+    if max_new_tokens <= 0:
+        raise UsageError("--max-new-tokens must be at least 1")
+    gen = load(bundle, backend=backend, method=method, k=k, verify=verify)
+    batch = gen.target.batch_size
+    on_token = None
+    if stream and not json_out:
+        on_token = lambda row, ids: console.print(  # noqa: E731
+            gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False, highlight=False)
+    results, baselines = [], []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
+                                    on_token))
+        if compare_baseline:
+            baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
+                                          seed, target_only=True))
+    if stream and not json_out:
+        console.print()
+    report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
+              "batches": [r.to_dict() for r in results]}
+    if compare_baseline:
+        spd = sum(r.stats["e2e_s"] for r in results)
+        base = sum(b.stats["e2e_s"] for b in baselines)
+        same = all(a.rows[i].tokens == b.rows[i].tokens for a, b in zip(results, baselines)
+                   for i in range(len(a.rows)))
+        report["baseline"] = {"batches": [b.to_dict() for b in baselines],
+                              "speedup_e2e": round(base / max(spd, 1e-9), 3),
+                              "outputs_match": same if temperature == 0 else None}
+    if json_out:
+        emit_json(report)
+    else:
+        show_run(report, show_text=not stream)

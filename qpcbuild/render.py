@@ -89,3 +89,48 @@ def show_plan(plan: BuildPlan) -> None:
     console.print(mem)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {w}")
+
+
+def show_manifest(m: dict[str, Any]) -> None:
+    spd = m["speculation"]
+    console.print(f"[bold]{m['name']}[/]  bundle id {m['bundle_id'][:16]}  built {m['built_at']}")
+    console.print(f"method {spd['method']}  K={spd['num_speculative_tokens']}  "
+                  f"shapes {m['shapes']}  backends {m['backends']}")
+    console.print(f"tokenizer: {m['tokenizer']['verdict']} ({m['tokenizer']['detail']})")
+    t = Table("role", "model", "arch", "params", "specializations", "cores x QIDs", "backends",
+              title="roles", title_justify="left")
+    for role, info in m["roles"].items():
+        specs = ", ".join(f"{s['name']}({s['symbols']['seq_len']})" for s in info["specializations"])
+        t.add_row(role, info["source"]["ref"], info["arch"]["architecture"],
+                  f"{info['arch']['param_count']:,}", specs,
+                  f"{info['num_cores']} x {info['device_group']}",
+                  ", ".join(f"{k}: {v['status']}" for k, v in info["backends"].items()))
+    console.print(t)
+    size = sum(f["size"] for f in m["files"].values())
+    console.print(f"{len(m['files'])} files, {size / 2**20:.1f} MiB; toolchain: "
+                  + ", ".join(f"{k} {v}" for k, v in m["toolchain"].items()
+                              if isinstance(v, str)))
+
+
+def show_run(report: dict[str, Any], show_text: bool = True) -> None:
+    for batch in report["batches"]:
+        if show_text:
+            for n, out in enumerate(batch["outputs"]):
+                console.rule(f"output {n} ({out['finish_reason']}, {len(out['token_ids'])} tokens)")
+                console.print(out["text"], markup=False, highlight=False)
+    t = Table("metric", "value", title=f"{report['method']} on {report['backend']}",
+              title_justify="left")
+    keys = ("requests", "new_tokens", "ttft_s", "decode_tokens_per_s", "e2e_tokens_per_s",
+            "draft_time_s", "target_time_s", "host_overhead_fraction", "target_calls",
+            "draft_calls", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+            "spec_decode_num_accepted_tokens_per_pos")
+    for key in keys:
+        values = [b["stats"][key] for b in report["batches"]]
+        t.add_row(key, ", ".join(str(v) for v in values))
+    console.print(t)
+    if "baseline" in report:
+        b = report["baseline"]
+        base_tps = ", ".join(str(x["stats"]["e2e_tokens_per_s"]) for x in b["batches"])
+        console.print(f"target-only: {base_tps} tokens/s; speedup {b['speedup_e2e']}x; greedy "
+                      f"outputs match: {b['outputs_match']}")

@@ -1,0 +1,82 @@
+"""The embedded default backend: a ready-to-load ONNX Runtime artifact per role.
+
+The portable graph gets the plan's fixed shapes (batch, ctx_len) baked in, is optimized offline
+by ONNX Runtime for the CPU execution provider, and is saved with its weights in one external
+file: one graph serves every specialization (seq_len stays symbolic), so weights are stored once.
+The runtime enforces the specializations recorded in the manifest, exactly as the card does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ..errors import ToolchainError
+from ..export import DATA_FILE, GRAPH_FILE
+from ..plan import RolePlan
+from ..toolchain import _pkg
+from . import BuildContext
+
+ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
+
+
+def fix_dims(model_path: Path, fixed: dict[str, int], out_path: Path) -> None:
+    """Replace symbolic dims (batch_size, ctx_len, ...) by the plan's values."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    for value in list(model.graph.input) + list(model.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in fixed:
+                dim.dim_value = fixed[dim.dim_param]
+    out_path.write_bytes(model.SerializeToString(deterministic=True))
+
+
+class OrtBackend:
+    name = "onnxruntime"
+
+    def check(self, ctx: BuildContext) -> dict[str, Any]:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - a hard dependency
+            raise ToolchainError(f"onnxruntime is not importable: {exc}") from None
+        return {"onnxruntime": _pkg("onnxruntime"), "optimization_level": ORT_LEVEL}
+
+    def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
+        import onnxruntime as ort
+
+        out = ctx.staging / role.role / "ort"
+        work = ctx.staging / role.role / ".ort-work"
+        out.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+        shape = ctx.plan.recipe.shapes
+        fixed = {"batch_size": shape.batch_size, "ctx_len": shape.ctx_len}
+        if shape.full_batch_size:
+            fixed = {"full_batch_size": shape.full_batch_size, "ctx_len": shape.ctx_len}
+        # The fixed-shape copy must sit beside the weights it references.
+        try:  # ORT refuses external data reached through a symlink; a hard link is a real file
+            os.link(onnx_dir / DATA_FILE, work / DATA_FILE)
+        except OSError:
+            shutil.copyfile(onnx_dir / DATA_FILE, work / DATA_FILE)
+        fix_dims(onnx_dir / GRAPH_FILE, fixed, work / GRAPH_FILE)
+
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = str(out / GRAPH_FILE)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                    DATA_FILE)
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        so.intra_op_num_threads = 1
+        try:
+            ort.InferenceSession(str(work / GRAPH_FILE), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ToolchainError(f"onnxruntime could not optimize the {role.role} graph: "
+                                 f"{exc}") from None
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
+                "fixed_dims": fixed, "optimization_level": ORT_LEVEL,
+                "execution_provider": "CPUExecutionProvider"}

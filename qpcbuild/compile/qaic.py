@@ -1,0 +1,97 @@
+"""The Qualcomm Cloud AI backend: compiler inputs from the plan, then qaic-compile exactly as
+`qpcbuild plan` printed it. Without the SDK it stops early (or, with --emit-only, leaves a
+runnable compile.sh per role). It never writes a programqpc.bin of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ..errors import ToolchainError
+from ..plan import RolePlan, find_compiler
+from ..toolchain import qaic_sdk_versions
+from . import BuildContext
+
+QPC_FILE = "programqpc.bin"
+
+
+def missing_compiler_message(tried: list[str]) -> str:
+    return ("the Qualcomm compiler was not found (looked for: " + ", ".join(tried) + "). Install "
+            "the Cloud AI platform and apps SDK, or point at the binary with --compiler PATH or "
+            "QAIC_COMPILER=PATH; or pass --emit-only to write the graphs, compiler inputs and a "
+            "compile.sh per role for a machine that has the SDK.")
+
+
+class QaicBackend:
+    name = "qaic"
+
+    def check(self, ctx: BuildContext) -> dict[str, Any]:
+        compiler, tried = find_compiler(ctx.compiler)
+        if compiler is None and not ctx.emit_only:
+            raise ToolchainError(missing_compiler_message(tried))
+        return {"compiler": compiler, "sdk": qaic_sdk_versions(), "emit_only": ctx.emit_only}
+
+    def write_inputs(self, ctx: BuildContext, role: RolePlan) -> list[str]:
+        r = ctx.plan.recipe
+        qdir = ctx.staging / role.role / "qaic"
+        qdir.mkdir(parents=True, exist_ok=True)
+        spec = role.specializations_file(r.hardware.specializations_format)
+        (qdir / "specializations.json").write_text(json.dumps(spec, indent=2) + "\n")
+        (qdir / "custom_io.yaml").write_text(role.custom_io_yaml())
+        if role.mdp_partition:
+            (qdir / f"mdp_ts_{len(role.device_group)}.json").write_text(
+                json.dumps(role.mdp_partition, indent=2) + "\n")
+        args = role.compiler_argv[1:]
+        script = qdir / "compile.sh"
+        script.write_text(
+            "#!/usr/bin/env bash\n"
+            f"# Compile the {role.role} QPC for '{r.name}' on a machine with the Cloud AI SDK.\n"
+            "# Runs from the bundle root; QAIC_COMPILER overrides the compiler path.\n"
+            "set -euo pipefail\n"
+            'cd "$(dirname "$0")/../.."\n'
+            f'compiler="${{QAIC_COMPILER:-{QAIC_DEFAULT}}}"\n'
+            f"mkdir -p {role.role}/logs\n"
+            f'"$compiler" {shlex.join(args)} 2>&1 | tee {role.role}/logs/qaic-compile.log\n'
+            f"test -f {role.role}/qpc/{QPC_FILE} || {{ echo 'no {QPC_FILE} produced' >&2; "
+            "exit 1; }\n")
+        script.chmod(0o755)
+        return args
+
+    def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
+        args = self.write_inputs(ctx, role)
+        entry: dict[str, Any] = {"inputs": f"{role.role}/qaic", "compile_script":
+                                 f"{role.role}/qaic/compile.sh", "argv": role.compiler_argv}
+        if ctx.emit_only:
+            return {**entry, "status": "emitted", "qpc": None}
+        compiler, tried = find_compiler(ctx.compiler)
+        if compiler is None:
+            raise ToolchainError(missing_compiler_message(tried))
+        argv = [compiler, *args]
+        log_dir = ctx.staging / role.role / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = log_dir / "qaic-compile.log"
+        with open(log, "wb") as fh:
+            try:
+                proc = subprocess.run(argv, cwd=ctx.staging, stdout=fh, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=os.environ.copy())
+            except OSError as exc:
+                raise ToolchainError(f"could not start {compiler}: {exc}") from None
+        tail = log.read_text(errors="replace")[-2000:]
+        qpc = ctx.staging / role.role / "qpc" / QPC_FILE
+        if proc.returncode != 0:
+            how = f"signal {-proc.returncode}" if proc.returncode < 0 else \
+                f"exit code {proc.returncode}"
+            raise ToolchainError(f"qaic compile of the {role.role} failed ({how}). Command:\n  "
+                                 f"{shlex.join(argv)}\nLast output:\n{tail}")
+        if not qpc.is_file():
+            raise ToolchainError(f"the compiler exited 0 but wrote no {role.role}/qpc/{QPC_FILE}."
+                                 f"\nLast output:\n{tail}")
+        return {**entry, "status": "compiled", "qpc": f"{role.role}/qpc",
+                "log": f"{role.role}/logs/qaic-compile.log", "argv": argv}
+
+
+QAIC_DEFAULT = "/opt/qti-aic/exec/qaic-compile"

@@ -1,0 +1,282 @@
+"""The speculative decoding loop, written against the compiled static shapes.
+
+Per step: the proposer offers up to K tokens per row (draft model: K single-token draft calls;
+n-gram / suffix: a lookup), the target verifies [last token, d1..dK] in one K+1 window at their
+absolute positions, and each row keeps its accepted prefix plus the target's own next token.
+Nothing is rolled back: rejected slots hold stale KV that the position-derived mask hides until
+the next window overwrites it. This is the same control flow the card runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import UsageError
+from .proposers import Proposer
+from .sampling import SamplingParams, accept_greedy, accept_sampling, probabilities, sample
+from .session import ModelSession
+
+TokenCallback = Callable[[int, list[int]], None]  # (row, new token ids)
+
+
+@dataclass
+class RowStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    num_drafts: int = 0  # verify steps that carried at least one proposed token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    target_calls: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class Row:
+    prompt: list[int]
+    limit: int  # total tokens (prompt + new) this row may reach
+    tokens: list[int] = field(default_factory=list)
+    target_len: int = 0  # tokens whose target KV is valid (positions 0..target_len-1)
+    draft_len: int = 0
+    done: bool = False
+    finish_reason: str = ""
+    stats: RowStats = field(default_factory=RowStats)
+
+
+@dataclass
+class LoopTimes:
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+    target_calls: int = 0
+    draft_calls: int = 0
+
+
+class SpecDecoder:
+    def __init__(self, target: ModelSession, draft: ModelSession | None,
+                 proposer: Proposer | None, ks: tuple[int, ...], prefill_len: int,
+                 eos_ids: set[int], method: str):
+        self.target, self.draft, self.proposer = target, draft, proposer
+        self.ks, self.prefill_len, self.eos_ids, self.method = tuple(sorted(ks)), prefill_len, \
+            eos_ids, method
+        self.ctx_len, self.batch = target.ctx_len, target.batch_size
+
+    # ------------------------------------------------------------ model calls
+    def _call(self, session: ModelSession, ids: np.ndarray, pos: np.ndarray, times: LoopTimes,
+              kind: str) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = session.run(ids, pos)
+        dt = time.perf_counter() - t0
+        if kind == "draft":
+            times.draft_s += dt
+            times.draft_calls += 1
+        else:
+            times.target_s += dt
+            times.target_calls += 1
+        return logits
+
+    def _prefill(self, session: ModelSession, rows: list[Row], times: LoopTimes,
+                 kind: str) -> np.ndarray:
+        """Chunks of prefill_len with -1 padding; returns each row's last-prompt-token logits."""
+        p, b = self.prefill_len, session.batch_size
+        last = np.zeros((b, session.vocab_size), np.float32)
+        n_chunks = max(-(-len(r.prompt) // p) for r in rows)
+        for c in range(n_chunks):
+            ids = np.zeros((b, p), np.int64)
+            pos = np.full((b, p), -1, np.int64)
+            for i, r in enumerate(rows):
+                chunk = r.prompt[c * p:(c + 1) * p]
+                ids[i, :len(chunk)] = chunk
+                pos[i, :len(chunk)] = np.arange(c * p, c * p + len(chunk))
+            logits = self._call(session, ids, pos, times, kind)
+            for i, r in enumerate(rows):
+                if c * p < len(r.prompt) <= (c + 1) * p:
+                    last[i] = logits[i, 0]
+        return last
+
+    # ------------------------------------------------------------ proposals
+    def _draft_proposals(self, rows: list[Row], want: list[int], sp: SamplingParams,
+                         rng: np.random.Generator, times: LoopTimes):
+        """K single-token draft calls (plus catch-up calls for rows that fully accepted)."""
+        b = self.draft.batch_size
+        while True:  # catch up: every active row must have exactly one unprocessed token
+            behind = [i for i, r in enumerate(rows) if not r.done and want[i] > 0
+                      and r.draft_len < len(r.tokens) - 1]
+            if not behind:
+                break
+            ids, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
+            for i in behind:
+                ids[i, 0], pos[i, 0] = rows[i].tokens[rows[i].draft_len], rows[i].draft_len
+                rows[i].draft_len += 1
+            self._call(self.draft, ids, pos, times, "draft")
+        proposals: list[list[int]] = [[] for _ in rows]
+        q: list[list[np.ndarray]] = [[] for _ in rows]
+        for j in range(max(want, default=0)):
+            ids, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
+            for i, r in enumerate(rows):
+                if not r.done and j < want[i]:
+                    ids[i, 0] = proposals[i][-1] if j else r.tokens[-1]
+                    pos[i, 0] = len(r.tokens) - 1 + j
+            logits = self._call(self.draft, ids, pos, times, "draft")
+            for i, r in enumerate(rows):
+                if r.done or j >= want[i]:
+                    continue
+                if sp.greedy:
+                    proposals[i].append(int(logits[i, 0].argmax()))
+                else:
+                    probs = probabilities(logits[i, 0], sp)
+                    q[i].append(probs)
+                    proposals[i].append(sample(probs, rng))
+        for i, r in enumerate(rows):
+            if not r.done and want[i] > 0:
+                r.draft_len = len(r.tokens) + want[i] - 1  # pending + all but the last draft
+        return proposals, q
+
+    # ------------------------------------------------------------ the loop
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sp: SamplingParams,
+                 k: int | None = None, on_token: TokenCallback | None = None,
+                 target_only: bool = False) -> tuple[list[Row], LoopTimes]:
+        if not prompts:
+            raise UsageError("no prompts given")
+        if len(prompts) > self.batch:
+            raise UsageError(f"{len(prompts)} prompts but the bundle was compiled for batch "
+                             f"size {self.batch}; pass at most {self.batch} per batch")
+        if max_new_tokens <= 0:
+            raise UsageError("max_new_tokens must be at least 1")
+        k_max = max(self.ks) if k is None else k
+        if k is not None and k not in self.ks:
+            raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
+        rows = []
+        for n, p in enumerate(prompts):
+            if not p:
+                raise UsageError(f"prompt {n} is empty")
+            if len(p) >= self.ctx_len:
+                raise UsageError(f"prompt {n} has {len(p)} tokens; ctx_len is {self.ctx_len}, "
+                                 "so a prompt may have at most ctx_len - 1 tokens")
+            rows.append(Row(list(p), min(len(p) + max_new_tokens, self.ctx_len)))
+        rng = np.random.default_rng(sp.seed)
+        times = LoopTimes()
+        start = time.perf_counter()
+
+        logits = self._prefill(self.target, rows, times, "target")
+        for i, r in enumerate(rows):
+            first = int(logits[i].argmax()) if sp.greedy else \
+                sample(probabilities(logits[i], sp), rng)
+            r.tokens = r.prompt + [first]
+            r.target_len = len(r.prompt)
+            r.stats.prompt_tokens = len(r.prompt)
+            r.stats.ttft_s = time.perf_counter() - start
+            self._commit(i, r, [first], on_token)
+        times.prefill_s = time.perf_counter() - start
+        use_draft = self.draft is not None and not target_only
+        if use_draft:
+            self._prefill(self.draft, rows, times, "draft")
+            for r in rows:
+                r.draft_len = len(r.prompt)
+        if self.proposer is not None and not target_only:
+            for i, r in enumerate(rows):
+                self.proposer.start(i, r.tokens)
+
+        while not all(r.done for r in rows):
+            room = [0 if r.done else max(0, min(k_max, r.limit - len(r.tokens) - 1)) for r in rows]
+            if target_only:
+                want, proposals, q = [0] * len(rows), [[] for _ in rows], None
+            elif use_draft:
+                want = room
+                proposals, q = self._draft_proposals(rows, want, sp, rng, times)
+            else:
+                proposals = [self.proposer.propose(i, room[i]) if not r.done else []
+                             for i, r in enumerate(rows)]
+                want, q = [len(p) for p in proposals], None
+            self._verify(rows, proposals, q, sp, rng, times, on_token)
+        times.total_s = time.perf_counter() - start
+        for r in rows:
+            if self.proposer is not None and not target_only:
+                self.proposer.finish(rows.index(r))
+        return rows, times
+
+    def _verify(self, rows: list[Row], proposals: list[list[int]], q, sp: SamplingParams,
+                rng: np.random.Generator, times: LoopTimes, on_token: TokenCallback | None):
+        need = max(len(p) for r, p in zip(rows, proposals) if not r.done)
+        k_step = next((k for k in self.ks if k >= need), None)
+        if k_step is None:
+            raise UsageError(f"a proposal of {need} tokens exceeds the compiled Ks {list(self.ks)}")
+        s = k_step + 1
+        ids = np.zeros((self.batch, s), np.int64)
+        pos = np.full((self.batch, s), -1, np.int64)
+        first_slot = [0] * len(rows)
+        for i, r in enumerate(rows):
+            if r.done:
+                continue
+            seq = [r.tokens[-1]] + proposals[i]
+            start = len(r.tokens) - 1
+            if start + len(seq) - 1 == self.ctx_len - 1 and len(seq) < s:
+                # The window ends at the last slot, where padding (-1) is also written: shift the
+                # window left over already-verified tokens instead, recomputing identical KV.
+                shift = min(s - len(seq), start)
+                seq = r.tokens[start - shift:start] + seq
+                start -= shift
+                first_slot[i] = shift
+            ids[i, :len(seq)] = seq
+            pos[i, :len(seq)] = np.arange(start, start + len(seq))
+        logits = self._call(self.target, ids, pos, times, "target")
+        for i, r in enumerate(rows):
+            if r.done:
+                continue
+            drafts = proposals[i]
+            window = logits[i, first_slot[i]:first_slot[i] + len(drafts) + 1]
+            if sp.greedy:
+                n, nxt = accept_greedy(window, drafts)
+            else:
+                qi = np.stack(q[i]) if q and q[i] else None
+                n, nxt = accept_sampling(probabilities(window, sp), qi, drafts, rng)
+            st = r.stats
+            st.target_calls += 1
+            if drafts:
+                st.num_drafts += 1
+                st.num_draft_tokens += len(drafts)
+                st.num_accepted_tokens += n
+                if len(st.accepted_per_pos) < len(drafts):
+                    st.accepted_per_pos += [0] * (len(drafts) - len(st.accepted_per_pos))
+                for j in range(n):
+                    st.accepted_per_pos[j] += 1
+            old_len = len(r.tokens)
+            new = drafts[:n] + [nxt]
+            r.target_len = old_len + n
+            if self.draft is not None and drafts:
+                r.draft_len = min(r.draft_len, old_len + min(n, len(drafts) - 1))
+            r.tokens.extend(new)
+            self._commit(i, r, new, on_token)
+            if self.proposer is not None and not r.done:
+                self.proposer.extend(i, r.tokens[old_len:])
+
+    def _commit(self, i: int, r: Row, new: list[int], on_token: TokenCallback | None) -> None:
+        """Apply stop rules to freshly accepted tokens: EOS and the row's length budget."""
+        start = len(r.tokens) - len(new)
+        for j, t in enumerate(new):
+            if t in self.eos_ids:
+                del r.tokens[start + j + 1:]
+                r.done, r.finish_reason = True, "eos"
+                break
+        if not r.done and len(r.tokens) >= r.limit:
+            del r.tokens[r.limit:]
+            r.done = True
+            r.finish_reason = "length" if r.limit < self.ctx_len else "ctx_len"
+        emitted = r.tokens[start:]
+        r.stats.new_tokens = len(r.tokens) - len(r.prompt)
+        if on_token and emitted:
+            on_token(i, emitted)

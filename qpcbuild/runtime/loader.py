@@ -1,0 +1,149 @@
+"""Bundle -> ready generator: verify the manifest, open one session per role, pick the proposer.
+
+    import qpcbuild
+    gen = qpcbuild.load("build/demo")
+    out = gen.generate(["def fibonacci(n):"], max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..bundle import read_manifest, verify_bundle
+from ..errors import BundleError, UsageError
+from .engine import Row, SpecDecoder, TokenCallback
+from .proposers import make_proposer
+from .sampling import SamplingParams
+from .session import OrtSession, Specialization, thread_count
+from .stats import summarize
+
+METHODS = ("draft_model", "ngram", "suffix")
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    rows: list[Row]
+    stats: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"outputs": [{"text": t, "token_ids": r.tokens[len(r.prompt):],
+                             "prompt_tokens": len(r.prompt), "finish_reason": r.finish_reason}
+                            for t, r in zip(self.texts, self.rows)], "stats": self.stats}
+
+
+def _open_session(bundle: Path, manifest: dict, role: str, backend: str):
+    info = manifest["roles"][role]
+    b = info["backends"].get(backend)
+    if b is None:
+        raise BundleError(f"{bundle}: the {role} was not built for backend '{backend}' (built: "
+                          f"{', '.join(info['backends'])})")
+    specs = [Specialization.from_manifest(s) for s in info["specializations"]]
+    arch = info["arch"]
+    batch = manifest["shapes"].get("full_batch_size") or manifest["shapes"]["batch_size"]
+    kv_shape = (batch, arch["num_kv_heads"], manifest["shapes"]["ctx_len"], arch["head_dim"])
+    if backend == "onnxruntime":
+        path = bundle / b["artifact"]
+        if not path.is_file():
+            raise BundleError(f"{bundle}: missing {b['artifact']}")
+        threads = thread_count(info["ort"]["core_share"], info["ort"].get("intra_op_threads"))
+        return OrtSession(path, role, specs, kv_shape, arch["num_layers"], arch["vocab_size"],
+                          threads)
+    if backend == "qaic":
+        if b.get("status") != "compiled":
+            raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "
+                              f"{b.get('status')}); run {role}/qaic/compile.sh on a machine with "
+                              "the Cloud AI SDK, or use --backend onnxruntime")
+        from .qaic_session import QaicSession
+        return QaicSession(bundle / b["qpc"], role, specs, info["device_group"],
+                           arch["num_layers"], arch["vocab_size"])
+    raise UsageError(f"unknown backend '{backend}' (onnxruntime | qaic)")
+
+
+class Generator:
+    def __init__(self, bundle: Path, manifest: dict, backend: str, method: str,
+                 k: int | None):
+        from tokenizers import Tokenizer
+
+        self.bundle, self.manifest, self.backend, self.method = bundle, manifest, backend, method
+        target_info = manifest["roles"]["target"]
+        self.ks = tuple(target_info["compiled_ks"])
+        if k is not None and k not in self.ks:
+            raise UsageError(f"--k {k} is not compiled in this bundle (compiled Ks: "
+                             f"{list(self.ks)}); rebuild with speculation.num_speculative_tokens")
+        self.k = k
+        tok_file = bundle / "tokenizer" / "tokenizer.json"
+        if not tok_file.is_file():
+            raise BundleError(f"{bundle}: no tokenizer/tokenizer.json; this bundle can only be "
+                              "driven with token ids")
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        self.eos_ids = set(target_info["arch"]["eos_token_ids"])
+        gen_cfg = bundle / "tokenizer" / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            self.eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.target = _open_session(bundle, manifest, "target", backend)
+        self.draft = _open_session(bundle, manifest, "draft", backend) \
+            if method == "draft_model" else None
+        opts = manifest["speculation"]["options"] if manifest["speculation"]["method"] == method \
+            else {}
+        proposer = make_proposer(method, opts) if method in ("ngram", "suffix") else None
+        self.decoder = SpecDecoder(self.target, self.draft, proposer, self.ks,
+                                   manifest["shapes"]["prefill_seq_len"], self.eos_ids, method)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, on_token: TokenCallback | None = None,
+                 target_only: bool = False) -> GenerationResult:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if temperature < 0:
+            raise UsageError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise UsageError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise UsageError(f"top_k must be >= 0, got {top_k}")
+        ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
+        for n, p in enumerate(prompts):
+            if isinstance(p, str) and not p:
+                raise UsageError(f"prompt {n} is empty")
+        sp = SamplingParams(temperature, top_k, top_p, seed)
+        rows, times = self.decoder.generate(ids, max_new_tokens, sp, self.k, on_token,
+                                            target_only)
+        texts = [self.tokenizer.decode(r.tokens[len(r.prompt):]) for r in rows]
+        method = "target_only" if target_only else self.method
+        return GenerationResult(texts, rows, summarize(rows, times, method))
+
+
+def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = None,
+         k: int | None = None, verify: str = "full") -> Generator:
+    """Open a bundle. verify: "full" (SHA-256 of every file), "fast" (presence and sizes, for
+    huge QPCs) or "none"."""
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    if verify not in ("full", "fast", "none"):
+        raise UsageError(f"verify must be full, fast or none, not '{verify}'")
+    if verify != "none":
+        problems = verify_bundle(bundle, fast=verify == "fast")
+        if problems:
+            raise BundleError(f"{bundle} does not match its manifest: " + "; ".join(problems[:5])
+                              + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    if manifest["tokenizer"]["verdict"] == "incompatible":
+        raise BundleError(f"{bundle}: target and draft tokenizers are incompatible")
+    if manifest["shapes"].get("full_batch_size"):
+        raise BundleError(f"{bundle}: continuous-batching bundles are not yet supported by "
+                          "`qpcbuild run` (see README, Limits)")
+    built_method = manifest["speculation"]["method"]
+    method = method or built_method
+    if method not in METHODS:
+        raise UsageError(f"unknown method '{method}' ({' | '.join(METHODS)})")
+    if method == "draft_model" and "draft" not in manifest["roles"]:
+        raise UsageError(f"this bundle has no draft model (built for '{built_method}'); use "
+                         "--method ngram or --method suffix")
+    return Generator(bundle, manifest, backend, method, k)

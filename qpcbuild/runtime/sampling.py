@@ -1,0 +1,75 @@
+"""Acceptance rules. Greedy: accept while the draft equals the target's argmax. Sampling:
+standard speculative rejection sampling, so the output distribution is exactly the target's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Temperature, then top-k, then top-p (nucleus) over the last axis; float64 rows summing to 1."""
+    x = logits.astype(np.float64) / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = np.partition(x, -p.top_k, axis=-1)[..., -p.top_k, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = np.exp(x - x.max(axis=-1, keepdims=True))
+    probs = x / x.sum(axis=-1, keepdims=True)
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < p.top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+
+
+def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> tuple[int, int]:
+    """target_logits [k+1, V]: rows predict the token after each window slot.
+    Returns (accepted drafts, the target's next token)."""
+    best = target_logits[: len(drafts) + 1].argmax(axis=-1)
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return n, int(best[n])
+
+
+def accept_sampling(p: np.ndarray, q: np.ndarray | None, drafts: list[int],
+                    rng: np.random.Generator) -> tuple[int, int]:
+    """p [k+1, V] target probabilities, q [k, V] draft probabilities (None: the proposal is a
+    point mass, as for n-gram and suffix proposers). Accept draft x with min(1, p(x)/q(x));
+    on rejection sample from normalize(max(0, p - q)); after k acceptances sample from p."""
+    for i, x in enumerate(drafts):
+        qx = 1.0 if q is None else q[i, x]
+        if qx > 0 and rng.random() < min(1.0, p[i, x] / qx):
+            continue
+        residual = p[i].copy()
+        if q is None:
+            residual[x] = 0.0
+        else:
+            residual = np.maximum(residual - q[i], 0.0)
+        if residual.sum() <= 0:  # p == q exactly: any rejection was measure-zero; fall back to p
+            residual = p[i]
+        return i, sample(residual / residual.sum(), rng)
+    return len(drafts), sample(p[len(drafts)], rng)

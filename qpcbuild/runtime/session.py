@@ -1,0 +1,122 @@
+"""Model sessions: one compiled model with its KV cache kept where the model runs.
+
+The decode loop sees only `run(input_ids, position_ids) -> logits`. As on the card, the KV
+buffers never travel through the loop: the ONNX Runtime session keeps two pre-allocated sets and
+binds them ping-pong (inputs from one, `_RetainedState` outputs into the other), so no step copies
+the cache in Python. Only the specializations compiled into the bundle are accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import BundleError, UsageError
+
+
+@dataclass(frozen=True)
+class Specialization:
+    name: str
+    batch_size: int
+    seq_len: int
+    ctx_len: int
+    num_logits: int  # logits rows returned: num_logits_to_keep (target) or 1
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> "Specialization":
+        s = {k: int(v) for k, v in entry["symbols"].items()}
+        return cls(entry["name"], s["batch_size"], s["seq_len"], s["ctx_len"],
+                   s.get("num_logits_to_keep", 1))
+
+
+class ModelSession(Protocol):
+    role: str
+    batch_size: int
+    ctx_len: int
+    vocab_size: int
+    specializations: list[Specialization]
+
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """[B,S] int64 each -> logits [B, num_logits, V] (valid until the next call)."""
+
+
+def pick_specialization(specs: list[Specialization], batch: int, seq_len: int) -> Specialization:
+    for s in specs:
+        if s.batch_size == batch and s.seq_len == seq_len:
+            return s
+    have = ", ".join(f"{s.name}(batch {s.batch_size}, seq_len {s.seq_len})" for s in specs)
+    raise UsageError(f"no compiled specialization for batch {batch}, seq_len {seq_len}; "
+                     f"this bundle has: {have}")
+
+
+def thread_count(core_share: float, explicit: int | None) -> int:
+    """CPU threads for a role: the recipe's share of a QID's cores, applied to this machine."""
+    if explicit:
+        return explicit
+    return max(1, round((os.cpu_count() or 1) * core_share))
+
+
+class OrtSession:
+    def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: tuple,
+                 num_layers: int, vocab_size: int, threads: int):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        try:
+            self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise BundleError(f"{path}: onnxruntime cannot load this artifact: {exc}") from None
+        self.role, self.specializations = role, specs
+        self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
+        names = [f"past_{k}.{i}" for i in range(num_layers) for k in ("key", "value")]
+        buffers = [[np.zeros(kv_shape, np.float32) for _ in names] for _ in range(2)]
+        kv = [[ort.OrtValue.ortvalue_from_numpy(b) for b in side] for side in buffers]
+        self._keep = buffers  # OrtValues borrow this memory
+        has_nlk = any(i.name == "num_logits_to_keep" for i in self.sess.get_inputs())
+        self._bound: dict[int, tuple] = {}
+        for spec in specs:
+            arrays = {"input_ids": np.zeros((spec.batch_size, spec.seq_len), np.int64),
+                      "position_ids": np.full((spec.batch_size, spec.seq_len), -1, np.int64),
+                      "logits": np.zeros((spec.batch_size, spec.num_logits, vocab_size),
+                                         np.float32)}
+            if has_nlk:
+                arrays["num_logits_to_keep"] = np.zeros((spec.num_logits, 1), np.int64)
+            values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
+            bindings = []
+            for src, dst in ((0, 1), (1, 0)):
+                b = self.sess.io_binding()
+                for name in ("input_ids", "position_ids", "num_logits_to_keep"):
+                    if name in values:
+                        b.bind_ortvalue_input(name, values[name])
+                for j, name in enumerate(names):
+                    b.bind_ortvalue_input(name, kv[src][j])
+                    b.bind_ortvalue_output(f"{name}_RetainedState", kv[dst][j])
+                b.bind_ortvalue_output("logits", values["logits"])
+                bindings.append(b)
+            self._bound[spec.seq_len] = (spec, arrays, values, bindings)
+        self._parity = 0
+        self.kv_buffers = buffers
+
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        entry = self._bound.get(input_ids.shape[1])
+        if entry is None or input_ids.shape[0] != self.batch_size:
+            pick_specialization(self.specializations, input_ids.shape[0], input_ids.shape[1])
+        spec, arrays, _, bindings = entry
+        np.copyto(arrays["input_ids"], input_ids)
+        np.copyto(arrays["position_ids"], position_ids)
+        self.sess.run_with_iobinding(bindings[self._parity])
+        self._parity ^= 1
+        return arrays["logits"]
+
+    def kv(self, layer: int, kind: str) -> np.ndarray:
+        """The current KV buffer (for tests and debugging)."""
+        names_per_layer = 2
+        return self.kv_buffers[self._parity][layer * names_per_layer + (kind == "value")]

@@ -1,0 +1,48 @@
+"""Acceptance and speed statistics, under vLLM's metric names where they exist."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import LoopTimes, Row
+
+
+def summarize(rows: list[Row], times: LoopTimes, method: str) -> dict[str, Any]:
+    drafts = sum(r.stats.num_drafts for r in rows)
+    draft_tokens = sum(r.stats.num_draft_tokens for r in rows)
+    accepted = sum(r.stats.num_accepted_tokens for r in rows)
+    width = max((len(r.stats.accepted_per_pos) for r in rows), default=0)
+    per_pos = [sum(r.stats.accepted_per_pos[j] for r in rows if j < len(r.stats.accepted_per_pos))
+               for j in range(width)]
+    new_tokens = sum(r.stats.new_tokens for r in rows)
+    decode_s = max(times.total_s - times.prefill_s, 1e-9)
+    model_s = times.draft_s + times.target_s
+    return {
+        "method": method,
+        "requests": len(rows),
+        "new_tokens": new_tokens,
+        "ttft_s": round(times.prefill_s, 4),
+        "e2e_s": round(times.total_s, 4),
+        "decode_tokens_per_s": round(max(new_tokens - len(rows), 0) / decode_s, 2),
+        "e2e_tokens_per_s": round(new_tokens / max(times.total_s, 1e-9), 2),
+        "draft_time_s": round(times.draft_s, 4),
+        "target_time_s": round(times.target_s, 4),
+        "host_overhead_s": round(times.total_s - model_s, 4),
+        "host_overhead_fraction": round((times.total_s - model_s) / max(times.total_s, 1e-9), 4),
+        "target_calls": times.target_calls,
+        "draft_calls": times.draft_calls,
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_num_accepted_tokens_per_pos": per_pos,
+        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
+        "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+        "per_request": [{"prompt_tokens": r.stats.prompt_tokens, "new_tokens": r.stats.new_tokens,
+                         "finish_reason": r.finish_reason, "ttft_s": round(r.stats.ttft_s, 4),
+                         "spec_decode_num_drafts": r.stats.num_drafts,
+                         "spec_decode_num_draft_tokens": r.stats.num_draft_tokens,
+                         "spec_decode_num_accepted_tokens": r.stats.num_accepted_tokens,
+                         "acceptance_rate": round(r.stats.acceptance_rate, 4),
+                         "mean_acceptance_length": round(r.stats.mean_acceptance_length, 4)}
+                        for r in rows],
+    }
