@@ -148,9 +148,12 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
                     else:
                         info = backend.build(ctx, rp, onnx_dir)
                         if info["status"] == "compiled":
+                            # The compiler log is cached with the QPC: the manifest names it,
+                            # so a bundle that reuses the QPC must carry it too.
                             cache.get_or_build("qpc", key, lambda tmp, rp=rp, info=info: (
                                 link_tree(staging / rp.role / "qpc", tmp / rp.role / "qpc"),
-                                info)[1])
+                                link_tree(staging / rp.role / "logs", tmp / rp.role / "logs"),
+                                info)[2])
                 built[name][rp.role] = info
                 record(f"{name} {rp.role}" + (" (emit only)" if name == "qaic" and emit_only
                                              else ""), reused, t0)

@@ -316,3 +316,17 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         emit_json(report)
     else:
         show_run(report, show_text=not stream)
+
+
+@app.command("serve-config")
+@handles_errors
+def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
+                 format: str = typer.Option("vllm", "--format", help="vllm | docker | env | "
+                                            "legacy | json"),
+                 image: str = typer.Option("ghcr.io/quic/cloud_ai_inference_vllm:latest",
+                                           help="Cloud AI vLLM image for --format docker.")):
+    """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
+    from .bundle import read_manifest
+    from .serve_config import render
+
+    sys.stdout.write(render(read_manifest(bundle), bundle, format, image))

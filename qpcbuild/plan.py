@@ -184,7 +184,8 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
              for kind in ("key", "value") for suffix in ("", "_RetainedState")]
     specs = specializations(role, r, ks)
     source = {"ref": src.ref, "revision": src.revision, "origin": src.origin,
-              "path": str(src.path) if src.path else None, "config_digest": src.config_digest}
+              "path": str(src.path) if src.path else None, "config_digest": src.config_digest,
+              "smoke_of": src.config.get("qpcbuild_smoke_of")}  # random weights standing in
     fingerprint = weights_fingerprint(src.path) if src.path else "absent"
     export_key = digest({"exporter": EXPORTER_VERSION, "config": src.config_digest,
                          "weights": fingerprint, "role": role, "continuous_batching": cb,

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from .errors import Problem, RecipeError
+from .errors import Problem, RecipeError, UsageError
 
 MAX_RECIPE_BYTES = 1 << 20
 MAX_K = 32
@@ -198,13 +198,20 @@ def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
         raise RecipeError(source, [Problem("<file>", f"recipe is larger than {MAX_RECIPE_BYTES} "
                                            "bytes; a recipe is a short YAML file")])
-    loader = _NoAliasLoader(text)
+    try:
+        loader = _NoAliasLoader(text)
+    except yaml.YAMLError as exc:  # the reader refuses control characters before parsing
+        raise RecipeError(source, [Problem("<file>", f"malformed YAML: {exc}")]) from None
     try:
         node = loader.get_single_node()
         if node is None:
             raise RecipeError(source, [Problem("<file>", "recipe is empty; start from "
                                                "recipes/demo.yaml")])
         data = loader.construct_document(node)
+        lines = _key_lines(node)
+    except RecursionError:  # "[[[[..." thousands deep: the composer recurses per level
+        raise RecipeError(source, [Problem("<file>", "malformed YAML: nested too deeply")]) \
+            from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
@@ -213,7 +220,7 @@ def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
         raise RecipeError(source, [Problem("<file>", f"malformed YAML: {exc}")]) from None
     finally:
         loader.dispose()
-    return data, _key_lines(node)
+    return data, lines
 
 
 # ---------------------------------------------------------------- validation
@@ -432,9 +439,13 @@ def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
 
 def resolve_model_path(recipe: Recipe, ref: str) -> str:
     """A local folder is taken relative to the recipe's folder; anything else is a hub id."""
-    candidate = Path(ref).expanduser()
-    if not candidate.is_absolute():
-        candidate = recipe.source_dir() / candidate
-    if candidate.exists() or ref.startswith((".", "/", "~")):
-        return str(candidate.resolve())
+    try:
+        candidate = Path(ref).expanduser()
+        if not candidate.is_absolute():
+            candidate = recipe.source_dir() / candidate
+        if candidate.exists() or ref.startswith((".", "/", "~")):
+            return str(candidate.resolve())
+    except (OSError, RuntimeError) as exc:  # "~nosuchuser/m", a name longer than NAME_MAX
+        raise UsageError(f"model '{ref}' is neither a usable folder path nor a Hugging Face id "
+                         f"({exc})") from None
     return ref

@@ -1,0 +1,117 @@
+"""Smoke weights: random checkpoints with a recipe's exact shapes, for checking a recipe end to end
+(export, compiler inputs, emit-only bundle) on a machine that lacks the real weights.
+
+They are marked as such everywhere they appear (folder name, config, manifest source path), and
+a bundle built from them is only good for checking the toolchain, never for serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .arch import ArchSpec, arch_from_config
+from .plan import digest
+from .recipe import Recipe, resolve_model_path
+from .source import resolve
+
+CHUNK_ELEMENTS = 1 << 24  # generate at most 64 MiB of float32 at a time
+
+
+def tensor_shapes(a: ArchSpec) -> dict[str, tuple[int, ...]]:
+    h, d = a.hidden_size, a.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, h)}
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}"
+        proj = {"q_proj": a.num_heads * d, "k_proj": a.num_kv_heads * d, "v_proj": a.num_kv_heads * d}
+        for name, out in proj.items():
+            shapes[f"{p}.self_attn.{name}.weight"] = (out, h)
+            if a.qkv_bias:
+                shapes[f"{p}.self_attn.{name}.bias"] = (out,)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (h, a.num_heads * d)
+        if a.o_bias:
+            shapes[f"{p}.self_attn.o_proj.bias"] = (h,)
+        if a.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
+        shapes[f"{p}.mlp.gate_proj.weight"] = (a.intermediate_size, h)
+        shapes[f"{p}.mlp.up_proj.weight"] = (a.intermediate_size, h)
+        shapes[f"{p}.mlp.down_proj.weight"] = (h, a.intermediate_size)
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not a.tie_word_embeddings:
+        shapes["lm_head.weight"] = (a.vocab_size, h)
+    return shapes
+
+
+def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str,
+                             seed: int = 0) -> None:
+    """Stream random N(0, 0.02) matrices (ones for norms) into one safetensors file."""
+    code, size = {"bfloat16": ("BF16", 2), "float16": ("F16", 2)}.get(dtype, ("F32", 4))
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape)) * size
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape in shapes.items():
+            total = int(np.prod(shape))
+            for start in range(0, total, CHUNK_ELEMENTS):
+                n = min(CHUNK_ELEMENTS, total - start)
+                x = np.ones(n, np.float32) if name.endswith("norm.weight") else \
+                    rng.standard_normal(n, dtype=np.float32) * 0.02
+                if code == "BF16":
+                    fh.write((x.view(np.uint32) >> 16).astype("<u2").tobytes())
+                elif code == "F16":
+                    fh.write(x.astype("<f2").tobytes())
+                else:
+                    fh.write(x.astype("<f4").tobytes())
+
+
+def smoke_model(config: dict, folder: Path, layers: int | None, of: str = "") -> Path:
+    """A cached random checkpoint for `config` (optionally with fewer layers)."""
+    config = dict(config, qpcbuild_smoke_of=of)
+    if layers:
+        config["num_hidden_layers"] = min(layers, int(config["num_hidden_layers"]))
+    config["qpcbuild_smoke_weights"] = True
+    out = folder / f"smoke-{digest(config)}"
+    if (out / "model.safetensors").is_file():
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smoke-", dir=folder))
+    try:
+        arch = arch_from_config(config)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        write_random_safetensors(tmp / "model.safetensors", tensor_shapes(arch),
+                                 str(config.get("torch_dtype") or config.get("dtype") or "float32"))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def with_smoke_weights(r: Recipe, folder: Path, layers: int | None,
+                       say: Callable[[str], None] = print) -> Recipe:
+    """The same recipe with every model replaced by a random checkpoint of its shapes."""
+    update = {}
+    refs = {"target": r.target} | ({"draft": r.draft} if r.draft.method == "draft_model" else {})
+    for role, ref in refs.items():
+        src = resolve(resolve_model_path(r, ref.model), ref.revision)
+        path = smoke_model(src.config, folder, layers, ref.model)
+        say(f"smoke weights for {role} ({ref.model}, "
+            f"{json.loads((path / 'config.json').read_text())['num_hidden_layers']} layers): {path}")
+        update[role] = ref.model_copy(update={"model": str(path), "revision": None})
+    return r.model_copy(update=update)

@@ -1,0 +1,81 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# ==================================================================================================
+# BEGIN tiny-checkpoints block (export tests): small real Hugging Face checkpoints built locally.
+# ==================================================================================================
+
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=256, intermediate_size=128, max_position_embeddings=512)
+# Passed as `rope_scaling`, which transformers 4.x takes natively and 5.x converts into
+# `rope_parameters` (the form then written to config.json).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # small, so that the scaling changes frequencies at the tiny head_dim used here
+               "original_max_position_embeddings": 32}
+
+
+def _randomize(model, seed: int) -> None:
+    """Weights large enough that logits are O(1) and norms/biases actually matter."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):  # every RMSNorm, including Qwen3's q_norm / k_norm
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):  # Qwen2's q/k/v biases
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def _tiny_variants():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        # name: (config, dtype written to disk)
+        "llama": (LlamaConfig(**TINY_SHAPE, tie_word_embeddings=True), "float32"),
+        "llama_untied_rope": (LlamaConfig(**TINY_SHAPE, tie_word_embeddings=False, head_dim=32,
+                                          rope_scaling=dict(LLAMA3_ROPE)), "float32"),
+        "llama_bf16": (LlamaConfig(**TINY_SHAPE, tie_word_embeddings=False), "bfloat16"),
+        "mistral": (MistralConfig(**TINY_SHAPE, head_dim=16, tie_word_embeddings=False),
+                    "float32"),
+        "qwen2": (Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False), "float32"),
+        "qwen3": (Qwen3Config(**TINY_SHAPE, head_dim=16, tie_word_embeddings=False), "float32"),
+    }
+
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Folders of tiny random checkpoints (config.json + safetensors), one per family variant,
+    plus "llama_sharded": the "llama" weights saved as an index and several small shards."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    out: dict[str, Path] = {}
+    for seed, (name, (config, dtype)) in enumerate(_tiny_variants().items()):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+        _randomize(model, seed)
+        if dtype == "bfloat16":
+            model = model.to(torch.bfloat16)
+        out[name] = root / name
+        model.save_pretrained(out[name], safe_serialization=True)
+        if name == "llama":
+            out["llama_sharded"] = root / "llama_sharded"
+            model.save_pretrained(out["llama_sharded"], safe_serialization=True,
+                                  max_shard_size="40KB")
+    return out
+
+# ==================================================================================================
+# END tiny-checkpoints block
+# ==================================================================================================

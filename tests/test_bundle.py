@@ -1,0 +1,590 @@
+"""End-to-end bundle builds with the onnxruntime backend, on tiny random Llama models.
+
+Every test builds into its own cache (tmp_path), never the user cache: cache files are made
+read-only and hard-linked into bundles, so a test that edits a bundle file edits its cache too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import qpcbuild.bundle as bundle_mod
+from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
+from qpcbuild.cache import Cache
+from qpcbuild.cli import app
+from qpcbuild.compile.onnxruntime import OrtBackend
+from qpcbuild.errors import BundleError, ToolchainError
+from qpcbuild.plan import make_plan
+from qpcbuild.recipe import load_recipe
+
+pytestmark = pytest.mark.slow
+
+runner = CliRunner()
+
+# Every file an onnxruntime-only bundle of the fixture pair holds, besides manifest.json.
+ORT_FILES = [
+    "draft/ort/model.onnx",
+    "draft/ort/model.onnx.data",
+    "recipe.yaml",
+    "target/ort/model.onnx",
+    "target/ort/model.onnx.data",
+    "tokenizer/generation_config.json",
+    "tokenizer/tokenizer.json",
+]
+
+
+# ---------------------------------------------------------------- fixture models and recipes
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, 256)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def _save_llama(folder: Path, hidden: int, layers: int, seed: int, tokenizer) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    gen = folder / "generation_config.json"
+    if not gen.is_file():  # written by save_pretrained today; keep the file list fixed anyway
+        gen.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    tok = _tokenizer()
+    return {
+        "target": _save_llama(root / "target", 64, 2, seed=0, tokenizer=tok),
+        "draft": _save_llama(root / "draft", 32, 1, seed=1, tokenizer=tok),
+        "draft_b": _save_llama(root / "draft_b", 32, 1, seed=2, tokenizer=tok),
+    }
+
+
+def recipe_text(models: dict[str, Path], name: str = "tiny", k: int = 3,
+                draft: str = "draft") -> str:
+    return f"""\
+schema: 1
+name: {name}
+target:
+  model: {models["target"]}
+draft:
+  method: draft_model
+  model: {models[draft]}
+speculation:
+  num_speculative_tokens: {k}
+shapes:
+  batch_size: 1
+  prefill_seq_len: 8
+  ctx_len: 64
+hardware:
+  card: cloud-ai-100-ultra
+  target: {{device_group: [0], num_cores: 10}}
+  draft: {{device_group: [0], num_cores: 6}}
+backends: [onnxruntime]
+"""
+
+
+@pytest.fixture
+def recipe(models, tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(recipe_text(models))
+    return path
+
+
+def build(recipe: Path, cache: Path, out: Path, *overrides: str, **kw) -> BuildResult:
+    plan = make_plan(load_recipe(recipe, list(overrides)))
+    return build_bundle(plan, cache=Cache(cache), out=out,
+                        argv=["qpcbuild", "compile", str(recipe)], **kw)
+
+
+def reuse(result: BuildResult) -> dict[str, bool]:
+    return {s["stage"]: s["reused"] for s in result.stages}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def files_on_disk(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def leftovers(out: Path) -> list[str]:
+    """Staging or half-replaced folders that a build must never leave beside its output."""
+    return sorted(p.name for p in out.parent.iterdir()
+                  if p.name.startswith((f".{out.name}.building-", f".{out.name}.old-")))
+
+
+def cache_temp_dirs(cache: Path) -> list[Path]:
+    return [p for kind in ("exports", "ort", "qpc") if (cache / kind).is_dir()
+            for p in (cache / kind).iterdir() if p.name.startswith(".")]
+
+
+def writable(path: Path) -> Path:
+    path.chmod(path.stat().st_mode | stat.S_IWUSR)
+    return path
+
+
+def flip_byte(path: Path) -> None:
+    writable(path)
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def bundle(recipe, tmp_path) -> Path:
+    """A fresh bundle with a private cache: tests may edit its files (after chmod)."""
+    out = tmp_path / "out" / "tiny"
+    build(recipe, tmp_path / "cache", out)
+    return out
+
+
+# ---------------------------------------------------------------- layout and manifest
+def test_compile_writes_bundle_with_complete_manifest(recipe, models, tmp_path):
+    out = tmp_path / "out" / "tiny"
+    result = build(recipe, tmp_path / "cache", out)
+
+    assert result.bundle == out
+    assert files_on_disk(out) == sorted(ORT_FILES + ["manifest.json"])
+    assert (out / "tokenizer").is_dir()
+    m = read_manifest(out)
+    assert m["schema"] == 1
+    assert m["name"] == "tiny"
+    assert m["bundle_id"] == result.bundle_id and len(m["bundle_id"]) == 64
+    assert m["backends"] == ["onnxruntime"]
+    assert m["speculation"]["method"] == "draft_model"
+    assert m["speculation"]["num_speculative_tokens"] == [3]
+
+    # Every file, with its size and digest; nothing unlisted.
+    assert sorted(m["files"]) == ORT_FILES
+    for rel, meta in m["files"].items():
+        assert meta == {"size": (out / rel).stat().st_size, "sha256": sha256(out / rel)}, rel
+
+    expect = {"target": (64, 2, 10, [3]), "draft": (32, 1, 6, [])}
+    for role, (hidden, layers, cores, ks) in expect.items():
+        info = m["roles"][role]
+        src = info["source"]
+        assert src["path"] == str(models[role]) and src["origin"] == "local"
+        assert len(src["weights_digest"]) == 64 and len(src["config_digest"]) == 64
+        assert info["arch"]["architecture"] == "LlamaForCausalLM"
+        assert (info["arch"]["hidden_size"], info["arch"]["num_layers"]) == (hidden, layers)
+        assert info["compiled_ks"] == ks
+        assert info["num_cores"] == cores
+        assert info["device_group"] == [0]
+        assert info["backends"]["onnxruntime"]["status"] == "compiled"
+        assert info["backends"]["onnxruntime"]["artifact"] == f"{role}/ort/model.onnx"
+        for spec in info["specializations"]:
+            assert all(isinstance(v, str) for v in spec["symbols"].values())
+
+        # The manifest's io signature is the graph's, and ORT can load the artifact.
+        graph = onnx.load(str(out / role / "ort" / "model.onnx"), load_external_data=False)
+        assert [i["name"] for i in info["io"]["inputs"]] == [i.name for i in graph.graph.input]
+        assert [o["name"] for o in info["io"]["outputs"]] == [o.name for o in graph.graph.output]
+        kv = {f"past_{kind}.{i}" for i in range(layers) for kind in ("key", "value")}
+        assert kv <= {i["name"] for i in info["io"]["inputs"]}
+        assert {f"{n}_RetainedState" for n in kv} <= {o["name"] for o in info["io"]["outputs"]}
+        import onnxruntime as ort
+        session = ort.InferenceSession(str(out / role / "ort" / "model.onnx"),
+                                       providers=["CPUExecutionProvider"])
+        assert [i.name for i in session.get_inputs()] == [i.name for i in graph.graph.input]
+
+    target_specs = m["roles"]["target"]["specializations"]
+    assert [s["name"] for s in target_specs] == ["Prefill", "Decode"]
+    assert target_specs[0]["symbols"] == {"batch_size": "1", "seq_len": "8", "ctx_len": "64",
+                                          "num_logits_to_keep": "1"}
+    assert target_specs[1]["symbols"] == {"batch_size": "1", "seq_len": "4", "ctx_len": "64",
+                                          "num_logits_to_keep": "4"}
+
+    tok_digest = sha256(models["target"] / "tokenizer.json")
+    assert m["tokenizer"]["verdict"] == "identical"
+    assert m["tokenizer"]["target_digest"] == m["tokenizer"]["draft_digest"] == tok_digest
+    assert sha256(out / "tokenizer" / "tokenizer.json") == tok_digest
+
+    tc = m["toolchain"]
+    for key in ("qpcbuild", "python", "onnx", "onnxruntime", "numpy"):
+        assert tc[key], key
+    assert tc["backends"]["onnxruntime"]["onnxruntime"] == tc["onnxruntime"]
+    assert m["commands"]["qpcbuild"] == ["qpcbuild", "compile", str(recipe)]
+    assert not any(k.startswith("qaic_compile") for k in m["commands"])
+
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["name"] == "tiny"
+
+
+# ---------------------------------------------------------------- verify
+def test_verify_fresh_bundle_is_clean(bundle):
+    assert verify_bundle(bundle) == []
+    assert verify_bundle(bundle, fast=True) == []
+
+
+@pytest.mark.parametrize("rel", ORT_FILES)
+def test_verify_reports_each_flipped_byte(bundle, rel):
+    assert rel in read_manifest(bundle)["files"]
+    flip_byte(bundle / rel)
+    problems = verify_bundle(bundle)
+    assert problems == [f"changed file: {rel} (sha256 differs from the manifest)"]
+    # --fast compares sizes only; a same-size change is what it documents it cannot see.
+    assert verify_bundle(bundle, fast=True) == []
+
+
+def test_verify_reports_missing_and_extra_files(bundle):
+    (bundle / "target/ort/model.onnx.data").unlink()
+    (bundle / "draft/ort/notes.txt").write_text("not from the build\n")
+    assert verify_bundle(bundle) == ["missing file: target/ort/model.onnx.data",
+                                     "extra file: draft/ort/notes.txt"]
+    assert verify_bundle(bundle, fast=True) == verify_bundle(bundle)
+
+
+def test_verify_fast_catches_size_change(bundle):
+    with open(writable(bundle / "draft/ort/model.onnx.data"), "ab") as fh:
+        fh.write(b"\0")
+    (problem,) = verify_bundle(bundle, fast=True)
+    assert problem.startswith("changed file: draft/ort/model.onnx.data (size ")
+    result = runner.invoke(app, ["verify", str(bundle), "--fast"])
+    assert result.exit_code == 1
+    assert "draft/ort/model.onnx.data" in result.stderr
+
+
+def test_verify_catches_edited_manifest_digest(bundle):
+    manifest_path = writable(bundle / "manifest.json")
+    m = json.loads(manifest_path.read_text())
+    m["files"]["recipe.yaml"]["sha256"] = "0" * 64
+    manifest_path.write_text(json.dumps(m))
+    problems = verify_bundle(bundle)
+    assert "changed file: recipe.yaml (sha256 differs from the manifest)" in problems
+    assert "manifest: bundle_id does not match its file list" in problems
+
+
+def test_verify_refuses_corrupt_or_missing_manifest(bundle, tmp_path):
+    manifest_path = writable(bundle / "manifest.json")
+    manifest_path.write_text('{"schema": 1, "files": ')
+    with pytest.raises(BundleError, match="corrupted manifest"):
+        verify_bundle(bundle)
+    manifest_path.unlink()
+    with pytest.raises(BundleError, match="no manifest.json"):
+        verify_bundle(bundle)
+    result = runner.invoke(app, ["verify", str(bundle)])
+    assert result.exit_code == 1 and "manifest.json" in result.stderr
+
+
+def test_cli_verify(bundle):
+    ok = runner.invoke(app, ["verify", str(bundle)])
+    assert ok.exit_code == 0, ok.output
+    flip_byte(bundle / "target/ort/model.onnx")
+    bad = runner.invoke(app, ["verify", str(bundle)])
+    assert bad.exit_code == 1
+    assert "target/ort/model.onnx" in bad.stderr
+    assert "draft/" not in bad.stderr
+
+
+# ---------------------------------------------------------------- reproducibility and cache
+def test_same_recipe_gives_same_bundle_id_with_fresh_caches(recipe, tmp_path):
+    a = build(recipe, tmp_path / "cache-a", tmp_path / "a" / "tiny")
+    b = build(recipe, tmp_path / "cache-b", tmp_path / "b" / "tiny")
+    assert a.bundle_id == b.bundle_id
+    assert not any(reuse(b).values())
+    assert read_manifest(a.bundle)["files"] == read_manifest(b.bundle)["files"]
+    # Rebuilding over an existing bundle (cache warm) gives the same id again.
+    c = build(recipe, tmp_path / "cache-a", tmp_path / "a" / "tiny")
+    assert c.bundle_id == a.bundle_id and all(reuse(c).values())
+    assert verify_bundle(c.bundle) == []
+
+
+def test_second_build_reuses_every_stage(recipe, tmp_path):
+    cache = tmp_path / "cache"
+    first = build(recipe, cache, tmp_path / "one" / "tiny")
+    second = build(recipe, cache, tmp_path / "two" / "tiny")
+    stages = ["export target", "export draft", "onnxruntime target", "onnxruntime draft"]
+    assert sorted(reuse(first)) == sorted(stages) and not any(reuse(first).values())
+    assert reuse(second) == {s: True for s in stages}
+    assert second.bundle_id == first.bundle_id
+    assert verify_bundle(second.bundle) == []
+
+
+@pytest.mark.parametrize("override", ["speculation.num_speculative_tokens=2",
+                                      "hardware.target.num_cores=8"])
+def test_changing_k_or_cores_reuses_both_exports(recipe, tmp_path, override):
+    cache = tmp_path / "cache"
+    first = build(recipe, cache, tmp_path / "one" / "tiny")
+    changed = build(recipe, cache, tmp_path / "two" / "tiny", override)
+    r = reuse(changed)
+    assert r["export target"] and r["export draft"]
+    assert not r["onnxruntime target"]  # K and the core share shape the target's artifact
+    assert changed.bundle_id != first.bundle_id
+    assert verify_bundle(changed.bundle) == []
+    m = read_manifest(changed.bundle)
+    if "num_speculative_tokens" in override:
+        assert m["roles"]["target"]["compiled_ks"] == [2]
+        assert r["onnxruntime draft"]  # the draft's artifact does not depend on K
+    else:
+        assert m["roles"]["target"]["num_cores"] == 8
+
+
+def test_changing_draft_reuses_target_export(recipe, models, tmp_path):
+    cache = tmp_path / "cache"
+    first = build(recipe, cache, tmp_path / "one" / "tiny")
+    other = build(recipe, cache, tmp_path / "two" / "tiny", f"draft.model={models['draft_b']}")
+    r = reuse(other)
+    assert r["export target"] and r["onnxruntime target"]
+    assert not r["export draft"] and not r["onnxruntime draft"]
+    m1, m2 = read_manifest(first.bundle), read_manifest(other.bundle)
+    assert m1["roles"]["target"]["source"] == m2["roles"]["target"]["source"]
+    assert m1["roles"]["draft"]["source"]["weights_digest"] != \
+        m2["roles"]["draft"]["source"]["weights_digest"]
+
+
+def test_different_weights_with_same_mtime_are_not_reused(recipe, models, tmp_path):
+    clone = tmp_path / "draft_clone"
+    shutil.copytree(models["draft_b"], clone)
+    for f in clone.iterdir():
+        st = (models["draft"] / f.name).stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    cache = tmp_path / "cache"
+    build(recipe, cache, tmp_path / "one" / "tiny")
+    other = build(recipe, cache, tmp_path / "two" / "tiny", f"draft.model={clone}")
+    assert not reuse(other)["export draft"]
+
+
+def test_weights_replaced_in_place_with_restored_mtime_are_not_reused(models, recipe, tmp_path):
+    """Same folder, same sizes, mtimes restored (as tar or rsync -t do): still a new export."""
+    folder = tmp_path / "draft_in_place"
+    shutil.copytree(models["draft"], folder)
+    cache = tmp_path / "cache"
+    first = build(recipe, cache, tmp_path / "one" / "tiny", f"draft.model={folder}")
+    for f in folder.iterdir():
+        st = f.stat()
+        shutil.copyfile(models["draft_b"] / f.name, f)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = build(recipe, cache, tmp_path / "two" / "tiny", f"draft.model={folder}")
+    assert not reuse(second)["export draft"]
+    assert read_manifest(first.bundle)["roles"]["draft"]["source"]["weights_digest"] != \
+        read_manifest(second.bundle)["roles"]["draft"]["source"]["weights_digest"]
+
+
+# ---------------------------------------------------------------- atomic builds
+def _fail_ort(self, ctx, role, onnx_dir):
+    raise ToolchainError("injected: onnxruntime failed")
+
+
+def _interrupting_export(real):
+    def export(src, role, *args, **kwargs):
+        if role == "draft":
+            raise KeyboardInterrupt
+        return real(src, role, *args, **kwargs)
+    return export
+
+
+def _interrupting_hash(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["ort-error", "interrupt-in-draft-export",
+                                   "interrupt-before-manifest"])
+def test_failed_build_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path, monkeypatch, where):
+    out = tmp_path / "out" / "tiny"
+    # The older bundle comes from another cache, so the failing build starts cold.
+    build(recipe, tmp_path / "old-cache", out, "speculation.num_speculative_tokens=2")
+    before = {rel: sha256(out / rel) for rel in files_on_disk(out)}
+    old_id = read_manifest(out)["bundle_id"]
+
+    if where == "ort-error":
+        monkeypatch.setattr(OrtBackend, "build", _fail_ort)
+        expected, exc = {"export target": True, "export draft": True}, ToolchainError
+    elif where == "interrupt-in-draft-export":
+        monkeypatch.setattr(bundle_mod, "export_model",
+                            _interrupting_export(bundle_mod.export_model))
+        expected, exc = {"export target": True, "export draft": False}, KeyboardInterrupt
+    else:
+        monkeypatch.setattr(bundle_mod, "hash_tree", _interrupting_hash)
+        expected = {"export target": True, "export draft": True, "onnxruntime target": True,
+                    "onnxruntime draft": True}
+        exc = KeyboardInterrupt
+
+    cache = tmp_path / "cache"
+    with pytest.raises(exc):
+        build(recipe, cache, out, jobs=1)
+    monkeypatch.undo()  # verify_bundle hashes with the same hash_tree
+    assert leftovers(out) == []
+    assert cache_temp_dirs(cache) == []
+    assert {rel: sha256(out / rel) for rel in files_on_disk(out)} == before
+    assert read_manifest(out)["bundle_id"] == old_id and verify_bundle(out) == []
+
+    again = build(recipe, cache, out, jobs=1)
+    assert {k: v for k, v in reuse(again).items() if k in expected} == expected
+    assert read_manifest(out)["roles"]["target"]["compiled_ks"] == [3]
+    assert verify_bundle(out) == [] and leftovers(out) == []
+
+
+def test_failed_first_build_leaves_no_bundle(recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(OrtBackend, "build", _fail_ort)
+    out = tmp_path / "out" / "tiny"
+    with pytest.raises(ToolchainError, match="injected"):
+        build(recipe, tmp_path / "cache", out)
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_refuses_to_replace_a_folder_that_is_not_a_bundle(recipe, tmp_path):
+    out = tmp_path / "out" / "tiny"
+    out.mkdir(parents=True)
+    (out / "precious.txt").write_text("keep me\n")
+    with pytest.raises(BundleError, match="not a qpcbuild bundle"):
+        build(recipe, tmp_path / "cache", out)
+    assert files_on_disk(out) == ["precious.txt"] and leftovers(out) == []
+
+
+# ---------------------------------------------------------------- concurrency
+def test_concurrent_builds_share_one_cache(recipe, tmp_path, monkeypatch):
+    real = bundle_mod.export_model
+    calls: list[str] = []
+
+    def slow_export(src, role, *args, **kwargs):  # widen the window in which both builds run
+        calls.append(role)
+        time.sleep(0.3)
+        return real(src, role, *args, **kwargs)
+
+    monkeypatch.setattr(bundle_mod, "export_model", slow_export)
+    cache, barrier = tmp_path / "cache", threading.Barrier(2)
+    results: dict[str, BuildResult] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            barrier.wait()
+            results[name] = build(recipe, cache, tmp_path / name / "tiny", jobs=1)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert results["a"].bundle_id == results["b"].bundle_id
+    assert sorted(calls) == ["draft", "target"]  # each export written once
+    for stage in reuse(results["a"]):
+        assert sorted([reuse(results["a"])[stage], reuse(results["b"])[stage]]) == \
+            [False, True], stage
+    assert verify_bundle(results["a"].bundle) == verify_bundle(results["b"].bundle) == []
+    assert cache_temp_dirs(cache) == []
+
+
+def test_concurrent_cli_processes_share_one_cache(recipe, tmp_path):
+    cache = tmp_path / "cache"
+    code = "from qpcbuild.cli import app; app()"
+    procs = [subprocess.Popen([sys.executable, "-c", code, "compile", str(recipe), "-o",
+                               str(tmp_path / name / "tiny"), "--cache-dir", str(cache), "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ("a", "b")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr
+    ids = {json.loads(stdout)["bundle_id"] for stdout, _ in outs}
+    assert len(ids) == 1
+    assert verify_bundle(tmp_path / "a" / "tiny") == verify_bundle(tmp_path / "b" / "tiny") == []
+    assert cache_temp_dirs(cache) == []
+
+
+# ---------------------------------------------------------------- CLI
+def test_package_is_reproducible_and_unpacks_to_a_valid_bundle(bundle, tmp_path):
+    a, b = tmp_path / "a.tar.gz", tmp_path / "b.tar.gz"
+    for archive in (a, b):
+        result = runner.invoke(app, ["package", str(bundle), "-o", str(archive)])
+        assert result.exit_code == 0, result.output
+    assert a.read_bytes() == b.read_bytes()
+
+    dest = tmp_path / "unpacked"
+    result = runner.invoke(app, ["unpack", str(a), "-d", str(dest)])
+    assert result.exit_code == 0, result.output
+    unpacked = dest / "tiny"
+    assert files_on_disk(unpacked) == files_on_disk(bundle)
+    result = runner.invoke(app, ["verify", str(unpacked)])
+    assert result.exit_code == 0, result.output
+    assert verify_bundle(unpacked) == []
+    # Packing the unpacked copy reproduces the archive byte for byte.
+    c = tmp_path / "c.tar.gz"
+    assert runner.invoke(app, ["package", str(unpacked), "-o", str(c)]).exit_code == 0
+    assert c.read_bytes() == a.read_bytes()
+
+
+def test_package_refuses_a_folder_without_manifest(tmp_path):
+    folder = tmp_path / "not-a-bundle"
+    folder.mkdir()
+    (folder / "x.txt").write_text("x")
+    result = runner.invoke(app, ["package", str(folder), "-o", str(tmp_path / "x.tar.gz")])
+    assert result.exit_code == 1 and "manifest.json" in result.stderr
+    assert not (tmp_path / "x.tar.gz").exists()
+
+
+def test_cli_compile_json(recipe, tmp_path):
+    out = tmp_path / "out" / "tiny"
+    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+                                 str(tmp_path / "cache"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["bundle"] == str(out)
+    assert data["bundle_id"] == read_manifest(out)["bundle_id"]
+    assert {s["stage"] for s in data["stages"]} == {
+        "export target", "export draft", "onnxruntime target", "onnxruntime draft"}
+    assert all(isinstance(s["reused"], bool) for s in data["stages"])
+    assert verify_bundle(out) == []
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda t: t.replace("num_speculative_tokens: 3", "num_speculative_tokens: 40"),
+     "speculation.num_speculative_tokens"),
+    (lambda t: t.replace("ctx_len: 64", "ctx_len: 64\n  ctx_lenn: 3"), "ctx_lenn"),
+    (lambda t: t.replace("/draft\n", "/no-such-draft\n"), "draft.model"),
+])
+def test_cli_compile_bad_recipe_exits_2(recipe, tmp_path, edit, key):
+    recipe.write_text(edit(recipe.read_text()))
+    out, cache = tmp_path / "out" / "tiny", tmp_path / "cache"
+    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+                                 str(cache), "--json"])
+    assert result.exit_code == 2, result.output
+    assert key in result.stderr
+    assert result.stdout == ""
+    assert not out.exists() and not (cache / "exports").exists()
+
+
+def test_cli_inspect(bundle):
+    result = runner.invoke(app, ["inspect", str(bundle)])
+    assert result.exit_code == 0, result.output
+    assert "tiny" in result.stdout
+    assert "target" in result.stdout and "draft" in result.stdout
+    as_json = runner.invoke(app, ["inspect", str(bundle), "--json"])
+    assert as_json.exit_code == 0
+    assert json.loads(as_json.stdout) == read_manifest(bundle)
+
+
+def test_cli_inspect_rejects_non_bundle(tmp_path):
+    result = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 1 and "manifest.json" in result.stderr

@@ -1,0 +1,499 @@
+"""The qaic backend without the Cloud AI SDK: fail-fast, --emit-only, and a recording stand-in
+for qaic-compile that checks what the real compiler would be given.
+
+The SDK's compiler paths are patched to nonexistent files in every test, so a machine that does
+have the SDK runs the same tests. Every test uses its own cache under tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import qpcbuild.bundle as bundle_mod
+import qpcbuild.plan as plan_mod
+from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
+from qpcbuild.cache import Cache
+from qpcbuild.cli import app
+from qpcbuild.errors import ToolchainError
+from qpcbuild.plan import make_plan
+from qpcbuild.recipe import load_recipe
+
+pytestmark = pytest.mark.slow
+
+runner = CliRunner()
+ROLES = ("target", "draft")
+LAYERS = {"target": 2, "draft": 1}
+
+
+# ---------------------------------------------------------------- fixture models and recipes
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    import torch
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    root = tmp_path_factory.mktemp("qaic-models")
+    out = {}
+    for seed, (role, hidden) in enumerate((("target", 64), ("draft", 32))):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=LAYERS[role], num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=256,
+                             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        folder = root / role
+        LlamaForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
+        tok.save(str(folder / "tokenizer.json"))
+        out[role] = folder
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_sdk(monkeypatch, tmp_path) -> tuple[str, str]:
+    """This machine has no SDK; make sure the tests behave the same on one that does."""
+    fake = (str(tmp_path / "sdk" / "qaic-compile"), str(tmp_path / "sdk" / "qaic-exec"))
+    monkeypatch.setattr(plan_mod, "QAIC_COMPILERS", fake)
+    monkeypatch.delenv("QAIC_COMPILER", raising=False)
+    return fake
+
+
+def write_recipe(folder: Path, models: dict[str, Path], *, k="3", kv="float16",
+                 fmt="named", target_hw="{device_group: [0], num_cores: 10}",
+                 draft_hw="{device_group: [0], num_cores: 6}", num_cards=1) -> Path:
+    path = folder / "tiny-qaic.yaml"
+    path.write_text(f"""\
+schema: 1
+name: tiny-qaic
+target:
+  model: {models["target"]}
+draft:
+  method: draft_model
+  model: {models["draft"]}
+speculation:
+  num_speculative_tokens: {k}
+shapes:
+  batch_size: 1
+  prefill_seq_len: 8
+  ctx_len: 64
+precision:
+  kv_cache_dtype: {kv}
+hardware:
+  card: cloud-ai-100-ultra
+  num_cards: {num_cards}
+  target: {target_hw}
+  draft: {draft_hw}
+  specializations_format: {fmt}
+backends: [qaic, onnxruntime]
+""")
+    return path
+
+
+@pytest.fixture
+def recipe(models, tmp_path) -> Path:
+    return write_recipe(tmp_path, models)
+
+
+def build(recipe: Path, cache: Path, out: Path, *overrides: str, **kw) -> BuildResult:
+    plan = make_plan(load_recipe(recipe, list(overrides)))
+    return build_bundle(plan, cache=Cache(cache), out=out,
+                        argv=["qpcbuild", "compile", str(recipe)], **kw)
+
+
+def plan_argv(recipe: Path, role: str, *overrides: str) -> list[str]:
+    return make_plan(load_recipe(recipe, list(overrides))).role(role).compiler_argv
+
+
+def reuse(result: BuildResult) -> dict[str, bool]:
+    return {s["stage"]: s["reused"] for s in result.stages}
+
+
+def leftovers(out: Path) -> list[str]:
+    if not out.parent.is_dir():
+        return []
+    return sorted(p.name for p in out.parent.iterdir()
+                  if p.name.startswith((f".{out.name}.building-", f".{out.name}.old-")))
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------- stand-in compiler
+STAND_IN = '''\
+#!{python}
+"""Stand-in for qaic-compile: records how it was called and what it was given."""
+import json, os, signal, sys
+
+LOG, MODE, FAIL_ROLE = {log!r}, {mode!r}, {fail_role!r}
+opts = dict(a.split("=", 1) for a in sys.argv[1:] if a.startswith("-") and "=" in a)
+role = opts.get("-m", "?").split("/")[0]
+record = {{"argv": sys.argv, "cwd": os.getcwd(), "role": role, "inputs": {{}}}}
+for flag in ("-m", "-network-specialization-config", "-custom-IO-list-file",
+             "-mdp-load-partition-config"):
+    if flag not in opts:
+        continue
+    path = opts[flag]
+    if not os.path.isfile(path):
+        print(f"stand-in: {{flag}} names {{path}}, which does not exist", file=sys.stderr)
+        sys.exit(3)
+    if flag == "-m":
+        data = path + ".data"
+        record["inputs"][flag] = {{"size": os.path.getsize(path),
+                                   "data_size": os.path.getsize(data) if os.path.isfile(data)
+                                   else None}}
+    else:
+        with open(path) as fh:
+            record["inputs"][flag] = fh.read()
+calls = []
+if os.path.exists(LOG):
+    with open(LOG) as fh:
+        calls = json.load(fh)
+calls.append(record)
+with open(LOG, "w") as fh:
+    json.dump(calls, fh)
+print(f"stand-in compiling {{role}}: {{len(sys.argv) - 1}} arguments", flush=True)
+if role == FAIL_ROLE:
+    if MODE == "exit1":
+        print(f"ERROR: lowering failed in {{role}} at node /model/layers.0/self_attn", flush=True)
+        sys.exit(1)
+    if MODE == "sigsegv":
+        print(f"about to crash while compiling {{role}}", flush=True)
+        import resource
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the bundle
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if MODE == "no-qpc":
+        print(f"finished {{role}} without writing a program", flush=True)
+        sys.exit(0)
+out = opts["-aic-binary-dir"]
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "programqpc.bin"), "wb") as fh:
+    fh.write(b"QPC stand-in " + role.encode())
+'''
+
+
+class StandIn:
+    def __init__(self, folder: Path, mode: str = "ok", fail_role: str | None = None):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"qaic-compile-{mode}"
+        self.log = folder / f"calls-{mode}.json"
+        self.path.write_text(STAND_IN.format(python=sys.executable, log=str(self.log),
+                                             mode=mode, fail_role=fail_role))
+        self.path.chmod(0o755)
+
+    @property
+    def calls(self) -> list[dict]:
+        return json.loads(self.log.read_text()) if self.log.exists() else []
+
+
+@pytest.fixture
+def stand_in(tmp_path) -> StandIn:
+    return StandIn(tmp_path / "bin")
+
+
+# ---------------------------------------------------------------- no compiler
+def test_missing_compiler_fails_before_any_export(recipe, tmp_path, monkeypatch, no_sdk):
+    def no_export(*args, **kwargs):
+        raise AssertionError("export started although the compiler is missing")
+
+    monkeypatch.setattr(bundle_mod, "export_model", no_export)
+    cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
+    with pytest.raises(ToolchainError) as info:
+        build(recipe, cache, out)
+    msg = str(info.value)
+    for looked_for in no_sdk:
+        assert looked_for in msg
+    for hint in ("--compiler", "QAIC_COMPILER", "--emit-only"):
+        assert hint in msg
+    assert not (cache / "exports").exists()
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_missing_compiler_cli_exit_1_lists_env_candidate(recipe, tmp_path, monkeypatch, no_sdk):
+    missing = str(tmp_path / "nowhere" / "qaic-compile")
+    monkeypatch.setenv("QAIC_COMPILER", missing)
+    cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
+    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+                                 str(cache)])
+    assert result.exit_code == 1, result.output
+    for looked_for in (missing, *no_sdk):
+        assert looked_for in result.stderr
+    for hint in ("--compiler", "QAIC_COMPILER", "--emit-only"):
+        assert hint in result.stderr
+    assert not (cache / "exports").exists()
+    assert not out.exists() and leftovers(out) == []
+
+
+# ---------------------------------------------------------------- --emit-only
+def _graph_io(path: Path) -> tuple[set[str], set[str], set[str]]:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    dims = {d.dim_param for v in list(graph.input) + list(graph.output)
+            for d in v.type.tensor_type.shape.dim if d.dim_param}
+    return {i.name for i in graph.input}, {o.name for o in graph.output}, dims
+
+
+def _compile_sh_args(script: Path) -> list[str]:
+    (line,) = [ln for ln in script.read_text().splitlines() if ln.startswith('"$compiler"')]
+    tokens = shlex.split(line)
+    return tokens[1:tokens.index("2>&1")]
+
+
+@pytest.mark.parametrize("kv", ["float16", "mxint8"])
+def test_emit_only_writes_compiler_inputs(models, tmp_path, monkeypatch, stand_in, kv):
+    # A compiler that is present must still not run with --emit-only.
+    monkeypatch.setenv("QAIC_COMPILER", str(stand_in.path))
+    recipe = write_recipe(tmp_path, models, k="[1, 3]", kv=kv)
+    cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
+    result = build(recipe, cache, out, emit_only=True)
+    assert stand_in.calls == []
+    assert not list(out.rglob("programqpc.bin")) and not list(cache.rglob("programqpc.bin"))
+    assert not any(p.name == "qpc" for p in out.rglob("*"))
+    assert verify_bundle(out) == []
+    m = read_manifest(out)
+    assert m["bundle_id"] == result.bundle_id
+    plan = make_plan(load_recipe(recipe))
+
+    for role in ROLES:
+        rp = plan.role(role)
+        for f in ("onnx/model.onnx", "onnx/model.onnx.data", "qaic/specializations.json",
+                  "qaic/custom_io.yaml", "qaic/compile.sh", "ort/model.onnx"):
+            assert (out / role / f).is_file(), f"{role}/{f}"
+        assert not list((out / role / "qaic").glob("mdp_ts_*.json"))  # one QID each
+        inputs, outputs, dims = _graph_io(out / role / "onnx" / "model.onnx")
+
+        spec = json.loads((out / role / "qaic" / "specializations.json").read_text())
+        assert spec == {"specializations": rp.specializations}
+        for entry in spec["specializations"]:
+            assert set(entry) == {"name", "symbols"}
+            assert all(isinstance(v, str) for v in entry["symbols"].values())
+            assert set(entry["symbols"]) <= dims  # every symbol is a dim of the graph
+
+        custom = yaml.safe_load((out / role / "qaic" / "custom_io.yaml").read_text())
+        kv_names = {f"past_{kind}.{i}" for i in range(LAYERS[role]) for kind in ("key", "value")}
+        expected = kv_names | {f"{n}_RetainedState" for n in kv_names}
+        assert sorted(e["IOName"] for e in custom) == sorted(expected)
+        assert {e["Precision"] for e in custom} == {kv}
+        assert expected == {n for n in inputs | outputs if n.startswith("past_")}
+
+        script = out / role / "qaic" / "compile.sh"
+        assert os.access(script, os.X_OK)
+        assert _compile_sh_args(script) == rp.compiler_argv[1:]
+        assert m["commands"][f"qaic_compile_{role}"] == rp.compiler_argv
+        assert rp.compiler_argv[0] == str(stand_in.path)  # the plan names what it found
+        entry = m["roles"][role]["backends"]["qaic"]
+        assert entry["status"] == "emitted" and entry["qpc"] is None
+        assert entry["argv"] == rp.compiler_argv
+        assert m["roles"][role]["backends"]["onnxruntime"]["status"] == "compiled"
+
+    names = [s["name"] for s in m["roles"]["target"]["specializations"]]
+    assert names == ["Prefill", "Decode_0", "Decode_1"]
+    decode_seq = [s["symbols"]["seq_len"] for s in m["roles"]["target"]["specializations"][1:]]
+    assert decode_seq == ["2", "4"]
+    assert m["toolchain"]["backends"]["qaic"]["emit_only"] is True
+
+
+def test_emit_only_flat_specializations(models, tmp_path):
+    recipe = write_recipe(tmp_path, models, fmt="flat")
+    out = tmp_path / "out" / "tiny-qaic"
+    build(recipe, tmp_path / "cache", out, emit_only=True)
+    plan = make_plan(load_recipe(recipe))
+    for role in ROLES:
+        spec = json.loads((out / role / "qaic" / "specializations.json").read_text())
+        assert spec == {"specializations": [s["symbols"] for s in plan.role(role).specializations]}
+        for entry in spec["specializations"]:
+            assert "name" not in entry and "symbols" not in entry
+            assert all(isinstance(v, str) for v in entry.values())
+    assert verify_bundle(out) == []
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_emit_only_mdp_partition_for_multi_qid_group(models, tmp_path, n):
+    recipe = write_recipe(tmp_path, models, num_cards=2,
+                          target_hw=f"{{device_group: {list(range(n))}, num_cores: 16}}",
+                          draft_hw=f"{{device_group: [{n}], num_cores: 16}}")
+    out = tmp_path / "out" / "tiny-qaic"
+    build(recipe, tmp_path / "cache", out, emit_only=True)
+    mdp = json.loads((out / "target" / "qaic" / f"mdp_ts_{n}.json").read_text())
+    assert mdp == {"connections": [{"devices": list(range(n)), "type": "p2p"}],
+                   "partitions": [{"name": "Partition0",
+                                   "devices": [{"deviceId": d, "numCores": 16}
+                                               for d in range(n)]}]}
+    argv = plan_argv(recipe, "target")
+    flag = f"-mdp-load-partition-config=target/qaic/mdp_ts_{n}.json"
+    assert flag in argv
+    assert argv.index(flag) < argv.index("-network-specialization-config="
+                                         "target/qaic/specializations.json")
+    assert _compile_sh_args(out / "target" / "qaic" / "compile.sh") == argv[1:]
+    assert not list((out / "draft" / "qaic").glob("mdp_ts_*.json"))
+    assert not any(a.startswith("-mdp-load-partition-config") for a in plan_argv(recipe, "draft"))
+    m = read_manifest(out)
+    assert m["roles"]["target"]["device_group"] == list(range(n))
+    assert m["roles"]["target"]["mdp_partition"] == mdp
+    assert verify_bundle(out) == []
+
+
+def test_emitted_compile_sh_runs_the_planned_command(recipe, tmp_path, stand_in):
+    out = tmp_path / "out" / "tiny-qaic"
+    build(recipe, tmp_path / "cache", out, emit_only=True)
+    copy = tmp_path / "elsewhere" / "tiny-qaic"  # a real copy: the cache's files stay as they are
+    shutil.copytree(out, copy)
+    env = {**os.environ, "QAIC_COMPILER": str(stand_in.path)}
+    for role in ROLES:
+        proc = subprocess.run([str(copy / role / "qaic" / "compile.sh")], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (copy / role / "qpc" / "programqpc.bin").is_file()
+        assert f"stand-in compiling {role}" in (copy / role / "logs" / "qaic-compile.log").read_text()
+    calls = stand_in.calls
+    assert [c["role"] for c in calls] == list(ROLES)
+    for call in calls:
+        assert call["argv"] == [str(stand_in.path), *plan_argv(recipe, call["role"])[1:]]
+        assert Path(call["cwd"]) == copy
+
+
+# ---------------------------------------------------------------- with a (stand-in) compiler
+def test_stand_in_compiler_gets_the_planned_argv(recipe, tmp_path, stand_in):
+    cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
+    result = build(recipe, cache, out, compiler=str(stand_in.path))
+    calls = stand_in.calls
+    assert [c["role"] for c in calls] == list(ROLES)
+    for call in calls:
+        role = call["role"]
+        # The plan was made without a compiler on this machine; only argv[0] differs.
+        assert call["argv"] == [str(stand_in.path), *plan_argv(recipe, role)[1:]]
+        cwd = Path(call["cwd"])
+        assert cwd.parent == out.parent and cwd.name.startswith(".tiny-qaic.building-")
+        assert not cwd.exists()  # the staging folder became the bundle
+        assert call["inputs"]["-network-specialization-config"] == \
+            (out / role / "qaic" / "specializations.json").read_text()
+        assert call["inputs"]["-custom-IO-list-file"] == \
+            (out / role / "qaic" / "custom_io.yaml").read_text()
+        graph = call["inputs"]["-m"]
+        assert graph["size"] == (out / role / "onnx" / "model.onnx").stat().st_size
+        assert graph["data_size"] == (out / role / "onnx" / "model.onnx.data").stat().st_size
+
+    m = read_manifest(out)
+    assert m["bundle_id"] == result.bundle_id and verify_bundle(out) == []
+    for role in ROLES:
+        assert (out / role / "qpc" / "programqpc.bin").read_bytes() == \
+            b"QPC stand-in " + role.encode()
+        log = (out / role / "logs" / "qaic-compile.log").read_text()
+        assert f"stand-in compiling {role}" in log
+        entry = m["roles"][role]["backends"]["qaic"]
+        assert entry["status"] == "compiled"
+        assert entry["qpc"] == f"{role}/qpc"
+        assert entry["log"] == f"{role}/logs/qaic-compile.log"
+        assert entry["argv"] == [str(stand_in.path), *plan_argv(recipe, role)[1:]]
+        assert f"{role}/qpc/programqpc.bin" in m["files"]
+        assert f"{role}/logs/qaic-compile.log" in m["files"]
+    assert m["toolchain"]["backends"]["qaic"]["compiler"] == str(stand_in.path)
+    assert leftovers(out) == []
+
+
+@pytest.mark.parametrize("how", ["--compiler", "QAIC_COMPILER"])
+def test_cli_finds_the_compiler(recipe, tmp_path, monkeypatch, stand_in, how):
+    out = tmp_path / "out" / "tiny-qaic"
+    args = ["compile", str(recipe), "-o", str(out), "--cache-dir", str(tmp_path / "cache"),
+            "--json"]
+    if how == "--compiler":
+        args += ["--compiler", str(stand_in.path)]
+    else:
+        monkeypatch.setenv("QAIC_COMPILER", str(stand_in.path))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert [c["role"] for c in stand_in.calls] == list(ROLES)
+    m = read_manifest(out)
+    assert json.loads(result.stdout)["bundle_id"] == m["bundle_id"]
+    for role in ROLES:
+        assert m["roles"][role]["backends"]["qaic"]["status"] == "compiled"
+        # The plan itself was made with the compiler that was found.
+        assert m["commands"][f"qaic_compile_{role}"][0] == str(stand_in.path)
+        assert (out / role / "qpc" / "programqpc.bin").is_file()
+    assert verify_bundle(out) == []
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("mode, says", [
+    ("exit1", ["exit code 1", "ERROR: lowering failed in {role}"]),
+    ("sigsegv", ["signal 11", "about to crash while compiling {role}"]),
+    ("no-qpc", ["wrote no {role}/qpc/programqpc.bin", "finished {role} without writing"]),
+])
+def test_failing_compiler_leaves_no_bundle(recipe, tmp_path, stand_in, mode, says, role):
+    out = tmp_path / "out" / "tiny-qaic"
+    build(recipe, tmp_path / "good-cache", out, compiler=str(stand_in.path))
+    before = snapshot(out)
+
+    bad = StandIn(tmp_path / "bad-bin", mode, fail_role=role)
+    cache = tmp_path / "cache"
+    with pytest.raises(ToolchainError) as info:
+        build(recipe, cache, out, compiler=str(bad.path))
+    msg = str(info.value)
+    assert role in msg
+    for text in says:
+        assert text.format(role=role) in msg
+    assert [c["role"] for c in bad.calls] == list(ROLES[:ROLES.index(role) + 1])
+    assert leftovers(out) == []
+    assert snapshot(out) == before and verify_bundle(out) == []
+    # Nothing of the failed role went into the QPC cache.
+    entries = list((cache / "qpc").iterdir()) if (cache / "qpc").is_dir() else []
+    cached = sorted(d.name for e in entries for d in e.iterdir() if d.is_dir())
+    assert cached == (["target"] if role == "draft" else [])
+
+
+def test_failing_compiler_first_build_cli_exit_1(recipe, tmp_path):
+    bad = StandIn(tmp_path / "bad-bin", "exit1", fail_role="target")
+    out = tmp_path / "out" / "tiny-qaic"
+    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+                                 str(tmp_path / "cache"), "--compiler", str(bad.path)])
+    assert result.exit_code == 1, result.output
+    assert "qaic compile of the target failed" in result.stderr
+    assert "ERROR: lowering failed in target" in result.stderr
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_second_build_reuses_cached_qpc(recipe, tmp_path, stand_in):
+    cache = tmp_path / "cache"
+    first = build(recipe, cache, tmp_path / "one" / "tiny-qaic", compiler=str(stand_in.path))
+    assert len(stand_in.calls) == 2
+    second = build(recipe, cache, tmp_path / "two" / "tiny-qaic", compiler=str(stand_in.path))
+    assert len(stand_in.calls) == 2  # not called again
+    assert all(reuse(second).values()), reuse(second)
+    assert second.bundle_id == first.bundle_id
+    for role in ROLES:
+        assert (second.bundle / role / "qpc" / "programqpc.bin").is_file()
+        # The manifest names the log, so a reused QPC brings its log along.
+        assert (second.bundle / role / "logs" / "qaic-compile.log").is_file()
+        assert (second.bundle / role / "qaic" / "compile.sh").is_file()
+    assert verify_bundle(second.bundle) == []
+    # A new K recompiles the target only: the draft's compiler inputs did not change.
+    third = build(recipe, cache, tmp_path / "three" / "tiny-qaic",
+                  "speculation.num_speculative_tokens=2", compiler=str(stand_in.path))
+    assert [c["role"] for c in stand_in.calls] == ["target", "draft", "target"]
+    r = reuse(third)
+    assert not r["qaic target"] and r["qaic draft"]
+    assert r["export target"] and r["export draft"]
+    assert verify_bundle(third.bundle) == []
+
+
+def test_emit_only_after_compile_does_not_ship_the_cached_qpc(recipe, tmp_path, stand_in):
+    cache = tmp_path / "cache"
+    build(recipe, cache, tmp_path / "one" / "tiny-qaic", compiler=str(stand_in.path))
+    out = tmp_path / "two" / "tiny-qaic"
+    build(recipe, cache, out, emit_only=True)
+    assert not list(out.rglob("programqpc.bin"))
+    m = read_manifest(out)
+    assert {m["roles"][r]["backends"]["qaic"]["status"] for r in ROLES} == {"emitted"}
+    assert len(stand_in.calls) == 2

@@ -1,0 +1,287 @@
+"""The runtime loop against its oracles: target-only greedy decoding (token for token) and the
+target's own sampling distribution (chi-square), on bundles built from the shipped demo pair."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import qpcbuild
+from qpcbuild.bundle import build_bundle
+from qpcbuild.cache import Cache
+from qpcbuild.cli import app
+from qpcbuild.errors import BundleError, UsageError
+from qpcbuild.plan import make_plan
+from qpcbuild.recipe import load_recipe
+from qpcbuild.runtime import engine, sampling
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "demo"
+pytestmark = pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(),
+                                reason="demo pair not trained yet (scripts/train_demo_pair.py)")
+
+
+def build(tmp_factory, name: str, recipe: str = "recipes/demo.yaml", overrides=()) -> Path:
+    out = tmp_factory.mktemp(name) / "bundle"
+    r = load_recipe(ROOT / recipe, list(overrides))
+    build_bundle(make_plan(r), cache=Cache(tmp_factory.getbasetemp() / "cache"), out=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundle_k_list(tmp_path_factory) -> Path:
+    """Batch 1, Ks [0, 1, 3, 4] so every method and several K can be checked on one bundle."""
+    return build(tmp_path_factory, "klist", overrides=["speculation.num_speculative_tokens=[0,1,3,4]"])
+
+
+@pytest.fixture(scope="module")
+def bundle_batch(tmp_path_factory) -> Path:
+    """Batch 4 and a short context, so rows hit ctx_len and finish at different times."""
+    return build(tmp_path_factory, "batch", overrides=[
+        "shapes.batch_size=4", "shapes.ctx_len=160",
+        "speculation.num_speculative_tokens=[0,4]"])
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    lines = (DEMO / "eval_prompts.jsonl").read_text().splitlines()
+    return [json.loads(line)["text"] for line in lines][:20]
+
+
+def _tokens(result) -> list[list[int]]:
+    return [r.tokens[len(r.prompt):] for r in result.rows]
+
+
+# ---------------------------------------------------------------- greedy is exact
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
+def test_greedy_speculative_output_equals_target_only_for_every_compiled_k(bundle_k_list, prompts,
+                                                                           method):
+    for k in (1, 3, 4):
+        gen = qpcbuild.load(bundle_k_list, method=method, k=k, verify="none")
+        for p in prompts:
+            spd = gen.generate([p], max_new_tokens=48)
+            base = gen.generate([p], max_new_tokens=48, target_only=True)
+            assert _tokens(spd) == _tokens(base), (method, k, p[:40])
+            assert len(gen.encode(p)) > 32  # longer than one prefill chunk
+
+
+def test_draft_model_accepts_tokens_and_stats_are_consistent(bundle_k_list, prompts):
+    gen = qpcbuild.load(bundle_k_list, method="draft_model", k=4, verify="none")
+    totals = Counter()
+    for p in prompts[:5]:
+        st = gen.generate([p], max_new_tokens=48).stats
+        assert st["spec_decode_num_accepted_tokens"] <= st["spec_decode_num_draft_tokens"]
+        per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # acceptance is a prefix
+        assert sum(per_pos) == st["spec_decode_num_accepted_tokens"]
+        assert st["mean_acceptance_length"] == pytest.approx(
+            1 + st["spec_decode_num_accepted_tokens"] / st["spec_decode_num_drafts"], abs=1e-3)
+        totals.update(accepted=st["spec_decode_num_accepted_tokens"],
+                      calls=st["target_calls"], new=st["new_tokens"])
+    assert totals["accepted"] > 0
+    assert totals["new"] / totals["calls"] > 1.5  # speculation actually saves target calls
+
+
+def test_batch_rows_match_single_row_decoding_and_hit_ctx_len(bundle_batch, prompts):
+    gen = qpcbuild.load(bundle_batch, verify="none")
+    batch = prompts[:4]
+    out = gen.generate(batch, max_new_tokens=200)  # more than ctx_len allows
+    reasons = {r.finish_reason for r in out.rows}
+    assert "ctx_len" in reasons or "eos" in reasons
+    for i, p in enumerate(batch):
+        single = gen.generate([p], max_new_tokens=200, target_only=True)
+        assert _tokens(out)[i] == _tokens(single)[0]
+        assert len(out.rows[i].tokens) <= 160
+    uneven = gen.generate([prompts[0][:40], prompts[1]], max_new_tokens=30)
+    for i, p in enumerate([prompts[0][:40], prompts[1]]):
+        assert _tokens(uneven)[i] == _tokens(gen.generate([p], max_new_tokens=30,
+                                                          target_only=True))[0]
+
+
+def test_generation_that_reaches_the_last_context_slot_stays_exact(bundle_batch, prompts):
+    """Windows that end on slot ctx_len-1 are shifted instead of padded (see engine._verify)."""
+    for method in ("draft_model", "ngram"):
+        gen = qpcbuild.load(bundle_batch, method=method, verify="none")
+        for p in prompts[:6]:
+            ids = gen.encode(p)[:150]
+            spd = gen.generate([ids], max_new_tokens=50)
+            base = gen.generate([ids], max_new_tokens=50, target_only=True)
+            assert _tokens(spd) == _tokens(base)
+            assert len(spd.rows[0].tokens) == 160 or spd.rows[0].finish_reason == "eos"
+
+
+def test_kv_cache_lives_in_preallocated_buffers(bundle_k_list, prompts):
+    gen = qpcbuild.load(bundle_k_list, verify="none")
+    before = [id(b) for side in gen.target.kv_buffers for b in side]
+    assert not any(b.any() for side in gen.target.kv_buffers for b in side)
+    gen.generate([prompts[0]], max_new_tokens=8)
+    assert [id(b) for side in gen.target.kv_buffers for b in side] == before
+    assert all(b.any() for b in gen.target.kv_buffers[0])  # written in place by the graph
+
+
+# ---------------------------------------------------------------- sampling is lossless
+def _chi2_critical(df: int, alpha_z: float = 3.09) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (alpha_z=3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _exact_two_token_distribution(gen, ids: list[int], sp) -> dict[tuple[int, int], float]:
+    """P(t1, t2) of target-only sampling, enumerated with target-only greedy calls."""
+    out = {}
+    p1 = _next_probs(gen, ids, sp)
+    for t1 in np.flatnonzero(p1):
+        p2 = _next_probs(gen, ids + [int(t1)], sp)
+        for t2 in np.flatnonzero(p2):
+            out[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    return out
+
+
+def _next_probs(gen, ids, sp) -> np.ndarray:
+    """The target's next-token distribution after `ids`, from one prefill of the bundle."""
+    last = gen.decoder._prefill(gen.target, [engine.Row(list(ids), len(ids) + 1)],
+                                engine.LoopTimes(), "target")[0]
+    return sampling.probabilities(last, sp)
+
+
+def _spd_samples(gen, ids, sp_kwargs, n: int) -> Counter:
+    counts = Counter()
+    for seed in range(n):
+        out = gen.generate([ids], max_new_tokens=3, seed=seed, **sp_kwargs)
+        toks = out.rows[0].tokens[len(ids):]
+        counts[(toks[1], toks[2])] += 1  # tokens 2 and 3: the ones that went through verify
+    return counts
+
+
+def _chi2(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
+    stat, df = 0.0, 0
+    pooled_obs, pooled_exp = 0.0, 0.0
+    for cell, p in probs.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        df += 1
+    missing = sum(c for cell, c in counts.items() if cell not in probs)
+    pooled_obs += missing
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        df += 1
+    return stat, max(df - 1, 1)
+
+
+@pytest.fixture(scope="module")
+def sampling_case(bundle_k_list, prompts):
+    gen = qpcbuild.load(bundle_k_list, method="draft_model", k=1, verify="none")
+    sp = dict(temperature=1.0, top_k=4)
+    ids = gen.encode(prompts[3])[:40]
+    # The verified pair is (token after the first sampled token, the bonus/corrected token):
+    # enumerate P(t2, t3 | t1) averaged over t1 ~ P(t1).
+    p1 = _next_probs(gen, ids, sampling.SamplingParams(**sp))
+    exact: dict = {}
+    for t1 in np.flatnonzero(p1):
+        for pair, p in _exact_two_token_distribution(gen, ids + [int(t1)],
+                                                     sampling.SamplingParams(**sp)).items():
+            exact[pair] = exact.get(pair, 0.0) + p1[t1] * p
+    return gen, ids, sp, exact
+
+
+def test_speculative_sampling_matches_the_target_distribution(sampling_case):
+    gen, ids, sp, exact = sampling_case
+    n = 1500
+    stat, df = _chi2(_spd_samples(gen, ids, sp, n), exact, n)
+    assert stat < _chi2_critical(df), (stat, df)
+
+
+def test_chi_square_check_detects_a_broken_acceptance_rule(sampling_case, monkeypatch):
+    """Accepting every draft token samples from the draft, not the target: the test must fail."""
+    gen, ids, sp, exact = sampling_case
+
+    def always_accept(p, q, drafts, rng):
+        return len(drafts), sampling.sample(p[len(drafts)], rng)
+
+    monkeypatch.setattr(engine, "accept_sampling", always_accept)
+    n = 1500
+    stat, df = _chi2(_spd_samples(gen, ids, sp, n), exact, n)
+    assert stat > _chi2_critical(df), (stat, df)
+
+
+def test_ngram_sampling_with_point_mass_proposals_is_lossless(bundle_k_list):
+    gen = qpcbuild.load(bundle_k_list, method="ngram", k=1, verify="none")
+    sp = dict(temperature=1.0, top_k=3)
+    ids = gen.encode("x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny")
+    p1 = _next_probs(gen, ids, sampling.SamplingParams(**sp))
+    exact: dict = {}
+    for t1 in np.flatnonzero(p1):
+        for pair, p in _exact_two_token_distribution(gen, ids + [int(t1)],
+                                                     sampling.SamplingParams(**sp)).items():
+            exact[pair] = exact.get(pair, 0.0) + p1[t1] * p
+    n = 1200
+    counts = _spd_samples(gen, ids, sp, n)
+    stat, df = _chi2(counts, exact, n)
+    assert stat < _chi2_critical(df), (stat, df)
+
+
+# ---------------------------------------------------------------- bad input
+runner = CliRunner()
+
+
+def test_run_cli_reports_stats_and_baseline_match(bundle_k_list):
+    res = runner.invoke(app, ["run", str(bundle_k_list), "--prompt", "def add(a, b):\n",
+                              "--max-new-tokens", "24", "--compare-baseline", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["baseline"]["outputs_match"] is True
+    stats = report["batches"][0]["stats"]
+    assert stats["new_tokens"] == 24 and stats["target_calls"] <= 24
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (["--prompt", ""], 2, "empty"),
+    (["--prompt", "x", "--max-new-tokens", "0"], 2, "max-new-tokens"),
+    (["--prompt", "x", "--temperature", "-1"], 2, "temperature"),
+    (["--prompt", "x", "--k", "7"], 2, "not compiled"),
+    (["--prompt", "x", "--method", "beam"], 2, "unknown method"),
+    (["--prompt", "x", "--backend", "qaic"], 1, "not built for backend"),
+    (["--prompt", "x " * 600], 2, "ctx_len"),
+    ([], 2, "--prompt"),
+])
+def test_run_cli_rejects_bad_input_with_a_clear_message(bundle_k_list, args, code, needle):
+    res = runner.invoke(app, ["run", str(bundle_k_list), *args])
+    assert res.exit_code == code, res.output
+    assert needle in res.output
+    assert "Traceback" not in res.output
+
+
+def test_run_cli_rejects_non_utf8_prompt_file(bundle_k_list, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"\xff\xfe bad")
+    res = runner.invoke(app, ["run", str(bundle_k_list), "--prompt-file", str(f)])
+    assert res.exit_code == 2 and "UTF-8" in res.output
+
+
+def test_too_many_prompts_for_the_compiled_batch_is_refused(bundle_k_list):
+    gen = qpcbuild.load(bundle_k_list, verify="none")
+    with pytest.raises(UsageError, match="batch size 1"):
+        gen.generate(["a", "b"], max_new_tokens=4)
+
+
+def test_corrupted_bundle_is_refused_with_the_file_named(tmp_path_factory):
+    bundle = build(tmp_path_factory, "corrupt")
+    data = bundle / "draft" / "ort" / "model.onnx.data"
+    data.chmod(0o644)
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 1
+    data.unlink()  # break the hard link to the cache before writing
+    data.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match="draft/ort/model.onnx.data"):
+        qpcbuild.load(bundle)
+    res = runner.invoke(app, ["run", str(bundle), "--prompt", "x"])
+    assert res.exit_code == 1 and "model.onnx.data" in res.output
