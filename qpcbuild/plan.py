@@ -203,6 +203,8 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     }
     ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
            "kv_dtype": "float32", "weight_quantization": r.onnxruntime.weight_quantization,
+           # continuous batching needs batch_index, which only the portable graph has
+           "graph": "portable" if cb else r.onnxruntime.graph,
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
            "intra_op_threads": r.onnxruntime.intra_op_threads}
     cache_keys = {"export": export_key,

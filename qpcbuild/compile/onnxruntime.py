@@ -20,6 +20,7 @@ from ..export import DATA_FILE, GRAPH_FILE
 from ..plan import RolePlan
 from ..toolchain import _pkg
 from . import BuildContext
+from .ort_graph import PortableWeights, build_ort_graph
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
 
@@ -45,6 +46,24 @@ class OrtBackend:
         return {"onnxruntime": _pkg("onnxruntime"), "optimization_level": ORT_LEVEL}
 
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
+        if role.ort["graph"] == "fused":
+            return self.build_fused(ctx, role, onnx_dir)
+        return self.build_portable(ctx, role, onnx_dir)
+
+    def build_fused(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
+        out = ctx.staging / role.role / "ort"
+        weights = PortableWeights(onnx_dir / GRAPH_FILE)
+        source = onnx.load(str(onnx_dir / GRAPH_FILE), load_external_data=False)
+        metadata = {p.key: p.value for p in source.metadata_props}
+        batch, ctx_len = role.ort["batch_size"], role.ort["ctx_len"]
+        build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
+                        {**metadata, "ort_graph": "fused"})
+        return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
+                "graph": "fused", "kv_binding": "in_place",
+                "fixed_dims": {"batch_size": batch, "ctx_len": ctx_len},
+                "execution_provider": "CPUExecutionProvider"}
+
+    def build_portable(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         import onnxruntime as ort
 
         out = ctx.staging / role.role / "ort"
@@ -78,5 +97,6 @@ class OrtBackend:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
+                "graph": "portable", "kv_binding": "ping_pong",
                 "fixed_dims": fixed, "optimization_level": ORT_LEVEL,
                 "execution_provider": "CPUExecutionProvider"}

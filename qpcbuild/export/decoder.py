@@ -149,26 +149,31 @@ class Decoder:
                                           a.mlp_bias))
 
     def head(self, x: str, pos: str, nlk_input: str | None) -> None:
-        """Logits for the last real token (draft) or the N tokens ending there (target)."""
-        g, a = self.g, self.a
-        last = g.op("ArgMax", pos, axis=1, keepdims=1)  # [B,1] index of the largest position
-        if nlk_input is None:
-            rows = last
-        else:
-            n = g.op("Shape", nlk_input, start=0, end=1)
-            first = g.op("Max", g.op("Add", g.op("Sub", last, n), g.const([[1]])), g.const([[0]]))
-            span = g.op("Range", g.const(0), g.op("Squeeze", n, g.const([0])), g.const(1))
-            seq_last = g.op("Sub", g.op("Shape", pos, start=1, end=2), g.const([1]))
-            rows = g.op("Min", g.op("Add", first, g.op("Unsqueeze", span, g.const([0]))),
-                        seq_last)  # [B,N]
-        shape = g.op("Concat", g.op("Shape", rows), g.const([a.hidden_size]), axis=0)
-        picked = g.op("GatherElements", x, g.op("Expand", g.op("Unsqueeze", rows, g.const([-1])),
-                                                 shape), axis=1)  # [B,N,H]
+        a = self.a
         if a.tie_word_embeddings:
-            lm = g.op("Transpose", self.load("model.embed_tokens.weight",
-                                             (a.vocab_size, a.hidden_size), False), perm=[1, 0])
+            lm = self.g.op("Transpose", self.load("model.embed_tokens.weight",
+                                                  (a.vocab_size, a.hidden_size), False), perm=[1, 0])
         else:
             lm = self.load("lm_head.weight", (a.vocab_size, a.hidden_size), True)
-        g.op("MatMul", picked, lm, out="logits")
-        g.output("logits", FLOAT, ["batch_size", "num_logits_to_keep" if nlk_input else 1,
-                                   a.vocab_size])
+        logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size")
+
+
+def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str, a: ArchSpec,
+                batch_dim) -> None:
+    """Logits for the last real token (draft) or the N tokens ending there (target)."""
+    last = g.op("ArgMax", pos, axis=1, keepdims=1)  # [B,1] index of the largest position
+    if nlk_input is None:
+        rows = last
+    else:
+        n = g.op("Shape", nlk_input, start=0, end=1)
+        first = g.op("Max", g.op("Add", g.op("Sub", last, n), g.const([[1]])), g.const([[0]]))
+        span = g.op("Range", g.const(0), g.op("Squeeze", n, g.const([0])), g.const(1))
+        seq_last = g.op("Sub", g.op("Shape", pos, start=1, end=2), g.const([1]))
+        rows = g.op("Min", g.op("Add", first, g.op("Unsqueeze", span, g.const([0]))),
+                    seq_last)  # [B,N]
+    shape = g.op("Concat", g.op("Shape", rows), g.const([a.hidden_size]), axis=0)
+    picked = g.op("GatherElements", x, g.op("Expand", g.op("Unsqueeze", rows, g.const([-1])),
+                                             shape), axis=1)  # [B,N,H]
+    g.op("MatMul", picked, lm, out="logits")
+    g.output("logits", FLOAT, [batch_dim, "num_logits_to_keep" if nlk_input else 1,
+                               a.vocab_size])

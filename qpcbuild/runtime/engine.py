@@ -91,20 +91,26 @@ class SpecDecoder:
 
     def _prefill(self, session: ModelSession, rows: list[Row], times: LoopTimes,
                  kind: str) -> np.ndarray:
-        """Chunks of prefill_len with -1 padding; returns each row's last-prompt-token logits."""
+        """Chunks of prefill_len with -1 padding; returns each row's last-prompt-token logits.
+
+        A row whose prompt ended in an earlier chunk repeats its last chunk (rewriting identical
+        KV) rather than sending an all-padding row, and a final chunk that would run past the
+        buffer is right-aligned over tokens already sent: no slot outside a row's own prefix is
+        ever written, whichever graph lowering runs underneath."""
         p, b = self.prefill_len, session.batch_size
         last = np.zeros((b, session.vocab_size), np.float32)
-        n_chunks = max(-(-len(r.prompt) // p) for r in rows)
-        for c in range(n_chunks):
+        chunks = [_chunk_starts(len(r.prompt), p, self.ctx_len) for r in rows]
+        for c in range(max(len(x) for x in chunks)):
             ids = np.zeros((b, p), np.int64)
             pos = np.full((b, p), -1, np.int64)
             for i, r in enumerate(rows):
-                chunk = r.prompt[c * p:(c + 1) * p]
-                ids[i, :len(chunk)] = chunk
-                pos[i, :len(chunk)] = np.arange(c * p, c * p + len(chunk))
+                start = chunks[i][min(c, len(chunks[i]) - 1)]
+                piece = r.prompt[start:start + p]
+                ids[i, :len(piece)] = piece
+                pos[i, :len(piece)] = np.arange(start, start + len(piece))
             logits = self._call(session, ids, pos, times, kind)
-            for i, r in enumerate(rows):
-                if c * p < len(r.prompt) <= (c + 1) * p:
+            for i in range(len(rows)):
+                if c == len(chunks[i]) - 1:
                     last[i] = logits[i, 0]
         return last
 
@@ -224,8 +230,9 @@ class SpecDecoder:
                 continue
             seq = [r.tokens[-1]] + proposals[i]
             start = len(r.tokens) - 1
-            if start + len(seq) - 1 == self.ctx_len - 1 and len(seq) < s:
-                # The window ends at the last slot, where padding (-1) is also written: shift the
+            if start + s - 1 >= self.ctx_len - 1 and len(seq) < s:
+                # Padding would reach the last slot (where the portable graph parks pads) or run
+                # past the buffer (the fused graph writes pads after the real tokens): shift the
                 # window left over already-verified tokens instead, recomputing identical KV.
                 shift = min(s - len(seq), start)
                 seq = r.tokens[start - shift:start] + seq
@@ -280,3 +287,12 @@ class SpecDecoder:
         r.stats.new_tokens = len(r.tokens) - len(r.prompt)
         if on_token and emitted:
             on_token(i, emitted)
+
+
+def _chunk_starts(n: int, p: int, ctx_len: int) -> list[int]:
+    """Start offsets of a prompt's prefill chunks; the last one is right-aligned when a padded
+    chunk would run past the buffer."""
+    starts = list(range(0, n, p))
+    if starts[-1] + p > ctx_len and n >= p:
+        starts[-1] = n - p
+    return starts

@@ -51,7 +51,7 @@ def _open_session(bundle: Path, manifest: dict, role: str, backend: str):
             raise BundleError(f"{bundle}: missing {b['artifact']}")
         threads = thread_count(info["ort"]["core_share"], info["ort"].get("intra_op_threads"))
         return OrtSession(path, role, specs, kv_shape, arch["num_layers"], arch["vocab_size"],
-                          threads)
+                          threads, in_place=b.get("kv_binding") == "in_place")
     if backend == "qaic":
         if b.get("status") != "compiled":
             raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "

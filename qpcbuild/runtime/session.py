@@ -8,6 +8,7 @@ the cache in Python. Only the specializations compiled into the bundle are accep
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +58,12 @@ def thread_count(core_share: float, explicit: int | None) -> int:
     """CPU threads for a role: the recipe's share of a QID's cores, applied to this machine."""
     if explicit:
         return explicit
-    return max(1, round((os.cpu_count() or 1) * core_share))
+    return max(1, math.ceil((os.cpu_count() or 1) * core_share - 1e-9))
 
 
 class OrtSession:
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: tuple,
-                 num_layers: int, vocab_size: int, threads: int):
+                 num_layers: int, vocab_size: int, threads: int, in_place: bool = False):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -77,7 +78,10 @@ class OrtSession:
         self.role, self.specializations = role, specs
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
         names = [f"past_{k}.{i}" for i in range(num_layers) for k in ("key", "value")]
-        buffers = [[np.zeros(kv_shape, np.float32) for _ in names] for _ in range(2)]
+        # In place (fused graph): each KV input and its _RetainedState output share one buffer.
+        # Ping-pong (portable graph, whose ScatterND copies input to output): two sets.
+        sides = 1 if in_place else 2
+        buffers = [[np.zeros(kv_shape, np.float32) for _ in names] for _ in range(sides)]
         kv = [[ort.OrtValue.ortvalue_from_numpy(b) for b in side] for side in buffers]
         self._keep = buffers  # OrtValues borrow this memory
         has_nlk = any(i.name == "num_logits_to_keep" for i in self.sess.get_inputs())
@@ -91,7 +95,7 @@ class OrtSession:
                 arrays["num_logits_to_keep"] = np.zeros((spec.num_logits, 1), np.int64)
             values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
             bindings = []
-            for src, dst in ((0, 1), (1, 0)):
+            for src, dst in (((0, 0),) if in_place else ((0, 1), (1, 0))):
                 b = self.sess.io_binding()
                 for name in ("input_ids", "position_ids", "num_logits_to_keep"):
                     if name in values:
@@ -113,10 +117,5 @@ class OrtSession:
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
         self.sess.run_with_iobinding(bindings[self._parity])
-        self._parity ^= 1
+        self._parity = (self._parity + 1) % len(bindings)
         return arrays["logits"]
-
-    def kv(self, layer: int, kind: str) -> np.ndarray:
-        """The current KV buffer (for tests and debugging)."""
-        names_per_layer = 2
-        return self.kv_buffers[self._parity][layer * names_per_layer + (kind == "value")]

@@ -1,0 +1,180 @@
+"""The ONNX Runtime lowering of the portable decoder graph: same inputs, outputs and semantics,
+built from ORT's fused CPU kernels so a decode step does not pay for the whole static context.
+
+- q/k/v and gate/up projections are single MatMuls on concatenated weights;
+- RMSNorm and residual adds are (Skip)SimplifiedLayerNormalization;
+- attention is com.microsoft.GroupQueryAttention over the same [B, nKV, ctx_len, D] buffers,
+  updated in place (the runtime binds each KV input and its _RetainedState output to one buffer)
+  and reading only the valid prefix of each row.
+
+GroupQueryAttention places a row's S new tokens at slots start..start+S-1 with start =
+position_ids[b, 0], so padded tail slots (-1) are written after the real tokens instead of at
+ctx_len-1; they lie beyond the row's length and stay invisible until overwritten, exactly like
+stale draft slots. The runtime keeps every window inside the buffer (see engine._verify).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..arch import ArchSpec
+from ..export.builder import GraphBuilder
+from ..export.decoder import FLOAT, INT64, logits_head
+
+MS = "com.microsoft"
+
+
+class PortableWeights:
+    """Tensors of an exported portable graph, read back from its external data file."""
+
+    def __init__(self, onnx_path: Path):
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        self.dir = onnx_path.parent
+        self.entries = {}
+        for t in model.graph.initializer:
+            if t.data_location == TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in t.external_data}
+                self.entries[t.name] = (info["location"], int(info.get("offset", 0)),
+                                        int(info["length"]), t.data_type, tuple(t.dims))
+
+    def get(self, name: str) -> np.ndarray:
+        location, offset, length, dtype, dims = self.entries[name]
+        np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+        with open(self.dir / location, "rb") as fh:
+            fh.seek(offset)
+            arr = np.frombuffer(fh.read(length), dtype=np_dtype).reshape(dims)
+        return arr.astype(np.float32)
+
+    def has(self, name: str) -> bool:
+        return name in self.entries
+
+
+def rope_tables(arch: ArchSpec, ctx_len: int) -> tuple[np.ndarray, np.ndarray]:
+    freqs = np.outer(np.arange(ctx_len, dtype=np.float32), arch.inv_freq())  # float32, as HF
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, ctx_len: int,
+                    out_dir: Path, metadata: dict[str, str]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "model.onnx.data", "wb") as data:
+        g = GraphBuilder(data, "model.onnx.data")
+        _Lowered(g, arch, w, batch, ctx_len).build(role)
+        model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
+    model.opset_import.append(helper.make_opsetid(MS, 1))
+    path = out_dir / "model.onnx"
+    path.write_bytes(model.SerializeToString(deterministic=True))
+    return path
+
+
+class _Lowered:
+    def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int, ctx: int):
+        self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
+
+    def weight(self, name: str, arr: np.ndarray | None = None) -> str:
+        return self.g.weight(name, self.w.get(name) if arr is None else arr)
+
+    def norm(self, x: str, weight: str) -> str:
+        return self.g.op("SimplifiedLayerNormalization", x, self.weight(weight), axis=-1,
+                         epsilon=self.a.rms_norm_eps, stash_type=1)
+
+    def skip_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
+        """(norm(x + delta), x + delta) in one kernel."""
+        g = self.g
+        normed, summed = g._name("sln"), g._name("residual")
+        g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization",
+                                        [x, delta, self.weight(weight)],
+                                        [normed, "", "", summed], domain=MS,
+                                        name=f"n{len(g.nodes)}_SkipSLN",
+                                        epsilon=self.a.rms_norm_eps))
+        return normed, summed
+
+    def build(self, role: str) -> None:
+        g, a, b, c = self.g, self.a, self.batch, self.ctx
+        kv_shape = [b, a.num_kv_heads, c, a.head_dim]
+        ids = g.input("input_ids", INT64, [b, "seq_len"])
+        pos = g.input("position_ids", INT64, [b, "seq_len"])
+        past = [(g.input(f"past_key.{i}", FLOAT, kv_shape), g.input(f"past_value.{i}", FLOAT,
+                 kv_shape)) for i in range(a.num_layers)]
+        nlk = g.input("num_logits_to_keep", INT64, ["num_logits_to_keep", 1]) \
+            if role == "target" else None
+
+        seq = g.op("Shape", ids, start=1, end=2)  # [1]
+        start = g.op("Squeeze", g.op("Slice", pos, g.const([0]), g.const([1]), g.const([1])),
+                     g.const([1]))  # [B] first slot's position
+        # Rows with no real token (all -1) write their slots at the end of the buffer.
+        start = g.op("Where", g.op("Less", start, g.const(0)),
+                     g.op("Sub", g.const([c]), seq), start)
+        last = g.op("Sub", g.op("Add", start, seq), g.const([1]))
+        seqlens = g.op("Cast", last, to=TensorProto.INT32)  # index of each row's last slot
+        total = g.op("Cast", g.op("ReduceMax", g.op("Add", last, g.const([1])), keepdims=0),
+                     to=TensorProto.INT32)
+        cos, sin = rope_tables(a, c)
+        cos, sin = g.weight("rope_cos", cos), g.weight("rope_sin", sin)
+
+        x = g.op("Gather", self.weight("model.embed_tokens.weight"), ids)
+        h = self.norm(x, "model.layers.0.input_layernorm.weight")
+        for i in range(a.num_layers):
+            delta = self.attention(i, h, past[i], seqlens, total, cos, sin)
+            h, x = self.skip_norm(x, delta, f"model.layers.{i}.post_attention_layernorm.weight")
+            delta = self.mlp(i, h)
+            nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < a.num_layers \
+                else "model.norm.weight"
+            h, x = self.skip_norm(x, delta, nxt)
+        self.head(h, pos, nlk)
+        for i in range(a.num_layers):
+            for kind in ("key", "value"):
+                g.output(f"past_{kind}.{i}_RetainedState", FLOAT, kv_shape)
+
+    def attention(self, i: int, h: str, past: tuple[str, str], seqlens: str, total: str,
+                  cos: str, sin: str) -> str:
+        g, a = self.g, self.a
+        p = f"model.layers.{i}.self_attn"
+        parts = [self.w.get(f"{p}.{n}_proj.weight^T") for n in ("q", "k", "v")]
+        qkv = g.op("MatMul", h, self.weight(f"{p}.qkv^T", np.concatenate(parts, axis=1)))
+        if a.qkv_bias:
+            bias = np.concatenate([self.w.get(f"{p}.{n}_proj.bias") for n in ("q", "k", "v")])
+            qkv = g.op("Add", qkv, self.weight(f"{p}.qkv_bias", bias))
+        sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+                 a.num_kv_heads * a.head_dim]
+        q, k, v = g.op("Split", qkv, g.const(sizes), axis=-1, n_out=3)
+        if a.qk_norm:  # per-head RMSNorm before RoPE (Qwen3)
+            q = self.head_norm(q, a.num_heads, f"{p}.q_norm.weight")
+            k = self.head_norm(k, a.num_kv_heads, f"{p}.k_norm.weight")
+        out = g._name("attn")
+        g.nodes.append(helper.make_node(
+            "GroupQueryAttention", [q, k, v, past[0], past[1], seqlens, total, cos, sin],
+            [out, f"past_key.{i}_RetainedState", f"past_value.{i}_RetainedState"], domain=MS,
+            name=f"n{len(g.nodes)}_GQA", num_heads=a.num_heads, kv_num_heads=a.num_kv_heads,
+            do_rotary=1, rotary_interleaved=0, scale=a.head_dim ** -0.5))
+        o = g.op("MatMul", out, self.weight(f"{p}.o_proj.weight^T"))
+        return g.op("Add", o, self.weight(f"{p}.o_proj.bias")) if a.o_bias else o
+
+    def head_norm(self, x: str, heads: int, weight: str) -> str:
+        g, d = self.g, self.a.head_dim
+        y = self.norm(g.op("Reshape", x, g.const([0, 0, heads, d])), weight)
+        return g.op("Reshape", y, g.const([0, 0, heads * d]))
+
+    def mlp(self, i: int, h: str) -> str:
+        g, a = self.g, self.a
+        p = f"model.layers.{i}.mlp"
+        gate_up = np.concatenate([self.w.get(f"{p}.gate_proj.weight^T"),
+                                  self.w.get(f"{p}.up_proj.weight^T")], axis=1)
+        y = g.op("MatMul", h, self.weight(f"{p}.gate_up^T", gate_up))
+        if a.mlp_bias:
+            bias = np.concatenate([self.w.get(f"{p}.gate_proj.bias"), self.w.get(f"{p}.up_proj.bias")])
+            y = g.op("Add", y, self.weight(f"{p}.gate_up_bias", bias))
+        gate, up = g.op("Split", y, g.const([a.intermediate_size] * 2), axis=-1, n_out=2)
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+        down = g.op("MatMul", act, self.weight(f"{p}.down_proj.weight^T"))
+        return g.op("Add", down, self.weight(f"{p}.down_proj.bias")) if a.mlp_bias else down
+
+    def head(self, x: str, pos: str, nlk: str | None) -> None:
+        # Stored [H, V] once, so no step transposes a tied embedding.
+        lm = self.w.get("lm_head.weight^T") if self.w.has("lm_head.weight^T") else \
+            np.ascontiguousarray(self.w.get("model.embed_tokens.weight").T)
+        logits_head(self.g, x, pos, nlk, self.weight("lm_head^T", lm), self.a, self.batch)
