@@ -54,6 +54,7 @@ class ArchSpec:
     torch_dtype: str
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sliding_window: int | None = None  # attention window; qpcbuild requires ctx_len <= it
 
     @property
     def param_count(self) -> int:
@@ -138,8 +139,10 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
     if heads % kv:
         raise UsageError(f"{source}: num_attention_heads {heads} is not a multiple of "
                          f"num_key_value_heads {kv}")
-    if config.get("use_sliding_window") and config.get("sliding_window"):
-        raise UsageError(f"{source}: sliding-window attention is not supported")
+    # Qwen configs carry a window that is off unless use_sliding_window; Mistral's is on when set.
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window", config.get("model_type") == "mistral") is False:
+        window = None
     theta, scaling = _rope(config)
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -154,4 +157,5 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         bos_token_id=config.get("bos_token_id"), eos_token_ids=eos_ids,
+        sliding_window=int(window) if window else None,
     )

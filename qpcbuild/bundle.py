@@ -53,11 +53,12 @@ def _export_role(plan: BuildPlan, role: RolePlan, cache: Cache) -> tuple[Path, d
     r = plan.recipe
     src = resolve(role.source["path"] or role.source["ref"], role.source["revision"],
                   allow_known=False)
+    allow_pickle = (r.target if role.role == "target" else r.draft).allow_pickle
 
     def build(tmp: Path) -> dict[str, Any]:
         res = export_model(src, role.role, tmp / "onnx",
                            continuous_batching=r.shapes.full_batch_size is not None,
-                           weight_dtype=r.precision.export_dtype)
+                           weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle)
         return {"weights_digest": res.weights_digest, "metadata": res.metadata}
 
     return cache.get_or_build("exports", role.cache_keys["export"], build)

@@ -78,7 +78,9 @@ def export(model: str = typer.Argument(..., help="Local model folder or Hugging 
            revision: Optional[str] = typer.Option(None, help="Hugging Face revision."),
            continuous_batching: bool = typer.Option(False, help="Add the batch_index input."),
            weight_dtype: str = typer.Option("float32", help="float32 | float16 stored weights."),
-           check: bool = typer.Option(True, help="Run onnx.checker (full check) on the result.")):
+           check: bool = typer.Option(True, help="Run onnx.checker (full check) on the result."),
+           allow_pickle: bool = typer.Option(False, help="Accept .bin/.pt checkpoints (they can "
+                                             "run code when loaded; read weights-only).")):
     """Export one checkpoint to the Cloud AI-compatible ONNX graph (retained-state KV)."""
     import time
 
@@ -92,22 +94,14 @@ def export(model: str = typer.Argument(..., help="Local model folder or Hugging 
         raise UsageError(f"--weight-dtype must be float32 or float16, not '{weight_dtype}'")
     start = time.perf_counter()
     res = export_model(resolve(model, revision, allow_known=False), role, out,
-                       continuous_batching=continuous_batching, weight_dtype=weight_dtype)
+                       continuous_batching=continuous_batching, weight_dtype=weight_dtype,
+                       allow_pickle=allow_pickle)
     if check:
         import onnx
         onnx.checker.check_model(str(res.onnx_path), full_check=True)
     console.print(f"exported {res.arch.architecture} ({res.arch.param_count:,} parameters) as "
                   f"{role} to {res.onnx_path} in {time.perf_counter() - start:.1f} s; weights "
                   f"digest {res.weights_digest[:16]}")
-
-
-def _not_built(name: str, issue: str) -> Callable:
-    def command():
-        err_console.print(f"[yellow]`qpcbuild {name}` is not built yet[/] ({issue}); see README "
-                          "'Status'.")
-        raise typer.Exit(2)
-    command.__doc__ = f"[not built yet] {issue}"
-    return command
 
 
 @app.command()

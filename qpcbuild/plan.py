@@ -229,9 +229,15 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
     for role, (ref, rev, key) in refs.items():
         try:
             sources[role] = resolve(resolve_model_path(r, ref), rev)
-            arch_from_config(sources[role].config, f"{ref}/config.json")
+            arch = arch_from_config(sources[role].config, f"{ref}/config.json")
         except UsageError as exc:
             problems.append(Problem(key, str(exc), r.line_of(key)))
+            continue
+        if arch.sliding_window and r.shapes.ctx_len > arch.sliding_window:
+            problems.append(Problem("shapes.ctx_len", f"{r.shapes.ctx_len} exceeds the {role}'s "
+                                    f"sliding attention window ({arch.sliding_window}); "
+                                    "sliding-window attention is not supported, keep ctx_len "
+                                    "within the window", r.line_of("shapes.ctx_len")))
     if problems:
         raise RecipeError(str(r.source_dir()), problems)
 

@@ -518,6 +518,19 @@ def test_pickle_only_checkpoint_is_refused(tiny_models, tmp_path):
     assert safetensors_files(model_dir, allow_pickle=True) == [model_dir / "pytorch_model.bin"]
 
 
+def test_pickle_checkpoint_exports_identically_when_the_user_opts_in(tiny_models, tmp_path):
+    from safetensors.torch import load_file
+
+    model_dir = _copy(tiny_models["llama"], tmp_path / "m")
+    torch.save(load_file(model_dir / "model.safetensors"), model_dir / "pytorch_model.bin")
+    (model_dir / "model.safetensors").unlink()
+    opted = export_model(resolve(str(model_dir)), "target", tmp_path / "pickle", allow_pickle=True)
+    reference = export_model(resolve(str(tiny_models["llama"])), "target", tmp_path / "st")
+    assert opted.weights_digest == reference.weights_digest
+    assert (tmp_path / "pickle" / "model.onnx.data").read_bytes() == \
+        (tmp_path / "st" / "model.onnx.data").read_bytes()
+
+
 @pytest.mark.parametrize("where", ["weights", "graph"])
 def test_disk_full_while_writing_leaves_nothing_behind(where, tiny_models, tmp_path, monkeypatch):
     import qpcbuild.export as export_pkg

@@ -71,6 +71,25 @@ def test_greedy_speculative_output_equals_target_only_for_every_compiled_k(bundl
             assert len(gen.encode(p)) > 32  # longer than one prefill chunk
 
 
+def test_fused_ort_lowering_gives_the_tokens_of_the_portable_graph(tmp_path_factory, bundle_k_list,
+                                                                  prompts):
+    """The ORT backend's fused graph (GQA kernels, in-place KV) against the portable graph the
+    card compiles, run through the same loop: identical greedy tokens."""
+    portable = build(tmp_path_factory, "portable", overrides=[
+        "speculation.num_speculative_tokens=[0,1,3,4]", "onnxruntime.graph=portable"])
+    fused_gen = qpcbuild.load(bundle_k_list, verify="none")
+    portable_gen = qpcbuild.load(portable, verify="none")
+    assert fused_gen.manifest["roles"]["target"]["backends"]["onnxruntime"]["graph"] == "fused"
+    assert portable_gen.manifest["roles"]["target"]["backends"]["onnxruntime"]["graph"] == "portable"
+    for p in prompts[:8]:
+        assert _tokens(fused_gen.generate([p], max_new_tokens=48)) == \
+            _tokens(portable_gen.generate([p], max_new_tokens=48))
+    ids = np.array([fused_gen.encode(prompts[0])[:32]])
+    pos = np.arange(32)[None]
+    np.testing.assert_allclose(fused_gen.target.run(ids, pos), portable_gen.target.run(ids, pos),
+                               atol=1e-4)
+
+
 def test_draft_model_accepts_tokens_and_stats_are_consistent(bundle_k_list, prompts):
     gen = qpcbuild.load(bundle_k_list, method="draft_model", k=4, verify="none")
     totals = Counter()
@@ -149,6 +168,18 @@ def _next_probs(gen, ids, sp) -> np.ndarray:
     return sampling.probabilities(last, sp)
 
 
+def _exact_verified_pair_distribution(gen, ids, sp_kwargs) -> dict:
+    """P(t2, t3) of target-only sampling, marginalised over the first token t1 (which comes from
+    the prefill); t2 and t3 are the tokens that go through one verify step."""
+    sp = sampling.SamplingParams(**sp_kwargs)
+    p1 = _next_probs(gen, ids, sp)
+    exact: dict = {}
+    for t1 in np.flatnonzero(p1):
+        for pair, p in _exact_two_token_distribution(gen, ids + [int(t1)], sp).items():
+            exact[pair] = exact.get(pair, 0.0) + p1[t1] * p
+    return exact
+
+
 def _spd_samples(gen, ids, sp_kwargs, n: int) -> Counter:
     counts = Counter()
     for seed in range(n):
@@ -182,15 +213,7 @@ def sampling_case(bundle_k_list, prompts):
     gen = qpcbuild.load(bundle_k_list, method="draft_model", k=1, verify="none")
     sp = dict(temperature=1.0, top_k=4)
     ids = gen.encode(prompts[3])[:40]
-    # The verified pair is (token after the first sampled token, the bonus/corrected token):
-    # enumerate P(t2, t3 | t1) averaged over t1 ~ P(t1).
-    p1 = _next_probs(gen, ids, sampling.SamplingParams(**sp))
-    exact: dict = {}
-    for t1 in np.flatnonzero(p1):
-        for pair, p in _exact_two_token_distribution(gen, ids + [int(t1)],
-                                                     sampling.SamplingParams(**sp)).items():
-            exact[pair] = exact.get(pair, 0.0) + p1[t1] * p
-    return gen, ids, sp, exact
+    return gen, ids, sp, _exact_verified_pair_distribution(gen, ids, sp)
 
 
 def test_speculative_sampling_matches_the_target_distribution(sampling_case):
@@ -217,12 +240,7 @@ def test_ngram_sampling_with_point_mass_proposals_is_lossless(bundle_k_list):
     gen = qpcbuild.load(bundle_k_list, method="ngram", k=1, verify="none")
     sp = dict(temperature=1.0, top_k=3)
     ids = gen.encode("x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny")
-    p1 = _next_probs(gen, ids, sampling.SamplingParams(**sp))
-    exact: dict = {}
-    for t1 in np.flatnonzero(p1):
-        for pair, p in _exact_two_token_distribution(gen, ids + [int(t1)],
-                                                     sampling.SamplingParams(**sp)).items():
-            exact[pair] = exact.get(pair, 0.0) + p1[t1] * p
+    exact = _exact_verified_pair_distribution(gen, ids, sp)
     n = 1200
     counts = _spd_samples(gen, ids, sp, n)
     stat, df = _chi2(counts, exact, n)

@@ -59,14 +59,14 @@ def _check_tokenizer(path: Path, arch: ArchSpec) -> None:
 
 
 def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
-                 weight_dtype: str = "float32") -> ExportResult:
+                 weight_dtype: str = "float32", allow_pickle: bool = False) -> ExportResult:
     """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft")."""
     if role not in ("target", "draft"):
         raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
     model_dir = source.require_path()
     arch = arch_from_config(source.config, f"{model_dir}/config.json")
     _check_tokenizer(model_dir, arch)
-    reader = WeightReader(safetensors_files(model_dir))
+    reader = WeightReader(safetensors_files(model_dir, allow_pickle), allow_pickle)
     if not arch.tie_word_embeddings and not reader.has("lm_head.weight"):
         raise UsageError(f"{model_dir}: config says tie_word_embeddings=false but the checkpoint "
                          "has no lm_head.weight")

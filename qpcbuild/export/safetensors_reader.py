@@ -62,17 +62,21 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 class WeightReader:
     """All tensors of a checkpoint by name; `read` returns one float32 array at a time."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], allow_pickle: bool = False):
         self.tensors: dict[str, TensorInfo] = {}
+        self.pickled: dict = {}  # name -> torch tensor, only for opted-in pickle checkpoints
         for f in files:
-            if f.suffix != ".safetensors":
-                raise UsageError(f"{f}: only safetensors weights can be streamed; convert this "
-                                 "checkpoint with transformers' save_pretrained(safe_serialization=True)")
-            self.tensors.update(read_header(f))
+            if f.suffix == ".safetensors":
+                self.tensors.update(read_header(f))
+            elif allow_pickle:
+                self.pickled.update(_load_pickle(f))
+            else:
+                raise UsageError(f"{f}: pickle checkpoints can run code when loaded; convert to "
+                                 "safetensors or opt in with allow_pickle: true")
         self.files = files
 
     def has(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self.tensors or name in self.pickled
 
     def raw(self, name: str, expected_shape: tuple[int, ...]) -> tuple[bytes, TensorInfo]:
         info = self.tensors.get(name)
@@ -97,9 +101,34 @@ class WeightReader:
         return data, info
 
     def read(self, name: str, expected_shape: tuple[int, ...]) -> tuple[np.ndarray, bytes]:
+        if name in self.pickled:
+            t = self.pickled[name]
+            if tuple(t.shape) != tuple(expected_shape):
+                raise UsageError(f"tensor '{name}' has shape {list(t.shape)}, the config implies "
+                                 f"{list(expected_shape)}")
+            if not t.is_floating_point():
+                raise UsageError(f"tensor '{name}' has dtype {t.dtype}; floating point expected")
+            import torch
+            return t.to(torch.float32).numpy(), t.contiguous().view(-1).view(torch.uint8).numpy()
         data, info = self.raw(name, expected_shape)
         np_dtype = DTYPES[info.dtype][0]
         arr = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<"))
         if info.dtype == "BF16":  # bfloat16 is the top half of a float32
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         return arr.astype(np.float32, copy=False).reshape(info.shape), data
+
+
+def _load_pickle(path: Path) -> dict:
+    """An opted-in .bin/.pt checkpoint, through torch's restricted (weights-only) unpickler."""
+    try:
+        import torch
+    except ImportError:
+        raise UsageError(f"{path}: reading a pickle checkpoint needs torch (pip install "
+                         "torch==2.13.0), or convert it to safetensors") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises many types for corrupt or unsafe files
+        raise UsageError(f"{path}: cannot read as a weights-only pickle checkpoint ({exc})") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"{path}: expected a state dict of tensors")
+    return state

@@ -1,0 +1,116 @@
+"""`qpcbuild serve-config`: every value in the emitted vLLM command agrees with the manifest."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qpcbuild import plan as plan_mod
+from qpcbuild.bundle import build_bundle, read_manifest
+from qpcbuild.cache import Cache
+from qpcbuild.cli import app
+from qpcbuild.plan import make_plan
+from qpcbuild.recipe import recipe_from_text
+
+runner = CliRunner()
+
+
+def _recipe(models: dict[str, Path], method: str) -> str:
+    draft = f"  method: draft_model\n  model: {models['llama']}\n" if method == "draft_model" \
+        else f"  method: {method}\n"
+    return f"""\
+schema: 1
+name: serve-{method}
+target:
+  model: {models['qwen2']}
+draft:
+{draft}speculation:
+  num_speculative_tokens: 3
+shapes: {{batch_size: 2, prefill_seq_len: 16, ctx_len: 128}}
+precision: {{quantization: mxfp6, kv_cache_dtype: mxint8}}
+hardware:
+  target: {{device_group: [0, 1], num_cores: 11}}
+  draft: {{device_group: [0, 1], num_cores: 5}}
+backends: [qaic]
+"""
+
+
+@pytest.fixture(scope="module", params=["draft_model", "ngram", "suffix"])
+def bundle(request, tiny_models, tmp_path_factory) -> Path:
+    mp = pytest.MonkeyPatch()
+    mp.setattr(plan_mod, "QAIC_COMPILERS", ("/nonexistent/qaic-compile",))
+    mp.delenv("QAIC_COMPILER", raising=False)
+    try:
+        r = recipe_from_text(_recipe(tiny_models, request.param))
+        out = tmp_path_factory.mktemp(request.param) / "bundle"
+        build_bundle(make_plan(r), cache=Cache(tmp_path_factory.mktemp("cache")), out=out,
+                     emit_only=True)
+    finally:
+        mp.undo()
+    return out
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+
+
+def test_vllm_command_values_match_the_manifest(bundle):
+    m = read_manifest(bundle)
+    res = runner.invoke(app, ["serve-config", str(bundle), "--format", "vllm"])
+    assert res.exit_code == 0, res.output
+    command = [line for line in res.stdout.splitlines() if not line.startswith("#")]
+    argv = shlex.split(" ".join(command).replace("\\", ""))
+    env = dict(a.split("=", 1) for a in argv if "=" in a and a.startswith("VLLM_"))
+    argv = [a for a in argv if not a.startswith("VLLM_")]
+    assert argv[:3] == ["vllm", "serve", m["roles"]["target"]["source"]["ref"]]
+    flags = _flags(argv)
+    assert int(flags["--max-model-len"]) == m["shapes"]["ctx_len"]
+    assert int(flags["--max-num-seqs"]) == m["shapes"]["batch_size"]
+    assert int(flags["--max-seq-len-to-capture"]) == m["shapes"]["prefill_seq_len"]
+    assert flags["--quantization"] == "mxfp6" and flags["--kv-cache-dtype"] == "mxint8"
+    spec = json.loads(flags["--speculative-config"])
+    assert spec["method"] == m["speculation"]["method"]
+    assert spec["num_speculative_tokens"] == max(m["speculation"]["num_speculative_tokens"]) == 3
+    extra = json.loads(flags["--additional-config"])
+    target = m["roles"]["target"]
+    assert extra["override_qaic_config"] == {"device_group": target["device_group"],
+                                             "num_cores": target["num_cores"]}
+    if m["speculation"]["method"] == "draft_model":
+        draft = m["roles"]["draft"]
+        assert spec["model"] == draft["source"]["ref"]
+        assert extra["draft_override_qaic_config"] == {"device_group": draft["device_group"],
+                                                       "num_cores": draft["num_cores"]}
+        assert env["VLLM_QAIC_SPEC_TARGET_QPC_PATH"].endswith("target/qpc")
+        assert env["VLLM_QAIC_SPEC_DRAFT_QPC_PATH"].endswith("draft/qpc")
+    else:
+        for key, value in m["speculation"]["options"].items():
+            assert spec[key] == value
+        assert "draft_override_qaic_config" not in extra
+        assert env["VLLM_QAIC_QPC_PATH"].endswith("target/qpc")
+    assert "not compiled yet" in res.stdout  # emit-only bundles say the QPCs are still to build
+
+
+def test_docker_env_and_legacy_forms_agree(bundle):
+    m = read_manifest(bundle)
+    docker = shlex.split(runner.invoke(app, ["serve-config", str(bundle), "--format", "docker"])
+                         .stdout.splitlines()[-1])
+    assert docker[:2] == ["docker", "run"] and "/dev/accel/" in docker
+    assert any(a.startswith("ghcr.io/quic/cloud_ai_inference_vllm") for a in docker)
+    assert any(a.endswith(":/bundle:ro") for a in docker)
+    env_out = runner.invoke(app, ["serve-config", str(bundle), "--format", "env"]).stdout
+    assert "export VLLM_QAIC" in env_out
+    legacy = shlex.split(runner.invoke(app, ["serve-config", str(bundle), "--format", "legacy"])
+                         .stdout.splitlines()[-1])
+    assert _flags(legacy)["--override-qaic-config"].startswith("qpc_path=")
+    assert _flags(legacy)["--max-model-len"] == str(m["shapes"]["ctx_len"])
+
+
+def test_bad_format_and_onnxruntime_only_bundles_are_refused(bundle, tmp_path):
+    res = runner.invoke(app, ["serve-config", str(bundle), "--format", "yaml"])
+    assert res.exit_code == 2 and "--format" in res.output
+    res = runner.invoke(app, ["serve-config", str(tmp_path)])
+    assert res.exit_code == 1 and "manifest.json" in res.output
