@@ -3,7 +3,8 @@
 __version__ = "0.1.0"
 
 
-def load(bundle, backend: str = "onnxruntime", method=None, k=None, verify: str = "full"):
-    """Open a bundle for generation; see `qpcbuild.runtime.loader.load`."""
+def load(bundle, **options):
+    """Open a bundle for generation: `qpcbuild.load("build/demo").generate([...])`.
+    Options: backend, method, k, verify, ctx_len, batch_size (see runtime.loader.load)."""
     from .runtime.loader import load as _load
-    return _load(bundle, backend=backend, method=method, k=k, verify=verify)
+    return _load(bundle, **options)

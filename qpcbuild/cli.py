@@ -132,6 +132,9 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                                "recipe without the real checkpoint)."),
             smoke_layers: Optional[int] = typer.Option(2, min=1, help="With --smoke-weights: "
                                                        "layers per model (0 = all)."),
+            tune_k: bool = typer.Option(False, "--tune", help="Pick K first from measured "
+                                        "acceptance and costs (`qpcbuild tune` with its "
+                                        "defaults) and record the evidence."),
             json_out: bool = typer.Option(False, "--json", help="One JSON result at the end.")):
     """Build the bundle: export both models, compile for each backend, write the manifest."""
     import time
@@ -141,6 +144,18 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     from .plan import make_plan
     from .recipe import load_recipe
 
+    tuning = None
+    if tune_k:
+        from .errors import UsageError
+        from .tune import show_tune, tune as run_tune
+
+        if smoke_weights:
+            raise UsageError("--tune measures the real models; it cannot be combined with "
+                             "--smoke-weights")
+        tuning = run_tune(recipe, set_ or [], cache_dir=cache_dir, say=_progress_line)
+        if not json_out:
+            show_tune(tuning)
+        set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
     r = load_recipe(recipe, set_ or [])
     cache = Cache(cache_dir)
     if smoke_weights:
@@ -158,13 +173,26 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
 
     for w in plan_.warnings:
         err_console.print(f"[yellow]warning:[/] {w}")
+    extra = {}
+    if tuning is not None:
+        import inspect as _inspect
+        if "manifest_extra" in _inspect.signature(build_bundle).parameters:
+            extra["manifest_extra"] = {"tuning": tuning}
     result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only, compiler=compiler,
-                          jobs=jobs, progress=progress, argv=["qpcbuild", *sys.argv[1:]])
+                          jobs=jobs, progress=progress, argv=["qpcbuild", *sys.argv[1:]], **extra)
+    if tuning is not None and not extra:  # the manifest has no place for it yet: a sidecar
+        from .tune import sidecar_path, write_json as write_tuning
+        tuning["file"] = str(write_tuning(tuning, sidecar_path(result.bundle)))
     if json_out:
-        emit_json(result.to_dict())
+        emit_json({**result.to_dict(), **({"tuning": {
+            "chosen_k": tuning["chosen_k"], "recommended_ks": tuning["recommended_ks"],
+            "file": tuning.get("file", "manifest.json")}} if tuning else {})})
     else:
         console.print(f"bundle [bold]{result.bundle}[/] id {result.bundle_id[:16]} built in "
                       f"{result.seconds:.1f} s")
+        if tuning is not None:
+            console.print(f"K={tuning['chosen_k']} from tuning; evidence in "
+                          f"{tuning.get('file', 'the manifest (key tuning)')}")
 
 
 @app.command()
@@ -267,6 +295,10 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
                                              "(default: the bundle's)."),
         k: Optional[int] = typer.Option(None, "--k", help="One of the compiled Ks."),
         backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
+        ctx_len: Optional[int] = typer.Option(None, help="Refuse a bundle not compiled for this "
+                                              "ctx_len."),
+        batch_size: Optional[int] = typer.Option(None, help="Refuse a bundle not compiled for "
+                                                 "this batch size."),
         verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
         stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
         compare_baseline: bool = typer.Option(False, help="Also decode target-only and report "
@@ -280,7 +312,8 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
     prompts = _read_prompts(prompt, prompt_file)
     if max_new_tokens <= 0:
         raise UsageError("--max-new-tokens must be at least 1")
-    gen = load(bundle, backend=backend, method=method, k=k, verify=verify)
+    gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
+               batch_size=batch_size)
     batch = gen.target.batch_size
     on_token = None
     if stream and not json_out:
@@ -324,3 +357,112 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
     from .serve_config import render
 
     sys.stdout.write(render(read_manifest(bundle), bundle, format, image))
+
+
+# ---------------------------------------------------------------- measuring and tuning
+def _progress_line(message: str) -> None:
+    err_console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+@handles_errors
+def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: then a bench "
+                                        "bundle with Ks 0..8 (or 0 and --ks) is built first, "
+                                        "exports from the cache."),
+          set_: Optional[List[str]] = SetOpt,
+          prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: JSONL "
+                                                 "with a \"prompt\" (or \"text\") key, or one "
+                                                 "prompt per line."),
+          prompt_set: Optional[str] = typer.Option(None, "--prompt-set", help="Shipped prompts: "
+                                                   "code | echo | prose (default: code)."),
+          num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first "
+                                                    "N prompts only."),
+          ks: Optional[str] = typer.Option(None, "--ks", help="Ks to measure: 1-8, 1,2,4 "
+                                           "(default: every compiled K > 0)."),
+          methods: Optional[str] = typer.Option(None, "--methods", help="Comma list of "
+                                                "draft_model, ngram, suffix (default: all the "
+                                                "bundle supports)."),
+          max_new_tokens: int = typer.Option(128, help="New tokens per prompt."),
+          repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
+                                      "first and is not counted)."),
+          peers: str = typer.Option("transformers,onnxruntime-genai", help="Peers to run when "
+                                    "installed (comma list), or 'none'."),
+          peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
+                                                "speculative decoding (default: --ks)."),
+          cache_dir: Optional[Path] = typer.Option(None, help="Build cache (also holds the "
+                                                   "onnxruntime-genai models of the peers)."),
+          bundle_dir: Optional[Path] = typer.Option(None, "--bundle-dir", help="Where a recipe's "
+                                                    "bench bundle goes (default: its output + "
+                                                    "'-bench')."),
+          json_out: Optional[Path] = typer.Option(None, "--json-out", help="JSON report (default: "
+                                                  "bench-<name>.json next to the bundle)."),
+          plot: Optional[Path] = typer.Option(None, "--plot", help="PNG plot (default: the JSON "
+                                              "path with .png)."),
+          no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
+          json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
+                                           "of the tables.")):
+    """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
+    from .bench import bench as run_bench, parse_ks, show_report
+
+    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none")
+    report, json_path, png = run_bench(
+        target, overrides=set_ or [], prompt_file=prompts, prompt_set=prompt_set,
+        num_prompts=num_prompts, ks=parse_ks(ks),
+        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
+        max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
+        peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
+        json_out=json_out, plot=False if no_plot else plot, say=_progress_line)
+    if json_stdout:
+        emit_json(report)
+        return
+    show_report(report)
+    console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+
+
+@app.command()
+@handles_errors
+def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
+         k_max: int = typer.Option(8, "--k-max", help="Largest K to consider (calibration runs "
+                                   "at K_max)."),
+         prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts "
+                                                "(JSONL or one per line; default: the shipped "
+                                                "code set)."),
+         prompt_set: Optional[str] = typer.Option(None, "--prompt-set", help="code | echo | "
+                                                  "prose"),
+         num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first "
+                                                   "N prompts only."),
+         max_new_tokens: int = typer.Option(128, help="New tokens per calibration prompt."),
+         rounds: int = typer.Option(20, min=3, help="Timed calls per K for the cost medians."),
+         cache_dir: Optional[Path] = typer.Option(None, help="Build cache (default: the user "
+                                                  "cache dir, or $QPCBUILD_CACHE)."),
+         write: Optional[Path] = typer.Option(None, "--write", help="Write the recipe with the "
+                                              "chosen K and the evidence as comments to this "
+                                              "file."),
+         in_place: bool = typer.Option(False, "--in-place", help="Rewrite the recipe's "
+                                       "num_speculative_tokens line (other lines are kept)."),
+         json_out: bool = typer.Option(False, "--json", help="Print the evidence and decision "
+                                       "as JSON.")):
+    """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
+    from .errors import UsageError
+    from .tune import show_tune, tune as run_tune, write_tuned_recipe
+
+    if write is not None and in_place:
+        raise UsageError("give --write FILE or --in-place, not both")
+    result = run_tune(recipe, set_ or [], k_max=k_max, prompt_file=prompts,
+                      prompt_set=prompt_set, num_prompts=num_prompts,
+                      max_new_tokens=max_new_tokens, rounds=rounds, cache_dir=cache_dir,
+                      say=_progress_line)
+    written = None
+    if write is not None or in_place:
+        written = write_tuned_recipe(recipe, result, None if in_place else write)
+        result["written"] = str(written)
+        if set_:
+            err_console.print("[yellow]note:[/] only num_speculative_tokens was written; the "
+                              f"--set overrides used while measuring ({', '.join(set_)}) were "
+                              "not")
+    if json_out:
+        emit_json(result)
+        return
+    show_tune(result)
+    if written:
+        console.print(f"wrote {written}")

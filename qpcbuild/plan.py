@@ -202,7 +202,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         / 2**30 / n_dev,
     }
     ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
-           "kv_dtype": "float32", "weight_quantization": r.onnxruntime.weight_quantization,
+           "kv_dtype": "float32",
            # continuous batching needs batch_index, which only the portable graph has
            "graph": "portable" if cb else r.onnxruntime.graph,
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],

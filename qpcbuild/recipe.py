@@ -108,7 +108,6 @@ class Hardware(_Strict):
 
 class OrtOptions(_Strict):
     graph: Literal["fused", "portable"] = "fused"  # fused: ORT's GQA kernels; portable: as exported
-    weight_quantization: Literal["none", "int8"] = "none"
     intra_op_threads: int | None = Field(default=None, ge=1)  # None: from the core split
 
 

@@ -70,8 +70,8 @@ def show_plan(plan: BuildPlan) -> None:
         if "onnxruntime" in r.backends:
             o = rp.ort
             console.print(f"[bold]onnxruntime[/]: {o['artifact']} with batch_size={o['batch_size']},"
-                          f" ctx_len={o['ctx_len']} fixed, {o['kv_dtype']} KV, weight quantization "
-                          f"{o['weight_quantization']}, {o['core_share']:.0%} of the CPU threads")
+                          f" ctx_len={o['ctx_len']} fixed, {o['graph']} graph, {o['kv_dtype']} KV, "
+                          f"{o['core_share']:.0%} of the CPU threads")
         console.print(f"cache keys: export {rp.cache_keys['export']}, onnxruntime "
                       f"{rp.cache_keys['onnxruntime']}, qaic {rp.cache_keys['qaic']}")
     console.rule("[bold]cores and memory per QID[/]")

@@ -534,7 +534,7 @@ def test_cli_resolved_prints_yaml_with_defaults():
     assert doc["hardware"]["num_cards"] == 1
     assert doc["hardware"]["specializations_format"] == "named"
     assert doc["hardware"]["compiler_options"]["mos"] is None
-    assert doc["onnxruntime"] == {"weight_quantization": "none", "intra_op_threads": None}
+    assert doc["onnxruntime"] == {"graph": "fused", "intra_op_threads": None}
     assert doc["draft"]["trust_remote_code"] is False
     # What --resolved prints is itself a valid recipe that resolves to the same thing.
     assert recipe_from_text(result.stdout).to_yaml_dict() == doc
@@ -580,7 +580,7 @@ def test_random_documents_give_only_recipe_errors(doc):
 VALID = yaml.safe_load(BASE)
 VALID["shapes"]["full_batch_size"] = 4
 VALID["hardware"]["compiler_options"] = {"aic_enable_depth_first": True, "extra_flags": ["-x"]}
-VALID["onnxruntime"] = {"weight_quantization": "int8"}
+VALID["onnxruntime"] = {"graph": "portable"}
 VALID["output"] = "build/x"
 
 

@@ -269,6 +269,8 @@ def test_run_cli_reports_stats_and_baseline_match(bundle_k_list):
     (["--prompt", "x", "--method", "beam"], 2, "unknown method"),
     (["--prompt", "x", "--backend", "qaic"], 1, "not built for backend"),
     (["--prompt", "x " * 600], 2, "ctx_len"),
+    (["--prompt", "x", "--ctx-len", "4096"], 1, "compiled for ctx_len=512"),
+    (["--prompt", "x", "--batch-size", "8"], 1, "compiled for batch_size=1"),
     ([], 2, "--prompt"),
 ])
 def test_run_cli_rejects_bad_input_with_a_clear_message(bundle_k_list, args, code, needle):

@@ -176,7 +176,7 @@ class SpecDecoder:
             rows.append(Row(list(p), min(len(p) + max_new_tokens, self.ctx_len)))
         rng = np.random.default_rng(sp.seed)
         times = LoopTimes()
-        start = time.perf_counter()
+        start = self._t0 = time.perf_counter()
 
         logits = self._prefill(self.target, rows, times, "target")
         for i, r in enumerate(rows):
@@ -210,9 +210,9 @@ class SpecDecoder:
                 want, q = [len(p) for p in proposals], None
             self._verify(rows, proposals, q, sp, rng, times, on_token)
         times.total_s = time.perf_counter() - start
-        for r in rows:
-            if self.proposer is not None and not target_only:
-                self.proposer.finish(rows.index(r))
+        if self.proposer is not None and not target_only:
+            for i in range(len(rows)):
+                self.proposer.finish(i)
         return rows, times
 
     def _verify(self, rows: list[Row], proposals: list[list[int]], q, sp: SamplingParams,
@@ -285,6 +285,8 @@ class SpecDecoder:
             r.finish_reason = "length" if r.limit < self.ctx_len else "ctx_len"
         emitted = r.tokens[start:]
         r.stats.new_tokens = len(r.tokens) - len(r.prompt)
+        if r.done:
+            r.stats.e2e_s = time.perf_counter() - self._t0
         if on_token and emitted:
             on_token(i, emitted)
 

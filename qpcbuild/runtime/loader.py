@@ -100,7 +100,8 @@ class Generator:
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, on_token: TokenCallback | None = None,
-                 target_only: bool = False) -> GenerationResult:
+                 target_only: bool = False, k: int | None = None) -> GenerationResult:
+        """k: one of the compiled Ks for this call only (default: the K given to `load`)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if temperature < 0:
@@ -114,17 +115,19 @@ class Generator:
             if isinstance(p, str) and not p:
                 raise UsageError(f"prompt {n} is empty")
         sp = SamplingParams(temperature, top_k, top_p, seed)
-        rows, times = self.decoder.generate(ids, max_new_tokens, sp, self.k, on_token,
-                                            target_only)
+        rows, times = self.decoder.generate(ids, max_new_tokens, sp,
+                                            self.k if k is None else k, on_token, target_only)
         texts = [self.tokenizer.decode(r.tokens[len(r.prompt):]) for r in rows]
         method = "target_only" if target_only else self.method
         return GenerationResult(texts, rows, summarize(rows, times, method))
 
 
 def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = None,
-         k: int | None = None, verify: str = "full") -> Generator:
+         k: int | None = None, verify: str = "full", ctx_len: int | None = None,
+         batch_size: int | None = None) -> Generator:
     """Open a bundle. verify: "full" (SHA-256 of every file), "fast" (presence and sizes, for
-    huge QPCs) or "none"."""
+    huge QPCs) or "none". `ctx_len` / `batch_size`, when given, are what the caller expects the
+    bundle to be compiled for: a bundle built for other shapes is refused."""
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     if verify not in ("full", "fast", "none"):
@@ -139,6 +142,11 @@ def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = 
     if manifest["shapes"].get("full_batch_size"):
         raise BundleError(f"{bundle}: continuous-batching bundles are not yet supported by "
                           "`qpcbuild run` (see README, Limits)")
+    shapes = manifest["shapes"]
+    for key, want in (("ctx_len", ctx_len), ("batch_size", batch_size)):
+        if want is not None and shapes[key] != want:
+            raise BundleError(f"{bundle} was compiled for {key}={shapes[key]}, not {want}; "
+                              f"rebuild it with --set shapes.{key}={want}")
     built_method = manifest["speculation"]["method"]
     method = method or built_method
     if method not in METHODS:

@@ -39,6 +39,7 @@ def summarize(rows: list[Row], times: LoopTimes, method: str) -> dict[str, Any]:
         "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
         "per_request": [{"prompt_tokens": r.stats.prompt_tokens, "new_tokens": r.stats.new_tokens,
                          "finish_reason": r.finish_reason, "ttft_s": round(r.stats.ttft_s, 4),
+                         "e2e_s": round(r.stats.e2e_s, 4),
                          "spec_decode_num_drafts": r.stats.num_drafts,
                          "spec_decode_num_draft_tokens": r.stats.num_draft_tokens,
                          "spec_decode_num_accepted_tokens": r.stats.num_accepted_tokens,
