@@ -414,9 +414,14 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         json_out=json_out, plot=False if no_plot else plot, say=_progress_line)
     if json_stdout:
         emit_json(report)
-        return
-    show_report(report)
-    console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+    else:
+        show_report(report)
+        console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+    if not report["all_greedy_outputs_match"]:
+        bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
+        err_console.print(f"[red]error:[/] greedy outputs differ from target-only for: "
+                          f"{', '.join(bad)} (see {json_path})")
+        raise typer.Exit(1)
 
 
 @app.command()

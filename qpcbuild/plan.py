@@ -174,6 +174,15 @@ def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: st
     return argv
 
 
+def ort_graph(r: Recipe) -> str:
+    """The fused lowering needs one row per call: ORT's CPU GroupQueryAttention refuses
+    batch > 1 for multi-token windows over a cache, and only the portable graph has the
+    batch_index input of continuous batching."""
+    if r.shapes.full_batch_size is not None or r.shapes.batch_size > 1:
+        return "portable"
+    return r.onnxruntime.graph
+
+
 def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
                compiler: str) -> RolePlan:
     arch = arch_from_config(src.config, f"{src.ref}/config.json")
@@ -203,8 +212,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     }
     ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
            "kv_dtype": "float32",
-           # continuous batching needs batch_index, which only the portable graph has
-           "graph": "portable" if cb else r.onnxruntime.graph,
+           "graph": ort_graph(r),
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
            "intra_op_threads": r.onnxruntime.intra_op_threads}
     cache_keys = {"export": export_key,
@@ -242,6 +250,9 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
         raise RecipeError(str(r.source_dir()), problems)
 
     warnings = [str(w) for w in r.warnings]
+    if "onnxruntime" in r.backends and r.onnxruntime.graph == "fused" and ort_graph(r) != "fused":
+        warnings.append("onnxruntime: batch_size > 1 or continuous batching uses the portable "
+                        "graph (the fused GroupQueryAttention lowering runs one row per call)")
     tok = alignment(sources["target"], sources.get("draft"))
     if tok["verdict"] == "incompatible":
         raise RecipeError(str(r.source_dir()), [Problem("draft.model", "target and draft "

@@ -57,12 +57,13 @@ def test_target_validation_loss_on_held_out_stdlib_code(training):
     model = AutoModelForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
     losses = []
     with torch.no_grad():
-        for i in range(64):
+        for i in range(training["val_windows"]):  # the windows the model card reports (>= 64)
             chunk = torch.tensor(stream[i * 256:(i + 1) * 256 + 1])[None]
-            assert chunk.shape[1] == 257, "held-out set too small for 64 windows"
+            assert chunk.shape[1] == 257, "held-out set too small"
             logits = model(input_ids=chunk[:, :-1]).logits
             losses.append(F.cross_entropy(logits[0], chunk[0, 1:]).item())
     loss = float(np.mean(losses))
+    assert len(losses) >= 64
     assert loss <= 3.8, loss
     assert loss == pytest.approx(training["target_val_loss"], abs=0.05)
 

@@ -123,16 +123,21 @@ def test_batch_rows_match_single_row_decoding_and_hit_ctx_len(bundle_batch, prom
                                                           target_only=True))[0]
 
 
-def test_generation_that_reaches_the_last_context_slot_stays_exact(bundle_batch, prompts):
-    """Windows that end on slot ctx_len-1 are shifted instead of padded (see engine._verify)."""
+@pytest.mark.parametrize("which", ["portable-batch4-ctx160", "fused-batch1-ctx512"])
+def test_generation_that_reaches_the_last_context_slot_stays_exact(bundle_batch, bundle_k_list,
+                                                                   prompts, which):
+    """Windows and prefill chunks near the end of the buffer are shifted over tokens already
+    sent instead of padded past it (engine._verify, engine._chunk_starts)."""
+    bundle, ctx = (bundle_batch, 160) if which.startswith("portable") else (bundle_k_list, 512)
     for method in ("draft_model", "ngram"):
-        gen = qpcbuild.load(bundle_batch, method=method, verify="none")
-        for p in prompts[:6]:
-            ids = gen.encode(p)[:150]
+        gen = qpcbuild.load(bundle, method=method, verify="none")
+        for n in range(4):
+            ids = [t for p in prompts[n:] for t in gen.encode(p)][:ctx - 10]
+            assert len(ids) == ctx - 10
             spd = gen.generate([ids], max_new_tokens=50)
             base = gen.generate([ids], max_new_tokens=50, target_only=True)
             assert _tokens(spd) == _tokens(base)
-            assert len(spd.rows[0].tokens) == 160 or spd.rows[0].finish_reason == "eos"
+            assert len(spd.rows[0].tokens) == ctx or spd.rows[0].finish_reason == "eos"
 
 
 def test_kv_cache_lives_in_preallocated_buffers(bundle_k_list, prompts):

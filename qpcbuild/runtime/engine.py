@@ -193,7 +193,8 @@ class SpecDecoder:
             self._prefill(self.draft, rows, times, "draft")
             for r in rows:
                 r.draft_len = len(r.prompt)
-        if self.proposer is not None and not target_only:
+        self._proposing = self.proposer is not None and not target_only
+        if self._proposing:
             for i, r in enumerate(rows):
                 self.proposer.start(i, r.tokens)
 
@@ -210,7 +211,7 @@ class SpecDecoder:
                 want, q = [len(p) for p in proposals], None
             self._verify(rows, proposals, q, sp, rng, times, on_token)
         times.total_s = time.perf_counter() - start
-        if self.proposer is not None and not target_only:
+        if self._proposing:
             for i in range(len(rows)):
                 self.proposer.finish(i)
         return rows, times
@@ -268,7 +269,7 @@ class SpecDecoder:
                 r.draft_len = min(r.draft_len, old_len + min(n, len(drafts) - 1))
             r.tokens.extend(new)
             self._commit(i, r, new, on_token)
-            if self.proposer is not None and not r.done:
+            if self._proposing and not r.done:
                 self.proposer.extend(i, r.tokens[old_len:])
 
     def _commit(self, i: int, r: Row, new: list[int], on_token: TokenCallback | None) -> None:

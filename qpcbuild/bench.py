@@ -1,0 +1,1114 @@
+"""`qpcbuild bench`: every method and K a bundle supports, target-only, and the peers a user would
+otherwise pick, measured side by side in one run on one prompt set.
+
+What one run does
+-----------------
+* Ours: each method the bundle supports (draft_model when it has a draft; ngram and suffix always,
+  they need no model) at each requested K, plus target-only decoding at the smallest compiled K
+  (ideally 0). All methods share one set of ONNX Runtime sessions.
+* Peers, when installed (never faked; a missing one is reported as skipped with the reason):
+  Hugging Face transformers on PyTorch/CPU (target-only, assisted generation with the draft at
+  each K and with transformers' own defaults, prompt lookup at each K) and onnxruntime-genai on
+  the same checkpoints (target-only, and its speculative decoding: draft model and n-gram).
+* Repeats are interleaved (for each repeat: every configuration in turn, ours and the peers'),
+  so drift of a busy machine hits all of them alike. A warm-up pass on one prompt per
+  configuration comes first and is not counted.
+* Greedy decoding throughout; each configuration's tokens are compared with our target-only
+  tokens (ours must match exactly; a peer's match is reported, not required).
+
+tokens/s = new tokens / wall time of the generate calls (prefill included), per repeat; the
+table shows the mean and the standard deviation over repeats. speedup = tokens/s / target-only
+tokens/s of the same run (the spread is that of the per-repeat ratios).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import UsageError
+
+PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
+PROMPT_SETS = ("code", "echo", "prose")
+OUR_METHODS = ("draft_model", "ngram", "suffix")
+BENCH_KS = tuple(range(0, 9))  # compiled into a bench bundle built from a recipe
+OG_NGRAM_SIZE = 3  # onnxruntime-genai n-gram length (its range is 2..); ours: prompt_lookup 1..4
+REPORT_SCHEMA = 1
+GOALS = {"spd_vs_transformers": 3.0, "target_only_vs_ort_genai": 1.0, "best_vs_ort_genai": 1.3}
+SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
+Say = Callable[[str], None]
+
+
+# ---------------------------------------------------------------- inputs
+def parse_ks(text: str | None) -> list[int] | None:
+    """'1-8' | '1,2,4' | '1-3,6' -> sorted unique ints; None/'' -> None."""
+    if text is None or not str(text).strip():
+        return None
+    out: set[int] = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise UsageError(f"cannot read Ks '{text}': use a range and/or a list, such as 1-8 "
+                             "or 1,2,4") from None
+    if any(k < 0 for k in out):
+        raise UsageError(f"Ks must be >= 0, got {text}")
+    return sorted(out)
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """JSONL with a "prompt" (or "text") string per line, or plain text with one prompt per line
+    ('\\n' for newlines), as `qpcbuild run --prompt-file` reads it."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                item = json.loads(line)
+                value = item["prompt"] if "prompt" in item else item["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UsageError(f"{path}:{n}: a JSON line needs a \"prompt\" (or \"text\") "
+                                 "string") from None
+            if not isinstance(value, str) or not value:
+                raise UsageError(f"{path}:{n}: empty or non-string prompt")
+            prompts.append(value)
+        else:
+            prompts.append(line.replace("\\n", "\n"))
+    if not prompts:
+        raise UsageError(f"{path}: no prompts")
+    return prompts
+
+
+def load_prompts(prompt_file: Path | None = None, prompt_set: str | None = None,
+                 limit: int | None = None) -> tuple[str, list[str]]:
+    """(label, prompts) from a file or one of the shipped sets (default: code)."""
+    if prompt_file is not None and prompt_set is not None:
+        raise UsageError("give --prompts FILE or --prompt-set NAME, not both")
+    if prompt_file is not None:
+        label, prompts = str(prompt_file), read_prompt_file(prompt_file)
+    else:
+        name = prompt_set or "code"
+        if name not in PROMPT_SETS:
+            raise UsageError(f"unknown prompt set '{name}' ({' | '.join(PROMPT_SETS)})")
+        label, prompts = name, read_prompt_file(PROMPT_DIR / f"{name}.jsonl")
+    if limit is not None:
+        if limit < 1:
+            raise UsageError("the number of prompts must be at least 1")
+        prompts = prompts[:limit]
+    return label, prompts
+
+
+# ---------------------------------------------------------------- bundles from recipes
+def is_bundle(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "manifest.json").is_file()
+
+
+def build_for_measurement(recipe_path: Path, overrides: list[str], ks: list[int], out: Path,
+                          cache_dir: Path | None = None, say: Say | None = None) -> Path:
+    """Compile `recipe_path` with the given Ks (and prefill_seq_len >= max K + 1) into `out`.
+    Exports come from the build cache, so only what differs from earlier builds is built."""
+    from .bundle import build_bundle
+    from .cache import Cache
+    from .plan import make_plan
+    from .recipe import load_recipe
+
+    say = say or (lambda m: None)
+    r = load_recipe(recipe_path, list(overrides))
+    extra = ["speculation.num_speculative_tokens=[" + ",".join(str(k) for k in ks) + "]"]
+    if r.shapes.prefill_seq_len < max(ks) + 1:
+        extra.append(f"shapes.prefill_seq_len={max(ks) + 1}")
+    if r.backends != ["onnxruntime"]:
+        # Measured on ONNX Runtime on this machine; card-only precisions have no meaning there.
+        extra += ["backends=[onnxruntime]", "precision.quantization=none",
+                  "precision.kv_cache_dtype=float16"]
+        say("measuring on ONNX Runtime: backends=[onnxruntime], card-only precisions off")
+    r = load_recipe(recipe_path, [*overrides, *extra])
+    plan = make_plan(r)
+    say(f"building {out} from {recipe_path} with Ks {list(plan.ks)} (exports from the cache)")
+
+    def progress(stage: str, how: str, seconds: float) -> None:
+        say(f"  {stage:<26} {how:<7} {seconds:6.1f} s")
+
+    build_bundle(plan, cache=Cache(cache_dir), out=out, progress=progress,
+                 argv=["qpcbuild", "bench", str(recipe_path)])
+    return out
+
+
+def default_bench_dir(recipe_path: Path, overrides: list[str]) -> Path:
+    from .recipe import load_recipe
+
+    r = load_recipe(recipe_path, list(overrides))
+    out = r.output_dir()
+    return out.with_name(f"{out.name}-bench")
+
+
+# ---------------------------------------------------------------- measurement records
+@dataclass
+class Measure:
+    """One configuration: per-repeat wall time and tokens, plus summed engine statistics."""
+    system: str
+    method: str
+    k: int | None
+    label: str
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    outputs: list[list[list[int]]] = field(default_factory=list)  # per repeat, per prompt
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    skipped: str | None = None
+
+    def tps(self) -> list[float]:
+        return [t / s if s > 0 else 0.0 for t, s in zip(self.tokens, self.seconds)]
+
+
+SUM_KEYS = ("new_tokens", "target_calls", "draft_calls", "target_time_s", "draft_time_s",
+            "e2e_s", "host_overhead_s", "ttft_s", "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "requests")
+
+
+def _add_stats(acc: dict[str, Any], st: dict[str, Any]) -> None:
+    for key in SUM_KEYS:
+        acc[key] = acc.get(key, 0) + (st.get(key) or 0)
+    per_pos = acc.setdefault("per_pos", [])
+    for j, v in enumerate(st.get("spec_decode_num_accepted_tokens_per_pos") or []):
+        if j >= len(per_pos):
+            per_pos.append(0)
+        per_pos[j] += v
+
+
+def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else round(x, nd)
+
+
+# ---------------------------------------------------------------- our configurations
+def _open_generators(bundle: Path, methods: list[str]) -> dict[str, Any]:
+    """One Generator per method, all sharing the bundle's ONNX Runtime sessions (one target, one
+    draft): a method is only a different proposer in front of the same sessions."""
+    from .runtime.engine import SpecDecoder
+    from .runtime.loader import load
+
+    base = load(bundle, method=methods[0], verify="fast")
+    gens = {methods[0]: base}
+    for m in methods[1:]:
+        g = copy.copy(base)
+        g.method = m
+        g.draft = base.draft if m == "draft_model" else None
+        g.decoder = SpecDecoder(base.target, g.draft, _new_proposer(base.manifest, m), base.ks,
+                                base.manifest["shapes"]["prefill_seq_len"], base.eos_ids, m)
+        gens[m] = g
+    return gens
+
+
+def target_only_generator(gen):
+    """A Generator over the same sessions with neither draft nor proposer, for target-only runs.
+    (The engine feeds accepted tokens to a method's proposer even in target-only mode, which it
+    never started; a proposer-free decoder sidesteps that.)"""
+    from .runtime.engine import SpecDecoder
+
+    g = copy.copy(gen)
+    g.draft = None
+    g.decoder = SpecDecoder(gen.target, None, None, gen.ks,
+                            gen.manifest["shapes"]["prefill_seq_len"], gen.eos_ids, gen.method)
+    return g
+
+
+def _new_proposer(manifest: dict, method: str):
+    from .runtime.proposers import make_proposer
+
+    if method == "draft_model":
+        return None
+    spd = manifest["speculation"]
+    return make_proposer(method, spd["options"] if spd["method"] == method else {})
+
+
+def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int) -> Callable:
+    target_only = method == "target_only"
+    prefill = gen.manifest["shapes"]["prefill_seq_len"]
+
+    def run(prompt_ids: list[list[int]], acc: dict[str, Any] | None) -> tuple[list, int, float]:
+        outs, tokens, seconds = [], 0, 0.0
+        for start in range(0, len(prompt_ids), batch):
+            chunk = prompt_ids[start:start + batch]
+            t0 = time.perf_counter()
+            res = gen.generate(chunk, max_new, temperature=0.0, target_only=target_only,
+                               k=None if target_only else k)
+            seconds += time.perf_counter() - t0
+            for row in res.rows:
+                outs.append(row.tokens[len(row.prompt):])
+            tokens += res.stats["new_tokens"]
+            if acc is not None:
+                _add_stats(acc, res.stats)
+                acc["prefill_calls"] = acc.get("prefill_calls", 0) + \
+                    max(-(-len(p) // prefill) for p in chunk)
+        return outs, tokens, seconds
+    return run
+
+
+# ---------------------------------------------------------------- peers
+@dataclass
+class Peer:
+    name: str
+    status: str  # "ok" | "skipped" | "failed"
+    note: str = ""
+    version: str | None = None
+    cases: list[tuple[Measure, Callable]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _local_source(manifest: dict, role: str) -> Path | None:
+    info = manifest["roles"].get(role)
+    if not info:
+        return None
+    path = info["source"].get("path")
+    if path and Path(path).is_dir() and (Path(path) / "config.json").is_file() \
+            and not info["source"].get("smoke_of"):
+        return Path(path)
+    return None
+
+
+def _pkg_version(name: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def transformers_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+                      say: Say) -> Peer:
+    """Hugging Face transformers + PyTorch on CPU: the route a user would otherwise take."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except Exception as exc:  # ImportError, or a broken install
+        return Peer("transformers", "skipped", f"not installed ({type(exc).__name__}: {exc}); "
+                    "pip install 'qpcbuild[bench]'")
+    target_path = _local_source(manifest, "target")
+    if target_path is None:
+        return Peer("transformers", "skipped", "the bundle's target checkpoint is not a local "
+                    "folder (or it was built with smoke weights), so there is nothing to load")
+    draft_path = _local_source(manifest, "draft")
+    peer = Peer("transformers", "ok", version=_pkg_version("transformers"))
+    try:
+        torch.set_num_threads(os.cpu_count() or 1)
+        say(f"transformers: loading {target_path}" + (f" and {draft_path}" if draft_path else ""))
+        target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=torch.float32).eval() \
+            if draft_path else None
+    except Exception as exc:
+        return Peer("transformers", "failed", f"could not load the checkpoints: "
+                    f"{type(exc).__name__}: {exc}", peer.version)
+    peer.info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                 "dtype": "float32", "device": "cpu"}
+    eos = sorted(eos_ids)
+    pad = eos[0] if eos else 0
+    default_draft_cfg = copy.deepcopy(draft.generation_config) if draft is not None else None
+
+    def runner(assist: str | None, k: int | None) -> Callable:
+        def run(prompt_ids, acc):
+            outs, tokens, seconds = [], 0, 0.0
+            if assist == "draft":
+                cfg = copy.deepcopy(default_draft_cfg)
+                if k is not None:  # fixed K, every step: the like-for-like setting
+                    cfg.num_assistant_tokens = k
+                    cfg.num_assistant_tokens_schedule = "constant"
+                    cfg.assistant_confidence_threshold = 0.0
+                draft.generation_config = cfg
+            for ids in prompt_ids:
+                x = torch.tensor([ids], dtype=torch.long)
+                kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(x),
+                                              max_new_tokens=max_new, do_sample=False,
+                                              pad_token_id=pad, eos_token_id=eos or None)
+                if assist == "draft":
+                    kwargs["assistant_model"] = draft
+                elif assist == "lookup":
+                    kwargs["prompt_lookup_num_tokens"] = k
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = target.generate(x, **kwargs)
+                seconds += time.perf_counter() - t0
+                new = out[0, len(ids):].tolist()
+                outs.append(new)
+                tokens += len(new)
+            return outs, tokens, seconds
+        return run
+
+    peer.cases.append((Measure("transformers", "target_only", None, "target-only"),
+                       runner(None, None)))
+    if draft is not None:
+        peer.cases.append((Measure("transformers", "draft_model", None,
+                                   "assisted (transformers defaults)"), runner("draft", None)))
+        for k in ks:
+            peer.cases.append((Measure("transformers", "draft_model", k, f"assisted K={k}"),
+                               runner("draft", k)))
+    for k in ks:
+        peer.cases.append((Measure("transformers", "ngram", k, f"prompt lookup K={k}"),
+                           runner("lookup", k)))
+    return peer
+
+
+def _genai_build(src: Path, out: Path, tmp: Path, say: Say) -> None:
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o",
+           str(out), "-p", "fp32", "-e", "cpu", "-c", str(tmp)]
+    say("onnxruntime-genai: " + " ".join(cmd[1:]))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        raise RuntimeError("model builder failed: " + " | ".join(tail))
+
+
+def genai_models(manifest: dict, cache_dir: Path | None, say: Say) -> dict[str, Path]:
+    """Build (once, in the qpcbuild cache) onnxruntime-genai models of the bundle's checkpoints:
+    'target', and 'speculative' (the target plus the draft as its `model.draft`)."""
+    from .cache import Cache
+    from .plan import digest
+
+    roles = {r: _local_source(manifest, r) for r in ("target", "draft")}
+    key = digest({"genai": _pkg_version("onnxruntime-genai"), "precision": "fp32",
+                  **{r: manifest["roles"][r]["source"].get("weights_digest")
+                     for r in roles if roles[r]}, "paths": {r: str(p) for r, p in roles.items()}})
+
+    def build(tmp: Path) -> dict[str, Any]:
+        scratch = tmp / ".scratch"
+        _genai_build(roles["target"], tmp / "target", scratch, say)
+        if roles["draft"] is not None:
+            _genai_build(roles["draft"], tmp / "draft", scratch, say)
+            spd = tmp / "speculative"
+            spd.mkdir()
+            for f in (tmp / "target").iterdir():
+                os.link(f, spd / f.name)
+            (spd / "draft").mkdir()
+            for f in (tmp / "draft").glob("model.onnx*"):
+                os.link(f, spd / "draft" / f.name)
+            cfg = json.loads((tmp / "target" / "genai_config.json").read_text())
+            dcfg = json.loads((tmp / "draft" / "genai_config.json").read_text())["model"]["decoder"]
+            dcfg["filename"] = "draft/model.onnx"
+            cfg["model"]["draft"] = dcfg
+            (spd / "genai_config.json").unlink()
+            (spd / "genai_config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+        shutil.rmtree(scratch, ignore_errors=True)
+        return {"target": str(roles["target"]), "draft": str(roles["draft"])}
+
+    entry, _, reused = Cache(cache_dir).get_or_build("genai", key, build)
+    if reused:
+        say(f"onnxruntime-genai: reusing models in {entry}")
+    out = {"target": entry / "target"}
+    if (entry / "speculative").is_dir():
+        out["speculative"] = entry / "speculative"
+    return out
+
+
+def ort_genai_peer(manifest: dict, ks: list[int], max_new: int, cache_dir: Path | None,
+                   say: Say) -> Peer:
+    """onnxruntime-genai on the same checkpoints: its model builder, then its Generator loop."""
+    try:
+        import onnxruntime_genai as og
+    except Exception as exc:
+        return Peer("onnxruntime-genai", "skipped", f"not installed ({type(exc).__name__}: "
+                    f"{exc}); pip install onnxruntime-genai")
+    version = _pkg_version("onnxruntime-genai")
+    if _local_source(manifest, "target") is None:
+        return Peer("onnxruntime-genai", "skipped", "the bundle's target checkpoint is not a "
+                    "local folder (or it was built with smoke weights)", version)
+    try:
+        dirs = genai_models(manifest, cache_dir, say)
+        models = {name: og.Model(str(d)) for name, d in dirs.items()}
+    except Exception as exc:
+        return Peer("onnxruntime-genai", "failed", f"{type(exc).__name__}: {exc}", version)
+    peer = Peer("onnxruntime-genai", "ok", version=version)
+    has_spec = hasattr(og.GeneratorParams, "set_speculative_options")
+    peer.info = {"models": {k: str(v) for k, v in dirs.items()}, "precision": "fp32",
+                 "execution_provider": "cpu", "session_options": "builder defaults",
+                 "speculative_api": has_spec, "ngram_size": OG_NGRAM_SIZE}
+
+    def runner(model_name: str, spec: dict[str, Any] | None) -> Callable:
+        model = models[model_name]
+
+        def run(prompt_ids, acc):
+            outs, tokens, seconds = [], 0, 0.0
+            for ids in prompt_ids:
+                t0 = time.perf_counter()
+                params = og.GeneratorParams(model)
+                params.set_search_options(max_length=len(ids) + max_new, do_sample=False)
+                if spec:
+                    params.set_speculative_options(**spec)
+                g = og.Generator(model, params)
+                g.append_tokens(ids)
+                while not g.is_done():
+                    g.generate_next_token()
+                seq = [int(t) for t in g.get_sequence(0)]
+                seconds += time.perf_counter() - t0
+                new = seq[len(ids):]
+                outs.append(new)
+                tokens += len(new)
+                if acc is not None and spec:
+                    st = g.get_speculative_stats()
+                    for key in ("rounds", "draft_tokens_proposed", "draft_tokens_accepted",
+                                "draft_forward_passes", "target_forward_passes"):
+                        acc[key] = acc.get(key, 0) + int(st.get(key, 0))
+            return outs, tokens, seconds
+        return run
+
+    peer.cases.append((Measure("onnxruntime-genai", "target_only", None, "target-only"),
+                       runner("target", None)))
+    if not has_spec:
+        peer.note = f"speculative decoding: not available in onnxruntime-genai {version}"
+        return peer
+    if "speculative" in models:
+        for k in ks:
+            if 1 <= k <= 16:
+                peer.cases.append((Measure("onnxruntime-genai", "draft_model", k,
+                                           f"draft model K={k}"),
+                                   runner("speculative", {"max_draft_tokens": k})))
+    for k in ks:
+        if 1 <= k <= 16:
+            peer.cases.append((Measure("onnxruntime-genai", "ngram", k, f"n-gram K={k}"),
+                               runner("target", {"ngram_size": OG_NGRAM_SIZE,
+                                                 "max_draft_tokens": k})))
+    peer.note = (f"speculative decoding available in {version}: draft model (genai_config "
+                 f"model.draft) and n-gram (ngram_size={OG_NGRAM_SIZE})")
+    return peer
+
+
+# ---------------------------------------------------------------- the run
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "onnxruntime": _pkg_version("onnxruntime")}
+    try:
+        info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    return info
+
+
+def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: list[int] | None
+              = None, methods: list[str] | None = None, max_new_tokens: int = 128,
+              repeats: int = 3, peers: tuple[str, ...] = ("transformers", "onnxruntime-genai"),
+              peer_ks: list[int] | None = None, cache_dir: Path | None = None,
+              say: Say | None = None) -> dict[str, Any]:
+    """Measure and return the report (a JSON-able dict)."""
+    from .bundle import read_manifest
+
+    say = say or (lambda m: None)
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    if max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    if repeats < 1:
+        raise UsageError("--repeats must be at least 1")
+    compiled = sorted(manifest["roles"]["target"]["compiled_ks"])
+    supported = [m for m in OUR_METHODS if m != "draft_model" or "draft" in manifest["roles"]]
+    methods = list(methods or supported)
+    for m in methods:
+        if m not in supported:
+            raise UsageError(f"method '{m}' is not supported by this bundle (supported: "
+                             f"{', '.join(supported)})")
+    ks = list(ks) if ks is not None else [k for k in compiled if k > 0]
+    missing = [k for k in ks if k not in compiled]
+    if missing:
+        raise UsageError(f"K {missing} not compiled in {bundle} (compiled: {compiled}); bench a "
+                         "recipe instead to build every K, or pick --ks from the compiled ones")
+    ks = [k for k in ks if k > 0]
+    if not ks:
+        raise UsageError("no K >= 1 to measure")
+    peer_ks = list(peer_ks) if peer_ks is not None else ks
+
+    gens = _open_generators(bundle, methods)
+    gen = next(iter(gens.values()))
+    batch = gen.target.batch_size
+    ctx_len = manifest["shapes"]["ctx_len"]
+    room = ctx_len - max_new_tokens - 1
+    if room < 1:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
+    prompt_ids, truncated = [], 0
+    for p in prompts:
+        ids = gen.encode(p)
+        if not ids:
+            raise UsageError(f"prompt '{p[:30]}' encodes to no tokens")
+        if len(ids) > room:  # keep the end of the prompt: the continuation depends on it
+            ids, truncated = ids[-room:], truncated + 1
+        prompt_ids.append(ids)
+    notes = []
+    if truncated:
+        notes.append(f"{truncated} prompt(s) cut to their last {room} tokens so that prompt + "
+                     f"{max_new_tokens} new tokens fit ctx_len {ctx_len}")
+
+    base_k = compiled[0]
+    if base_k != 0:
+        notes.append(f"target-only runs on the smallest compiled K ({base_k}, a {base_k + 1}-token "
+                     "window) because K=0 is not compiled: the baseline is slower than it could be")
+    ours: list[tuple[Measure, Callable]] = [
+        (Measure("qpcbuild", "target_only", base_k, "target-only"),
+         _our_runner(target_only_generator(gen), "target_only", None, batch, max_new_tokens))]
+    for m in methods:
+        for k in ks:
+            ours.append((Measure("qpcbuild", m, k, f"{m} K={k}"),
+                         _our_runner(gens[m], m, k, batch, max_new_tokens)))
+
+    peer_objs: list[Peer] = []
+    eos_ids = set(gen.eos_ids)
+    for name in peers:
+        if name == "transformers":
+            peer_objs.append(transformers_peer(manifest, peer_ks, max_new_tokens, eos_ids, say))
+        elif name in ("onnxruntime-genai", "ort-genai"):
+            peer_objs.append(ort_genai_peer(manifest, peer_ks, max_new_tokens, cache_dir, say))
+        else:
+            raise UsageError(f"unknown peer '{name}' (transformers | onnxruntime-genai)")
+        p = peer_objs[-1]
+        say(f"peer {p.name}: {p.status}" + (f" ({p.note})" if p.note else ""))
+
+    cases = ours + [c for p in peer_objs for c in p.cases]
+    total = len(cases) * (repeats + 1)
+    done, started = 0, time.perf_counter()
+    warm_tps: dict[str, float] = {}  # each peer's target-only tokens/s in the warm-up
+    for rep in range(repeats + 1):  # rep 0: warm-up on one prompt, not counted
+        warm = rep == 0
+        for meas, run in cases:
+            if meas.error or meas.skipped:
+                continue
+            if meas.method in ("ngram", "suffix") and meas.system == "qpcbuild":
+                # A fresh proposer per repeat: suffix decoding's cross-request cache would
+                # otherwise hold this very continuation from the previous repeat.
+                gens[meas.method].decoder.proposer = _new_proposer(manifest, meas.method)
+            try:
+                outs, tokens, seconds = run(prompt_ids[:1] if warm else prompt_ids,
+                                            None if warm else meas.stats)
+            except Exception as exc:
+                if meas.system == "qpcbuild":
+                    raise
+                meas.error = f"{type(exc).__name__}: {exc}"
+                say(f"  {meas.system} {meas.label} failed: {meas.error}")
+                continue
+            if not warm:
+                meas.seconds.append(seconds)
+                meas.tokens.append(tokens)
+                meas.outputs.append(outs)
+            elif meas.system != "qpcbuild" and seconds > 0:
+                rate = tokens / seconds
+                limit = SLOW_PEER_FRACTION * warm_tps.get(meas.system, 0.0)
+                if meas.method == "target_only":
+                    warm_tps[meas.system] = rate
+                elif rate < limit:
+                    # Far slower than the peer's own target-only, it cannot be the peer's best
+                    # configuration (which the goals compare) and would dominate the run. A busy
+                    # machine can stall one warm-up, so it gets a second one before it is left
+                    # out.
+                    _, t2, s2 = run(prompt_ids[:1], None)
+                    rate2 = t2 / s2 if s2 > 0 else 0.0
+                    if rate2 < limit:
+                        meas.skipped = (f"not measured: {rate:,.1f} and {rate2:,.1f} tokens/s in "
+                                        f"two warm-ups, under {SLOW_PEER_FRACTION:.0%} of this "
+                                        f"peer's target-only ({warm_tps[meas.system]:,.1f})")
+                        say(f"  {meas.system} {meas.label}: {meas.skipped}")
+                        done += repeats  # its measured repeats will not run
+            done += 1
+            say(f"[{done}/{total}] {'warm-up' if warm else f'repeat {rep}/{repeats}'} "
+                f"{meas.system} {meas.label}: "
+                + (f"{tokens / seconds:,.0f} tokens/s" if seconds > 0 else "-")
+                + f"  (elapsed {time.perf_counter() - started:.0f} s)")
+
+    return _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
+                   ks, methods, ours, peer_objs, notes, gen)
+
+
+# ---------------------------------------------------------------- the report
+def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> dict[str, Any]:
+    tps = meas.tps()
+    mean, std = _mean_std(tps)
+    ratios = [t / b for t, b in zip(tps, base.tps()) if b > 0]
+    sp_mean = mean / statistics.fmean(base.tps()) if mean and base.tps() else None
+    _, sp_std = _mean_std(ratios)
+    same = None
+    if meas.outputs and ref_outputs:
+        same = all(o == ref_outputs[0] for o in meas.outputs)
+    row = {"system": meas.system, "method": meas.method, "k": meas.k, "label": meas.label,
+           "tokens_per_s": {"mean": _r(mean, 2), "std": _r(std, 2),
+                            "per_repeat": [_r(t, 2) for t in tps]},
+           "speedup": {"mean": _r(sp_mean, 3), "std": _r(sp_std, 3)},
+           "new_tokens_per_repeat": meas.tokens[0] if meas.tokens else None,
+           "seconds_per_repeat": [_r(s, 4) for s in meas.seconds],
+           "greedy_matches_target_only": same}
+    if meas.error:
+        row["error"] = meas.error
+    if meas.skipped:
+        row["skipped"] = meas.skipped
+    st = meas.stats
+    if meas.system == "qpcbuild" and st:
+        drafts = st.get("spec_decode_num_drafts", 0)
+        dtoks = st.get("spec_decode_num_draft_tokens", 0)
+        acc = st.get("spec_decode_num_accepted_tokens", 0)
+        row.update({
+            "acceptance_rate": _r(acc / dtoks) if dtoks else None,
+            "mean_acceptance_length": _r(1 + acc / drafts) if drafts else None,
+            "acceptance_per_position": [_r(a / drafts) for a in st.get("per_pos", [])]
+            if drafts else [],
+            "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted_tokens": acc,
+            "target_calls": st.get("target_calls"), "draft_calls": st.get("draft_calls"),
+            "target_time_s": _r(st.get("target_time_s")), "draft_time_s": _r(st.get("draft_time_s")),
+            "host_overhead_fraction": _r(st["host_overhead_s"] / st["e2e_s"])
+            if st.get("e2e_s") else None,
+        })
+        bst = base.stats
+        dec, bdec = _decode(st), _decode(bst)
+        if dec and bdec:
+            row["decode_tokens_per_s"] = _r(dec["tokens_per_s"], 2)
+            row["decode_speedup"] = _r(dec["tokens_per_s"] / bdec["tokens_per_s"], 3)
+        if meas.method == "draft_model" and dec and bdec and st.get("draft_calls"):
+            # Over decode steps only (prefill is the same for every configuration and not part
+            # of the speculation's economics). The draft's per-call time includes its prefill
+            # chunks, so the ideal is slightly pessimistic for the draft.
+            t_base = bdec["target_s_per_call"]
+            t_spd = dec["target_s_per_call"]
+            t_draft = st["draft_time_s"] / st["draft_calls"]
+            ideal = dec["tokens_per_step"] * t_base / (meas.k * t_draft + t_spd)
+            row["ideal_speedup"] = _r(ideal, 3)
+            row["measured_over_ideal"] = _r(row["decode_speedup"] / ideal, 3) \
+                if row.get("decode_speedup") and ideal else None
+            row["cost_per_call_ms"] = {"target_only_target": _r(t_base * 1e3),
+                                       "spd_target": _r(t_spd * 1e3), "draft": _r(t_draft * 1e3)}
+    elif st:
+        row["peer_stats"] = dict(st)
+        if st.get("draft_tokens_proposed"):
+            row["acceptance_rate"] = _r(st["draft_tokens_accepted"] / st["draft_tokens_proposed"])
+    return row
+
+
+def _decode(st: dict[str, Any]) -> dict[str, float] | None:
+    """Decode-phase figures from summed engine statistics: after each request's first token
+    (ttft_s is the target prefill and the first token; decode steps are the target calls that
+    are not prefill chunks)."""
+    steps = st.get("target_calls", 0) - st.get("prefill_calls", 0)
+    decode_s = st.get("e2e_s", 0.0) - st.get("ttft_s", 0.0)
+    tokens = st.get("new_tokens", 0) - st.get("requests", 0)
+    if steps <= 0 or decode_s <= 0 or tokens <= 0:
+        return None
+    return {"tokens_per_s": tokens / decode_s, "tokens_per_step": tokens / steps,
+            "target_s_per_call": (st["target_time_s"] - st["ttft_s"]) / steps}
+
+
+def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
+    cands = [r for r in rows if pred(r) and r["tokens_per_s"]["mean"] and not r.get("error")]
+    return max(cands, key=lambda r: r["tokens_per_s"]["mean"]) if cands else None
+
+
+def _goal(name: str, desc: str, ours: dict | None, theirs: dict | None, goal: float,
+          why_na: str, left_out: list[dict] = ()) -> dict[str, Any]:
+    out = _goal_verdict(name, desc, ours, theirs, goal, why_na)
+    if left_out and out["status"] != "N/A":
+        out["theirs_left_out"] = [r["label"] for r in left_out]
+        out["detail"] += (f" (their best excludes {len(left_out)} configuration(s) too slow in "
+                          "the warm-up: " + ", ".join(r["label"] for r in left_out) + ")")
+    return out
+
+
+def _goal_verdict(name: str, desc: str, ours: dict | None, theirs: dict | None, goal: float,
+                  why_na: str) -> dict[str, Any]:
+    if not ours or not theirs:
+        return {"goal": name, "description": desc, "target_ratio": goal, "status": "N/A",
+                "detail": why_na}
+    ratio = ours["tokens_per_s"]["mean"] / theirs["tokens_per_s"]["mean"]
+    met = ratio >= goal
+    out = {"goal": name, "description": desc, "target_ratio": goal, "ratio": round(ratio, 3),
+           "ours": f"{ours['system']} {ours['label']}", "ours_tokens_per_s": ours["tokens_per_s"]["mean"],
+           "theirs": f"{theirs['system']} {theirs['label']}",
+           "theirs_tokens_per_s": theirs["tokens_per_s"]["mean"],
+           "status": "MET" if met else "MISSED"}
+    if met:
+        out["detail"] = f"{ratio:.2f}x >= {goal:.2f}x (margin {ratio / goal - 1:+.0%})"
+    else:
+        out["detail"] = (f"{ratio:.2f}x < {goal:.2f}x: short by {goal - ratio:.2f}x; ours needs "
+                         f"{goal / ratio - 1:+.0%} tokens/s to meet it")
+    return out
+
+
+def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
+            ours, peer_objs, notes, gen) -> dict[str, Any]:
+    from . import __version__
+
+    base = ours[0][0]
+    ref = base.outputs
+    rows = [_row(m, base, ref) for m, _ in ours]
+    peers_out = {}
+    all_peer_rows = []
+    for p in peer_objs:
+        prow = [_row(m, base, ref) for m, _ in p.cases]
+        all_peer_rows += prow
+        peers_out[p.name] = {"status": p.status, "note": p.note, "version": p.version,
+                             "info": p.info, "rows": prow}
+    ratios = []
+    for p in peer_objs:
+        for method in ("target_only", "draft_model", "ngram"):
+            mine = _best(rows, lambda r, m=method: r["method"] == m)
+            theirs = _best(peers_out[p.name]["rows"], lambda r, m=method: r["method"] == m)
+            if mine and theirs:
+                ratios.append({"peer": p.name, "method": method, "ours": mine["label"],
+                               "theirs": theirs["label"],
+                               "ours_over_theirs": round(mine["tokens_per_s"]["mean"]
+                                                         / theirs["tokens_per_s"]["mean"], 3)})
+        mine = _best(rows, lambda r: True)
+        theirs = _best(peers_out[p.name]["rows"], lambda r: True)
+        if mine and theirs:
+            ratios.append({"peer": p.name, "method": "best", "ours": mine["label"],
+                           "theirs": theirs["label"],
+                           "ours_over_theirs": round(mine["tokens_per_s"]["mean"]
+                                                     / theirs["tokens_per_s"]["mean"], 3)})
+
+    hf = [r for r in all_peer_rows if r["system"] == "transformers"]
+    og = [r for r in all_peer_rows if r["system"] == "onnxruntime-genai"]
+    has_draft = "draft" in manifest["roles"]
+    spd_method = "draft_model" if has_draft else "ngram"
+    hf_status = peers_out.get("transformers", {}).get("status", "not requested")
+    og_status = peers_out.get("onnxruntime-genai", {}).get("status", "not requested")
+    goals = [
+        _goal("spd_vs_transformers",
+              f"our best {spd_method} >= {GOALS['spd_vs_transformers']}x the tokens/s of "
+              "transformers' best " + ("assisted generation" if has_draft else "prompt lookup"),
+              _best(rows, lambda r: r["method"] == spd_method),
+              _best(hf, lambda r: r["method"] == spd_method), GOALS["spd_vs_transformers"],
+              f"transformers: {hf_status}",
+              [r for r in hf if r.get("skipped") and r["method"] == spd_method]),
+        _goal("target_only_vs_ort_genai",
+              f"our target-only >= {GOALS['target_only_vs_ort_genai']}x onnxruntime-genai's "
+              "target-only", _best(rows, lambda r: r["method"] == "target_only"),
+              _best(og, lambda r: r["method"] == "target_only"),
+              GOALS["target_only_vs_ort_genai"], f"onnxruntime-genai: {og_status}",
+              [r for r in og if r.get("skipped") and r["method"] == "target_only"]),
+        _goal("best_vs_ort_genai",
+              f"our best method >= {GOALS['best_vs_ort_genai']}x onnxruntime-genai's best "
+              "(its speculative decoding when available, else target-only)",
+              _best(rows, lambda r: True), _best(og, lambda r: True),
+              GOALS["best_vs_ort_genai"], f"onnxruntime-genai: {og_status}",
+              [r for r in og if r.get("skipped")]),
+    ]
+    machine = machine_info()
+    try:
+        machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    machine["threads"] = {"qpcbuild_target": _threads(gen.target),
+                          "qpcbuild_draft": _threads(gen.draft) if gen.draft else None}
+    return {
+        "schema": REPORT_SCHEMA, "tool": "qpcbuild bench", "qpcbuild_version": __version__,
+        "bundle": str(bundle), "bundle_id": manifest["bundle_id"], "name": manifest["name"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine,
+        "settings": {"prompt_set": prompt_label, "prompts": len(prompt_ids),
+                     "prompt_tokens": [len(p) for p in prompt_ids], "max_new_tokens": max_new,
+                     "repeats": repeats, "warmup": "one prompt per configuration, not counted",
+                     "ks": ks, "methods": methods, "greedy": True,
+                     "batch_size": manifest["shapes"]["batch_size"],
+                     "ctx_len": manifest["shapes"]["ctx_len"],
+                     "prefill_seq_len": manifest["shapes"]["prefill_seq_len"],
+                     "compiled_ks": manifest["roles"]["target"]["compiled_ks"],
+                     "target_only_k": base.k,
+                     "tokens_per_s": "new tokens / wall time of the generate calls (prefill "
+                                     "included); mean and std over repeats",
+                     "speedup": "tokens/s over the same run's qpcbuild target-only tokens/s",
+                     "decode_speedup": "decode phase only (after the first token): decode "
+                                       "tokens/s over target-only decode tokens/s",
+                     "ideal_speedup": "draft_model, decode steps only: (tokens per verify step) "
+                                      "x (target-only time per target call) / (K x draft time "
+                                      "per draft call + SpD target time per target call); "
+                                      "measured_over_ideal = decode_speedup / ideal_speedup"},
+        "baseline": rows[0],
+        "rows": rows,
+        "all_greedy_outputs_match": all(r["greedy_matches_target_only"] for r in rows),
+        "peers": peers_out,
+        "ratios": ratios,
+        "goals": goals,
+        "notes": notes + ["ngram/suffix proposers start fresh each repeat (suffix decoding's "
+                          "cross-request cache only holds earlier prompts of the same repeat)"],
+    }
+
+
+def _threads(session) -> int | None:
+    try:
+        return session.sess.get_session_options().intra_op_num_threads
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------- output
+def default_json_path(bundle: Path, manifest_name: str) -> Path:
+    bundle = Path(bundle).resolve()
+    return bundle.parent / f"bench-{manifest_name}.json"
+
+
+def write_json(report: dict[str, Any], path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _fmt(mean, std, digits=0, suffix="") -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:,.{digits}f}{suffix}" + (f" ±{std:,.{digits}f}" if std else "")
+
+
+def show_report(report: dict[str, Any], console=None) -> None:
+    from rich.table import Table
+
+    from rich.console import Console
+
+    from .render import console as default_console
+    console = console or default_console
+    if not console.is_terminal:  # a file or a pipe: rich would wrap at 80 columns
+        console = Console(width=170, highlight=False)
+    s = report["settings"]
+    m = report["machine"]
+    title = (f"{report['name']}: {s['prompts']} prompts ({s['prompt_set']}), {s['max_new_tokens']} "
+             f"new tokens, greedy, {s['repeats']} repeats  |  {m['cpu']} x{m['cpu_count']}")
+    t = Table("method", "K", "tokens/s", "speedup", "decode x", "accept", "mean len",
+              "per-position acceptance", "ideal", "meas/ideal", "host", "= target", title=title,
+              title_justify="left")
+    for r in report["rows"]:
+        pp = r.get("acceptance_per_position") or []
+        t.add_row(r["method"], str(r["k"]),
+                  _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),
+                  _fmt(r["speedup"]["mean"], r["speedup"]["std"], 2, "x"),
+                  "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x",
+                  "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}",
+                  "-" if r.get("mean_acceptance_length") is None
+                  else f"{r['mean_acceptance_length']:.2f}",
+                  " ".join(f"{x:.2f}"[1:] if x < 1 else "1.0" for x in pp) or "-",
+                  "-" if r.get("ideal_speedup") is None else f"{r['ideal_speedup']:.2f}x",
+                  "-" if r.get("measured_over_ideal") is None
+                  else f"{r['measured_over_ideal']:.0%}",
+                  "-" if r.get("host_overhead_fraction") is None
+                  else f"{r['host_overhead_fraction']:.0%}",
+                  {True: "[green]yes[/]", False: "[red]NO[/]", None: "-"}[
+                      r["greedy_matches_target_only"]])
+    console.print(t)
+    for name, p in report["peers"].items():
+        if p["status"] != "ok":
+            console.print(f"[yellow]peer {name}: {p['status']}[/] - {p['note']}")
+            continue
+        pt = Table("configuration", "tokens/s", "vs our target-only", "accept", "= our tokens",
+                   title=f"peer: {name} {p['version'] or ''}  {p['note']}", title_justify="left")
+        for r in p["rows"]:
+            pt.add_row(r["label"], _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),
+                       _fmt(r["speedup"]["mean"], r["speedup"]["std"], 2, "x"),
+                       "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}",
+                       r.get("error") or r.get("skipped")
+                       or {True: "yes", False: "no", None: "-"}[r["greedy_matches_target_only"]])
+        console.print(pt)
+    if report["ratios"]:
+        rt = Table("peer", "method", "ours (best)", "theirs (best)", "ours / theirs",
+                   title="tokens/s ratios, best configuration of each", title_justify="left")
+        for x in report["ratios"]:
+            rt.add_row(x["peer"], x["method"], x["ours"], x["theirs"],
+                       f"{x['ours_over_theirs']:.2f}x")
+        console.print(rt)
+    for g in report["goals"]:
+        color = {"MET": "green", "MISSED": "red"}.get(g["status"], "yellow")
+        console.print(f"[{color}]{g['status']:>6}[/] {g['description']}: {g['detail']}")
+    if not report["all_greedy_outputs_match"]:
+        console.print("[red]greedy outputs differ from target-only for some configuration[/]")
+    for n in report["notes"]:
+        console.print(f"note: {n}")
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path:
+    """Two panels: speedup vs K per method (error bars: std over repeats; peers in thin dashed
+    lines on the same scale: their tokens/s over our target-only), and acceptance vs K."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"draft_model": "#1f77b4", "ngram": "#2ca02c", "suffix": "#d62728"}
+    peer_style = {"transformers": ("o", ":"), "onnxruntime-genai": ("s", "--")}
+    rows = report["rows"]
+    ks = report["settings"]["ks"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6))
+    ours_h, peers_h = [], []
+    ours_h.append(ax1.axhline(1.0, color="black", lw=1.2, label="qpcbuild target-only (= 1)"))
+    for method in report["settings"]["methods"]:
+        pts = sorted((r for r in rows if r["method"] == method
+                      and r["speedup"]["mean"] is not None), key=lambda r: r["k"])
+        if not pts:
+            continue
+        ours_h.append(ax1.errorbar([r["k"] for r in pts], [r["speedup"]["mean"] for r in pts],
+                                   yerr=[r["speedup"]["std"] or 0 for r in pts],
+                                   color=colors.get(method), marker="o", capsize=3, lw=2.2,
+                                   label=f"qpcbuild {method}"))
+    for name, p in report["peers"].items():
+        if p["status"] != "ok":
+            continue
+        marker, ls = peer_style.get(name, ("x", "-."))
+        for r in p["rows"]:
+            if r["k"] is None and r["speedup"]["mean"] is not None:  # no K: a reference line
+                color = "gray" if r["method"] == "target_only" else colors.get(r["method"])
+                peers_h.append(ax1.axhline(r["speedup"]["mean"], color=color, ls=ls, lw=1,
+                                           alpha=0.8, label=f"{name} {r['label']}"))
+        for method in ("draft_model", "ngram"):
+            pts = sorted((r for r in p["rows"] if r["method"] == method and r["k"] is not None
+                          and r["speedup"]["mean"] is not None), key=lambda r: r["k"])
+            if pts:
+                peers_h.append(ax1.plot([r["k"] for r in pts], [r["speedup"]["mean"] for r in pts],
+                                        color=colors.get(method), marker=marker, ls=ls, lw=1.2,
+                                        mfc="none", alpha=0.85,
+                                        label=f"{name} {'assisted / draft' if method == 'draft_model' else 'n-gram / lookup'}")[0])
+    ax1.set_xlabel("K (speculative tokens per step)")
+    ax1.set_ylabel("speedup over qpcbuild target-only (tokens/s ratio)")
+    ax1.set_title("Speedup vs K (error bars: std over repeats)")
+    ax1.set_xticks(ks)
+    ax1.set_ylim(bottom=0)
+    ax1.grid(alpha=0.3)
+    ax1.legend(handles=ours_h + peers_h, fontsize=7.5, loc="upper left", ncol=2,
+               framealpha=0.85)
+    ax2b = ax2.twinx()
+    acc_h = []
+    for method in report["settings"]["methods"]:
+        pts = sorted((r for r in rows if r["method"] == method
+                      and r.get("acceptance_rate") is not None), key=lambda r: r["k"])
+        if not pts:
+            continue
+        acc_h += ax2.plot([r["k"] for r in pts], [r["acceptance_rate"] for r in pts],
+                          color=colors.get(method), marker="o", lw=2,
+                          label=f"{method}: acceptance rate")
+        acc_h += ax2b.plot([r["k"] for r in pts], [r["mean_acceptance_length"] for r in pts],
+                           color=colors.get(method), marker="^", ls="--", lw=1.5,
+                           label=f"{method}: mean acceptance length")
+    ax2.set_xlabel("K (speculative tokens per step)")
+    ax2.set_ylabel("acceptance rate (accepted / proposed), solid")
+    ax2b.set_ylabel("mean acceptance length (tokens per step), dashed")
+    ax2.set_ylim(0, 1.05)
+    ax2b.set_ylim(bottom=1)
+    ax2.set_xticks(ks)
+    ax2.grid(alpha=0.3)
+    ax2.set_title("Acceptance vs K")
+    ax2.legend(handles=acc_h, fontsize=7.5, loc="lower left", framealpha=0.85)
+    s, m = report["settings"], report["machine"]
+    base_tps = report["baseline"]["tokens_per_s"]["mean"]
+    load = m.get("loadavg_at_start", ["?"])[0]
+    fig.suptitle(f"qpcbuild bench: {report['name']}, {s['prompts']} prompts "
+                 f"({Path(str(s['prompt_set'])).name}), {s['max_new_tokens']} new tokens, greedy, "
+                 f"repeats={s['repeats']}; qpcbuild target-only {base_tps:,.0f} tokens/s\n"
+                 f"{m['cpu']}, {m['cpu_count']} CPUs, onnxruntime {m.get('onnxruntime')}, "
+                 f"load average {load} at start", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """Per method and K: tokens/s, speedup, acceptance, ideal vs measured, host overhead."""
+    lines = ["| method | K | tokens/s | speedup | decode speedup | acceptance | mean acc. len | "
+             "ideal (decode) | measured/ideal | host overhead | = target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append("| " + " | ".join([
+            r["method"], str(r["k"]), _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),
+            _fmt(r["speedup"]["mean"], r["speedup"]["std"], 2, "x"),
+            "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x",
+            "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.3f}",
+            "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}",
+            "-" if r.get("ideal_speedup") is None else f"{r['ideal_speedup']:.2f}x",
+            "-" if r.get("measured_over_ideal") is None else f"{r['measured_over_ideal']:.0%}",
+            "-" if r.get("host_overhead_fraction") is None
+            else f"{r['host_overhead_fraction']:.1%}",
+            str(r["greedy_matches_target_only"])]) + " |")
+    for name, p in report["peers"].items():
+        if p["status"] != "ok":
+            lines.append(f"\n{name}: {p['status']} ({p['note']})")
+            continue
+        lines += ["", f"**{name} {p['version']}** ({p['note']})", "",
+                  "| configuration | tokens/s | vs our target-only | = our target-only |",
+                  "|---|---|---|---|"]
+        for r in p["rows"]:
+            lines.append(f"| {r['label']} | {_fmt(r['tokens_per_s']['mean'], r['tokens_per_s']['std'])}"
+                         f" | {_fmt(r['speedup']['mean'], r['speedup']['std'], 2, 'x')} | "
+                         f"{r.get('error') or r.get('skipped') or r['greedy_matches_target_only']} |")
+    if report["ratios"]:
+        lines += ["", "| peer | method | ours | theirs | ours / theirs |", "|---|---|---|---|---|"]
+        lines += [f"| {x['peer']} | {x['method']} | {x['ours']} | {x['theirs']} | "
+                  f"{x['ours_over_theirs']:.2f}x |" for x in report["ratios"]]
+    lines.append("")
+    lines += [f"- **{g['status']}** {g['description']}: {g['detail']}" for g in report["goals"]]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- entry point (CLI and scripts)
+def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None = None,
+          prompt_set: str | None = None, num_prompts: int | None = None,
+          ks: list[int] | None = None, methods: list[str] | None = None,
+          max_new_tokens: int = 128, repeats: int = 3,
+          peers: tuple[str, ...] = ("transformers", "onnxruntime-genai"),
+          peer_ks: list[int] | None = None, cache_dir: Path | None = None,
+          bundle_out: Path | None = None, json_out: Path | None = None,
+          plot: Path | None | bool = None, say: Say | None = None) -> tuple[dict[str, Any], Path, Path | None]:
+    """Bundle or recipe -> (report, JSON path, PNG path or None)."""
+    say = say or (lambda m: None)
+    target = Path(target)
+    if is_bundle(target):
+        if overrides:
+            raise UsageError("--set applies to a recipe; this is a built bundle")
+        bundle = target
+    elif target.is_file():
+        want = sorted(set([0] + list(ks or BENCH_KS)))
+        out = Path(bundle_out) if bundle_out else default_bench_dir(target, list(overrides))
+        bundle = build_for_measurement(target, list(overrides), want, out, cache_dir, say)
+    else:
+        raise UsageError(f"{target}: neither a bundle folder (with manifest.json) nor a recipe "
+                         "file")
+    label, prompts = load_prompts(prompt_file, prompt_set, num_prompts)
+    report = run_bench(bundle, prompts, prompt_label=label, ks=ks, methods=methods,
+                       max_new_tokens=max_new_tokens, repeats=repeats, peers=peers,
+                       peer_ks=peer_ks, cache_dir=cache_dir, say=say)
+    json_path = write_json(report, json_out or default_json_path(bundle, report["name"]))
+    png = None
+    if plot is not False:
+        try:
+            png = plot_report(report, plot if isinstance(plot, Path) else
+                              json_path.with_suffix(".png"))
+        except ImportError as exc:
+            report["notes"].append(f"no plot: matplotlib is not installed ({exc})")
+            write_json(report, json_path)
+    return report, json_path, png
