@@ -85,8 +85,9 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                 if key not in loaded:
                     arr, raw = reader.read(name, shape)
                     arr = arr.T if transpose else arr
-                    w = g.weight(key, arr.astype(np_dtype),
+                    w = g.weight(key, arr.astype(np_dtype, copy=False),
                                  hashlib.sha256(raw).hexdigest())
+                    del arr, raw  # keep peak memory at about one tensor
                     loaded[key] = w if np_dtype == np.float32 else \
                         g.op("Cast", w, to=onnx.TensorProto.FLOAT)
                 return loaded[key]

@@ -48,12 +48,13 @@ class GraphBuilder:
 
     def weight(self, name: str, arr: np.ndarray, source_digest: str | None = None) -> str:
         """A large tensor written to the external data file at a page-aligned offset."""
-        arr = np.ascontiguousarray(arr)
+        # Written straight from the array's memory: a multi-GB embedding is never copied again.
+        arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
         pad = (-self._offset) % ALIGN
         if pad:
             self._data.write(b"\0" * pad)
             self._offset += pad
-        raw = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        raw = memoryview(arr).cast("B")
         self._data.write(raw)
         tensor = TensorProto()
         tensor.name = name

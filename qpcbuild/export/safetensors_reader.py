@@ -113,8 +113,10 @@ class WeightReader:
         data, info = self.raw(name, expected_shape)
         np_dtype = DTYPES[info.dtype][0]
         arr = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<"))
-        if info.dtype == "BF16":  # bfloat16 is the top half of a float32
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        if info.dtype == "BF16":  # bfloat16 is the top half of a float32; one allocation
+            wide = arr.astype(np.uint32)
+            wide <<= 16
+            arr = wide.view(np.float32)
         return arr.astype(np.float32, copy=False).reshape(info.shape), data
 
 
