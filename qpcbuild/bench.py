@@ -10,9 +10,9 @@ What one run does
   Hugging Face transformers on PyTorch/CPU (target-only, assisted generation with the draft at
   each K and with transformers' own defaults, prompt lookup at each K) and onnxruntime-genai on
   the same checkpoints (target-only, and its speculative decoding: draft model and n-gram).
-* Repeats are interleaved (for each repeat: every configuration in turn, ours and the peers'),
-  so drift of a busy machine hits all of them alike. A warm-up pass on one prompt per
-  configuration comes first and is not counted.
+* Repeats are interleaved (each repeat runs every configuration, ours and the peers', over the
+  whole prompt set in turn), so drift of a busy machine hits all of them alike while each runs
+  warm as it would in use. A warm-up pass on the first prompt comes first and is not counted.
 * Greedy decoding throughout; each configuration's tokens are compared with our target-only
   tokens (ours must match exactly; a peer's match is reported, not required).
 
@@ -24,6 +24,7 @@ tokens/s of the same run (the spread is that of the per-repeat ratios).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import os
@@ -332,6 +333,8 @@ def transformers_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
                     f"{type(exc).__name__}: {exc}", peer.version)
     peer.info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                  "dtype": "float32", "device": "cpu"}
+    peer.note = (f"PyTorch {torch.__version__} on CPU, {torch.get_num_threads()} threads, float32; "
+                 "assisted K: fixed K per step (constant schedule, no confidence threshold)")
     eos = sorted(eos_ids)
     pad = eos[0] if eos else 0
     default_draft_cfg = copy.deepcopy(draft.generation_config) if draft is not None else None
@@ -598,20 +601,30 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
         say(f"peer {p.name}: {p.status}" + (f" ({p.note})" if p.note else ""))
 
     cases = ours + [c for p in peer_objs for c in p.cases]
-    total = len(cases) * (repeats + 1)
-    done, started = 0, time.perf_counter()
+    # Repeats interleaved: every repeat runs every configuration over the whole prompt set in
+    # turn (so each runs warm, as it would in use), and drift spreads over all configurations.
+    # Repeat 0 is a warm-up on the first prompt batch and is not counted.
+    warmup = prompt_ids[:batch]
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()  # what is loaded now (models, libraries) stays out of the collections below
     warm_tps: dict[str, float] = {}  # each peer's target-only tokens/s in the warm-up
-    for rep in range(repeats + 1):  # rep 0: warm-up on one prompt, not counted
+    baseline_run: dict[str, Callable] = {}
+    for rep in range(repeats + 1):
         warm = rep == 0
         for meas, run in cases:
             if meas.error or meas.skipped:
                 continue
-            if meas.method in ("ngram", "suffix") and meas.system == "qpcbuild":
-                # A fresh proposer per repeat: suffix decoding's cross-request cache would
-                # otherwise hold this very continuation from the previous repeat.
+            if meas.system == "qpcbuild" and meas.method in ("ngram", "suffix"):
+                # Its own proposer, fresh each repeat: suffix decoding's cross-request cache
+                # holds only the earlier prompts of this pass, never this very continuation.
                 gens[meas.method].decoder.proposer = _new_proposer(manifest, meas.method)
+            # As timeit does: no cyclic garbage collection inside a timed pass (its pauses would
+            # land on whichever configuration happens to run); it runs between passes.
+            gc.collect()
+            gc.disable()
             try:
-                outs, tokens, seconds = run(prompt_ids[:1] if warm else prompt_ids,
+                outs, tokens, seconds = run(warmup if warm else prompt_ids,
                                             None if warm else meas.stats)
             except Exception as exc:
                 if meas.system == "qpcbuild":
@@ -619,34 +632,38 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                 meas.error = f"{type(exc).__name__}: {exc}"
                 say(f"  {meas.system} {meas.label} failed: {meas.error}")
                 continue
+            finally:
+                gc.enable()
+            rate = tokens / seconds if seconds > 0 else 0.0
+            say(f"{'warm-up' if warm else f'repeat {rep}/{repeats}'} {meas.system} {meas.label}: "
+                f"{rate:,.0f} tokens/s  (elapsed {time.perf_counter() - started:.0f} s)")
             if not warm:
                 meas.seconds.append(seconds)
                 meas.tokens.append(tokens)
                 meas.outputs.append(outs)
-            elif meas.system != "qpcbuild" and seconds > 0:
-                rate = tokens / seconds
-                limit = SLOW_PEER_FRACTION * warm_tps.get(meas.system, 0.0)
-                if meas.method == "target_only":
-                    warm_tps[meas.system] = rate
-                elif rate < limit:
-                    # Far slower than the peer's own target-only, it cannot be the peer's best
-                    # configuration (which the goals compare) and would dominate the run. A busy
-                    # machine can stall one warm-up, so it gets a second one before it is left
-                    # out.
-                    _, t2, s2 = run(prompt_ids[:1], None)
-                    rate2 = t2 / s2 if s2 > 0 else 0.0
-                    if rate2 < limit:
-                        meas.skipped = (f"not measured: {rate:,.1f} and {rate2:,.1f} tokens/s in "
-                                        f"two warm-ups, under {SLOW_PEER_FRACTION:.0%} of this "
-                                        f"peer's target-only ({warm_tps[meas.system]:,.1f})")
-                        say(f"  {meas.system} {meas.label}: {meas.skipped}")
-                        done += repeats  # its measured repeats will not run
-            done += 1
-            say(f"[{done}/{total}] {'warm-up' if warm else f'repeat {rep}/{repeats}'} "
-                f"{meas.system} {meas.label}: "
-                + (f"{tokens / seconds:,.0f} tokens/s" if seconds > 0 else "-")
-                + f"  (elapsed {time.perf_counter() - started:.0f} s)")
-
+                continue
+            if meas.system == "qpcbuild":
+                continue
+            if meas.method == "target_only":
+                warm_tps[meas.system] = rate
+                baseline_run[meas.system] = run
+            elif rate < SLOW_PEER_FRACTION * warm_tps.get(meas.system, 0.0):
+                # Far slower than the peer's own target-only, it cannot be the peer's best
+                # configuration (which the goals compare) and would dominate the run. A busy
+                # machine slows whole stretches of time, so the check is repeated against the
+                # peer's target-only measured right before it, on the same prompt: only a
+                # configuration that is slow by itself is left out.
+                _, tb, sb = baseline_run[meas.system](warmup, None)
+                _, t2, s2 = run(warmup, None)
+                ref = tb / sb if sb > 0 else 0.0
+                rate2 = t2 / s2 if s2 > 0 else 0.0
+                if rate2 < SLOW_PEER_FRACTION * ref:
+                    meas.skipped = (f"not measured: {rate2:,.1f} tokens/s in its warm-up "
+                                    f"against {ref:,.1f} for this peer's target-only just "
+                                    f"before (under {SLOW_PEER_FRACTION:.0%}; first warm-up "
+                                    f"{rate:,.1f} against {warm_tps[meas.system]:,.1f})")
+                    say(f"  {meas.system} {meas.label}: {meas.skipped}")
+    gc.unfreeze()
     return _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
                    ks, methods, ours, peer_objs, notes, gen)
 
@@ -835,6 +852,10 @@ def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeat
         "settings": {"prompt_set": prompt_label, "prompts": len(prompt_ids),
                      "prompt_tokens": [len(p) for p in prompt_ids], "max_new_tokens": max_new,
                      "repeats": repeats, "warmup": "one prompt per configuration, not counted",
+                     "interleaving": "per repeat: every configuration runs over all prompts "
+                                     "in turn",
+                     "gc": "cyclic garbage collection off inside timed calls, run between "
+                           "them (as timeit does)",
                      "ks": ks, "methods": methods, "greedy": True,
                      "batch_size": manifest["shapes"]["batch_size"],
                      "ctx_len": manifest["shapes"]["ctx_len"],
@@ -856,8 +877,9 @@ def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeat
         "peers": peers_out,
         "ratios": ratios,
         "goals": goals,
-        "notes": notes + ["ngram/suffix proposers start fresh each repeat (suffix decoding's "
-                          "cross-request cache only holds earlier prompts of the same repeat)"],
+        "notes": notes + ["each ngram/suffix configuration starts with a fresh proposer in each "
+                          "repeat (suffix decoding's cross-request cache holds only the earlier "
+                          "prompts of that pass)"],
     }
 
 
@@ -889,6 +911,12 @@ def _fmt(mean, std, digits=0, suffix="") -> str:
     return f"{mean:,.{digits}f}{suffix}" + (f" ±{std:,.{digits}f}" if std else "")
 
 
+def _short(x: float) -> str:
+    """0.93 -> '.93', 1.0 -> '1.00' (per-position columns stay narrow)."""
+    text = f"{x:.2f}"
+    return text[1:] if text.startswith("0") else text
+
+
 def show_report(report: dict[str, Any], console=None) -> None:
     from rich.table import Table
 
@@ -914,7 +942,7 @@ def show_report(report: dict[str, Any], console=None) -> None:
                   "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}",
                   "-" if r.get("mean_acceptance_length") is None
                   else f"{r['mean_acceptance_length']:.2f}",
-                  " ".join(f"{x:.2f}"[1:] if x < 1 else "1.0" for x in pp) or "-",
+                  " ".join(_short(x) for x in pp) or "-",
                   "-" if r.get("ideal_speedup") is None else f"{r['ideal_speedup']:.2f}x",
                   "-" if r.get("measured_over_ideal") is None
                   else f"{r['measured_over_ideal']:.0%}",
@@ -998,8 +1026,8 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
     ax1.set_xticks(ks)
     ax1.set_ylim(bottom=0)
     ax1.grid(alpha=0.3)
-    ax1.legend(handles=ours_h + peers_h, fontsize=7.5, loc="upper left", ncol=2,
-               framealpha=0.85)
+    ax1.legend(handles=ours_h + peers_h, fontsize=8, loc="upper center",
+               bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     ax2b = ax2.twinx()
     acc_h = []
     for method in report["settings"]["methods"]:
@@ -1021,7 +1049,8 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
     ax2.set_xticks(ks)
     ax2.grid(alpha=0.3)
     ax2.set_title("Acceptance vs K")
-    ax2.legend(handles=acc_h, fontsize=7.5, loc="lower left", framealpha=0.85)
+    ax2.legend(handles=acc_h, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12),
+               ncol=2, frameon=False)
     s, m = report["settings"], report["machine"]
     base_tps = report["baseline"]["tokens_per_s"]["mean"]
     load = m.get("loadavg_at_start", ["?"])[0]
@@ -1033,7 +1062,7 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends sit below the axes
     plt.close(fig)
     return path
 

@@ -12,12 +12,14 @@
 4. For each K: expected tokens per step E(K) = 1 + sum_{i<=K} prod_{j<=i} alpha_j over the cost
    of a step, and pick the K with the most tokens per second.
 
-   draft_model:  cost(K) = K t_draft + c(K) t_draft + t_verify(K) + h_call (K + c(K) + 1)
-                 c(K) = prod_{j<=K} alpha_j: a step that accepts all K drafts leaves the draft one
-                 token behind, which costs one catch-up draft call in the next step.
+   draft_model:  cost(K) = D(K) (1 + c(K) / K) + t_verify(K) + h(K), where D(K) is K draft
+                 steps timed in a row (as the loop runs them) and c(K) = prod_{j<=K} alpha_j: a
+                 step that accepts all K drafts leaves the draft one token behind, which costs
+                 one catch-up draft call in the next step.
    ngram/suffix: tokens(K) = p E(K) + (1 - p), cost(K) = p t_verify(K) + (1 - p) t_verify(0)
-                 + h_step, where p is the fraction of steps that had a proposal (the compile list
+                 + h(K), where p is the fraction of steps that had a proposal (the compile list
                  [0, K] runs proposals of any length in the K+1 window, the others at K=0).
+   h(K), the loop's own time per step, is measured at K=1 and K=K_max and interpolated.
 """
 
 from __future__ import annotations
@@ -77,32 +79,41 @@ def host_model(points: dict[int, float]) -> Callable[[int], float]:
     return lambda k: max(0.0, h0 + slope * (k - k0))
 
 
-def predict(method: str, alphas: list[float], t_draft: float | None, t_verify: dict[int, float],
-            host_per_step: Callable[[int], float] | float, p_proposal: float,
+def predict(method: str, alphas: list[float] | dict[int, list[float]],
+            t_draft: float | dict[int, float] | None, t_verify: dict[int, float],
+            host_per_step: Callable[[int], float] | float, p_proposal: float | dict[int, float],
             ks: list[int], host_target_only: float | None = None) -> list[dict[str, Any]]:
-    """Expected tokens, cost (seconds) and tokens/s per K. t_verify must hold 0 (or the
-    smallest compiled K) and every K in ks; host_per_step(K) is the loop's own time per step."""
+    """Expected tokens, cost (seconds) and tokens/s per K. alphas (and p_proposal) may be one
+    list for every K or one per K; t_verify must hold 0 (or the smallest compiled K) and every
+    K in ks; t_draft is the seconds of one draft step, or per K the seconds of K draft steps in
+    a row; host_per_step(K) is the loop's own time per step."""
     host_of = host_per_step if callable(host_per_step) else (lambda k: host_per_step)
     base_k = min(t_verify)
     base_rate = 1.0 / (t_verify[base_k] + (host_target_only if host_target_only is not None
                                            else host_of(0)))
     rows = []
     for k in ks:
-        e = expected_tokens(alphas, k)
+        a = alphas[k] if isinstance(alphas, dict) else alphas
+        p = p_proposal[k] if isinstance(p_proposal, dict) else p_proposal
+        e = expected_tokens(a, k)
         host = host_of(k)
         if method == "draft_model":
-            c = all_accepted(alphas, k)
-            draft = (k + c) * (t_draft or 0.0)
+            c = all_accepted(a, k)
+            if isinstance(t_draft, dict):  # K steps measured together, plus the catch-up call
+                draft = t_draft[k] * (1 + c / k)
+            else:
+                draft = (k + c) * (t_draft or 0.0)
             verify = t_verify[k]
             tokens = e
         else:
             draft = 0.0
-            verify = p_proposal * t_verify[k] + (1 - p_proposal) * t_verify[base_k]
-            tokens = p_proposal * e + (1 - p_proposal)
+            verify = p * t_verify[k] + (1 - p) * t_verify[base_k]
+            tokens = p * e + (1 - p)
         cost = draft + verify + host
         rate = tokens / cost if cost > 0 else 0.0
         rows.append({"k": k, "expected_tokens_per_step": round(tokens, 4),
                      "expected_accepted_len": round(e, 4),
+                     "alpha": [round(x, 4) for x in a[:k]],
                      "draft_ms": round(draft * 1e3, 4), "verify_ms": round(verify * 1e3, 4),
                      "host_ms": round(host * 1e3, 4), "cost_ms": round(cost * 1e3, 4),
                      "tokens_per_s": round(rate, 2),
@@ -126,6 +137,112 @@ def recommended_ks(method: str, k: int) -> list[int]:
     return [k] if method == "draft_model" else sorted({0, k})
 
 
+# ---------------------------------------------------------------- replaying the loop
+def _new_stats(k: int) -> dict[str, Any]:
+    return {"k": k, "steps": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
+            "per_pos": [0] * k, "catch_up": 0, "tokens": 0}
+
+
+def replay_draft(matches: list[bool], n_out: int, max_new: int, k: int,
+                 acc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The engine's draft_model steps for one request whose greedy output has n_out tokens, at
+    speculative length K. matches[i]: the draft's greedy next token after the prompt and output
+    tokens 0..i equals output token i+1 (one teacher-forced draft pass gives them all). A step
+    proposes min(K, tokens left - 1) tokens, accepts the run of matches from its start, and adds
+    the target's own token; a step that accepts all its drafts costs a catch-up draft call in
+    the next one. Greedy acceptance depends only on the output, so this is exact for any K."""
+    st = acc if acc is not None else _new_stats(k)
+    done, full = 1, False  # output token 0 comes from the prefill
+    st["tokens"] += max(0, n_out - 1)
+    while done < n_out:
+        room = max(0, min(k, max_new - done - 1))
+        n = 0
+        if room:
+            if full:
+                st["catch_up"] += 1
+            while n < room and done - 1 + n < len(matches) and matches[done - 1 + n]:
+                n += 1
+            st["drafts"] += 1
+            st["draft_tokens"] += room
+            st["accepted"] += n
+            for j in range(n):
+                st["per_pos"][j] += 1
+        full = bool(room) and n == room
+        st["steps"] += 1
+        done += n + 1
+    return st
+
+
+def replay_proposer(proposer, prompt: list[int], output: list[int], max_new: int, k: int,
+                    acc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The engine's ngram/suffix steps for one request (request id 0), driving the real
+    proposer with the known greedy output: start, propose, extend with what was accepted plus
+    the target's token, finish (so suffix decoding's cross-request cache grows as it would)."""
+    st = acc if acc is not None else _new_stats(k)
+    proposer.start(0, list(prompt) + output[:1])
+    done = 1
+    st["tokens"] += max(0, len(output) - 1)
+    while done < len(output):
+        room = max(0, min(k, max_new - done - 1))
+        proposal = proposer.propose(0, room)
+        n = 0
+        while n < len(proposal) and done + n < len(output) and proposal[n] == output[done + n]:
+            n += 1
+        if proposal:
+            st["drafts"] += 1
+            st["draft_tokens"] += len(proposal)
+            st["accepted"] += n
+            for j in range(n):
+                st["per_pos"][j] += 1
+        st["steps"] += 1
+        new = output[done:done + n + 1]
+        done += n + 1
+        if done < len(output):
+            proposer.extend(0, new)
+    proposer.finish(0)
+    return st
+
+
+def draft_matches(gen, prompts: list[list[int]], outputs: list[list[int]]) -> list[list[bool]]:
+    """One teacher-forced pass of the draft over each prompt and its greedy output: prefill the
+    prompt in the bundle's chunks, then one single-token call per output token."""
+    import numpy as np
+
+    d = gen.draft
+    b, p = d.batch_size, gen.manifest["shapes"]["prefill_seq_len"]
+    out = []
+    for ids, x in zip(prompts, outputs):
+        for c in range(-(-len(ids) // p)):
+            chunk = ids[c * p:(c + 1) * p]
+            tok, pos = np.zeros((b, p), np.int64), np.full((b, p), -1, np.int64)
+            tok[0, :len(chunk)] = chunk
+            pos[0, :len(chunk)] = np.arange(c * p, c * p + len(chunk))
+            d.run(tok, pos)
+        m = []
+        for i in range(len(x) - 1):
+            tok, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
+            tok[0, 0], pos[0, 0] = x[i], len(ids) + i
+            m.append(int(d.run(tok, pos)[0, 0].argmax()) == x[i + 1])
+        out.append(m)
+    return out
+
+
+def replay(method: str, k: int, prompts: list[list[int]], outputs: list[list[int]],
+           max_new: int, matches: list[list[bool]] | None = None,
+           make_proposer: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Replayed statistics of the whole prompt set at K (one proposer for the set, in order)."""
+    st = _new_stats(k)
+    prop = make_proposer() if make_proposer else None
+    for i, (ids, x) in enumerate(zip(prompts, outputs)):
+        if method == "draft_model":
+            replay_draft(matches[i], len(x), max_new, k, st)
+        else:
+            replay_proposer(prop, ids, x, max_new, k, st)
+    st["alpha"] = conditional_acceptance(st["per_pos"], st["drafts"])
+    st["proposal_fraction"] = st["drafts"] / st["steps"] if st["steps"] else 0.0
+    return st
+
+
 # ---------------------------------------------------------------- measuring
 def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
@@ -142,10 +259,14 @@ def lower_quartile(xs: list[float]) -> float:
 
 
 def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
-                  warmup: int = 3) -> tuple[dict[int, float], float | None, dict[str, Any]]:
-    """Seconds per target verify of K+1 tokens (each K in ks, plus 0 when compiled) and per
-    draft step, timed through the sessions at `position` (lower quartile of `rounds` calls; the
-    Ks interleaved in every round, so that drift hits them alike)."""
+                  warmup: int = 3) -> tuple[dict[int, float], dict[int, float] | None,
+                                            dict[str, Any]]:
+    """Seconds per target verify of K+1 tokens (each K in ks, plus 0 when compiled) and, with a
+    draft, per run of K draft steps, timed through the sessions at `position` the way the loop
+    calls them: K draft steps back to back, then the verify. (A draft call that follows target
+    calls runs with the target's weights in the CPU caches and is slower than the ones after it;
+    timing single draft calls between target calls would overstate the draft's cost.) Each is the
+    lower quartile of `rounds` samples, all Ks interleaved in every round."""
     import numpy as np
 
     target, draft = gen.target, gen.draft
@@ -153,10 +274,16 @@ def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
     kset = sorted(set(ks) | ({0} if 0 in gen.ks else {min(gen.ks)}))
     pos0 = max(0, min(position, target.ctx_len - max(kset) - 2))
     samples: dict[int, list[float]] = {k: [] for k in kset}
-    dsamples: list[float] = []
+    dsamples: dict[int, list[float]] = {k: [] for k in kset if k > 0}
     tok = 1
     for r in range(warmup + rounds):
         for k in kset:
+            if draft is not None and k > 0:
+                t0 = time.perf_counter()
+                for j in range(k):
+                    draft.run(np.full((b, 1), tok, np.int64), np.full((b, 1), pos0 + j, np.int64))
+                if r >= warmup:
+                    dsamples[k].append(time.perf_counter() - t0)
             ids = np.full((b, k + 1), tok, np.int64)
             pos = np.tile(np.arange(pos0, pos0 + k + 1, dtype=np.int64), (b, 1))
             t0 = time.perf_counter()
@@ -164,23 +291,17 @@ def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
             dt = time.perf_counter() - t0
             if r >= warmup:
                 samples[k].append(dt)
-        if draft is not None:
-            ids = np.full((b, 1), tok, np.int64)
-            pos = np.full((b, 1), pos0, np.int64)
-            t0 = time.perf_counter()
-            draft.run(ids, pos)
-            dt = time.perf_counter() - t0
-            if r >= warmup:
-                dsamples.append(dt)
     t_verify = {k: lower_quartile(v) for k, v in samples.items()}
-    t_draft = lower_quartile(dsamples) if dsamples else None
+    t_draft = {k: lower_quartile(v) for k, v in dsamples.items()} if draft is not None else None
     detail = {"position": pos0, "rounds": rounds, "batch_size": b, "statistic": "lower quartile",
               "verify_ms": {k: round(t * 1e3, 4) for k, t in t_verify.items()},
               "verify_median_ms": {k: round(_median_ms(v), 4) for k, v in samples.items()},
               "verify_spread_ms": {k: [round(min(v) * 1e3, 4), round(max(v) * 1e3, 4)]
                                    for k, v in samples.items()},
-              "draft_step_ms": round(t_draft * 1e3, 4) if dsamples else None,
-              "draft_step_median_ms": round(_median_ms(dsamples), 4) if dsamples else None}
+              "draft_ms_for_k_steps": {k: round(t * 1e3, 4) for k, t in t_draft.items()}
+              if t_draft else None,
+              "draft_step_ms": round(t_draft[max(t_draft)] / max(t_draft) * 1e3, 4)
+              if t_draft else None}
     return t_verify, t_draft, detail
 
 
@@ -191,9 +312,12 @@ def _run(gen, ids: list[list[int]], max_new_tokens: int, k: int | None,
     t = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0,
          "target_s": 0.0, "draft_s": 0.0, "e2e_s": 0.0, "prefill_s": 0.0, "host_s": 0.0,
          "new_tokens": 0, "rows": 0, "prefill_calls": 0, "per_pos": []}
+    t["outputs"] = []
     for start in range(0, len(ids), batch):
         chunk = ids[start:start + batch]
-        st = gen.generate(chunk, max_new_tokens, k=k, target_only=target_only).stats
+        res = gen.generate(chunk, max_new_tokens, k=k, target_only=target_only)
+        st = res.stats
+        t["outputs"] += [r.tokens[len(r.prompt):] for r in res.rows]
         for key, src in (("drafts", "spec_decode_num_drafts"),
                          ("draft_tokens", "spec_decode_num_draft_tokens"),
                          ("accepted", "spec_decode_num_accepted_tokens"),
@@ -217,9 +341,18 @@ def _run(gen, ids: list[list[int]], max_new_tokens: int, k: int | None,
 
 def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new_tokens: int,
               rounds: int = 20, check_prompts: int = 4, say: Say | None = None) -> dict[str, Any]:
-    """Run `method` at K_max over `prompts` (acceptance), then at K=1 and target-only over the
-    first `check_prompts` (host time per step at both ends, and a check of the model), time the
-    pieces, and return the evidence and the decision."""
+    """Evidence and decision for `method` on `prompts`:
+
+    1. target-only greedy decoding of every prompt (the output every K reproduces);
+    2. acceptance: draft_model - one teacher-forced draft pass over each output; ngram/suffix -
+       the proposer driven over the outputs; then the loop replayed at every K (per-position
+       acceptance depends on K: acceptance comes in runs, and a larger K spends fewer steps on
+       a run, so the steps it does take start more often where the proposer disagrees);
+    3. real runs at K=1 and K_max on the first `check_prompts` prompts: the loop's own (host)
+       time per step, and a check that the replay reproduces the measured acceptance;
+    4. the costs of K draft steps and of a K+1 verify for every K (`measure_costs`);
+    5. for each K: E(K) = 1 + sum_i prod_{j<=i} alpha_j(K) over the cost of a step; the best K.
+    """
     from .bench import _new_proposer, target_only_generator
     from .runtime.loader import load
 
@@ -233,67 +366,90 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
     ids = [gen.encode(p)[-room:] for p in prompts]
     sub = ids[:max(1, check_prompts)]
+    base_gen = target_only_generator(gen)
 
     def fresh() -> None:  # the proposer's cross-request cache starts empty for each run
         if method != "draft_model":
             gen.decoder.proposer = _new_proposer(gen.manifest, method)
 
     gen.generate(ids[:1], min(max_new_tokens, 16), k=k_max)  # warm-up, not counted
-    fresh()
-    say(f"calibration: {method} at K={k_max} on {len(ids)} prompts, {max_new_tokens} new tokens")
-    main = _run(gen, ids, max_new_tokens, k_max)
-    say(f"host time per step: {method} at K=1 and target-only on {len(sub)} prompts")
-    fresh()
-    low = _run(gen, sub, max_new_tokens, 1) if k_max > 1 else main
-    base = _run(target_only_generator(gen), sub, max_new_tokens, None, target_only=True)
-    alphas = conditional_acceptance(main["per_pos"], main["drafts"])
-    position = int(statistics.median(len(p) for p in ids)) + max_new_tokens // 2
-    say(f"timing one verify per K (0..{k_max}) and one draft step: {rounds} rounds")
-    t_verify, t_draft, detail = measure_costs(gen, list(range(1, k_max + 1)), position, rounds)
-    host = host_model({1: low["host_per_step"], k_max: main["host_per_step"]})
-    p_prop = min(1.0, main["drafts"] / main["steps"])
+    say(f"calibration: target-only greedy outputs of {len(ids)} prompts, {max_new_tokens} new "
+        "tokens")
+    base = _run(base_gen, ids, max_new_tokens, None, target_only=True)
+    outputs = base["outputs"]
+    matches = None
+    if method == "draft_model":
+        say("acceptance: one teacher-forced draft pass over every output")
+        matches = draft_matches(gen, ids, outputs)
     ks = list(range(1, k_max + 1))
-    rows = predict(method, alphas, t_draft, t_verify, host, p_prop, ks,
-                   host_target_only=base["host_per_step"])
+    make = (lambda: _new_proposer(gen.manifest, method)) if method != "draft_model" else None
+    sims = {k: replay(method, k, ids, outputs, max_new_tokens, matches, make) for k in ks}
+    say(f"host time per step and a check: {method} at K=1 and K={k_max} on {len(sub)} prompts")
+    fresh()
+    low = _run(gen, sub, max_new_tokens, 1)
+    fresh()
+    high = _run(gen, sub, max_new_tokens, k_max) if k_max > 1 else low
+    base_sub = _run(base_gen, sub, max_new_tokens, None, target_only=True)
+    position = int(statistics.median(len(p) for p in ids)) + max_new_tokens // 2
+    say(f"timing K draft steps and one K+1 verify for K = 0..{k_max}: {rounds} rounds")
+    t_verify, t_draft, detail = measure_costs(gen, ks, position, rounds)
+    host = host_model({1: low["host_per_step"], k_max: high["host_per_step"]})
+    rows = predict(method, {k: sims[k]["alpha"] for k in ks}, t_draft, t_verify, host,
+                   {k: sims[k]["proposal_fraction"] for k in ks}, ks,
+                   host_target_only=base_sub["host_per_step"])
     k = choose_k(rows)
     by_k = {r["k"]: r for r in rows}
-    base_pred = 1.0 / (t_verify[min(t_verify)] + base["host_per_step"])
+    base_pred = 1.0 / (t_verify[min(t_verify)] + base_sub["host_per_step"])
     check = [{"config": "target-only", "predicted": round(base_pred, 1),
-              "measured": _round(base["decode_tokens_per_s"], 1)}]
-    for kk, run in ((1, low), (k_max, main)):
-        if kk in by_k and (kk != 1 or k_max > 1):
-            check.append({"config": f"{method} K={kk}", "predicted": by_k[kk]["tokens_per_s"],
-                          "measured": _round(run["decode_tokens_per_s"], 1)})
+              "measured": _round(base_sub["decode_tokens_per_s"], 1)}]
+    for kk, run in ((1, low), (k_max, high)):
+        if kk == k_max and k_max == 1:
+            continue
+        sim = replay(method, kk, sub, outputs[:len(sub)], max_new_tokens, matches, make)
+        check.append({"config": f"{method} K={kk}", "predicted": by_k[kk]["tokens_per_s"],
+                      "measured": _round(run["decode_tokens_per_s"], 1),
+                      "accepted_replayed": sim["accepted"], "accepted_measured": run["accepted"],
+                      "drafts_replayed": sim["drafts"], "drafts_measured": run["drafts"]})
     for c in check:
         c["error"] = round(c["predicted"] / c["measured"] - 1, 4) if c["measured"] else None
+    top = sims[k_max]
     return {
         "method": method, "k_max": k_max, "chosen_k": k, "recommended_ks": recommended_ks(method, k),
         "predicted_tokens_per_s": by_k[k]["tokens_per_s"],
         "predicted_speedup": by_k[k]["predicted_speedup"],
         "calibration": {
             "prompts": len(ids), "max_new_tokens": max_new_tokens,
-            "new_tokens": main["new_tokens"], "verify_steps": main["steps"],
-            "num_drafts": main["drafts"], "num_draft_tokens": main["draft_tokens"],
-            "num_accepted_tokens": main["accepted"], "accepted_per_pos": main["per_pos"],
-            "acceptance_per_position": [round(a / main["drafts"], 4) if main["drafts"] else 0.0
-                                        for a in main["per_pos"]],
-            "alpha": [round(a, 4) for a in alphas],
-            "proposal_fraction": round(p_prop, 4),
-            "acceptance_rate": round(main["accepted"] / main["draft_tokens"], 4)
-            if main["draft_tokens"] else None,
+            "new_tokens": base["new_tokens"],
+            "acceptance_source": "teacher-forced draft pass" if matches is not None
+            else "proposer driven over the outputs",
+            "verify_steps": top["steps"], "num_drafts": top["drafts"],
+            "num_draft_tokens": top["draft_tokens"], "num_accepted_tokens": top["accepted"],
+            "accepted_per_pos": top["per_pos"],
+            "acceptance_per_position": [round(a / top["drafts"], 4) if top["drafts"] else 0.0
+                                        for a in top["per_pos"]],
+            "alpha": [round(a, 4) for a in top["alpha"]],
+            "proposal_fraction": round(top["proposal_fraction"], 4),
+            "acceptance_rate": round(top["accepted"] / top["draft_tokens"], 4)
+            if top["draft_tokens"] else None,
+            "by_k": {kk: {"steps": sims[kk]["steps"], "drafts": sims[kk]["drafts"],
+                          "accepted": sims[kk]["accepted"], "catch_up": sims[kk]["catch_up"],
+                          "alpha": [round(a, 4) for a in sims[kk]["alpha"]],
+                          "acceptance_per_position": [
+                              round(a / sims[kk]["drafts"], 4) if sims[kk]["drafts"] else 0.0
+                              for a in sims[kk]["per_pos"]]} for kk in ks},
         },
         "costs": {**detail,
-                  "draft_step_ms_in_run": round(main["draft_s"] / main["draft_calls"] * 1e3, 4)
-                  if main["draft_calls"] else None,
-                  "host_per_step_ms": {"target_only": round(base["host_per_step"] * 1e3, 4),
+                  "host_per_step_ms": {"target_only": round(base_sub["host_per_step"] * 1e3, 4),
                                        "k=1": round(low["host_per_step"] * 1e3, 4),
-                                       f"k={k_max}": round(main["host_per_step"] * 1e3, 4)}},
+                                       f"k={k_max}": round(high["host_per_step"] * 1e3, 4)}},
         "model_check": check,
         "table": rows,
-        "formula": ("draft_model: E(K) / (K t_draft + c(K) t_draft + t_verify(K) + h(K)); "
+        "formula": ("draft_model: E(K) / (D(K) (1 + c(K) / K) + t_verify(K) + h(K)), D(K) = K "
+                    "draft steps in a row as the loop runs them; "
                     "ngram/suffix: (p E(K) + 1 - p) / (p t_verify(K) + (1 - p) t_verify(0) + h(K)); "
-                    "E(K) = 1 + sum_{i<=K} prod_{j<=i} alpha_j, c(K) = prod_{j<=K} alpha_j, "
-                    "h(K) = host time per step, linear between the runs at K=1 and K=K_max"),
+                    "E(K) = 1 + sum_{i<=K} prod_{j<=i} alpha_j(K), c(K) = prod_{j<=K} alpha_j(K), "
+                    "alpha_j(K) from the loop replayed at K, h(K) = host time per step, linear "
+                    "between the runs at K=1 and K=K_max"),
     }
 
 
@@ -303,7 +459,8 @@ def _round(x: float | None, nd: int) -> float | None:
 
 def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K_MAX,
          prompt_file: Path | None = None, prompt_set: str | None = None,
-         num_prompts: int | None = None, max_new_tokens: int = 128, rounds: int = 20,
+         num_prompts: int | None = None, prompts: list[str] | None = None,
+         prompt_label: str | None = None, max_new_tokens: int = 128, rounds: int = 20,
          cache_dir: Path | None = None, say: Say | None = None) -> dict[str, Any]:
     """Recipe -> evidence and decision (a JSON-able dict). The calibration bundle is built in a
     temporary folder inside the build cache and removed afterwards."""
@@ -317,7 +474,10 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
     recipe_path = Path(recipe_path)
     r = load_recipe(recipe_path, list(overrides))
     method = r.draft.method
-    label, prompts = load_prompts(prompt_file, prompt_set, num_prompts)
+    if prompts is None:
+        label, prompts = load_prompts(prompt_file, prompt_set, num_prompts)
+    else:
+        label, prompts = prompt_label or f"{len(prompts)} prompts", list(prompts)[:num_prompts]
     root = Cache(cache_dir).root
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tune-", dir=root))
@@ -348,8 +508,9 @@ def evidence_comment(result: dict[str, Any]) -> list[str]:
              f"{rows[k]['expected_tokens_per_step']:.2f} tokens per step of "
              f"{rows[k]['cost_ms']:.3f} ms"
              + (f"; next best K={others[0]['k']} ({others[0]['vs_best']:+.1%})" if others else "")]
-    lines.append(f"{TUNE_MARK} acceptance per position "
-                 + " ".join(f"{a:.2f}" for a in cal["acceptance_per_position"])
+    at_k = _by_k(cal, k)
+    lines.append(f"{TUNE_MARK} acceptance per position at K={k}: "
+                 + " ".join(f"{a:.2f}" for a in (at_k or cal)["acceptance_per_position"])
                  + (f" (proposals in {cal['proposal_fraction']:.0%} of steps)"
                     if result["method"] != "draft_model" else ""))
     lines.append(f"{TUNE_MARK} verify ms by K: " + " ".join(
@@ -479,6 +640,11 @@ def write_tuned_recipe(recipe_path: Path, result: dict[str, Any], dest: Path | N
 
 
 # ---------------------------------------------------------------- output
+def _by_k(cal: dict[str, Any], k: int) -> dict[str, Any] | None:
+    by_k = cal.get("by_k") or {}
+    return by_k.get(k) or by_k.get(str(k))
+
+
 def show_tune(result: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -486,27 +652,37 @@ def show_tune(result: dict[str, Any], console=None) -> None:
     from .render import console as default_console
     console = console or default_console
     if not console.is_terminal:
-        console = Console(width=140, highlight=False)
+        console = Console(width=150, highlight=False)
     cal, costs = result["calibration"], result["costs"]
-    console.print(f"[bold]tune {result['name']}[/]  method {result['method']}, calibration at "
-                  f"K={result['k_max']} on {cal['prompts']} prompts ({result['prompt_set']}), "
-                  f"{cal['max_new_tokens']} new tokens; {cal['verify_steps']} verify steps, "
-                  f"{cal['num_drafts']} with a proposal")
-    ev = Table("position j", "accepted", "P(>= j accepted)", "alpha_j (given j-1)",
-               title="acceptance evidence", title_justify="left")
-    for j, (a, frac, al) in enumerate(zip(cal["accepted_per_pos"], cal["acceptance_per_position"],
-                                          cal["alpha"]), 1):
-        ev.add_row(str(j), str(a), f"{frac:.3f}", f"{al:.3f}")
+    k_max = result["k_max"]
+    console.print(f"[bold]tune {result['name']}[/]  method {result['method']}; "
+                  f"{cal['prompts']} calibration prompts ({result['prompt_set']}), "
+                  f"{cal['max_new_tokens']} new tokens; acceptance from a "
+                  f"{cal.get('acceptance_source', 'calibration run')}, the loop replayed at "
+                  f"each K")
+    ev = Table("K", "steps", "with proposal", "accepted", *[f"a{j}" for j in range(1, k_max + 1)],
+               title="acceptance evidence: alpha_j = P(position j accepted | j-1 accepted)",
+               title_justify="left")
+    for kk in range(1, k_max + 1):
+        b = _by_k(cal, kk)
+        if b is None:
+            continue
+        ev.add_row(str(kk), str(b["steps"]), str(b["drafts"]), str(b["accepted"]),
+                   *[f"{a:.2f}" for a in b["alpha"]], *[""] * (k_max - len(b["alpha"])))
     console.print(ev)
     hs = costs["host_per_step_ms"]
-    console.print(f"costs ({costs.get('statistic', 'median')} of {costs['rounds']} calls at position "
-                  f"{costs['position']}): "
-                  + (f"draft step {costs['draft_step_ms']:.3f} ms (in the run: "
-                     f"{costs['draft_step_ms_in_run']:.3f} ms incl. prefill chunks); "
-                     if costs.get("draft_step_ms") else "")
-                  + "host per step " + ", ".join(f"{k} {v:.3f} ms" for k, v in hs.items()))
+    line = (f"costs, {costs.get('statistic', 'median')} of {costs['rounds']} rounds at position "
+            f"{costs['position']}: verify K+1 ms " + " ".join(
+                f"{kk}:{v:.3f}" for kk, v in sorted(costs["verify_ms"].items(),
+                                                     key=lambda x: int(x[0]))))
+    if costs.get("draft_ms_for_k_steps"):
+        line += "; K draft steps ms " + " ".join(
+            f"{kk}:{v:.3f}" for kk, v in sorted(costs["draft_ms_for_k_steps"].items(),
+                                                key=lambda x: int(x[0])))
+    line += "; host per step " + ", ".join(f"{k} {v:.3f} ms" for k, v in hs.items())
+    console.print(line, soft_wrap=True)
     t = Table("K", "E[tokens/step]", "draft ms", "verify ms", "host ms", "step ms", "tokens/s",
-              "vs target-only", "vs best", title="decision: tokens per second by K",
+              "vs target-only", "vs best", title="decision: expected tokens per second by K",
               title_justify="left")
     for r in result["table"]:
         mark = "[bold green]" if r["k"] == result["chosen_k"] else ""
@@ -516,10 +692,16 @@ def show_tune(result: dict[str, Any], console=None) -> None:
                   f"{r['cost_ms']:.3f}", f"{mark}{r['tokens_per_s']:,.0f}{end}",
                   f"{r['predicted_speedup']:.2f}x", f"{r['vs_best']:+.1%}")
     console.print(t)
-    console.print("model check, decode tokens/s predicted vs measured: " + "; ".join(
-        f"{c['config']} {c['predicted']:,.0f} vs {c['measured']:,.0f}"
-        + (f" ({c['error']:+.0%})" if c["error"] is not None else "")
-        for c in result["model_check"]))
+    parts = []
+    for c in result["model_check"]:
+        text = f"{c['config']} {c['predicted']:,.0f} vs {c['measured']:,.0f} tokens/s" + (
+            f" ({c['error']:+.0%})" if c.get("error") is not None else "")
+        if "accepted_replayed" in c:
+            text += (f", accepted {c['accepted_replayed']} replayed vs {c['accepted_measured']} "
+                     "measured")
+        parts.append(text)
+    console.print("model check (decode phase, first prompts): " + "; ".join(parts),
+                  soft_wrap=True)
     console.print(f"[bold]K = {result['chosen_k']}[/] (recipe has {result['recipe_k']}); compile "
                   f"Ks {result['recommended_ks']} (num_speculative_tokens: {result['chosen_k']})")
 

@@ -223,5 +223,59 @@ def test_tune_measures_and_writes_a_recipe(tmp_path):
     cal = result["calibration"]
     assert len(cal["alpha"]) == 2 and cal["num_drafts"] > 0
     assert set(result["costs"]["verify_ms"]) == {0, 1, 2}
+    for check in result["model_check"][1:]:  # greedy: the replayed loop is the real loop
+        assert check["accepted_replayed"] == check["accepted_measured"]
+        assert check["drafts_replayed"] == check["drafts_measured"]
     out = tune.write_tuned_recipe(ROOT / "recipes" / "demo.yaml", result, tmp_path / "t.yaml")
     assert load_recipe(out).speculation.num_speculative_tokens == result["chosen_k"]
+
+
+# ---------------------------------------------------------------- tune: replaying the loop
+def test_replay_draft_by_hand():
+    # matches[i]: the draft's next token after output token i equals output token i+1
+    m = [True, True, False, True, True, True, False, False]
+    st = tune.replay_draft(m, n_out=9, max_new=9, k=2)
+    # steps: [1,2 accepted + 3] -> [4,5 accepted + 6, catch-up] -> [7 rejected + 7,
+    # catch-up, 1 draft: room 1] -> [no room: target only]
+    assert (st["steps"], st["drafts"], st["draft_tokens"], st["accepted"]) == (4, 3, 5, 4)
+    assert st["per_pos"] == [2, 2] and st["catch_up"] == 2 and st["tokens"] == 8
+
+
+class _Oracle:
+    """A proposer that knows the output and proposes its next tokens, the first one wrong every
+    third step."""
+
+    def __init__(self, output):
+        self.output, self.calls = output, []
+
+    def start(self, rid, tokens):
+        self.seen = len(tokens)
+        self.prompt_len = len(tokens) - 1
+        self.calls.append(("start", len(tokens)))
+
+    def extend(self, rid, tokens):
+        self.seen += len(tokens)
+        self.calls.append(("extend", list(tokens)))
+
+    def propose(self, rid, k):
+        done = self.seen - self.prompt_len
+        guess = self.output[done:done + k]
+        if sum(c[0] == "extend" for c in self.calls) % 3 == 2 and guess:
+            guess = [-1] + guess[1:]
+        return guess
+
+    def finish(self, rid):
+        self.calls.append(("finish",))
+
+
+def test_replay_proposer_drives_the_proposer_like_the_engine():
+    out = list(range(100, 120))
+    prop = _Oracle(out)
+    st = tune.replay_proposer(prop, [1, 2, 3], out, max_new=20, k=3)
+    assert prop.calls[0] == ("start", 4) and prop.calls[-1] == ("finish",)
+    extended = [t for c in prop.calls if c[0] == "extend" for t in c[1]]
+    assert extended == out[1:len(extended) + 1]  # accepted tokens plus the target's, in order
+    assert st["tokens"] == 19 and st["accepted"] + st["steps"] >= 19
+    assert st["per_pos"][0] == st["accepted"] - sum(st["per_pos"][1:])
+    alphas = tune.conditional_acceptance(st["per_pos"], st["drafts"])
+    assert 0 < alphas[0] < 1 and alphas[1] == pytest.approx(1.0)
