@@ -97,7 +97,9 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
 
 def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit_only: bool = False,
                  compiler: str | None = None, jobs: int = 1, progress: Progress | None = None,
-                 argv: list[str] | None = None) -> BuildResult:
+                 argv: list[str] | None = None,
+                 manifest_extra: dict[str, Any] | None = None) -> BuildResult:
+    """`manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K)."""
     start = time.perf_counter()
     r = plan.recipe
     out = Path(out) if out else r.output_dir()
@@ -169,6 +171,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
         files = hash_tree(staging, exclude=[MANIFEST])
         manifest = _manifest(plan, {k: v[1] for k, v in exports.items()}, built,
                              {**versions(), "backends": tool}, files, argv or sys.argv)
+        manifest.update(manifest_extra or {})
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str) + "\n")
         _replace_dir(staging, out)
     except BaseException:

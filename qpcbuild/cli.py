@@ -173,16 +173,9 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
 
     for w in plan_.warnings:
         err_console.print(f"[yellow]warning:[/] {w}")
-    extra = {}
-    if tuning is not None:
-        import inspect as _inspect
-        if "manifest_extra" in _inspect.signature(build_bundle).parameters:
-            extra["manifest_extra"] = {"tuning": tuning}
     result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only, compiler=compiler,
-                          jobs=jobs, progress=progress, argv=["qpcbuild", *sys.argv[1:]], **extra)
-    if tuning is not None and not extra:  # the manifest has no place for it yet: a sidecar
-        from .tune import sidecar_path, write_json as write_tuning
-        tuning["file"] = str(write_tuning(tuning, sidecar_path(result.bundle)))
+                          jobs=jobs, progress=progress, argv=["qpcbuild", *sys.argv[1:]],
+                          manifest_extra={"tuning": tuning} if tuning else None)
     if json_out:
         emit_json({**result.to_dict(), **({"tuning": {
             "chosen_k": tuning["chosen_k"], "recommended_ks": tuning["recommended_ks"],

@@ -711,9 +711,3 @@ def write_json(result: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return path
-
-
-def sidecar_path(bundle: Path) -> Path:
-    """Where `compile --tune` keeps the evidence while the manifest has no place for it."""
-    bundle = Path(bundle)
-    return bundle.with_name(f"{bundle.name}.tuning.json")

@@ -230,6 +230,22 @@ def test_tune_measures_and_writes_a_recipe(tmp_path):
     assert load_recipe(out).speculation.num_speculative_tokens == result["chosen_k"]
 
 
+@needs_demo
+def test_compile_tune_builds_with_the_chosen_k_and_records_the_evidence(tmp_path):
+    from qpcbuild.bundle import read_manifest
+
+    out = tmp_path / "bundle"
+    args = ["compile", str(ROOT / "recipes" / "demo.yaml"), "--tune", "-o", str(out),
+            "--cache-dir", str(tmp_path / "cache"), "--json"]
+    for o in demo_overrides() + ["speculation.num_speculative_tokens=2"]:
+        args += ["--set", o]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    m = read_manifest(out)
+    assert m["tuning"]["chosen_k"] == max(m["speculation"]["num_speculative_tokens"])
+    assert m["tuning"]["table"] and m["tuning"]["calibration"]["num_drafts"] > 0
+
+
 # ---------------------------------------------------------------- tune: replaying the loop
 def test_replay_draft_by_hand():
     # matches[i]: the draft's next token after output token i equals output token i+1
