@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import UsageError
+from .prompts import read_prompt_file
 
 PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
 PROMPT_SETS = ("code", "echo", "prose")
@@ -73,37 +74,6 @@ def parse_ks(text: str | None) -> list[int] | None:
     if any(k < 0 for k in out):
         raise UsageError(f"Ks must be >= 0, got {text}")
     return sorted(out)
-
-
-def read_prompt_file(path: Path) -> list[str]:
-    """JSONL with a "prompt" (or "text") string per line, or plain text with one prompt per line
-    ('\\n' for newlines), as `qpcbuild run --prompt-file` reads it."""
-    path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                item = json.loads(line)
-                value = item["prompt"] if "prompt" in item else item["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UsageError(f"{path}:{n}: a JSON line needs a \"prompt\" (or \"text\") "
-                                 "string") from None
-            if not isinstance(value, str) or not value:
-                raise UsageError(f"{path}:{n}: empty or non-string prompt")
-            prompts.append(value)
-        else:
-            prompts.append(line.replace("\\n", "\n"))
-    if not prompts:
-        raise UsageError(f"{path}: no prompts")
-    return prompts
 
 
 def load_prompts(prompt_file: Path | None = None, prompt_set: str | None = None,

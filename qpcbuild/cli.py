@@ -244,31 +244,13 @@ def unpack(archive: Path = typer.Argument(..., help="A .tar.gz made by `qpcbuild
 # ---------------------------------------------------------------- runtime
 def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
     from .errors import UsageError
+    from .prompts import read_prompt_file
 
-    prompts = list(prompt or [])
-    if prompt_file is not None:
-        try:
-            text = prompt_file.read_bytes().decode("utf-8")
-        except FileNotFoundError:
-            raise UsageError(f"{prompt_file}: no such file") from None
-        except UnicodeDecodeError as exc:
-            raise UsageError(f"{prompt_file}: not UTF-8 text (byte {exc.start})") from None
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    item = json.loads(line)
-                    prompts.append(item["prompt"] if "prompt" in item else item["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UsageError(f"{prompt_file}:{n}: a JSON line needs a \"prompt\" (or "
-                                     "\"text\") string") from None
-            else:
-                prompts.append(line.replace("\\n", "\n"))
+    prompts = list(prompt or []) + (read_prompt_file(prompt_file) if prompt_file else [])
     if not prompts:
         raise UsageError("give --prompt TEXT or --prompt-file FILE")
     for n, p in enumerate(prompts):
-        if not isinstance(p, str) or not p:
+        if not p:
             raise UsageError(f"prompt {n} is empty")
     return prompts
 
