@@ -289,7 +289,8 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         raise UsageError("--max-new-tokens must be at least 1")
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
                batch_size=batch_size)
-    batch = gen.target.batch_size
+    # Continuous batching takes every prompt at once and refills slots as requests finish.
+    batch = len(prompts) if gen.decoder.cb else gen.target.batch_size
     on_token = None
     if stream and not json_out:
         on_token = lambda row, ids: console.print(  # noqa: E731

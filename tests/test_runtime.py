@@ -140,6 +140,27 @@ def test_generation_that_reaches_the_last_context_slot_stays_exact(bundle_batch,
             assert len(spd.rows[0].tokens) == ctx or spd.rows[0].finish_reason == "eos"
 
 
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_continuous_batching_refills_slots_and_keeps_every_request_exact(tmp_path_factory,
+                                                                         bundle_k_list, prompts,
+                                                                         method):
+    """7 requests through 3 KV slots: each finished slot is prefilled with the next request
+    (batch_index), and every request still gets exactly its target-only greedy tokens."""
+    cb = build(tmp_path_factory, f"cb-{method}", overrides=["shapes.full_batch_size=3",
+                                                             "speculation.num_speculative_tokens=[0,4]"])
+    gen = qpcbuild.load(cb, method=method, verify="none")
+    assert gen.decoder.cb and gen.target.batch_size == 3
+    reference = qpcbuild.load(bundle_k_list, verify="none")
+    batch = prompts[:7]
+    out = gen.generate(batch, max_new_tokens=40)
+    assert len(out.rows) == 7
+    for i, p in enumerate(batch):
+        assert _tokens(out)[i] == _tokens(reference.generate([p], max_new_tokens=40,
+                                                             target_only=True))[0], i
+    # the slots were shared: fewer verify calls than 7 requests decoded one after another
+    assert out.stats["target_calls"] < sum(r.stats.target_calls for r in out.rows)
+
+
 def test_kv_cache_lives_in_preallocated_buffers(bundle_k_list, prompts):
     gen = qpcbuild.load(bundle_k_list, verify="none")
     before = [id(b) for side in gen.target.kv_buffers for b in side]

@@ -20,7 +20,7 @@ from .proposers import Proposer
 from .sampling import SamplingParams, accept_greedy, accept_sampling, probabilities, sample
 from .session import ModelSession
 
-TokenCallback = Callable[[int, list[int]], None]  # (row, new token ids)
+TokenCallback = Callable[[int, list[int]], None]  # (prompt index, new token ids)
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Row:
     draft_len: int = 0
     done: bool = False
     finish_reason: str = ""
+    index: int = -1  # position in the caller's prompt list
     stats: RowStats = field(default_factory=RowStats)
 
 
@@ -69,17 +70,23 @@ class LoopTimes:
 class SpecDecoder:
     def __init__(self, target: ModelSession, draft: ModelSession | None,
                  proposer: Proposer | None, ks: tuple[int, ...], prefill_len: int,
-                 eos_ids: set[int], method: str):
+                 eos_ids: set[int], method: str, continuous_batching: bool = False):
         self.target, self.draft, self.proposer = target, draft, proposer
         self.ks, self.prefill_len, self.eos_ids, self.method = tuple(sorted(ks)), prefill_len, \
             eos_ids, method
         self.ctx_len, self.batch = target.ctx_len, target.batch_size
+        # Continuous batching: `batch` KV slots; each request is prefilled alone into a free
+        # slot (batch_index) and decode steps run over every slot.
+        self.cb = continuous_batching
+        self._slots = np.arange(self.batch, dtype=np.int64).reshape(-1, 1) if self.cb else None
 
     # ------------------------------------------------------------ model calls
     def _call(self, session: ModelSession, ids: np.ndarray, pos: np.ndarray, times: LoopTimes,
-              kind: str) -> np.ndarray:
+              kind: str, batch_index: np.ndarray | None = None) -> np.ndarray:
+        if batch_index is None and self.cb:
+            batch_index = self._slots
         t0 = time.perf_counter()
-        logits = session.run(ids, pos)
+        logits = session.run(ids, pos, batch_index)
         dt = time.perf_counter() - t0
         if kind == "draft":
             times.draft_s += dt
@@ -90,14 +97,15 @@ class SpecDecoder:
         return logits
 
     def _prefill(self, session: ModelSession, rows: list[Row], times: LoopTimes,
-                 kind: str) -> np.ndarray:
+                 kind: str, slot: int | None = None) -> np.ndarray:
         """Chunks of prefill_len with -1 padding; returns each row's last-prompt-token logits.
 
         A row whose prompt ended in an earlier chunk repeats its last chunk (rewriting identical
         KV) rather than sending an all-padding row, and a final chunk that would run past the
         buffer is right-aligned over tokens already sent: no slot outside a row's own prefix is
         ever written, whichever graph lowering runs underneath."""
-        p, b = self.prefill_len, session.batch_size
+        p, b = self.prefill_len, (1 if slot is not None else session.batch_size)
+        index = None if slot is None else np.array([[slot]], np.int64)
         last = np.zeros((b, session.vocab_size), np.float32)
         chunks = [_chunk_starts(len(r.prompt), p, self.ctx_len) for r in rows]
         for c in range(max(len(x) for x in chunks)):
@@ -108,7 +116,7 @@ class SpecDecoder:
                 piece = r.prompt[start:start + p]
                 ids[i, :len(piece)] = piece
                 pos[i, :len(piece)] = np.arange(start, start + len(piece))
-            logits = self._call(session, ids, pos, times, kind)
+            logits = self._call(session, ids, pos, times, kind, index)
             for i in range(len(rows)):
                 if c == len(chunks[i]) - 1:
                     last[i] = logits[i, 0]
@@ -158,7 +166,7 @@ class SpecDecoder:
                  target_only: bool = False) -> tuple[list[Row], LoopTimes]:
         if not prompts:
             raise UsageError("no prompts given")
-        if len(prompts) > self.batch:
+        if len(prompts) > self.batch and not self.cb:
             raise UsageError(f"{len(prompts)} prompts but the bundle was compiled for batch "
                              f"size {self.batch}; pass at most {self.batch} per batch")
         if max_new_tokens <= 0:
@@ -173,46 +181,62 @@ class SpecDecoder:
             if len(p) >= self.ctx_len:
                 raise UsageError(f"prompt {n} has {len(p)} tokens; ctx_len is {self.ctx_len}, "
                                  "so a prompt may have at most ctx_len - 1 tokens")
-            rows.append(Row(list(p), min(len(p) + max_new_tokens, self.ctx_len)))
+            rows.append(Row(list(p), min(len(p) + max_new_tokens, self.ctx_len), index=n))
         rng = np.random.default_rng(sp.seed)
         times = LoopTimes()
         start = self._t0 = time.perf_counter()
-
-        logits = self._prefill(self.target, rows, times, "target")
-        for i, r in enumerate(rows):
-            first = int(logits[i].argmax()) if sp.greedy else \
-                sample(probabilities(logits[i], sp), rng)
-            r.tokens = r.prompt + [first]
-            r.target_len = len(r.prompt)
-            r.stats.prompt_tokens = len(r.prompt)
-            r.stats.ttft_s = time.perf_counter() - start
-            self._commit(i, r, [first], on_token)
-        times.prefill_s = time.perf_counter() - start
         use_draft = self.draft is not None and not target_only
-        if use_draft:
-            self._prefill(self.draft, rows, times, "draft")
-            for r in rows:
-                r.draft_len = len(r.prompt)
         self._proposing = self.proposer is not None and not target_only
-        if self._proposing:
-            for i, r in enumerate(rows):
-                self.proposer.start(i, r.tokens)
+        idle = Row([0], 1, tokens=[0], done=True)
+        slots = [idle] * self.batch  # the row decoded in each batch position / KV slot
+        waiting = list(reversed(rows))
 
-        while not all(r.done for r in rows):
-            room = [0 if r.done else max(0, min(k_max, r.limit - len(r.tokens) - 1)) for r in rows]
+        def admit(batch: list[tuple[int, Row]]) -> None:
+            """Prefill requests into their slots (all at once, or one slot each with CB)."""
+            t0 = time.perf_counter()
+            groups = [[pair] for pair in batch] if self.cb else [batch]
+            for group in groups:
+                slot = group[0][0] if self.cb else None
+                group_rows = [r for _, r in group]
+                logits = self._prefill(self.target, group_rows, times, "target", slot)
+                for j, (s, r) in enumerate(group):
+                    first = int(logits[j].argmax()) if sp.greedy else \
+                        sample(probabilities(logits[j], sp), rng)
+                    r.tokens = r.prompt + [first]
+                    r.target_len = r.stats.prompt_tokens = len(r.prompt)
+                    r.stats.ttft_s = time.perf_counter() - start
+                    slots[s] = r
+                    self._commit(s, r, [first], on_token)
+                if use_draft:
+                    self._prefill(self.draft, group_rows, times, "draft", slot)
+                    for r in group_rows:
+                        r.draft_len = len(r.prompt)
+                if self._proposing:
+                    for s, r in group:
+                        self.proposer.finish(s)
+                        self.proposer.start(s, r.tokens)
+            times.prefill_s += time.perf_counter() - t0
+
+        admit([(s, waiting.pop()) for s in range(min(self.batch, len(waiting)))])
+        while not all(r.done for r in slots):
+            room = [0 if r.done else max(0, min(k_max, r.limit - len(r.tokens) - 1))
+                    for r in slots]
             if target_only:
-                want, proposals, q = [0] * len(rows), [[] for _ in rows], None
+                want, proposals, q = [0] * len(slots), [[] for _ in slots], None
             elif use_draft:
                 want = room
-                proposals, q = self._draft_proposals(rows, want, sp, rng, times)
+                proposals, q = self._draft_proposals(slots, want, sp, rng, times)
             else:
                 proposals = [self.proposer.propose(i, room[i]) if not r.done else []
-                             for i, r in enumerate(rows)]
+                             for i, r in enumerate(slots)]
                 want, q = [len(p) for p in proposals], None
-            self._verify(rows, proposals, q, sp, rng, times, on_token)
+            self._verify(slots, proposals, q, sp, rng, times, on_token)
+            if self.cb and waiting:  # refill finished slots with waiting requests
+                free = [s for s, r in enumerate(slots) if r.done][:len(waiting)]
+                admit([(s, waiting.pop()) for s in free])
         times.total_s = time.perf_counter() - start
         if self._proposing:
-            for i in range(len(rows)):
+            for i in range(self.batch):
                 self.proposer.finish(i)
         return rows, times
 
@@ -289,7 +313,7 @@ class SpecDecoder:
         if r.done:
             r.stats.e2e_s = time.perf_counter() - self._t0
         if on_token and emitted:
-            on_token(i, emitted)
+            on_token(r.index, emitted)
 
 
 def _chunk_starts(n: int, p: int, ctx_len: int) -> list[int]:

@@ -92,7 +92,8 @@ class Generator:
             else {}
         proposer = make_proposer(method, opts) if method in ("ngram", "suffix") else None
         self.decoder = SpecDecoder(self.target, self.draft, proposer, self.ks,
-                                   manifest["shapes"]["prefill_seq_len"], self.eos_ids, method)
+                                   manifest["shapes"]["prefill_seq_len"], self.eos_ids, method,
+                                   bool(manifest["shapes"].get("full_batch_size")))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -139,9 +140,6 @@ def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = 
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     if manifest["tokenizer"]["verdict"] == "incompatible":
         raise BundleError(f"{bundle}: target and draft tokenizers are incompatible")
-    if manifest["shapes"].get("full_batch_size"):
-        raise BundleError(f"{bundle}: continuous-batching bundles are not yet supported by "
-                          "`qpcbuild run` (see README, Limits)")
     shapes = manifest["shapes"]
     for key, want in (("ctx_len", ctx_len), ("batch_size", batch_size)):
         if want is not None and shapes[key] != want:

@@ -42,7 +42,7 @@ class QaicSession:
         if not qpc_file.is_file():
             raise ToolchainError(f"{qpc_file} is missing")
         self.role, self.specializations, self.vocab_size = role, specs, vocab_size
-        self.batch_size = specs[0].batch_size
+        self.batch_size = max(s.batch_size for s in specs)  # decode batch (slots with CB)
         self.ctx_len = specs[0].ctx_len
         devices = qaicrt.QIDList(list(device_group))
         self._context = qaicrt.Context(devices)
@@ -73,10 +73,13 @@ class QaicSession:
         self._buffers[i] = self._qaicrt.QBuffer(np.ascontiguousarray(array).tobytes())
         self._dims[i] = (array.dtype.itemsize, list(array.shape))
 
-    def run(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
+            batch_index: np.ndarray | None = None) -> np.ndarray:
         spec = pick_specialization(self.specializations, *input_ids.shape)
         self._set("input_ids", input_ids.astype(np.int64))
         self._set("position_ids", position_ids.astype(np.int64))
+        if batch_index is not None and "batch_index" in self._index:
+            self._set("batch_index", batch_index.astype(np.int64))
         if "num_logits_to_keep" in self._index:
             self._set("num_logits_to_keep", np.zeros((spec.num_logits, 1), np.int64))
         # The output placeholder's shape is what selects the specialization on the card.

@@ -41,8 +41,10 @@ class ModelSession(Protocol):
     vocab_size: int
     specializations: list[Specialization]
 
-    def run(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """[B,S] int64 each -> logits [B, num_logits, V] (valid until the next call)."""
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
+            batch_index: np.ndarray | None = None) -> np.ndarray:
+        """[B,S] int64 each (+ [B,1] KV slots with continuous batching) -> logits
+        [B, num_logits, V], valid until the next call."""
 
 
 def pick_specialization(specs: list[Specialization], batch: int, seq_len: int) -> Specialization:
@@ -84,7 +86,8 @@ class OrtSession:
         buffers = [[np.zeros(kv_shape, np.float32) for _ in names] for _ in range(sides)]
         kv = [[ort.OrtValue.ortvalue_from_numpy(b) for b in side] for side in buffers]
         self._keep = buffers  # OrtValues borrow this memory
-        has_nlk = any(i.name == "num_logits_to_keep" for i in self.sess.get_inputs())
+        graph_inputs = {i.name for i in self.sess.get_inputs()}
+        has_nlk = "num_logits_to_keep" in graph_inputs
         self._bound: dict[int, tuple] = {}
         for spec in specs:
             arrays = {"input_ids": np.zeros((spec.batch_size, spec.seq_len), np.int64),
@@ -93,11 +96,13 @@ class OrtSession:
                                          np.float32)}
             if has_nlk:
                 arrays["num_logits_to_keep"] = np.zeros((spec.num_logits, 1), np.int64)
+            if "batch_index" in graph_inputs:
+                arrays["batch_index"] = np.arange(spec.batch_size, dtype=np.int64).reshape(-1, 1)
             values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
             bindings = []
             for src, dst in (((0, 0),) if in_place else ((0, 1), (1, 0))):
                 b = self.sess.io_binding()
-                for name in ("input_ids", "position_ids", "num_logits_to_keep"):
+                for name in ("input_ids", "position_ids", "num_logits_to_keep", "batch_index"):
                     if name in values:
                         b.bind_ortvalue_input(name, values[name])
                 for j, name in enumerate(names):
@@ -105,17 +110,20 @@ class OrtSession:
                     b.bind_ortvalue_output(f"{name}_RetainedState", kv[dst][j])
                 b.bind_ortvalue_output("logits", values["logits"])
                 bindings.append(b)
-            self._bound[spec.seq_len] = (spec, arrays, values, bindings)
+            self._bound[(spec.batch_size, spec.seq_len)] = (spec, arrays, values, bindings)
         self._parity = 0
         self.kv_buffers = buffers
 
-    def run(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        entry = self._bound.get(input_ids.shape[1])
-        if entry is None or input_ids.shape[0] != self.batch_size:
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
+            batch_index: np.ndarray | None = None) -> np.ndarray:
+        entry = self._bound.get(input_ids.shape)
+        if entry is None:
             pick_specialization(self.specializations, input_ids.shape[0], input_ids.shape[1])
         spec, arrays, _, bindings = entry
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
+        if batch_index is not None and "batch_index" in arrays:
+            np.copyto(arrays["batch_index"], batch_index)
         self.sess.run_with_iobinding(bindings[self._parity])
         self._parity = (self._parity + 1) % len(bindings)
         return arrays["logits"]
