@@ -159,6 +159,9 @@ def test_continuous_batching_refills_slots_and_keeps_every_request_exact(tmp_pat
                                                              target_only=True))[0], i
     # the slots were shared: fewer verify calls than 7 requests decoded one after another
     assert out.stats["target_calls"] < sum(r.stats.target_calls for r in out.rows)
+    # requests that end at their first token still free their slot for the next ones
+    one = gen.generate(batch, max_new_tokens=1)
+    assert [len(t) for t in _tokens(one)] == [1] * 7
 
 
 def test_kv_cache_lives_in_preallocated_buffers(bundle_k_list, prompts):

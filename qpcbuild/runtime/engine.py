@@ -218,7 +218,14 @@ class SpecDecoder:
             times.prefill_s += time.perf_counter() - t0
 
         admit([(s, waiting.pop()) for s in range(min(self.batch, len(waiting)))])
-        while not all(r.done for r in slots):
+        while True:
+            if self.cb and waiting:  # refill finished slots with waiting requests
+                free = [s for s, r in enumerate(slots) if r.done][:len(waiting)]
+                admit([(s, waiting.pop()) for s in free])
+            if all(r.done for r in slots):
+                if waiting:  # every admitted request ended at its first token
+                    continue
+                break
             room = [0 if r.done else max(0, min(k_max, r.limit - len(r.tokens) - 1))
                     for r in slots]
             if target_only:
@@ -231,9 +238,6 @@ class SpecDecoder:
                              for i, r in enumerate(slots)]
                 want, q = [len(p) for p in proposals], None
             self._verify(slots, proposals, q, sp, rng, times, on_token)
-            if self.cb and waiting:  # refill finished slots with waiting requests
-                free = [s for s, r in enumerate(slots) if r.done][:len(waiting)]
-                admit([(s, waiting.pop()) for s in free])
         times.total_s = time.perf_counter() - start
         if self._proposing:
             for i in range(self.batch):
