@@ -73,6 +73,7 @@ def tune_check(report: dict, tuning: dict) -> dict:
             "tokens_per_s_at_tune_k": at, "best_tokens_per_s": rows[best],
             "vs_best": round(at / rows[best] - 1, 4) if at else None,
             "within_5_percent": bool(at and at >= 0.95 * rows[best]),
+            "conclusive": not report.get("noisy"),
             "tune_predicted_tokens_per_s": {r["k"]: r["tokens_per_s"] for r in tuning["table"]},
             "evidence": tuning}
 
@@ -162,12 +163,16 @@ def main(argv: list[str] | None = None) -> int:
           f"new tokens, greedy, {s['repeats']} repeats; {m['cpu']} x{m['cpu_count']}, load "
           f"average {m.get('loadavg_at_start')} -> {m.get('loadavg_at_end')}\n")
     print(markdown_table(report))
+    for note in report["notes"]:
+        print(f"- note: {note}")
     tc = report.get("tune_check")
     if tc:
         print(f"\n**qpcbuild tune** ({tc['method']}, same prompts): K={tc['tune_k']}, measured "
               f"{tc['tokens_per_s_at_tune_k']:,.0f} tokens/s; the sweep's best is K={tc['best_k']} "
               f"at {tc['best_tokens_per_s']:,.0f} tokens/s: {tc['vs_best']:+.1%} "
-              f"({'within' if tc['within_5_percent'] else 'NOT within'} 5%).")
+              f"({'within' if tc['within_5_percent'] else 'NOT within'} 5%)"
+              + ("." if tc["conclusive"] else "; not conclusive: the machine was busy during the "
+                 "sweep (see the notes)."))
     print(f"\nJSON: {args.out_json}\nplot: {png}")
     print(json.dumps({"all_greedy_outputs_match": report["all_greedy_outputs_match"]}))
     return 0

@@ -49,6 +49,7 @@ OG_NGRAM_SIZE = 3  # onnxruntime-genai n-gram length (its range is 2..); ours: p
 REPORT_SCHEMA = 1
 GOALS = {"spd_vs_transformers": 3.0, "target_only_vs_ort_genai": 1.0, "best_vs_ort_genai": 1.3}
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
+NOISY_SPREAD = 0.10  # target-only tokens/s varying more than this across repeats: a busy machine
 Say = Callable[[str], None]
 
 
@@ -526,6 +527,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
         raise UsageError("no K >= 1 to measure")
     peer_ks = list(peer_ks) if peer_ks is not None else ks
 
+    machine = machine_info()  # the load average now, before this run adds to it
     gens = _open_generators(bundle, methods)
     gen = next(iter(gens.values()))
     batch = gen.target.batch_size
@@ -635,7 +637,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                     say(f"  {meas.system} {meas.label}: {meas.skipped}")
     gc.unfreeze()
     return _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
-                   ks, methods, ours, peer_objs, notes, gen)
+                   ks, methods, ours, peer_objs, notes, gen, machine)
 
 
 # ---------------------------------------------------------------- the report
@@ -749,7 +751,7 @@ def _goal_verdict(name: str, desc: str, ours: dict | None, theirs: dict | None, 
 
 
 def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
-            ours, peer_objs, notes, gen) -> dict[str, Any]:
+            ours, peer_objs, notes, gen, machine) -> dict[str, Any]:
     from . import __version__
 
     base = ours[0][0]
@@ -807,11 +809,18 @@ def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeat
               GOALS["best_vs_ort_genai"], f"onnxruntime-genai: {og_status}",
               [r for r in og if r.get("skipped")]),
     ]
-    machine = machine_info()
     try:
         machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
+    base_tps = base.tps()
+    spread = statistics.pstdev(base_tps) / statistics.fmean(base_tps) \
+        if len(base_tps) > 1 and statistics.fmean(base_tps) > 0 else 0.0
+    noisy = spread > NOISY_SPREAD
+    if noisy:
+        notes.append(f"target-only tokens/s varied by {spread:.0%} across repeats ("
+                     + ", ".join(f"{t:,.0f}" for t in base_tps) + "): the machine was not quiet; "
+                     "compare configurations within a repeat (per_repeat) or run again")
     machine["threads"] = {"qpcbuild_target": _threads(gen.target),
                           "qpcbuild_draft": _threads(gen.draft) if gen.draft else None}
     return {
@@ -844,6 +853,7 @@ def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeat
         "baseline": rows[0],
         "rows": rows,
         "all_greedy_outputs_match": all(r["greedy_matches_target_only"] for r in rows),
+        "noisy": noisy, "target_only_spread": round(spread, 4),
         "peers": peers_out,
         "ratios": ratios,
         "goals": goals,
