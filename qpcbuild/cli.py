@@ -14,7 +14,6 @@ from typing import Callable, List, Optional
 
 import typer
 
-from . import __version__
 from .errors import QpcbuildError
 from .render import console, err_console
 
