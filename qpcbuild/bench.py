@@ -127,8 +127,7 @@ def build_for_measurement(recipe_path: Path, overrides: list[str], ks: list[int]
     def progress(stage: str, how: str, seconds: float) -> None:
         say(f"  {stage:<26} {how:<7} {seconds:6.1f} s")
 
-    build_bundle(plan, cache=Cache(cache_dir), out=out, progress=progress,
-                 argv=["qpcbuild", "bench", str(recipe_path)])
+    build_bundle(plan, cache=Cache(cache_dir, say=say), out=out, progress=progress)
     return out
 
 

@@ -1,24 +1,38 @@
 """Content-addressed build cache: one folder per (kind, key), created atomically under a lock.
 
-Keys come from the plan (a digest of everything that shapes the artifact), so changing K or the
-core split reuses both exports, and a new draft reuses the target's. Two builds sharing a cache
-wait for each other on the entry they both need instead of writing it twice.
+Keys are digests of what shapes an artifact: the weights' content, the plan's settings for that
+artifact and the versions of every tool that writes it; nothing else, so moving a model folder
+or changing K reuses the exports. Each entry records the digests of its files when it is
+created and is checked against them whenever it is reused: a changed entry is reported and
+rebuilt, never passed on. Bundles get copies (or reflinks), never hard links, so editing a
+bundle cannot reach the cache. Two builds sharing a cache wait for each other on the entry
+they both need instead of writing it twice, and the debris of a killed build is removed by the
+next build of the same entry (or by `qpcbuild cache prune`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import stat
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 
+from .errors import UsageError
+from .tree import file_digest, hash_tree
+
 META = "cache-entry.json"
+ENTRY_FORMAT = 2
+KINDS = ("exports", "ort", "qpc")
+Say = Callable[[str], None]
 
 
 def default_cache_dir() -> Path:
@@ -26,35 +40,88 @@ def default_cache_dir() -> Path:
 
 
 def _make_read_only(root: Path) -> None:
-    # Bundles hard-link cache files; read-only files make an accidental edit fail loudly
-    # instead of silently changing every bundle that shares them.
+    # Read-only files make an accidental edit of a cache entry fail loudly.
     for path in root.rglob("*"):
         if path.is_file() and not path.is_symlink():
             path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
 
 
+@dataclass(frozen=True)
+class EntryInfo:
+    kind: str
+    key: str
+    path: Path
+    bytes: int
+    last_used: float  # epoch seconds
+    problems: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "key": self.key, "path": str(self.path), "bytes": self.bytes,
+                "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.last_used)),
+                "ok": not self.problems, "problems": list(self.problems)}
+
+
 class Cache:
-    def __init__(self, root: Path | None = None):
+    def __init__(self, root: Path | None = None, say: Say | None = None):
         self.root = Path(root) if root else default_cache_dir()
+        self.say = say or (lambda message: None)
 
     def entry(self, kind: str, key: str) -> Path:
         return self.root / kind / key
+
+    def _lock(self, kind: str, key: str, timeout: float = -1) -> FileLock:
+        locks = self.root / "locks"
+        try:
+            locks.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cache folder {self.root} is not usable: "
+                             f"{exc.strerror or exc}; pass --cache-dir or set QPCBUILD_CACHE") \
+                from None
+        return FileLock(str(locks / f"{kind}-{key}.lock"), timeout=timeout)
+
+    def problems(self, kind: str, key: str) -> list[str]:
+        """Why the entry cannot be used as it is (empty: intact)."""
+        final = self.entry(kind, key)
+        try:
+            record = json.loads((final / META).read_text())
+            recorded = record["files"]
+            if record.get("format") != ENTRY_FORMAT:
+                return [f"entry format {record.get('format')!r} is not {ENTRY_FORMAT}"]
+        except FileNotFoundError:
+            return ["never finished (no record)"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [f"unreadable record ({exc})"]
+        try:
+            actual = hash_tree(final, exclude=[META])
+        except (OSError, UsageError) as exc:
+            return [f"unreadable ({exc})"]
+        found = [f"{p}: changed since the entry was created" for p in sorted(recorded)
+                 if p in actual and actual[p]["sha256"] != recorded[p]["sha256"]]
+        found += [f"{p}: missing" for p in sorted(set(recorded) - set(actual))]
+        found += [f"{p}: not part of the entry" for p in sorted(set(actual) - set(recorded))]
+        return found
 
     def get_or_build(self, kind: str, key: str,
                      build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
         """Return (entry folder, its metadata, reused?). `build(tmp)` fills a fresh folder."""
         final = self.entry(kind, key)
-        (self.root / "locks").mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.root / "locks" / f"{kind}-{key}.lock")):
-            if (final / META).is_file():
-                return final, json.loads((final / META).read_text()), True
-            if final.exists():  # an entry without its marker was never finished
+        with self._lock(kind, key):
+            if final.exists():
+                problems = self.problems(kind, key)
+                if not problems:
+                    os.utime(final)  # last use, for `cache prune --days`
+                    return final, json.loads((final / META).read_text())["meta"], True
+                if (final / META).exists():  # an unfinished entry is silently replaced
+                    self.say(f"cache entry {kind}/{key} is damaged ({'; '.join(problems[:3])}); "
+                             "rebuilding it")
                 shutil.rmtree(final)
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
             try:
                 meta = build(tmp)
-                (tmp / META).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+                record = {"format": ENTRY_FORMAT, "kind": kind, "key": key, "meta": meta,
+                          "files": hash_tree(tmp)}
+                (tmp / META).write_text(json.dumps(record, indent=1, default=str) + "\n")
                 _make_read_only(tmp)
                 os.replace(tmp, final)
             except BaseException:
@@ -62,19 +129,71 @@ class Cache:
                 raise
         return final, meta, False
 
+    # ------------------------------------------------------------ weights identity
+    def weights_digest(self, files: list[Path]) -> str:
+        """SHA-256 over the weight and config files' contents, remembered per file state
+        (size, mtime, inode, ctime) so an unchanged model is hashed once per machine."""
+        memo_dir = self.root / "digests"
+        lines = []
+        for f in sorted(files, key=lambda p: p.name):
+            st = f.stat()
+            state = f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
+            memo = memo_dir / (hashlib.sha256(state.encode()).hexdigest()[:32] + ".sha256")
+            try:
+                digest = memo.read_text().strip()
+            except OSError:
+                digest = ""
+            if len(digest) != 64:
+                digest = file_digest(f)
+                memo_dir.mkdir(parents=True, exist_ok=True)
+                memo.write_text(digest + "\n")
+            lines.append(f"{f.name}\0{digest}\n")
+        return hashlib.sha256("".join(lines).encode()).hexdigest()
 
-def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = (META,)) -> None:
-    """Hard-link (or copy across filesystems) a cached folder into a bundle being assembled."""
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if rel.name in skip:
-            continue
-        target = dst / rel
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:
-            shutil.copy2(path, target)
+    # ------------------------------------------------------------ maintenance
+    def entries(self, check: bool = False) -> list[EntryInfo]:
+        found = []
+        for kind in KINDS:
+            folder = self.root / kind
+            if not folder.is_dir():
+                continue
+            for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
+                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                problems = tuple(self.problems(kind, path.name)) if check else ()
+                found.append(EntryInfo(kind, path.name, path, size, path.stat().st_mtime,
+                                       problems))
+        return found
+
+    def remove_debris(self) -> list[str]:
+        """Temp folders of builds that were killed (nobody holds their key's lock)."""
+        removed = []
+        for kind in KINDS:
+            folder = self.root / kind
+            for tmp in sorted(folder.glob(".*")) if folder.is_dir() else []:
+                try:
+                    with self._lock(kind, tmp.name[1:].split(".")[0], timeout=0):
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        removed.append(f"{kind}/{tmp.name} (debris of an interrupted build)")
+                except Timeout:  # a build is writing it right now
+                    continue
+        return removed
+
+    def prune(self, older_than_days: float | None = None) -> list[str]:
+        """Remove the debris of killed builds, damaged or unfinished entries, and (with
+        `older_than_days`) entries not used for that long. Returns what was removed."""
+        removed = self.remove_debris()
+        cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else None
+        for entry in self.entries():
+            try:
+                with self._lock(entry.kind, entry.key, timeout=0):
+                    if self.problems(entry.kind, entry.key):
+                        reason = "damaged or unfinished"
+                    elif cutoff is not None and entry.path.stat().st_mtime < cutoff:
+                        reason = f"not used for {older_than_days:g} days"
+                    else:
+                        continue
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(f"{entry.kind}/{entry.key} ({reason})")
+            except Timeout:  # a build is using this entry right now
+                continue
+        return removed

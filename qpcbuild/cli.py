@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import typer
 
-from .errors import QpcbuildError
+from .errors import QpcbuildError, Terminated
 from .render import console, err_console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -26,10 +28,17 @@ SetOpt = typer.Option(None, "--set", help="Override a recipe key: --set shapes.c
                       "(repeatable).")
 
 
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def handles_errors(fn: Callable) -> Callable:
-    """Users get a message and an exit code, never a stack trace."""
+    """Users get a message and an exit code, never a stack trace. SIGTERM unwinds like Ctrl-C,
+    so a killed build removes its staging folder and temp cache entries."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminate) if main else None
         try:
             return fn(*args, **kwargs)
         except QpcbuildError as exc:
@@ -38,6 +47,12 @@ def handles_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             err_console.print("[red]interrupted[/]")
             raise typer.Exit(130) from None
+        except Terminated:
+            err_console.print("[red]terminated[/]")
+            raise typer.Exit(143) from None
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
     return wrapper
 
 
@@ -156,7 +171,7 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             show_tune(tuning)
         set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
     r = load_recipe(recipe, set_ or [])
-    cache = Cache(cache_dir)
+    cache = Cache(cache_dir, say=lambda m: err_console.print(f"[yellow]warning:[/] {m}"))
     if smoke_weights:
         from .smoke import with_smoke_weights
         r = with_smoke_weights(r, cache.root / "smoke", smoke_layers or None,
@@ -173,7 +188,7 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     for w in plan_.warnings:
         err_console.print(f"[yellow]warning:[/] {w}")
     result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only, compiler=compiler,
-                          jobs=jobs, progress=progress, argv=["qpcbuild", *sys.argv[1:]],
+                          jobs=jobs, progress=progress,
                           manifest_extra={"tuning": tuning} if tuning else None)
     if json_out:
         emit_json({**result.to_dict(), **({"tuning": {
@@ -191,17 +206,47 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
 @handles_errors
 def verify(bundle: Path = typer.Argument(..., help="Bundle folder."),
            fast: bool = typer.Option(False, "--fast", help="Check presence and sizes only "
-                                     "(for huge QPCs); skips SHA-256.")):
-    """Recompute every file digest against the manifest. Exit 1 on any difference."""
-    from .bundle import verify_bundle
+                                     "(for huge QPCs); skips SHA-256 and the seal."),
+           json_out: bool = typer.Option(False, "--json", help="One JSON result (for CI).")):
+    """Recompute the bundle id and every file digest. Exit 1 naming each changed field or file."""
+    from .bundle import read_manifest, verify_bundle
+    from .errors import BundleError
 
-    problems = verify_bundle(bundle, fast=fast)
-    if problems:
+    try:
+        problems = verify_bundle(bundle, fast=fast)
+        bundle_id = read_manifest(bundle)["bundle_id"]
+    except BundleError as exc:
+        problems, bundle_id = [str(exc)], None
+    if json_out:
+        emit_json({"bundle": str(bundle), "bundle_id": bundle_id, "ok": not problems,
+                   "checked": "sizes" if fast else "seal and sha256", "problems": problems})
+    else:
         for p in problems:
-            err_console.print(f"[red]✗[/] {p}")
+            err_console.print(f"[red]✗[/] {p}", soft_wrap=True)
+        if not problems:
+            console.print(f"[green]✓[/] {bundle}: bundle id {bundle_id} "
+                          + ("(sizes only)" if fast else "matches its content and every file"))
+    if problems:
         raise typer.Exit(1)
-    console.print(f"[green]✓[/] {bundle}: every file matches the manifest"
-                  + (" (sizes only)" if fast else ""))
+
+
+@app.command()
+@handles_errors
+def finish(bundle: Path = typer.Argument(..., help="Bundle folder built with --emit-only."),
+           role: Optional[List[str]] = typer.Option(None, "--role", help="target | draft "
+                                                    "(repeatable; default: every qaic role)."),
+           compiler: Optional[str] = typer.Option(None, help="The qaic-compile that built the "
+                                                  "QPCs (recorded by name and digest).")):
+    """Adopt QPCs compiled by <role>/qaic/compile.sh into the bundle and re-seal its manifest."""
+    from .bundle import finish_bundle
+
+    m = finish_bundle(bundle, list(role or []) or None, compiler)
+    for name, info in m["roles"].items():
+        q = info["backends"].get("qaic")
+        if q:
+            console.print(f"{name}: {q['status']}" + (f", {len(q['qpc_files'])} QPC files in "
+                                                      f"{q['qpc']}" if q.get("qpc") else ""))
+    console.print(f"[green]✓[/] {bundle}: new bundle id {m['bundle_id']}")
 
 
 @app.command()
@@ -221,7 +266,7 @@ def inspect(bundle: Path = typer.Argument(..., help="Bundle folder."),
 def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
             out: Path = typer.Option(..., "-o", "--out", help="Archive path (.tar.gz).")):
     """Deterministic .tar.gz of a bundle (sorted entries, fixed mtimes and owners)."""
-    from .archive import pack
+    from .bundle.archive import pack
     from .bundle import read_manifest
 
     read_manifest(bundle)
@@ -234,10 +279,73 @@ def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
 def unpack(archive: Path = typer.Argument(..., help="A .tar.gz made by `qpcbuild package`."),
            dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into.")):
     """Safely unpack a bundle archive (refuses absolute paths, '..', links and devices)."""
-    from .archive import unpack as unpack_archive
+    from .bundle.archive import unpack as unpack_archive
 
     path = unpack_archive(archive, dest)
     console.print(f"unpacked {path}; check it with `qpcbuild verify {path}`")
+
+
+# ---------------------------------------------------------------- the build cache
+cache_app = typer.Typer(no_args_is_help=True, help="List, check and clean the build cache.")
+app.add_typer(cache_app, name="cache")
+CacheDirOpt = typer.Option(None, "--cache-dir", help="Build cache (default: the user cache "
+                           "dir, or $QPCBUILD_CACHE).")
+
+
+@cache_app.command("ls")
+@handles_errors
+def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
+             json_out: bool = typer.Option(False, "--json", help="One JSON list.")):
+    """Entries with their size and last use."""
+    from rich.table import Table
+
+    from .cache import Cache
+
+    entries = Cache(cache_dir).entries()
+    if json_out:
+        emit_json([e.to_dict() for e in entries])
+        return
+    t = Table("kind", "key", "MiB", "last used (UTC)", title=str(Cache(cache_dir).root),
+              title_justify="left")
+    for e in entries:
+        t.add_row(e.kind, e.key, f"{e.bytes / 2**20:.1f}", e.to_dict()["last_used"])
+    console.print(t)
+
+
+@cache_app.command("verify")
+@handles_errors
+def cache_verify(cache_dir: Optional[Path] = CacheDirOpt,
+                 json_out: bool = typer.Option(False, "--json", help="One JSON list.")):
+    """Recompute every entry's file digests against its record. Exit 1 if any entry changed."""
+    from .cache import Cache
+
+    entries = Cache(cache_dir).entries(check=True)
+    if json_out:
+        emit_json([e.to_dict() for e in entries])
+    else:
+        for e in entries:
+            mark = "[green]✓[/]" if not e.problems else "[red]✗[/]"
+            console.print(f"{mark} {e.kind}/{e.key}" + (": " + "; ".join(e.problems)
+                                                       if e.problems else ""))
+        console.print(f"{len(entries)} entries, {sum(bool(e.problems) for e in entries)} damaged"
+                      + ("; `qpcbuild cache prune` removes them" if any(e.problems for e in
+                                                                        entries) else ""))
+    if any(e.problems for e in entries):
+        raise typer.Exit(1)
+
+
+@cache_app.command("prune")
+@handles_errors
+def cache_prune(cache_dir: Optional[Path] = CacheDirOpt,
+                days: Optional[float] = typer.Option(None, "--days", min=0, help="Also remove "
+                                                     "entries not used for this many days.")):
+    """Remove debris of killed builds, damaged entries and (with --days) unused ones."""
+    from .cache import Cache
+
+    removed = Cache(cache_dir).prune(days)
+    for r in removed:
+        console.print(f"removed {r}")
+    console.print(f"{len(removed)} removed")
 
 
 # ---------------------------------------------------------------- runtime

@@ -29,6 +29,10 @@ class ToolchainError(QpcbuildError):
     exit_code = 1
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a recipe: where (key path, line) and what."""

@@ -17,10 +17,11 @@ from . import __version__
 from .arch import ArchSpec, arch_from_config
 from .errors import Problem, RecipeError, UsageError
 from .recipe import CARDS, Recipe, resolve_model_path, resolved_cores
-from .source import ModelSource, resolve, weights_fingerprint
+from .source import ModelSource, resolve
 from .tokenizer_check import alignment
 
-EXPORTER_VERSION = "1"  # bump when the exported graph changes for the same inputs
+EXPORTER_VERSION = "2"  # bump when the exported graph changes for the same inputs
+ORT_LOWERING_VERSION = "1"  # bump when the onnxruntime artifact changes for the same graph
 QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 KV_BYTES = {"float16": 2.0, "mxint8": 33 / 32}  # mxint8: 8-bit values + one scale per 32
 WEIGHT_BYTES = {"none": 2.0, "mxfp6": 25 / 32}  # the card runs fp16; mxfp6: 6 bits + scale/32
@@ -192,12 +193,14 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     names = [f"past_{kind}.{i}{suffix}" for i in range(arch.num_layers)
              for kind in ("key", "value") for suffix in ("", "_RetainedState")]
     specs = specializations(role, r, ks)
+    smoke_of = src.config.get("qpcbuild_smoke_of")  # random weights standing in for this model
     source = {"ref": src.ref, "revision": src.revision, "origin": src.origin,
               "path": str(src.path) if src.path else None, "config_digest": src.config_digest,
-              "smoke_of": src.config.get("qpcbuild_smoke_of")}  # random weights standing in
-    fingerprint = weights_fingerprint(src.path) if src.path else "absent"
+              "smoke_of": smoke_of,
+              # As the recipe wrote it (relative to the recipe file): what the manifest keeps.
+              "recipe_ref": smoke_of or getattr(r, role).model}
     export_key = digest({"exporter": EXPORTER_VERSION, "config": src.config_digest,
-                         "weights": fingerprint, "role": role, "continuous_batching": cb,
+                         "role": role, "continuous_batching": cb,
                          "dtype": r.precision.export_dtype})
     argv = compiler_argv(role, r, cores, len(hw.device_group), compiler)
     batch = r.shapes.full_batch_size or r.shapes.batch_size
@@ -215,8 +218,13 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
            "graph": ort_graph(r),
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
            "intra_op_threads": r.onnxruntime.intra_op_threads}
+    # The settings part of each artifact's cache key; the build adds the weights' content
+    # digest and the toolchain versions. Only what changes the artifact is in: K and threads
+    # do not change an onnxruntime artifact, so they are not in its key.
     cache_keys = {"export": export_key,
-                  "onnxruntime": digest({"export": export_key, "ort": ort, "specs": specs}),
+                  "onnxruntime": digest({"export": export_key, "lowering": ORT_LOWERING_VERSION,
+                                         **{k: ort[k] for k in ("graph", "batch_size", "ctx_len",
+                                                                "kv_dtype")}}),
                   "qaic": digest({"export": export_key, "argv": argv[1:], "specs": specs,
                                   "custom_io": kv_prec, "fmt": r.hardware.specializations_format})}
     return RolePlan(

@@ -93,7 +93,7 @@ def show_plan(plan: BuildPlan) -> None:
 
 def show_manifest(m: dict[str, Any]) -> None:
     spd = m["speculation"]
-    console.print(f"[bold]{m['name']}[/]  bundle id {m['bundle_id'][:16]}  built {m['built_at']}")
+    console.print(f"[bold]{m['name']}[/]  bundle id {m['bundle_id']}")
     console.print(f"method {spd['method']}  K={spd['num_speculative_tokens']}  "
                   f"shapes {m['shapes']}  backends {m['backends']}")
     console.print(f"tokenizer: {m['tokenizer']['verdict']} ({m['tokenizer']['detail']})")
@@ -106,6 +106,16 @@ def show_manifest(m: dict[str, Any]) -> None:
                   f"{info['num_cores']} x {info['device_group']}",
                   ", ".join(f"{k}: {v['status']}" for k, v in info["backends"].items()))
     console.print(t)
+    for role, info in m["roles"].items():
+        q = info["backends"].get("qaic")
+        if q and q.get("status") == "compiled":
+            qpc_bytes = sum(m["files"][p]["size"] for p in q.get("qpc_files") or [])
+            console.print(f"{role} QPC: {q['qpc']} ({len(q.get('qpc_files') or [])} files, "
+                          f"{qpc_bytes / 2**20:.1f} MiB)"
+                          + (f", log {q['log']}" if q.get("log") else ""))
+        elif q:
+            console.print(f"{role} QPC: not compiled yet; run `bash {q['compile_script']}` on a "
+                          "machine with the Cloud AI SDK")
     size = sum(f["size"] for f in m["files"].values())
     console.print(f"{len(m['files'])} files, {size / 2**20:.1f} MiB; toolchain: "
                   + ", ".join(f"{k} {v}" for k, v in m["toolchain"].items()

@@ -79,7 +79,8 @@ def render(m: dict[str, Any], bundle: Path, fmt: str, image: str = DEFAULT_IMAGE
     statuses = {r: info["backends"]["qaic"]["status"] for r, info in m["roles"].items()}
     note = "" if all(s == "compiled" for s in statuses.values()) else \
         ("# note: QPCs not compiled yet (" + ", ".join(f"{r}: {s}" for r, s in statuses.items())
-         + "); run <role>/qaic/compile.sh on a machine with the SDK first\n")
+         + "); on a machine with the SDK run `bash <role>/qaic/compile.sh` in the bundle "
+         "(it ends with `qpcbuild finish`) first\n")
     bundle = bundle.resolve()
     env = qpc_env(m, bundle)
     if fmt == "json":

@@ -130,19 +130,5 @@ def safetensors_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     raise UsageError(f"{path}: no *.safetensors weights found")
 
 
-def weights_fingerprint(path: Path) -> str:
-    """Cheap identity of the weight files, used as a cache key: path, size, mtime, inode and
-    ctime. ctime cannot be set by tools that restore mtimes (tar, rsync -t), so replaced content
-    always changes the key. The exact content digest is computed while exporting and recorded
-    in the graph and the manifest."""
-    h = hashlib.sha256(str(path.resolve()).encode())
-    for f in sorted(path.iterdir()):
-        if f.is_file() and (f.suffix in (".safetensors", ".json") or f.suffix in PICKLE_SUFFIXES):
-            st = f.stat()
-            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0"
-                     f"{st.st_ctime_ns}\n".encode())
-    return h.hexdigest()
-
-
 def tokenizer_files(path: Path) -> list[Path]:
     return [path / n for n in TOKENIZER_FILES if (path / n).is_file()]

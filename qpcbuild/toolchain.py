@@ -32,6 +32,23 @@ def qaic_sdk_versions(files=SDK_VERSION_FILES) -> dict[str, str] | None:
     return found or None
 
 
+def artifact_versions() -> dict[str, object]:
+    """The versions that shape a bundle's artifacts: recorded in the manifest (and so in the
+    bundle id) and in the cache keys. Tools that only run the build (Python, transformers)
+    are left out, so two machines with the same toolchain build the same bundle."""
+    return {"qpcbuild": __version__, "onnx": _pkg("onnx"), "onnxruntime": _pkg("onnxruntime"),
+            "numpy": _pkg("numpy"), "qaic_sdk": qaic_sdk_versions()}
+
+
+def compiler_identity(path: str | None) -> dict[str, str] | None:
+    """The Qualcomm compiler by name and content, not by where it is installed."""
+    if not path:
+        return None
+    from .tree import file_digest
+
+    return {"name": Path(path).name, "sha256": file_digest(Path(path))}
+
+
 def versions() -> dict[str, object]:
     return {"qpcbuild": __version__, "python": platform.python_version(),
             "onnx": _pkg("onnx"), "onnxruntime": _pkg("onnxruntime"),

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from qpcbuild import archive
-from qpcbuild.archive import ArchiveError, file_digest, hash_tree, pack, unpack
+from qpcbuild.bundle import archive
+from qpcbuild.bundle.archive import ArchiveError, pack, unpack
+from qpcbuild.tree import file_digest, hash_tree
 from qpcbuild.errors import UsageError
 
 
@@ -94,10 +95,23 @@ def test_pack_twice_is_byte_identical_even_after_touching_mtimes_and_modes(tmp_p
     for path in bundle.rglob("*"):
         os.utime(path, (1_000_000, 2_000_000))
     (bundle / "manifest.json").chmod(0o600)
-    (bundle / "onnx" / "model.onnx").chmod(0o755)
+    (bundle / "onnx" / "model.onnx").chmod(0o664)
     (bundle / "onnx").chmod(0o700)
     second = pack(bundle, tmp_path / "other-name.tar.gz").read_bytes()
     assert first == second
+
+
+def test_pack_keeps_only_the_exec_bit_and_unpack_restores_it(tmp_path: Path, out_dir: Path) -> None:
+    bundle = make_bundle(tmp_path)
+    plain = pack(bundle, tmp_path / "a.tar.gz").read_bytes()
+    (bundle / "onnx" / "model.onnx").chmod(0o700)  # owner-only, but executable
+    archive = pack(bundle, tmp_path / "b.tar.gz")
+    assert archive.read_bytes() != plain
+    with tarfile.open(archive) as tar:
+        assert tar.getmember(f"{bundle.name}/onnx/model.onnx").mode == 0o755
+    unpacked = unpack(archive, out_dir)
+    assert (unpacked / "onnx" / "model.onnx").stat().st_mode & 0o777 == 0o755
+    assert (unpacked / "manifest.json").stat().st_mode & 0o777 == 0o644
 
 
 def test_pack_normalises_headers_and_orders_entries(tmp_path: Path) -> None:

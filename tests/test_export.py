@@ -335,7 +335,9 @@ def test_graph_io_contract_opset_and_metadata(role, cb, tiny_models, exported):
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["role"] == role
     assert meta["qpcbuild_version"] == qpcbuild.__version__
-    assert meta["source_model"] == str(tiny_models["llama_untied_rope"])
+    # Content only: no path, so the artifact is the same from any checkout.
+    assert "source_model" not in meta and not any(str(tiny_models["llama_untied_rope"]) in v
+                                                  for v in meta.values())
     assert len(meta["weights_digest"]) == 64 and meta["weights_digest"] == result.weights_digest
     assert meta["continuous_batching"] == str(cb).lower()
     assert meta == result.metadata

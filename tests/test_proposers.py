@@ -310,7 +310,8 @@ def test_make_proposer_builds_each_method_with_options():
     ng = make_proposer("ngram", {"prompt_lookup_min": 2, "prompt_lookup_max": 3})
     assert isinstance(ng, NgramProposer) and isinstance(ng, Proposer)
     assert (ng.name, ng.prompt_lookup_min, ng.prompt_lookup_max) == ("ngram", 2, 3)
-    sx = make_proposer("suffix", {"max_tree_depth": 8, "min_token_prob": 0.2})
+    sx = make_proposer("suffix", {"suffix_decoding_max_tree_depth": 8,
+                                  "suffix_decoding_min_token_prob": 0.2})
     assert isinstance(sx, SuffixProposer) and isinstance(sx, Proposer)
     assert (sx.name, sx.max_tree_depth, sx.min_token_prob) == ("suffix", 8, 0.2)
     assert isinstance(make_proposer("suffix", {}), SuffixProposer)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import qpcbuild.bundle as bundle_mod
+import qpcbuild.bundle.build as bundle_mod
 import qpcbuild.plan as plan_mod
 from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
 from qpcbuild.cache import Cache
@@ -108,8 +108,7 @@ def recipe(models, tmp_path) -> Path:
 
 def build(recipe: Path, cache: Path, out: Path, *overrides: str, **kw) -> BuildResult:
     plan = make_plan(load_recipe(recipe, list(overrides)))
-    return build_bundle(plan, cache=Cache(cache), out=out,
-                        argv=["qpcbuild", "compile", str(recipe)], **kw)
+    return build_bundle(plan, cache=Cache(cache), out=out, **kw)
 
 
 def plan_argv(recipe: Path, role: str, *overrides: str) -> list[str]:
@@ -291,11 +290,11 @@ def test_emit_only_writes_compiler_inputs(models, tmp_path, monkeypatch, stand_i
         script = out / role / "qaic" / "compile.sh"
         assert os.access(script, os.X_OK)
         assert _compile_sh_args(script) == rp.compiler_argv[1:]
-        assert m["commands"][f"qaic_compile_{role}"] == rp.compiler_argv
         assert rp.compiler_argv[0] == str(stand_in.path)  # the plan names what it found
         entry = m["roles"][role]["backends"]["qaic"]
         assert entry["status"] == "emitted" and entry["qpc"] is None
-        assert entry["argv"] == rp.compiler_argv
+        # Not where the compiler is installed: that would make the id host-specific.
+        assert entry["compiler_args"] == rp.compiler_argv[1:]
         assert m["roles"][role]["backends"]["onnxruntime"]["status"] == "compiled"
 
     names = [s["name"] for s in m["roles"]["target"]["specializations"]]
@@ -396,10 +395,13 @@ def test_stand_in_compiler_gets_the_planned_argv(recipe, tmp_path, stand_in):
         assert entry["status"] == "compiled"
         assert entry["qpc"] == f"{role}/qpc"
         assert entry["log"] == f"{role}/logs/qaic-compile.log"
-        assert entry["argv"] == [str(stand_in.path), *plan_argv(recipe, role)[1:]]
+        assert entry["compiler_args"] == plan_argv(recipe, role)[1:]
+        assert entry["compiler"]["name"] == stand_in.path.name
+        assert entry["qpc_files"] == [f"{role}/qpc/programqpc.bin"]
         assert f"{role}/qpc/programqpc.bin" in m["files"]
         assert f"{role}/logs/qaic-compile.log" in m["files"]
-    assert m["toolchain"]["backends"]["qaic"]["compiler"] == str(stand_in.path)
+    assert m["toolchain"]["backends"]["qaic"]["compiler"]["name"] == stand_in.path.name
+    assert str(stand_in.path) not in (out / "manifest.json").read_text()
     assert leftovers(out) == []
 
 
@@ -419,8 +421,8 @@ def test_cli_finds_the_compiler(recipe, tmp_path, monkeypatch, stand_in, how):
     assert json.loads(result.stdout)["bundle_id"] == m["bundle_id"]
     for role in ROLES:
         assert m["roles"][role]["backends"]["qaic"]["status"] == "compiled"
-        # The plan itself was made with the compiler that was found.
-        assert m["commands"][f"qaic_compile_{role}"][0] == str(stand_in.path)
+        # The build used the compiler that was found, and records it by name and content.
+        assert m["roles"][role]["backends"]["qaic"]["compiler"]["name"] == stand_in.path.name
         assert (out / role / "qpc" / "programqpc.bin").is_file()
     assert verify_bundle(out) == []
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ToolchainError
 from ..plan import RolePlan, find_compiler
-from ..toolchain import qaic_sdk_versions
+from ..toolchain import compiler_identity, qaic_sdk_versions
 from . import BuildContext
 
 QPC_FILE = "programqpc.bin"
@@ -33,7 +33,9 @@ class QaicBackend:
         compiler, tried = find_compiler(ctx.compiler)
         if compiler is None and not ctx.emit_only:
             raise ToolchainError(missing_compiler_message(tried))
-        return {"compiler": compiler, "sdk": qaic_sdk_versions(), "emit_only": ctx.emit_only}
+        # By name and content: where the SDK is installed must not change the bundle id.
+        return {"compiler": None if ctx.emit_only else compiler_identity(compiler),
+                "sdk": qaic_sdk_versions(), "emit_only": ctx.emit_only}
 
     def write_inputs(self, ctx: BuildContext, role: RolePlan) -> list[str]:
         r = ctx.plan.recipe
@@ -56,15 +58,22 @@ class QaicBackend:
             f'compiler="${{QAIC_COMPILER:-{QAIC_DEFAULT}}}"\n'
             f"mkdir -p {role.role}/logs\n"
             f'"$compiler" {shlex.join(args)} 2>&1 | tee {role.role}/logs/qaic-compile.log\n'
-            f"test -f {role.role}/qpc/{QPC_FILE} || {{ echo 'no {QPC_FILE} produced' >&2; "
-            "exit 1; }\n")
+            f"test -s {role.role}/qpc/{QPC_FILE} || {{ echo 'no {QPC_FILE} produced' >&2; "
+            "exit 1; }\n"
+            "# Record the QPC in the manifest (files, digests, SDK versions) and re-seal it.\n"
+            "if command -v qpcbuild >/dev/null 2>&1; then\n"
+            f'  qpcbuild finish . --role {role.role} --compiler "$compiler"\n'
+            "else\n"
+            f"  echo 'compiled {role.role}/qpc; now run: qpcbuild finish <this bundle>' >&2\n"
+            "fi\n")
         script.chmod(0o755)
         return args
 
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         args = self.write_inputs(ctx, role)
         entry: dict[str, Any] = {"inputs": f"{role.role}/qaic", "compile_script":
-                                 f"{role.role}/qaic/compile.sh", "argv": role.compiler_argv}
+                                 f"{role.role}/qaic/compile.sh",
+                                 "compiler_args": role.compiler_argv[1:]}
         if ctx.emit_only:
             return {**entry, "status": "emitted", "qpc": None}
         compiler, tried = find_compiler(ctx.compiler)
@@ -90,8 +99,10 @@ class QaicBackend:
         if not qpc.is_file():
             raise ToolchainError(f"the compiler exited 0 but wrote no {role.role}/qpc/{QPC_FILE}."
                                  f"\nLast output:\n{tail}")
-        return {**entry, "status": "compiled", "qpc": f"{role.role}/qpc",
-                "log": f"{role.role}/logs/qaic-compile.log", "argv": argv}
+        qpc_files = sorted(p.relative_to(ctx.staging).as_posix()
+                           for p in (ctx.staging / role.role / "qpc").rglob("*") if p.is_file())
+        return {**entry, "status": "compiled", "qpc": f"{role.role}/qpc", "qpc_files": qpc_files,
+                "log": f"{role.role}/logs/qaic-compile.log", "compiler": compiler_identity(compiler)}
 
 
 QAIC_DEFAULT = "/opt/qti-aic/exec/qaic-compile"

@@ -97,8 +97,9 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
             os.fsync(data.fileno())
         per_tensor = sorted(f"{k.removesuffix('^T')}:{v}" for k, v in g.weight_hashes.items())
         weights_digest = hashlib.sha256("\n".join(sorted(set(per_tensor))).encode()).hexdigest()
-        metadata = {"qpcbuild_version": __version__, "role": role, "source_model": source.ref,
-                    "source_revision": source.revision or "", "weights_digest": weights_digest,
+        # Content only: where the model came from is the manifest's business, and a path here
+        # would make the artifact (and every bundle id) depend on the checkout's location.
+        metadata = {"qpcbuild_version": __version__, "role": role, "weights_digest": weights_digest,
                     "config_digest": source.config_digest, "architecture": arch.architecture,
                     "continuous_batching": str(continuous_batching).lower(),
                     "weight_dtype": weight_dtype}

@@ -36,6 +36,8 @@ class GenerationResult:
 
 
 def _open_session(bundle: Path, manifest: dict, role: str, backend: str):
+    if backend not in ("onnxruntime", "qaic"):
+        raise UsageError(f"unknown backend '{backend}' (onnxruntime | qaic)")
     info = manifest["roles"][role]
     b = info["backends"].get(backend)
     if b is None:
@@ -52,15 +54,14 @@ def _open_session(bundle: Path, manifest: dict, role: str, backend: str):
         threads = thread_count(info["ort"]["core_share"], info["ort"].get("intra_op_threads"))
         return OrtSession(path, role, specs, kv_shape, arch["num_layers"], arch["vocab_size"],
                           threads, in_place=b.get("kv_binding") == "in_place")
-    if backend == "qaic":
-        if b.get("status") != "compiled":
-            raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "
-                              f"{b.get('status')}); run {role}/qaic/compile.sh on a machine with "
-                              "the Cloud AI SDK, or use --backend onnxruntime")
-        from .qaic_session import QaicSession
-        return QaicSession(bundle / b["qpc"], role, specs, info["device_group"],
-                           arch["num_layers"], arch["vocab_size"])
-    raise UsageError(f"unknown backend '{backend}' (onnxruntime | qaic)")
+    if b.get("status") != "compiled":
+        raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "
+                          f"{b.get('status')}); on a machine with the Cloud AI SDK run "
+                          f"`bash {role}/qaic/compile.sh` in the bundle (it ends with "
+                          "`qpcbuild finish`), or use --backend onnxruntime")
+    from .qaic_session import QaicSession
+    return QaicSession(bundle / b["qpc"], role, specs, info["device_group"],
+                       arch["num_layers"], arch["vocab_size"])
 
 
 class Generator:

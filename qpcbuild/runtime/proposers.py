@@ -286,25 +286,27 @@ _FACTORIES: dict[str, Callable[..., Proposer]] = {
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
 }
-_OPTIONS: dict[str, frozenset[str]] = {
-    "ngram": frozenset({"prompt_lookup_min", "prompt_lookup_max"}),
-    "suffix": frozenset(
-        {"max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob"}
-    ),
+# Options go by vLLM's names everywhere (recipe, manifest, here); this table maps them to the
+# constructors' argument names.
+OPTION_NAMES: dict[str, dict[str, str]] = {
+    "ngram": {"prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"},
+    "suffix": {f"suffix_decoding_{name}": name for name in
+               ("max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")},
 }
 
 
 def make_proposer(method: str, options: Mapping[str, Any] | None = None) -> Proposer:
-    """Build a proposer by method name; options are the constructor's keyword names."""
+    """Build a proposer by method name; options use vLLM's names (as in recipes)."""
     if method not in _FACTORIES:
         known = ", ".join(sorted(_FACTORIES))
         raise ValueError(f"unknown proposer method {method!r}; expected one of: {known}")
     opts = dict(options or {})
-    unknown = sorted(set(opts) - _OPTIONS[method])
+    names = OPTION_NAMES[method]
+    unknown = sorted(set(opts) - set(names))
     if unknown:
-        allowed = ", ".join(sorted(_OPTIONS[method]))
+        allowed = ", ".join(sorted(names))
         raise ValueError(
             f"unknown option(s) {', '.join(map(repr, unknown))} for proposer {method!r}; "
             f"allowed: {allowed}"
         )
-    return _FACTORIES[method](**opts)
+    return _FACTORIES[method](**{names[k]: v for k, v in opts.items()})

@@ -1,4 +1,4 @@
-"""Hashing, deterministic packing and safe unpacking of bundle folders.
+"""Deterministic packing and safe unpacking of bundle folders.
 
 A bundle ships as a `.tar.gz` holding one top-level folder. Packing is byte-reproducible so
 that two builds of the same bundle can be compared by archive digest alone; unpacking treats
@@ -8,26 +8,22 @@ the archive as hostile input, because bundles are downloaded from shared stores.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import os
 import shutil
 import tarfile
 import tempfile
 import zlib
-from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import BinaryIO
 
-from qpcbuild.errors import UsageError
+from ..tree import CHUNK_SIZE, ArchiveError, Entry, is_executable, walk
 
-__all__ = ["ArchiveError", "file_digest", "hash_tree", "pack", "unpack"]
+__all__ = ["ArchiveError", "pack", "unpack"]
 
-CHUNK_SIZE = 1 << 20
 # Any fixed level keeps archives reproducible; 6 is much faster than 9 on multi-GB weights.
 GZIP_LEVEL = 6
 FILE_MODE = 0o644
-DIR_MODE = 0o755
+EXEC_MODE = DIR_MODE = 0o755  # the only other mode kept: compile.sh must stay runnable
 # Regular-file tar types; GNU sparse is left out because its size header is not what lands on disk.
 _FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _REFUSED_KINDS = {
@@ -40,90 +36,16 @@ _REFUSED_KINDS = {
 }
 
 
-class ArchiveError(UsageError):
-    """A bundle folder or archive that cannot be packed or unpacked safely (exit code 2)."""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    rel: str  # POSIX path relative to the tree root
-    path: Path
-    is_dir: bool
-
-
-# ---------------------------------------------------------------------------------------------
-# Hashing
-
-
-def _digest_and_size(path: Path) -> tuple[str, int]:
-    # Size is counted from the bytes hashed so the two can never disagree if the file changes.
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_SIZE):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
-def file_digest(path: Path) -> str:
-    """SHA-256 hex digest of a file, read in 1 MiB chunks so multi-GB files fit in memory."""
-    return _digest_and_size(path)[0]
-
-
-def _walk(root: Path, exclude: frozenset[str] = frozenset()) -> list[_Entry]:
-    """Directories and regular files under root, sorted by relative path.
-
-    Raises ArchiveError on symlinks and special files: a bundle must be self-contained data.
-    """
-    # The root itself may be reached through a link; only what lies inside must be plain.
-    if not root.is_dir():
-        raise ArchiveError(f"{root}: not a directory")
-    entries: list[_Entry] = []
-    stack: list[tuple[Path, str]] = [(root, "")]
-    while stack:
-        folder, prefix = stack.pop()
-        with os.scandir(folder) as it:
-            for item in it:
-                rel = f"{prefix}{item.name}"
-                if rel in exclude:
-                    continue
-                if item.is_symlink():
-                    raise ArchiveError(f"{rel}: symbolic links are not allowed in a bundle")
-                if item.is_dir(follow_symlinks=False):
-                    entries.append(_Entry(rel, Path(item.path), True))
-                    stack.append((Path(item.path), f"{rel}/"))
-                elif item.is_file(follow_symlinks=False):
-                    entries.append(_Entry(rel, Path(item.path), False))
-                else:
-                    raise ArchiveError(f"{rel}: special files are not allowed in a bundle")
-    entries.sort(key=lambda e: e.rel)
-    return entries
-
-
-def hash_tree(root: Path, exclude: Iterable[str] = ()) -> dict[str, dict]:
-    """{relative POSIX path: {"size", "sha256"}} for every regular file under root, sorted.
-
-    `exclude` names relative paths (files or whole folders) that are skipped unexamined.
-    """
-    skip = frozenset(str(PurePosixPath(e)) for e in exclude)
-    result: dict[str, dict] = {}
-    for entry in _walk(Path(root), skip):
-        if not entry.is_dir:
-            digest, size = _digest_and_size(entry.path)
-            result[entry.rel] = {"size": size, "sha256": digest}
-    return result
-
-
 # ---------------------------------------------------------------------------------------------
 # Packing
 
 
-def _tarinfo(name: str, is_dir: bool, size: int = 0) -> tarfile.TarInfo:
-    # Everything that varies between machines or checkouts is pinned here.
+def _tarinfo(name: str, is_dir: bool, size: int = 0, executable: bool = False) -> tarfile.TarInfo:
+    # Everything that varies between machines or checkouts is pinned here; of the mode only
+    # the exec bit survives, so umask and ownership never reach the archive.
     info = tarfile.TarInfo(name)
     info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
-    info.mode = DIR_MODE if is_dir else FILE_MODE
+    info.mode = DIR_MODE if is_dir else EXEC_MODE if executable else FILE_MODE
     info.size = size
     info.mtime = 0
     info.uid = info.gid = 0
@@ -131,16 +53,17 @@ def _tarinfo(name: str, is_dir: bool, size: int = 0) -> tarfile.TarInfo:
     return info
 
 
-def _add_entry(tar: tarfile.TarFile, arcname: str, entry: _Entry) -> None:
+def _add_entry(tar: tarfile.TarFile, arcname: str, entry: Entry) -> None:
     if entry.is_dir:
         tar.addfile(_tarinfo(arcname, True))
         return
     with open(entry.path, "rb") as f:
         # Size from the open handle, not the earlier walk, to narrow the window for a change.
-        tar.addfile(_tarinfo(arcname, False, os.fstat(f.fileno()).st_size), f)
+        tar.addfile(_tarinfo(arcname, False, os.fstat(f.fileno()).st_size,
+                             is_executable(entry.path)), f)
 
 
-def _write_tar_gz(raw: BinaryIO, top: str, entries: list[_Entry]) -> None:
+def _write_tar_gz(raw: BinaryIO, top: str, entries: list[Entry]) -> None:
     # filename="" and mtime=0 keep the gzip header free of the temp name and the clock.
     with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=GZIP_LEVEL) as gz:
         with tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
@@ -157,7 +80,7 @@ def pack(bundle_dir: Path, out_file: Path) -> Path:
         raise ArchiveError(f"{bundle_dir}: cannot pack a filesystem root")
     if src == out or src in out.parents:
         raise ArchiveError(f"{out_file}: the archive must not be written inside {bundle_dir}")
-    entries = _walk(src)
+    entries = walk(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
@@ -220,6 +143,7 @@ def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -
         # O_EXCL: a duplicate member must not silently replace an earlier one.
         with src, open(target, "xb") as dst:
             shutil.copyfileobj(src, dst, CHUNK_SIZE)
+            os.fchmod(dst.fileno(), EXEC_MODE if member.mode & 0o100 else FILE_MODE)
     except (FileExistsError, NotADirectoryError) as exc:
         raise ArchiveError(f"{member.name}: clashes with an earlier member") from exc
 

@@ -1,0 +1,5 @@
+"""`python -m qpcbuild` is the `qpcbuild` command."""
+
+from .cli import main
+
+main()

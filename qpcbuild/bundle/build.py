@@ -1,0 +1,300 @@
+"""BuildPlan -> bundle: export (cached), compile per backend, then one sealed manifest that
+pairs the two roles and names every file with its SHA-256. The bundle appears complete or not
+at all: it is assembled in a staging folder next to the output and renamed into place."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from .. import __version__
+from ..cache import META, Cache
+from ..compile import BuildContext, get_backend
+from ..errors import BundleError, UsageError
+from ..export import export_model
+from ..plan import (EXPORTER_VERSION, ORT_LOWERING_VERSION, BuildPlan, RolePlan, digest,
+                    find_compiler)
+from ..source import resolve, safetensors_files, tokenizer_files
+from ..toolchain import artifact_versions, compiler_identity
+from ..tree import copy_tree, hash_tree
+from .manifest import MANIFEST, MANIFEST_SCHEMA, write_manifest
+
+Progress = Callable[[str, str, float], None]  # (stage, "reused" | "built" | "written", seconds)
+
+
+@dataclass
+class BuildResult:
+    bundle: Path
+    bundle_id: str
+    seconds: float
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bundle": str(self.bundle), "bundle_id": self.bundle_id,
+                "seconds": round(self.seconds, 2), "stages": self.stages}
+
+
+# ---------------------------------------------------------------- cache keys
+def _weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:
+    path = Path(role.source["path"])
+    return [*safetensors_files(path, allow_pickle), path / "config.json"]
+
+
+def artifact_keys(role: RolePlan, weights_digest: str, compiler: str | None) -> dict[str, str]:
+    """Full cache keys: the plan's settings, the weights' content and the tools' versions."""
+    tools = artifact_versions()
+    export = digest({"settings": role.cache_keys["export"], "weights": weights_digest,
+                     "qpcbuild": __version__, "exporter": EXPORTER_VERSION,
+                     "onnx": tools["onnx"], "numpy": tools["numpy"]})
+    return {"export": export,
+            "onnxruntime": digest({"export": export, "settings": role.cache_keys["onnxruntime"],
+                                   "lowering": ORT_LOWERING_VERSION,
+                                   "onnxruntime": tools["onnxruntime"], "onnx": tools["onnx"]}),
+            "qaic": digest({"export": export, "settings": role.cache_keys["qaic"],
+                            "sdk": tools["qaic_sdk"], "compiler": compiler_identity(compiler)})}
+
+
+# ---------------------------------------------------------------- staging and publishing
+def _try_lock(path: Path) -> int | None:
+    """An exclusive lock on an existing file, or None when someone holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def remove_debris(out: Path) -> list[Path]:
+    """Staging folders of builds into `out` that were killed (their lock is free)."""
+    removed = []
+    for lock in out.parent.glob(f".{out.name}.building-*.lock"):
+        fd = _try_lock(lock)
+        if fd is None:
+            continue
+        try:
+            shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            removed.append(lock.with_suffix(""))
+        finally:
+            os.close(fd)
+    # A staging folder always gets its lock file first, so one without a lock is debris.
+    for folder in out.parent.glob(f".{out.name}.building-*"):
+        if folder.is_dir() and not folder.with_name(folder.name + ".lock").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+@contextmanager
+def staging_folder(out: Path) -> Iterator[Path]:
+    """A fresh folder next to `out`, locked for as long as this build lives; removed on any
+    failure or interruption (the lock tells a later build whether it was killed)."""
+    while True:
+        fd_tmp, name = tempfile.mkstemp(prefix=f".{out.name}.building-", suffix=".lock",
+                                        dir=out.parent)
+        fcntl.flock(fd_tmp, fcntl.LOCK_EX)
+        lock = Path(name)
+        try:  # a concurrent cleaner may have removed the file before we locked it
+            if os.stat(lock).st_ino == os.fstat(fd_tmp).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd_tmp)
+    folder = lock.with_suffix("")
+    try:
+        folder.mkdir()
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # gone already when it was published
+        lock.unlink(missing_ok=True)
+        os.close(fd_tmp)
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move the finished bundle into place. Builds into the same output take turns here; an
+    older bundle at `out` is removed only after the new one is in place."""
+    lock_path = out.parent / f".{out.name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for old in out.parent.glob(f".{out.name}.old-*"):  # left by a build killed right here
+            shutil.rmtree(old, ignore_errors=True)
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
+            raise UsageError(f"{out} exists and is not a folder; refusing to replace it")
+        if out.exists():
+            if not (out / MANIFEST).is_file() and any(out.iterdir()):
+                raise UsageError(f"{out} exists and is not a qpcbuild bundle; refusing to "
+                                 "replace it")
+            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:12]}")
+            os.replace(out, old)
+            os.replace(staging, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    finally:
+        os.close(fd)
+
+
+def _check_output(out: Path) -> None:
+    """Refuse an unusable output before any work is done."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UsageError(f"-o {out}: exists and is not a folder")
+    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise UsageError(f"-o {out}: exists and is not a qpcbuild bundle; refusing to replace it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"-o {out}: cannot create {out.parent} ({exc.strerror or exc})") \
+            from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"-o {out}: {out.parent} is not writable")
+
+
+# ---------------------------------------------------------------- the manifest
+def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dict],
+              tools: dict, files: dict) -> dict[str, Any]:
+    r = plan.recipe
+    roles = {}
+    for rp in plan.roles:
+        src = rp.source
+        roles[rp.role] = {
+            "source": {"ref": src["recipe_ref"], "revision": src["revision"],
+                       "origin": src["origin"], "config_digest": src["config_digest"],
+                       "weights_digest": exports[rp.role]["weights_digest"],
+                       "smoke_weights": bool(src["smoke_of"])},
+            "arch": rp.arch.to_dict(), "io": rp.io, "specializations": rp.specializations,
+            "compiled_ks": list(rp.ks), "num_cores": rp.num_cores,
+            "device_group": rp.device_group,
+            "precision": {"weights": r.precision.quantization, "kv_cache": r.precision.kv_cache_dtype,
+                          "export_dtype": r.precision.export_dtype},
+            "mdp_partition": rp.mdp_partition, "ort": rp.ort,
+            "backends": {name: b[rp.role] for name, b in backends.items()},
+        }
+    return {
+        "schema": MANIFEST_SCHEMA, "name": r.name,
+        "speculation": {"method": plan.method, "options": plan.method_options,
+                        "num_speculative_tokens": list(plan.ks)},
+        "shapes": r.shapes.model_dump(), "hardware": r.hardware.model_dump(mode="json"),
+        "backends": list(r.backends), "roles": roles,
+        "tokenizer": {"files": "tokenizer/", **plan.tokenizer},
+        "toolchain": tools,
+        "files": files,
+    }
+
+
+def _bundle_recipe(plan: BuildPlan) -> str:
+    """The recipe as built, with each model named as the recipe named it (for smoke weights:
+    the model they stand in for, not the cache path)."""
+    data = plan.recipe.to_yaml_dict()
+    for rp in plan.roles:
+        data[rp.role]["model"] = rp.source["recipe_ref"]
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# ---------------------------------------------------------------- the build
+def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit_only: bool = False,
+                 compiler: str | None = None, jobs: int = 1, progress: Progress | None = None,
+                 manifest_extra: dict[str, Any] | None = None) -> BuildResult:
+    """`manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K)."""
+    start = time.perf_counter()
+    r = plan.recipe
+    out = Path(out) if out else r.output_dir()
+    say = progress or (lambda *a: None)
+    stages: list[dict[str, Any]] = []
+
+    def record(stage: str, reused: bool, t0: float) -> None:
+        stages.append({"stage": stage, "reused": reused, "seconds": round(time.perf_counter() - t0, 2)})
+        say(stage, "reused" if reused else "built", time.perf_counter() - t0)
+
+    backends = {name: get_backend(name) for name in r.backends}
+    _check_output(out)
+    remove_debris(out)
+    cache.remove_debris()
+    with staging_folder(out) as staging:
+        ctx = BuildContext(plan, staging, emit_only, compiler)
+        tool = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
+        keys: dict[str, dict[str, str]] = {}
+
+        def export(role: RolePlan):
+            t0 = time.perf_counter()
+            allow_pickle = (r.target if role.role == "target" else r.draft).allow_pickle
+            keys[role.role] = artifact_keys(
+                role, cache.weights_digest(_weight_files(role, allow_pickle)),
+                find_compiler(compiler)[0] if "qaic" in backends and not emit_only else None)
+            src = resolve(role.source["path"], role.source["revision"], allow_known=False)
+
+            def build(tmp: Path) -> dict[str, Any]:
+                res = export_model(src, role.role, tmp / "onnx",
+                                   continuous_batching=r.shapes.full_batch_size is not None,
+                                   weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle)
+                return {"weights_digest": res.weights_digest, "metadata": res.metadata}
+
+            entry, meta, reused = cache.get_or_build("exports", keys[role.role]["export"], build)
+            record(f"export {role.role}", reused, t0)
+            return role.role, (entry, meta)
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            exports = dict(pool.map(export, plan.roles))
+
+        built: dict[str, dict[str, Any]] = {name: {} for name in backends}
+        for rp in plan.roles:
+            onnx_dir = exports[rp.role][0] / "onnx"
+            if "qaic" in backends:
+                copy_tree(onnx_dir, staging / rp.role / "onnx")
+            for name, backend in backends.items():
+                t0 = time.perf_counter()
+                key = keys[rp.role][name]
+                if name == "qaic" and emit_only:
+                    info, reused = backend.build(ctx, rp, onnx_dir), False
+                elif name == "qaic":
+                    # The compiler runs in the staging bundle (its paths are bundle-relative);
+                    # the cache keeps the QPC and its log.
+                    def keep_qpc(tmp: Path, rp=rp, backend=backend) -> dict[str, Any]:
+                        result = backend.build(ctx, rp, onnx_dir)
+                        for part in ("qpc", "logs"):
+                            copy_tree(staging / rp.role / part, tmp / rp.role / part)
+                        return result
+
+                    entry, info, reused = cache.get_or_build("qpc", key, keep_qpc)
+                    if reused:
+                        backend.write_inputs(ctx, rp)
+                        copy_tree(entry, staging, skip=(META,))
+                else:
+                    def build_ort(tmp: Path, rp=rp, backend=backend) -> dict[str, Any]:
+                        return backend.build(BuildContext(plan, tmp, emit_only, compiler), rp,
+                                             onnx_dir)
+
+                    entry, info, reused = cache.get_or_build("ort", key, build_ort)
+                    copy_tree(entry, staging, skip=(META,))
+                built[name][rp.role] = info
+                record(f"{name} {rp.role}" + (" (emit only)" if name == "qaic" and emit_only
+                                             else ""), reused, t0)
+
+        tok_dir = staging / "tokenizer"
+        tok_dir.mkdir()
+        for f in tokenizer_files(Path(plan.role("target").source["path"])):
+            shutil.copyfile(f, tok_dir / f.name)
+        (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
+        files = hash_tree(staging, exclude=[MANIFEST])
+        manifest = _manifest(plan, {k: v[1] for k, v in exports.items()}, built,
+                             {**artifact_versions(), "backends": tool}, files)
+        manifest.update(manifest_extra or {})
+        manifest = write_manifest(staging, manifest)
+        publish(staging, out)
+    return BuildResult(out, manifest["bundle_id"], time.perf_counter() - start, stages)

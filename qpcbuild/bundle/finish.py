@@ -1,0 +1,69 @@
+"""Adopt QPCs compiled on the SDK machine into an --emit-only bundle and re-seal it.
+
+The hand-off is: `qpcbuild compile --emit-only` here, `bash <role>/qaic/compile.sh` on a
+machine with the Cloud AI SDK (it ends by calling `qpcbuild finish` when qpcbuild is on PATH),
+then the bundle verifies, runs and serves with its QPCs like one compiled in a single step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..compile.qaic import QPC_FILE
+from ..errors import BundleError, UsageError
+from ..toolchain import compiler_identity, qaic_sdk_versions
+from ..tree import hash_tree
+from .manifest import MANIFEST, read_manifest, write_manifest
+from .verify import verify_bundle
+
+ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
+
+
+def finish_bundle(bundle: Path, roles: list[str] | None = None,
+                  compiler: str | None = None) -> dict[str, Any]:
+    """Record each role's QPC (files, digests, log, SDK versions), mark it compiled, re-seal.
+    Returns the new manifest."""
+    bundle = Path(bundle)
+    m = read_manifest(bundle)
+    qaic_roles = [r for r, info in m["roles"].items() if "qaic" in info["backends"]]
+    if not qaic_roles:
+        raise UsageError(f"{bundle}: not built for the qaic backend; there is no QPC to finish")
+    roles = roles or qaic_roles
+    for role in roles:
+        if role not in qaic_roles:
+            raise UsageError(f"--role {role}: this bundle has qaic inputs for "
+                             f"{', '.join(qaic_roles)} only")
+    adopting = tuple(f"{role}/{part}" for role in roles for part in ADOPTED)
+    # Another role's QPC that is not finished yet stays out of this manifest.
+    pending = tuple(f"{role}/{part}" for role in qaic_roles if role not in roles
+                    and m["roles"][role]["backends"]["qaic"].get("status") != "compiled"
+                    for part in ADOPTED)
+    # A QPC compiled again replaces the one recorded before; everything else must be intact.
+    problems = [p for p in verify_bundle(bundle, adopting=adopting + pending)
+                if not any(f": {folder}/" in p for folder in adopting)]
+    if problems:
+        raise BundleError(f"{bundle} does not match its manifest, so it cannot be finished: "
+                          + "; ".join(problems[:5]))
+    for role in roles:
+        qpc = bundle / role / "qpc" / QPC_FILE
+        if not qpc.is_file() or qpc.stat().st_size == 0:
+            state = "is empty" if qpc.is_file() else "is missing"
+            raise BundleError(f"the {role} QPC {state} ({role}/qpc/{QPC_FILE}); run "
+                              f"`bash {role}/qaic/compile.sh` in the bundle on a machine with the "
+                              "Cloud AI SDK first")
+    files = hash_tree(bundle, exclude=[MANIFEST, *pending])
+    sdk = qaic_sdk_versions()
+    for role in roles:
+        entry = m["roles"][role]["backends"]["qaic"]
+        log = f"{role}/logs/qaic-compile.log"
+        entry.update({"status": "compiled", "qpc": f"{role}/qpc",
+                      "qpc_files": sorted(p for p in files if p.startswith(f"{role}/qpc/")),
+                      "log": log if log in files else None,
+                      "compiler": compiler_identity(compiler) if compiler else None,
+                      "sdk": sdk, "finished_by": f"qpcbuild {__version__}"})
+    if sdk is not None:
+        m["toolchain"]["qaic_sdk"] = sdk
+    m["files"] = files
+    return write_manifest(bundle, m)

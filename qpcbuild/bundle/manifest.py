@@ -1,0 +1,172 @@
+"""The bundle manifest: what it may contain, how it is sealed, how it is read.
+
+The bundle id is the SHA-256 of the manifest's canonical JSON with two keys left out: the id
+itself and `seal`. Because `files` (path, size, SHA-256 and exec bit of every other file) is part
+of that content, the id covers every byte of the bundle and every field that describes it.
+`seal.fields` holds a short digest of each field at sealing time; it is only a diagnostic, so
+that `verify` can name the field that changed. A manifest whose fields and seal were both
+rewritten hashes to a new id: compare the id with the one your build reported (or check a
+signature) to detect that.
+
+Nothing host-specific goes in: no absolute paths, no build time, no command line, no host name,
+so one recipe, one set of weights and one toolchain give one id on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
+
+from ..errors import BundleError
+
+MANIFEST = "manifest.json"
+MANIFEST_SCHEMA = 2
+SEAL_ALGORITHM = "sha256-canonical-json"
+UNSEALED = ("bundle_id", "seal")
+# Keys whose string values are paths inside the bundle (files or folders).
+PATH_KEYS = frozenset({"artifact", "compile_script", "inputs", "qpc", "log", "qpc_files"})
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def canonical(obj: Any) -> bytes:
+    """One byte string per value: sorted keys, no whitespace, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode()
+
+
+def _content(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in manifest.items() if k not in UNSEALED}
+
+
+def content_id(manifest: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical(_content(manifest))).hexdigest()
+
+
+def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) for every non-dict value; a file entry counts as one leaf."""
+    if isinstance(obj, dict) and obj and (prefix == "files." or not prefix.startswith("files.")):
+        for key in sorted(obj):
+            yield from leaves(obj[key], f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip("."), obj
+
+
+def _field_digests(manifest: dict[str, Any]) -> dict[str, str]:
+    return {path: hashlib.sha256(canonical(value)).hexdigest()[:16]
+            for path, value in leaves(_content(manifest))}
+
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The same manifest with `bundle_id` and `seal` computed from its content."""
+    check_structure(manifest, "manifest")
+    out = _content(manifest)
+    rest = {k: v for k, v in out.items() if k != "schema"}  # schema and id first, for readers
+    return {"schema": out["schema"], "bundle_id": content_id(out), **rest,
+            "seal": {"algorithm": SEAL_ALGORITHM, "fields": _field_digests(out)}}
+
+
+def changed_fields(manifest: dict[str, Any]) -> list[str]:
+    """Problems with the seal: fields edited, added or removed since sealing."""
+    if content_id(manifest) == manifest.get("bundle_id"):
+        return []
+    recorded = (manifest.get("seal") or {}).get("fields")
+    if not isinstance(recorded, dict):
+        return ["manifest: the content does not hash to bundle_id and the seal is missing"]
+    now = _field_digests(manifest)
+    found = [f"manifest field changed: {p}" for p in sorted(now) if p in recorded
+             and recorded[p] != now[p]]
+    found += [f"manifest field added: {p}" for p in sorted(set(now) - set(recorded))]
+    found += [f"manifest field removed: {p}" for p in sorted(set(recorded) - set(now))]
+    return found or ["manifest: bundle_id was edited, or the seal's field digests were "
+                     "(the content itself matches the seal)"]
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Seal and write atomically; returns the sealed manifest."""
+    sealed = seal(manifest)
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(sealed, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(folder / MANIFEST)
+    return sealed
+
+
+# ---------------------------------------------------------------- reading
+def check_relative(path: Any, where: str) -> str:
+    """A path that stays inside the bundle: relative, POSIX, no '..', no empty parts."""
+    if not isinstance(path, str) or not path:
+        raise BundleError(f"manifest field {where}: expected a path inside the bundle, got "
+                          f"{path!r}")
+    pure = PurePosixPath(path)
+    if pure.is_absolute() or "\\" in path or ".." in pure.parts or path.startswith("~") \
+            or ":" in pure.parts[0]:
+        raise BundleError(f"manifest field {where}: '{path}' points outside the bundle; every "
+                          "path in a manifest must be relative to the bundle root")
+    return path
+
+
+def _paths(m: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(field path, value) of every path a backend entry names."""
+    yield "tokenizer.files", m["tokenizer"].get("files")
+    for role, info in m["roles"].items():
+        for backend, entry in info["backends"].items():
+            if not isinstance(entry, dict):
+                raise BundleError(f"manifest field roles.{role}.backends.{backend}: expected "
+                                  "a JSON object")
+            for key in sorted(PATH_KEYS & set(entry)):
+                value, where = entry[key], f"roles.{role}.backends.{backend}.{key}"
+                if isinstance(value, list):
+                    yield from ((f"{where}[{n}]", v) for n, v in enumerate(value))
+                elif value is not None:
+                    yield where, value
+
+
+def check_structure(m: Any, source: str) -> None:
+    """Types and paths a reader relies on; raises BundleError naming the field."""
+    if not isinstance(m, dict):
+        raise BundleError(f"{source}: the manifest is not a JSON object")
+    for key, kind in (("name", str), ("roles", dict), ("files", dict), ("shapes", dict),
+                      ("speculation", dict), ("tokenizer", dict)):
+        if not isinstance(m.get(key), kind):
+            raise BundleError(f"{source}: manifest field {key} is missing or not a "
+                              f"{'JSON object' if kind is dict else 'string'}")
+    for path, meta in m["files"].items():
+        check_relative(path, f"files.{path}")
+        if not (isinstance(meta, dict) and isinstance(meta.get("size"), int)
+                and isinstance(meta.get("sha256"), str) and _SHA256.fullmatch(meta["sha256"])):
+            raise BundleError(f"{source}: manifest field files.{path}: expected "
+                              "{\"size\": int, \"sha256\": 64 hex digits}")
+    for role, info in m["roles"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("backends"), dict):
+            raise BundleError(f"{source}: manifest field roles.{role}.backends is missing")
+    for where, path in _paths(m):
+        check_relative(path, where)
+        if where.endswith(("artifact", "compile_script", "log", "]")) and \
+                path not in m["files"]:
+            raise BundleError(f"{source}: manifest field {where}: '{path}' is not one of the "
+                              "bundle's files")
+
+
+def read_manifest(bundle: Path) -> dict[str, Any]:
+    """The manifest of a bundle folder, structurally checked (verify checks the content)."""
+    bundle = Path(bundle)
+    path = bundle / MANIFEST
+    if not bundle.is_dir():
+        raise BundleError(f"{bundle}: not a folder (a bundle is the folder `qpcbuild compile` "
+                          "writes; use `qpcbuild unpack` for a .tar.gz)")
+    if not path.is_file():
+        raise BundleError(f"{bundle}: no {MANIFEST}; not a qpcbuild bundle")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise BundleError(f"{path}: corrupted manifest ({exc})") from None
+    schema = manifest.get("schema") if isinstance(manifest, dict) else None
+    if schema != MANIFEST_SCHEMA:
+        hint = "; rebuild it with this qpcbuild" if isinstance(schema, int) and \
+            schema < MANIFEST_SCHEMA else ""
+        raise BundleError(f"{path}: manifest schema {schema!r} is not supported (this qpcbuild "
+                          f"reads schema {MANIFEST_SCHEMA}){hint}")
+    check_structure(manifest, str(path))
+    return manifest

@@ -1,0 +1,50 @@
+"""Does a bundle still hold exactly what its manifest sealed? Every field, every file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import QpcbuildError
+from ..tree import hash_tree, walk
+from .manifest import MANIFEST, changed_fields, read_manifest
+
+
+def _actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
+    if not fast:
+        return hash_tree(bundle, exclude=[MANIFEST])
+    found = {}
+    for entry in walk(bundle, frozenset([MANIFEST])):
+        if not entry.is_dir:
+            found[entry.rel] = {"size": entry.path.stat().st_size}
+    return found
+
+
+def verify_bundle(bundle: Path, fast: bool = False,
+                  adopting: tuple[str, ...] = ()) -> list[str]:
+    """Problems found (empty = intact). `fast` checks presence and sizes, not digests (nor the
+    seal, whose content includes the digests). `adopting`: folders whose new files are about
+    to be added to the manifest (by `finish`), so they are not reported as extra."""
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    problems = [] if fast else changed_fields(manifest)
+    expected: dict[str, dict] = manifest["files"]
+    try:
+        actual = _actual_files(bundle, fast)
+    except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
+        return problems + [str(exc)]
+    for path, meta in sorted(expected.items()):
+        got = actual.get(path)
+        if got is None:
+            problems.append(f"missing file: {path}")
+        elif got["size"] != meta["size"]:
+            problems.append(f"changed file: {path} (size {got['size']}, manifest {meta['size']})")
+        elif not fast and got["sha256"] != meta["sha256"]:
+            problems.append(f"changed file: {path} (sha256 differs from the manifest)")
+        elif not fast and got.get("executable", False) != meta.get("executable", False):
+            problems.append(f"changed file mode: {path} ("
+                            + ("no longer executable)" if meta.get("executable") else
+                               "now executable)"))
+    for path in sorted(set(actual) - set(expected)):
+        if not any(path.startswith(f"{folder}/") for folder in adopting):
+            problems.append(f"extra file: {path}")
+    return problems

@@ -1,0 +1,128 @@
+"""Folders as data: walk, hash and copy trees of plain files (bundles and cache entries).
+
+A bundle or cache entry must be self-contained data, so links and special files are refused
+wherever a tree is read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from .errors import UsageError
+
+CHUNK_SIZE = 1 << 20
+_FICLONE = 0x40049409  # Linux ioctl: share the source's blocks (btrfs, XFS, bcachefs)
+
+
+class ArchiveError(UsageError):
+    """A bundle folder or archive that cannot be packed or unpacked safely (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    rel: str  # POSIX path relative to the tree root
+    path: Path
+    is_dir: bool
+
+
+
+def _digest_and_size(path: Path) -> tuple[str, int]:
+    # Size is counted from the bytes hashed so the two can never disagree if the file changes.
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_SIZE):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 hex digest of a file, read in 1 MiB chunks so multi-GB files fit in memory."""
+    return _digest_and_size(path)[0]
+
+
+def walk(root: Path, exclude: frozenset[str] = frozenset()) -> list[Entry]:
+    """Directories and regular files under root, sorted by relative path.
+
+    Raises ArchiveError on symlinks and special files: a bundle must be self-contained data.
+    """
+    # The root itself may be reached through a link; only what lies inside must be plain.
+    if not root.is_dir():
+        raise ArchiveError(f"{root}: not a directory")
+    entries: list[Entry] = []
+    stack: list[tuple[Path, str]] = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        with os.scandir(folder) as it:
+            for item in it:
+                rel = f"{prefix}{item.name}"
+                if rel in exclude:
+                    continue
+                if item.is_symlink():
+                    raise ArchiveError(f"{rel}: symbolic links are not allowed in a bundle")
+                if item.is_dir(follow_symlinks=False):
+                    entries.append(Entry(rel, Path(item.path), True))
+                    stack.append((Path(item.path), f"{rel}/"))
+                elif item.is_file(follow_symlinks=False):
+                    entries.append(Entry(rel, Path(item.path), False))
+                else:
+                    raise ArchiveError(f"{rel}: special files are not allowed in a bundle")
+    entries.sort(key=lambda e: e.rel)
+    return entries
+
+
+def is_executable(path: Path) -> bool:
+    return bool(path.stat().st_mode & stat.S_IXUSR)
+
+
+def hash_tree(root: Path, exclude: Iterable[str] = ()) -> dict[str, dict]:
+    """{relative POSIX path: {"size", "sha256"[, "executable": True]}} for every regular file
+    under root, sorted. `exclude` names relative paths (files or whole folders) that are
+    skipped unexamined."""
+    skip = frozenset(str(PurePosixPath(e)) for e in exclude)
+    result: dict[str, dict] = {}
+    for entry in walk(Path(root), skip):
+        if not entry.is_dir:
+            digest, size = _digest_and_size(entry.path)
+            result[entry.rel] = {"size": size, "sha256": digest}
+            if is_executable(entry.path):
+                result[entry.rel]["executable"] = True
+    return result
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """An independent copy: a reflink where the filesystem offers one, else a byte copy.
+    Never a hard link, so editing one copy can never change the other."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+            return
+        except OSError:  # not supported here (ext4, tmpfs, across filesystems)
+            pass
+        shutil.copyfileobj(fin, fout, CHUNK_SIZE)
+
+
+def copy_tree(src: Path, dst: Path, skip: Iterable[str] = ()) -> None:
+    """Copy every plain file under src into dst (folders created as needed); exec bits kept."""
+    skipped = frozenset(skip)
+    for entry in walk(Path(src)):
+        if entry.rel in skipped or entry.rel.split("/")[0] in skipped:
+            continue
+        target = Path(dst) / entry.rel
+        if entry.is_dir:
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        copy_file(entry.path, target)
+        if is_executable(entry.path):
+            target.chmod(0o755)
+
+

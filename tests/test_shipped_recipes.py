@@ -1,0 +1,87 @@
+"""Every recipe under recipes/ builds, verifies and runs here: the ones for ONNX Runtime as
+they are, the card recipes in their --emit-only --smoke-weights form (random weights of the
+exact shapes, one layer, the qaic backend's compiler inputs and compile.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from qpcbuild.bundle import read_manifest, verify_bundle
+from qpcbuild.cli import app
+from qpcbuild.recipe import NGRAM_DEFAULTS, SUFFIX_DEFAULTS
+from qpcbuild.runtime.proposers import OPTION_NAMES
+
+pytestmark = pytest.mark.slow
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+runner = CliRunner()
+
+
+def runs_here(recipe: Path) -> bool:
+    return yaml.safe_load(recipe.read_text()).get("backends", ["onnxruntime"]) == ["onnxruntime"]
+
+
+def test_recipe_and_runtime_agree_on_proposer_option_names():
+    assert set(NGRAM_DEFAULTS) == set(OPTION_NAMES["ngram"])
+    assert set(SUFFIX_DEFAULTS) == set(OPTION_NAMES["suffix"])
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if runs_here(r)], ids=lambda p: p.stem)
+def test_onnxruntime_recipe_builds_verifies_and_runs(recipe, tmp_path):
+    out = tmp_path / "bundle"
+    built = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+                                str(tmp_path / "cache")])
+    assert built.exit_code == 0, built.output
+    assert verify_bundle(out) == []
+    ran = runner.invoke(app, ["run", str(out), "--prompt", "def fibonacci(n):",
+                              "--max-new-tokens", "24", "--compare-baseline", "--json"])
+    assert ran.exit_code == 0, ran.output
+    report = json.loads(ran.stdout)
+    method = read_manifest(out)["speculation"]["method"]
+    assert report["method"] == method
+    assert len(report["batches"][0]["outputs"][0]["token_ids"]) > 0
+    assert report["baseline"]["outputs_match"] is True  # greedy SpD == target-only
+
+
+@pytest.fixture(scope="module")
+def card_cache(tmp_path_factory):
+    """One cache per target model, dropped when the next recipe needs another (they are GBs)."""
+    state: dict = {"ref": None, "dir": None}
+
+    def for_target(ref: str) -> Path:
+        if state["ref"] != ref:
+            if state["dir"]:
+                shutil.rmtree(state["dir"], ignore_errors=True)
+            state.update(ref=ref, dir=tmp_path_factory.mktemp("card-cache"))
+        return state["dir"]
+
+    yield for_target
+    if state["dir"]:
+        shutil.rmtree(state["dir"], ignore_errors=True)
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if not runs_here(r)], ids=lambda p: p.stem)
+def test_card_recipe_emits_compiler_inputs_with_smoke_weights(recipe, tmp_path, card_cache):
+    cache = card_cache(yaml.safe_load(recipe.read_text())["target"]["model"])
+    out = tmp_path / "bundle"
+    built = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir", str(cache),
+                                "--emit-only", "--smoke-weights", "--smoke-layers", "1",
+                                "--set", "backends=[qaic]"])
+    try:
+        assert built.exit_code == 0, built.output
+        assert verify_bundle(out) == []
+        m = read_manifest(out)
+        for role, info in m["roles"].items():
+            q = info["backends"]["qaic"]
+            assert q["status"] == "emitted" and info["source"]["smoke_weights"] is True
+            assert os.access(out / q["compile_script"], os.X_OK)
+            specs = json.loads((out / role / "qaic" / "specializations.json").read_text())
+            assert len(specs["specializations"]) == len(info["specializations"])
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
