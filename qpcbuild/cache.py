@@ -69,15 +69,20 @@ class Cache:
     def entry(self, kind: str, key: str) -> Path:
         return self.root / kind / key
 
-    def _lock(self, kind: str, key: str, timeout: float = -1) -> FileLock:
-        locks = self.root / "locks"
+    def ensure_usable(self) -> None:
+        """Create the cache's folders, or say why they cannot be (before any work is done)."""
         try:
-            locks.mkdir(parents=True, exist_ok=True)
+            (self.root / "locks").mkdir(parents=True, exist_ok=True)
+            probe = Path(tempfile.mkstemp(dir=self.root / "locks", prefix=".probe-")[1])
+            probe.unlink()
         except OSError as exc:
             raise UsageError(f"cache folder {self.root} is not usable: "
                              f"{exc.strerror or exc}; pass --cache-dir or set QPCBUILD_CACHE") \
                 from None
-        return FileLock(str(locks / f"{kind}-{key}.lock"), timeout=timeout)
+
+    def _lock(self, kind: str, key: str, timeout: float = -1) -> FileLock:
+        self.ensure_usable()
+        return FileLock(str(self.root / "locks" / f"{kind}-{key}.lock"), timeout=timeout)
 
     def problems(self, kind: str, key: str) -> list[str]:
         """Why the entry cannot be used as it is (empty: intact)."""
@@ -145,7 +150,7 @@ class Cache:
                 digest = ""
             if len(digest) != 64:
                 digest = file_digest(f)
-                memo_dir.mkdir(parents=True, exist_ok=True)
+                memo_dir.mkdir(exist_ok=True)
                 memo.write_text(digest + "\n")
             lines.append(f"{f.name}\0{digest}\n")
         return hashlib.sha256("".join(lines).encode()).hexdigest()

@@ -43,6 +43,8 @@ def handles_errors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except QpcbuildError as exc:
             err_console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+            if kwargs.get("json_out") is True or kwargs.get("json_stdout") is True:
+                emit_json({"error": error_object(exc)})  # CI parses stdout
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("[red]interrupted[/]")
@@ -54,6 +56,16 @@ def handles_errors(fn: Callable) -> Callable:
             if main:
                 signal.signal(signal.SIGTERM, previous)
     return wrapper
+
+
+def error_object(exc: QpcbuildError) -> dict:
+    """What `--json` prints on failure: the exit code, the message and, for a recipe, where."""
+    from .errors import RecipeError
+
+    where = [{"path": p.path, "line": p.line, "message": p.message}
+             for p in exc.problems] if isinstance(exc, RecipeError) else None
+    return {"code": exc.exit_code, "type": type(exc).__name__, "message": str(exc),
+            "where": where}
 
 
 def emit_json(obj) -> None:
@@ -94,7 +106,10 @@ def export(model: str = typer.Argument(..., help="Local model folder or Hugging 
            weight_dtype: str = typer.Option("float32", help="float32 | float16 stored weights."),
            check: bool = typer.Option(True, help="Run onnx.checker (full check) on the result."),
            allow_pickle: bool = typer.Option(False, help="Accept .bin/.pt checkpoints (they can "
-                                             "run code when loaded; read weights-only).")):
+                                             "run code when loaded; read weights-only)."),
+           allow_unused_weights: bool = typer.Option(False, help="Export even when the "
+                                                     "checkpoint holds tensors config.json does "
+                                                     "not describe.")):
     """Export one checkpoint to the Cloud AI-compatible ONNX graph (retained-state KV)."""
     import time
 
@@ -109,7 +124,7 @@ def export(model: str = typer.Argument(..., help="Local model folder or Hugging 
     start = time.perf_counter()
     res = export_model(resolve(model, revision, allow_known=False), role, out,
                        continuous_batching=continuous_batching, weight_dtype=weight_dtype,
-                       allow_pickle=allow_pickle)
+                       allow_pickle=allow_pickle, allow_unused=allow_unused_weights)
     if check:
         import onnx
         onnx.checker.check_model(str(res.onnx_path), full_check=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .arch import ArchSpec, arch_from_config
+from .checkpoint import checkpoint_problems
 from .errors import Problem, RecipeError, UsageError
 from .recipe import CARDS, Recipe, resolve_model_path, resolved_cores
 from .source import ModelSource, resolve
@@ -235,6 +236,14 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         num_cores=cores, compiler_argv=argv, ort=ort, memory=memory, cache_keys=cache_keys)
 
 
+def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
+    """Weights against config, when the folder has weights (a config-only folder still plans)."""
+    if src.path is None or not any(src.path.glob("*.safetensors")) and \
+            not (src.path / "model.safetensors.index.json").is_file():
+        return []
+    return checkpoint_problems(src.path, arch, ref.allow_pickle, ref.allow_unused_weights)
+
+
 def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
     """Resolve models (configs only), check what needs them, and decide everything."""
     problems: list[Problem] = []
@@ -246,16 +255,23 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
         try:
             sources[role] = resolve(resolve_model_path(r, ref), rev)
             arch = arch_from_config(sources[role].config, f"{ref}/config.json")
+            problems += [Problem(key, f"{sources[role].path}: {p}", r.line_of(key))
+                         for p in _checkpoint_problems(sources[role], arch, getattr(r, role))]
         except UsageError as exc:
             problems.append(Problem(key, str(exc), r.line_of(key)))
             continue
+        if r.shapes.ctx_len > arch.max_position_embeddings:
+            problems.append(Problem("shapes.ctx_len", f"{r.shapes.ctx_len} exceeds the {role}'s "
+                                    f"max_position_embeddings ({arch.max_position_embeddings}), "
+                                    "the longest context it was trained for",
+                                    r.line_of("shapes.ctx_len")))
         if arch.sliding_window and r.shapes.ctx_len > arch.sliding_window:
             problems.append(Problem("shapes.ctx_len", f"{r.shapes.ctx_len} exceeds the {role}'s "
                                     f"sliding attention window ({arch.sliding_window}); "
                                     "sliding-window attention is not supported, keep ctx_len "
                                     "within the window", r.line_of("shapes.ctx_len")))
     if problems:
-        raise RecipeError(str(r.source_dir()), problems)
+        raise RecipeError(r.source, problems)
 
     warnings = [str(w) for w in r.warnings]
     if "onnxruntime" in r.backends and r.onnxruntime.graph == "fused" and ort_graph(r) != "fused":
@@ -263,7 +279,7 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                         "graph (the fused GroupQueryAttention lowering runs one row per call)")
     tok = alignment(sources["target"], sources.get("draft"))
     if tok["verdict"] == "incompatible":
-        raise RecipeError(str(r.source_dir()), [Problem("draft.model", "target and draft "
+        raise RecipeError(r.source, [Problem("draft.model", "target and draft "
                           f"tokenizers are incompatible: {tok['detail']}", r.line_of("draft.model"))])
     if tok["verdict"] in ("unverified", "same-family"):
         warnings.append(f"tokenizers: {tok['detail']}")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 from .errors import UsageError
+
+MAX_PROMPT_FILE_BYTES = 64 << 20
 
 
 def read_prompt_file(path: Path) -> list[str]:
@@ -13,9 +16,17 @@ def read_prompt_file(path: Path) -> list[str]:
     ('\\n' for newlines), as `qpcbuild run --prompt-file` reads it."""
     path = Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise UsageError(f"{path}: not a regular file (a prompt file is text or JSONL)")
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_PROMPT_FILE_BYTES + 1)
+        if len(raw) > MAX_PROMPT_FILE_BYTES:
+            raise UsageError(f"{path}: larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     prompts = []
@@ -26,7 +37,7 @@ def read_prompt_file(path: Path) -> list[str]:
             try:
                 item = json.loads(line)
                 value = item["prompt"] if "prompt" in item else item["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
                 raise UsageError(f"{path}:{n}: a JSON line needs a \"prompt\" (or \"text\") "
                                  "string") from None
             if not isinstance(value, str) or not value:

@@ -7,8 +7,10 @@ reported at once with its key path and line. Checks that need model configs live
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
+import stat
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -19,6 +21,7 @@ from .errors import Problem, RecipeError, UsageError
 
 MAX_RECIPE_BYTES = 1 << 20
 MAX_K = 32
+MAX_CTX_LEN = 1 << 20  # beyond any released model's context; a model's own limit is checked too
 CTX_LEN_MULTIPLE = 32
 
 # Cards we know: QIDs (SoCs) per card, NSP cores per QID, on-board DRAM per QID in GiB.
@@ -43,6 +46,7 @@ class ModelRef(_Strict):
     revision: str | None = None
     trust_remote_code: bool = False
     allow_pickle: bool = False  # .bin/.pt checkpoints execute code on load: opt in only
+    allow_unused_weights: bool = False  # tensors config.json does not describe: opt in only
 
 
 class Draft(_Strict):
@@ -51,6 +55,7 @@ class Draft(_Strict):
     revision: str | None = None
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    allow_unused_weights: bool = False
     # ngram (vLLM names and defaults)
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     prompt_lookup_max: int | None = Field(default=None, ge=1)
@@ -73,8 +78,8 @@ class Speculation(_Strict):
 class Shapes(_Strict):
     batch_size: int = Field(default=1, ge=1, le=1024)
     full_batch_size: int | None = Field(default=None, ge=1, le=1024)
-    prefill_seq_len: int = Field(default=32, ge=1)
-    ctx_len: int = Field(default=128, ge=1)
+    prefill_seq_len: int = Field(default=32, ge=1, le=MAX_CTX_LEN)
+    ctx_len: int = Field(default=128, ge=1, le=MAX_CTX_LEN)
 
 
 class Precision(_Strict):
@@ -126,6 +131,7 @@ class Recipe(_Strict):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
     _source_dir: Path | None = PrivateAttr(default=None)
+    _source: str = PrivateAttr(default="<recipe>")  # the file, for messages
     _warnings: list = PrivateAttr(default_factory=list)
     _lines: dict = PrivateAttr(default_factory=dict)
 
@@ -145,6 +151,10 @@ class Recipe(_Strict):
         defaults = {"ngram": NGRAM_DEFAULTS, "suffix": SUFFIX_DEFAULTS}.get(self.draft.method, {})
         return {key: getattr(self.draft, key) if getattr(self.draft, key) is not None else value
                 for key, value in defaults.items()}
+
+    @property
+    def source(self) -> str:
+        return self._source
 
     def source_dir(self) -> Path:
         return self._source_dir or Path.cwd()
@@ -179,22 +189,32 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-def _key_lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
+def _key_lines(node: yaml.Node, path: tuple = (), out: dict | None = None,
+               duplicates: list | None = None) -> dict[tuple, int]:
     out = {} if out is None else out
     out[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for key, value in node.value:
             k = key.value if isinstance(key, yaml.ScalarNode) else str(key)
-            out[path + (k,)] = key.start_mark.line + 1
-            _key_lines(value, path + (k,), out)
-            out[path + (k,)] = key.start_mark.line + 1
+            line = key.start_mark.line + 1
+            if k in seen and duplicates is not None:
+                duplicates.append(Problem(_dotted(path + (k,)), f"duplicate key (first on line "
+                                          f"{seen[k]}); YAML would silently keep the last one",
+                                          line))
+            seen.setdefault(k, line)
+            out[path + (k,)] = line
+            _key_lines(value, path + (k,), out, duplicates)
+            out[path + (k,)] = line
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _key_lines(item, path + (i,), out)
+            _key_lines(item, path + (i,), out, duplicates)
     return out
 
 
-def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
+def parse_yaml(text: str, source: str,
+               duplicates: list | None = None) -> tuple[Any, dict[tuple, int]]:
+    """Data and the line of every key path; duplicate keys are appended to `duplicates`."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
         raise RecipeError(source, [Problem("<file>", f"recipe is larger than {MAX_RECIPE_BYTES} "
                                            "bytes; a recipe is a short YAML file")])
@@ -208,7 +228,7 @@ def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
             raise RecipeError(source, [Problem("<file>", "recipe is empty; start from "
                                                "recipes/demo.yaml")])
         data = loader.construct_document(node)
-        lines = _key_lines(node)
+        lines = _key_lines(node, duplicates=duplicates)
     except RecursionError:  # "[[[[..." thousands deep: the composer recurses per level
         raise RecipeError(source, [Problem("<file>", "malformed YAML: nested too deeply")]) \
             from None
@@ -390,19 +410,38 @@ def apply_override(data: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
+def _read_capped(path: Path, source: str) -> bytes:
+    """The file's bytes, refusing anything but a regular file and stopping at the cap whatever
+    size the file claims (/dev/zero reports 0; a FIFO would block forever)."""
+    def fail(message: str) -> RecipeError:
+        return RecipeError(source, [Problem("<file>", message)])
+
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise fail("no such file") from None
+    except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long
+        raise fail(f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise fail("is a folder, not a recipe file")
+    if not stat.S_ISREG(st.st_mode):
+        raise fail("is not a regular file (a FIFO, socket or device); a recipe is a YAML file")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise fail(f"cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise fail(f"recipe is larger than {MAX_RECIPE_BYTES} bytes; a recipe is a short YAML "
+                   "file")
+    return raw
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read, validate and resolve a recipe; raises RecipeError listing every problem."""
     path = Path(path)
     source = str(path)
-    try:
-        if path.is_dir():
-            raise RecipeError(source, [Problem("<file>", "is a folder, not a recipe file")])
-        if path.stat().st_size > MAX_RECIPE_BYTES:
-            raise RecipeError(source, [Problem("<file>", f"recipe is larger than "
-                                               f"{MAX_RECIPE_BYTES} bytes")])
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise RecipeError(source, [Problem("<file>", "no such file")]) from None
+    raw = _read_capped(path, source)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -411,9 +450,39 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return recipe_from_text(text, source, overrides, base_dir=path.resolve().parent)
 
 
+def _without(data: dict, locs: list[tuple]) -> dict:
+    """A copy of data with the keys at `locs` removed, so defaults stand in for bad values."""
+    out = copy.deepcopy(data)
+    for loc in locs:
+        node: Any = out
+        for part in loc[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(loc[-1], None)
+    return out
+
+
+def _cross_field_problems(data: dict, exc: ValidationError, lines) -> list[Problem]:
+    """Cross-field problems of the rest of the recipe, found with the invalid keys taken out,
+    so that one run reports schema and cross-field problems together."""
+    bad = [tuple(p for p in e["loc"] if isinstance(p, (str, int)) and p not in
+                 ("int", "list[int]", "function-after")) for e in exc.errors()]
+    if any(e["type"] == "missing" for e in exc.errors()):
+        return []
+    try:
+        rest = Recipe.model_validate(_without(data, [b for b in bad if b]))
+    except (ValidationError, TypeError, ValueError, RecursionError):
+        return []
+    rest._lines = lines
+    flagged = {_dotted(b) for b in bad}
+    return [p for p in static_problems(rest) if p.severity == "error"
+            and not any(p.path.startswith(f) or f.startswith(p.path) for f in flagged)]
+
+
 def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
                      base_dir: Path | None = None) -> Recipe:
-    data, lines = parse_yaml(text, source)
+    duplicates: list[Problem] = []
+    data, lines = parse_yaml(text, source, duplicates)
     if not isinstance(data, dict):
         raise RecipeError(source, [Problem("<root>", f"a recipe is a mapping of keys "
                                            f"(schema, name, target, ...), not a {type(data).__name__}")])
@@ -424,15 +493,17 @@ def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(source, _schema_problems(exc, lines)) from None
+        raise RecipeError(source, duplicates + _schema_problems(exc, lines)
+                          + _cross_field_problems(data, exc, lines)) from None
     except (TypeError, ValueError, RecursionError) as exc:  # e.g. unhashable keys deep inside
         raise RecipeError(source, [Problem("<root>", f"cannot read recipe: {exc}")]) from None
     recipe._lines = lines
     problems = static_problems(recipe)
-    errors = [p for p in problems if p.severity == "error"]
+    errors = duplicates + [p for p in problems if p.severity == "error"]
     if errors:
         raise RecipeError(source, errors)
     recipe._source_dir = base_dir or Path.cwd()
+    recipe._source = source
     recipe._warnings = [p for p in problems if p.severity == "warning"]
     return recipe
 

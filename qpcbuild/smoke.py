@@ -25,33 +25,6 @@ from .source import resolve
 CHUNK_ELEMENTS = 1 << 24  # generate at most 64 MiB of float32 at a time
 
 
-def tensor_shapes(a: ArchSpec) -> dict[str, tuple[int, ...]]:
-    h, d = a.hidden_size, a.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, h)}
-    for i in range(a.num_layers):
-        p = f"model.layers.{i}"
-        proj = {"q_proj": a.num_heads * d, "k_proj": a.num_kv_heads * d, "v_proj": a.num_kv_heads * d}
-        for name, out in proj.items():
-            shapes[f"{p}.self_attn.{name}.weight"] = (out, h)
-            if a.qkv_bias:
-                shapes[f"{p}.self_attn.{name}.bias"] = (out,)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (h, a.num_heads * d)
-        if a.o_bias:
-            shapes[f"{p}.self_attn.o_proj.bias"] = (h,)
-        if a.qk_norm:
-            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
-            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (a.intermediate_size, h)
-        shapes[f"{p}.mlp.up_proj.weight"] = (a.intermediate_size, h)
-        shapes[f"{p}.mlp.down_proj.weight"] = (h, a.intermediate_size)
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-    shapes["model.norm.weight"] = (h,)
-    if not a.tie_word_embeddings:
-        shapes["lm_head.weight"] = (a.vocab_size, h)
-    return shapes
-
-
 def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str,
                              seed: int = 0) -> None:
     """Stream random N(0, 0.02) matrices (ones for norms) into one safetensors file."""
@@ -94,7 +67,7 @@ def smoke_model(config: dict, folder: Path, layers: int | None, of: str = "") ->
     try:
         arch = arch_from_config(config)
         (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-        write_random_safetensors(tmp / "model.safetensors", tensor_shapes(arch),
+        write_random_safetensors(tmp / "model.safetensors", arch.tensor_shapes(),
                                  str(config.get("torch_dtype") or config.get("dtype") or "float32"))
         os.replace(tmp, out)
     except BaseException:

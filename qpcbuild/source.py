@@ -104,22 +104,45 @@ def resolve(ref: str, revision: str | None = None, allow_known: bool = True) -> 
     raise UsageError(weights_missing_message(ref, revision))
 
 
+def _shard(path: Path, index: Path, name: object) -> Path:
+    """A shard named by an index, which must be a plain file inside the model folder."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in \
+            Path(name).parts:
+        raise UsageError(f"{index}: shard {name!r} is not a file name inside {path}")
+    shard = path / name
+    try:
+        inside = shard.resolve().is_relative_to(path.resolve())
+    except (OSError, RuntimeError) as exc:
+        raise UsageError(f"{index}: shard '{name}' cannot be resolved ({exc})") from None
+    if not inside:
+        raise UsageError(f"{index}: shard '{name}' lies outside the model folder {path}")
+    if not shard.is_file():
+        raise UsageError(f"{index} names shard '{name}', which is missing in {path}")
+    return shard
+
+
 def safetensors_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     """The weight files of a folder, in index order when an index exists."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+                RecursionError) as exc:
             raise UsageError(f"{index}: not a valid safetensors index ({exc})") from None
-        files = sorted(set(weight_map.values()))
-        for name in files:
-            if not (path / name).is_file():
-                raise UsageError(f"{index} names shard '{name}', which is missing in {path}")
-        return [path / n for n in files]
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
+        if not isinstance(weight_map, dict):
+            raise UsageError(f"{index}: weight_map must map tensor names to shard files, got "
+                             f"a {type(weight_map).__name__}")
+        bad = [v for v in weight_map.values() if not isinstance(v, str)]
+        if bad:
+            _shard(path, index, bad[0])  # raises, naming the value
+        return [_shard(path, index, name) for name in sorted(set(weight_map.values()))]
+    found = sorted(path.glob("*.safetensors"))
+    for f in found:
+        if not f.is_file():
+            raise UsageError(f"{f}: not a regular file (a weights file must be a plain file)")
+    if found:
+        return found
     pickles = [p for p in sorted(path.iterdir()) if p.suffix in PICKLE_SUFFIXES]
     if pickles and not allow_pickle:
         raise UsageError(f"{path}: only pickle checkpoints ({pickles[0].name}); loading them can "

@@ -60,8 +60,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     root = tmp_path_factory.mktemp("tiny_models")
     out: dict[str, Path] = {}
+    # A bundle carries the target's tokenizer: a word-level one over the tiny vocabulary.
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY_SHAPE["vocab_size"])},
+                                     unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
     for seed, (name, (config, dtype)) in enumerate(_tiny_variants().items()):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).float().eval()
@@ -70,10 +76,12 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
             model = model.to(torch.bfloat16)
         out[name] = root / name
         model.save_pretrained(out[name], safe_serialization=True)
+        tok.save(str(out[name] / "tokenizer.json"))
         if name == "llama":
             out["llama_sharded"] = root / "llama_sharded"
             model.save_pretrained(out["llama_sharded"], safe_serialization=True,
                                   max_shard_size="40KB")
+            tok.save(str(out["llama_sharded"] / "tokenizer.json"))
     return out
 
 # ==================================================================================================

@@ -151,7 +151,7 @@ def test_pack_failure_midway_leaves_no_temp_and_keeps_old_archive(
         real_add(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(archive, "_add_entry", failing_add)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ArchiveError, match="disk full"):
         pack(bundle, target)
     assert list(out_dir.iterdir()) == [target]
     assert target.read_bytes() == b"previous archive"

@@ -292,6 +292,7 @@ def test_replay_proposer_drives_the_proposer_like_the_engine():
     extended = [t for c in prop.calls if c[0] == "extend" for t in c[1]]
     assert extended == out[1:len(extended) + 1]  # accepted tokens plus the target's, in order
     assert st["tokens"] == 19 and st["accepted"] + st["steps"] >= 19
-    assert st["per_pos"][0] == st["accepted"] - sum(st["per_pos"][1:])
+    # Position j+1 is only ever accepted after position j: the counts cannot grow.
+    assert all(a >= b for a, b in zip(st["per_pos"], st["per_pos"][1:])) and st["per_pos"][0] > 0
     alphas = tune.conditional_acceptance(st["per_pos"], st["drafts"])
     assert 0 < alphas[0] < 1 and alphas[1] == pytest.approx(1.0)

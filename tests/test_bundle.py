@@ -288,10 +288,10 @@ def test_verify_refuses_corrupt_or_missing_manifest(bundle, tmp_path):
     with pytest.raises(BundleError, match="corrupted manifest"):
         verify_bundle(bundle)
     manifest_path.unlink()
-    with pytest.raises(BundleError, match="no manifest.json"):
+    with pytest.raises(UsageError, match="no manifest.json"):
         verify_bundle(bundle)
     result = runner.invoke(app, ["verify", str(bundle)])
-    assert result.exit_code == 1 and "manifest.json" in result.stderr
+    assert result.exit_code == 2 and "manifest.json" in result.stderr  # not a bundle: bad input
 
 
 def test_cli_verify(bundle):
@@ -541,7 +541,7 @@ def test_package_refuses_a_folder_without_manifest(tmp_path):
     folder.mkdir()
     (folder / "x.txt").write_text("x")
     result = runner.invoke(app, ["package", str(folder), "-o", str(tmp_path / "x.tar.gz")])
-    assert result.exit_code == 1 and "manifest.json" in result.stderr
+    assert result.exit_code == 2 and "manifest.json" in result.stderr
     assert not (tmp_path / "x.tar.gz").exists()
 
 
@@ -572,7 +572,8 @@ def test_cli_compile_bad_recipe_exits_2(recipe, tmp_path, edit, key):
                                  str(cache), "--json"])
     assert result.exit_code == 2, result.output
     assert key in result.stderr
-    assert result.stdout == ""
+    # --json: the error as JSON on stdout too, for CI to parse
+    assert json.loads(result.stdout)["error"]["code"] == 2 and key in result.stdout
     assert not out.exists() and not (cache / "exports").exists()
 
 
@@ -588,4 +589,4 @@ def test_cli_inspect(bundle):
 
 def test_cli_inspect_rejects_non_bundle(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path)])
-    assert result.exit_code == 1 and "manifest.json" in result.stderr
+    assert result.exit_code == 2 and "manifest.json" in result.stderr

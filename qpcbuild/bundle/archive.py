@@ -23,6 +23,8 @@ __all__ = ["ArchiveError", "pack", "unpack"]
 # Any fixed level keeps archives reproducible; 6 is much faster than 9 on multi-GB weights.
 GZIP_LEVEL = 6
 FILE_MODE = 0o644
+MAX_RATIO = 100  # expansion over the compressed size
+RATIO_FREE_BYTES = 64 << 20  # archives expanding to less than this are not ratio-checked
 EXEC_MODE = DIR_MODE = 0o755  # the only other mode kept: compile.sh must stay runnable
 # Regular-file tar types; GNU sparse is left out because its size header is not what lands on disk.
 _FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
@@ -81,8 +83,11 @@ def pack(bundle_dir: Path, out_file: Path) -> Path:
     if src == out or src in out.parents:
         raise ArchiveError(f"{out_file}: the archive must not be written inside {bundle_dir}")
     entries = walk(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise ArchiveError(f"{out_file}: cannot write here ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "wb") as raw:
             _write_tar_gz(raw, src.name, entries)
@@ -91,6 +96,9 @@ def pack(bundle_dir: Path, out_file: Path) -> Path:
             os.fchmod(raw.fileno(), FILE_MODE)
             os.fsync(raw.fileno())
         os.replace(tmp_name, out)
+    except OSError as exc:  # disk full, permissions: the old archive (if any) is kept
+        Path(tmp_name).unlink(missing_ok=True)
+        raise ArchiveError(f"writing {out_file} failed: {exc.strerror or exc}") from None
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
@@ -149,19 +157,31 @@ def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -
 
 
 class _Limits:
-    """Running totals against the archive-bomb caps."""
+    """Running totals against the archive-bomb caps: members, total bytes, the expansion
+    ratio over the compressed size, and the free space where the files land."""
 
-    def __init__(self, max_bytes: int, max_members: int) -> None:
+    def __init__(self, max_bytes: int, max_members: int, compressed: int, stage: Path,
+                 max_ratio: int = MAX_RATIO) -> None:
         self.max_bytes, self.max_members = max_bytes, max_members
+        # Small archives may compress well (JSON, text); weights never shrink 100x.
+        self.ratio_cap = max(RATIO_FREE_BYTES, compressed * max_ratio)
+        self.stage = stage
         self.bytes = self.members = 0
 
     def admit(self, member: tarfile.TarInfo) -> None:
         self.members += 1
         if self.members > self.max_members:
             raise ArchiveError(f"{member.name}: archive has more than {self.max_members} members")
-        self.bytes += member.size if member.isreg() else 0
+        size = member.size if member.isreg() else 0
+        self.bytes += size
         if self.bytes > self.max_bytes:
             raise ArchiveError(f"{member.name}: archive expands beyond {self.max_bytes} bytes")
+        if self.bytes > self.ratio_cap:
+            raise ArchiveError(f"{member.name}: archive expands to more than {MAX_RATIO}x its "
+                               "compressed size; refusing it as a likely archive bomb")
+        if size and shutil.disk_usage(self.stage).free < size:
+            raise ArchiveError(f"{member.name}: not enough free disk space to unpack "
+                               f"({size} bytes needed)")
 
 
 def _extract_all(archive: Path, stage: Path, limits: _Limits) -> str:
@@ -207,9 +227,13 @@ def unpack(
     if not Path(archive).is_file():
         raise ArchiveError(f"{archive}: archive not found")
     existed = dest.is_dir()
-    stage = _prepare_dest(dest)
     try:
-        top = _extract_all(Path(archive), stage, _Limits(max_bytes, max_members))
+        stage = _prepare_dest(dest)
+    except OSError as exc:
+        raise ArchiveError(f"{dest}: cannot unpack here ({exc.strerror or exc})") from None
+    try:
+        limits = _Limits(max_bytes, max_members, Path(archive).stat().st_size, stage)
+        top = _extract_all(Path(archive), stage, limits)
         if existed:
             os.rename(stage / top, dest / top)
             stage.rmdir()
@@ -218,6 +242,10 @@ def unpack(
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         shutil.rmtree(stage, ignore_errors=True)
         raise ArchiveError(f"{archive}: corrupt or unreadable archive ({exc})") from exc
+    except OSError as exc:  # disk full, permissions: nothing is left behind
+        shutil.rmtree(stage, ignore_errors=True)
+        raise ArchiveError(f"unpacking {archive} into {dest} failed: "
+                           f"{exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -223,8 +223,15 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
         say(stage, "reused" if reused else "built", time.perf_counter() - t0)
 
     backends = {name: get_backend(name) for name in r.backends}
+    target = plan.role("target")
+    target_dir = Path(target.source["path"])
+    # Random smoke weights stand in for a model whose tokenizer is not on this machine.
+    if not (target_dir / "tokenizer.json").is_file() and not target.source["smoke_of"]:
+        raise UsageError(f"target.model: {target_dir} has no tokenizer.json; a bundle carries the "
+                         "target's tokenizer (run and serve need it)")
     _check_output(out)
     remove_debris(out)
+    cache.ensure_usable()
     cache.remove_debris()
     with staging_folder(out) as staging:
         ctx = BuildContext(plan, staging, emit_only, compiler)
@@ -233,7 +240,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
 
         def export(role: RolePlan):
             t0 = time.perf_counter()
-            allow_pickle = (r.target if role.role == "target" else r.draft).allow_pickle
+            ref = r.target if role.role == "target" else r.draft
+            allow_pickle = ref.allow_pickle
             keys[role.role] = artifact_keys(
                 role, cache.weights_digest(_weight_files(role, allow_pickle)),
                 find_compiler(compiler)[0] if "qaic" in backends and not emit_only else None)
@@ -242,7 +250,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
             def build(tmp: Path) -> dict[str, Any]:
                 res = export_model(src, role.role, tmp / "onnx",
                                    continuous_batching=r.shapes.full_batch_size is not None,
-                                   weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle)
+                                   weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,
+                                   allow_unused=ref.allow_unused_weights)
                 return {"weights_digest": res.weights_digest, "metadata": res.metadata}
 
             entry, meta, reused = cache.get_or_build("exports", keys[role.role]["export"], build)
@@ -288,7 +297,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
 
         tok_dir = staging / "tokenizer"
         tok_dir.mkdir()
-        for f in tokenizer_files(Path(plan.role("target").source["path"])):
+        for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
         files = hash_tree(staging, exclude=[MANIFEST])

@@ -20,7 +20,7 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
-from ..errors import BundleError
+from ..errors import BundleError, UsageError
 
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 2
@@ -153,11 +153,13 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
     """The manifest of a bundle folder, structurally checked (verify checks the content)."""
     bundle = Path(bundle)
     path = bundle / MANIFEST
+    # A wrong argument is bad input (exit 2); a damaged bundle is a bundle failure (exit 1).
     if not bundle.is_dir():
-        raise BundleError(f"{bundle}: not a folder (a bundle is the folder `qpcbuild compile` "
-                          "writes; use `qpcbuild unpack` for a .tar.gz)")
+        raise UsageError(f"{bundle}: " + ("not a folder (a bundle is the folder `qpcbuild "
+                                          "compile` writes; use `qpcbuild unpack` for a .tar.gz)"
+                                          if bundle.exists() else "no such bundle folder"))
     if not path.is_file():
-        raise BundleError(f"{bundle}: no {MANIFEST}; not a qpcbuild bundle")
+        raise UsageError(f"{bundle}: no {MANIFEST}; not a qpcbuild bundle")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -59,13 +60,19 @@ def _check_tokenizer(path: Path, arch: ArchSpec) -> None:
 
 
 def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
-                 weight_dtype: str = "float32", allow_pickle: bool = False) -> ExportResult:
+                 weight_dtype: str = "float32", allow_pickle: bool = False,
+                 allow_unused: bool = False) -> ExportResult:
     """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft")."""
     if role not in ("target", "draft"):
         raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
     model_dir = source.require_path()
     arch = arch_from_config(source.config, f"{model_dir}/config.json")
     _check_tokenizer(model_dir, arch)
+    from ..checkpoint import checkpoint_problems  # it reads headers with this package's reader
+
+    problems = checkpoint_problems(model_dir, arch, allow_pickle, allow_unused)
+    if problems:
+        raise UsageError(f"{model_dir}: " + "; ".join(problems))
     reader = WeightReader(safetensors_files(model_dir, allow_pickle), allow_pickle)
     if not arch.tie_word_embeddings and not reader.has("lm_head.weight"):
         raise UsageError(f"{model_dir}: config says tie_word_embeddings=false but the checkpoint "
@@ -84,6 +91,10 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                 key = f"{name}{'^T' if transpose else ''}"
                 if key not in loaded:
                     arr, raw = reader.read(name, shape)
+                    # One float64 sum: NaN or inf anywhere makes it non-finite, no temporary.
+                    if not math.isfinite(float(arr.sum(dtype=np.float64))):
+                        raise UsageError(f"{model_dir}: tensor '{name}' holds NaN or infinite "
+                                         "values; the checkpoint is damaged")
                     arr = arr.T if transpose else arr
                     w = g.weight(key, arr.astype(np_dtype, copy=False),
                                  hashlib.sha256(raw).hexdigest())

@@ -30,6 +30,8 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
+    if not path.is_file():
+        raise UsageError(f"{path}: not a regular file")
     size = path.stat().st_size
     with open(path, "rb") as fh:
         raw_len = fh.read(8)
@@ -41,8 +43,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                              f"(header length {n}, file size {size})")
         try:
             header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise UsageError(f"{path}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise UsageError(f"{path}: corrupt safetensors header (a JSON object of tensors "
+                         f"expected, got a {type(header).__name__})")
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":

@@ -280,16 +280,6 @@ class SpecDecoder:
             else:
                 qi = np.stack(q[i]) if q and q[i] else None
                 n, nxt = accept_sampling(probabilities(window, sp), qi, drafts, rng)
-            st = r.stats
-            st.target_calls += 1
-            if drafts:
-                st.num_drafts += 1
-                st.num_draft_tokens += len(drafts)
-                st.num_accepted_tokens += n
-                if len(st.accepted_per_pos) < len(drafts):
-                    st.accepted_per_pos += [0] * (len(drafts) - len(st.accepted_per_pos))
-                for j in range(n):
-                    st.accepted_per_pos[j] += 1
             old_len = len(r.tokens)
             new = drafts[:n] + [nxt]
             r.target_len = old_len + n
@@ -297,8 +287,23 @@ class SpecDecoder:
                 r.draft_len = min(r.draft_len, old_len + min(n, len(drafts) - 1))
             r.tokens.extend(new)
             self._commit(i, r, new, on_token)
-            if self._proposing and not r.done:
+            # Accepted drafts after an EOS are cut from the output, so they are not counted.
+            self._count(r.stats, len(drafts), min(n, len(r.tokens) - old_len))
+            if self._proposing:  # finished rows too: the suffix cache keeps whole requests
                 self.proposer.extend(i, r.tokens[old_len:])
+
+    @staticmethod
+    def _count(st: RowStats, drafted: int, accepted: int) -> None:
+        st.target_calls += 1
+        if not drafted:
+            return
+        st.num_drafts += 1
+        st.num_draft_tokens += drafted
+        st.num_accepted_tokens += accepted
+        if len(st.accepted_per_pos) < drafted:
+            st.accepted_per_pos += [0] * (drafted - len(st.accepted_per_pos))
+        for j in range(accepted):
+            st.accepted_per_pos[j] += 1
 
     def _commit(self, i: int, r: Row, new: list[int], on_token: TokenCallback | None) -> None:
         """Apply stop rules to freshly accepted tokens: EOS and the row's length budget."""

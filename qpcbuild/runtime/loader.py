@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,37 @@ def _open_session(bundle: Path, manifest: dict, role: str, backend: str):
                        arch["num_layers"], arch["vocab_size"])
 
 
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(bundle: Path, manifest: dict, roles: list[str]) -> None:
+    """Refuse before allocating when weights and KV cache cannot fit in this machine's memory
+    (the onnxruntime artifacts hold float32 weights and a float32 KV cache)."""
+    shapes = manifest["shapes"]
+    batch = shapes.get("full_batch_size") or shapes["batch_size"]
+    need = 0.0
+    for role in roles:
+        info = manifest["roles"][role]
+        arch, ort = info["arch"], info["backends"].get("onnxruntime")
+        if ort is None:
+            continue  # _open_session says the role was not built for onnxruntime
+        copies = 1 if ort.get("kv_binding") == "in_place" else 2  # ping-pong binds two
+        kv = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4.0
+        need += arch["param_count"] * 4.0 + copies * kv * shapes["ctx_len"] * batch
+    free = _available_memory()
+    if free is not None and need > free:
+        raise BundleError(f"{bundle}: running it needs about {need / 2**30:.1f} GiB (float32 "
+                          f"weights and KV cache for ctx_len {shapes['ctx_len']} x batch "
+                          f"{batch}), but only {free / 2**30:.1f} GiB is available here")
+
+
 class Generator:
     def __init__(self, bundle: Path, manifest: dict, backend: str, method: str,
                  k: int | None):
@@ -86,6 +118,9 @@ class Generator:
         if gen_cfg.is_file():
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
             self.eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if backend == "onnxruntime":
+            check_memory(bundle, manifest, ["target"] + (["draft"] if method == "draft_model"
+                                                          else []))
         self.target = _open_session(bundle, manifest, "target", backend)
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
@@ -106,12 +141,14 @@ class Generator:
         """k: one of the compiled Ks for this call only (default: the K given to `load`)."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        if temperature < 0:
-            raise UsageError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise UsageError(f"temperature must be a finite number >= 0, got {temperature}")
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise UsageError(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
             raise UsageError(f"top_k must be >= 0, got {top_k}")
+        if seed is not None and not 0 <= seed < 2**63:
+            raise UsageError(f"seed must be in 0..2**63-1, got {seed}")
         ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
         for n, p in enumerate(prompts):
             if isinstance(p, str) and not p:

@@ -24,8 +24,11 @@ def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     """Temperature, then top-k, then top-p (nucleus) over the last axis; float64 rows summing to 1."""
     x = logits.astype(np.float64) / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
-        kth = np.partition(x, -p.top_k, axis=-1)[..., -p.top_k, None]
-        x = np.where(x < kth, -np.inf, x)
+        # Exactly k survive: among equal logits at the boundary the smaller token ids win.
+        order = np.argsort(-x, axis=-1, kind="stable")
+        drop = np.ones_like(x, dtype=bool)
+        np.put_along_axis(drop, order[..., :p.top_k], False, axis=-1)
+        x = np.where(drop, -np.inf, x)
     x = np.exp(x - x.max(axis=-1, keepdims=True))
     probs = x / x.sum(axis=-1, keepdims=True)
     if p.top_p < 1.0:

@@ -1,0 +1,87 @@
+"""The decoding loop's bookkeeping on a toy model whose outputs are known in advance: what is
+counted as accepted, what the proposer is told, and how many tokens survive top-k."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qpcbuild.runtime.engine import SpecDecoder
+from qpcbuild.runtime.proposers import SuffixProposer
+from qpcbuild.runtime.sampling import SamplingParams, probabilities
+
+V, EOS = 16, 5
+
+
+PREFILL = 8
+
+
+class CountingModel:
+    """A target whose greedy next token is always (token + 1) % V. Like the exported graph,
+    a prefill chunk returns the logits of its last real position only."""
+
+    role, batch_size, ctx_len, vocab_size, specializations = "target", 1, 64, V, []
+
+    def run(self, input_ids, position_ids, batch_index=None):
+        logits = np.zeros((*input_ids.shape, V), np.float32)
+        for b, s in np.ndindex(input_ids.shape):
+            logits[b, s, (input_ids[b, s] + 1) % V] = 10.0
+        if input_ids.shape[1] == PREFILL:
+            last = (position_ids >= 0).sum(axis=1) - 1
+            return logits[np.arange(len(last)), last][:, None]
+        return logits
+
+
+class Scripted:
+    """A proposer that always offers the same continuation, recording what it is told."""
+
+    name = "scripted"
+
+    def __init__(self, proposal):
+        self.proposal, self.seen = proposal, []
+
+    def start(self, rid, tokens):
+        self.seen = list(tokens)
+
+    def extend(self, rid, tokens):
+        self.seen += list(tokens)
+
+    def propose(self, rid, k):
+        return self.proposal[:k]
+
+    def finish(self, rid):
+        pass
+
+
+def decoder(proposer, ks=(0, 4)):
+    return SpecDecoder(CountingModel(), None, proposer, ks, PREFILL, {EOS}, "ngram")
+
+
+def test_drafts_accepted_after_an_eos_are_not_counted():
+    # Prefill of 1 2 gives 3; the target then continues 4, 5=EOS, 6, 7. The proposal 4 5 6 7
+    # is all "right" by argmax, but 6 and 7 come after the EOS and are cut from the output.
+    rows, _ = decoder(Scripted([4, 5, 6, 7])).generate([[1, 2]], 10, SamplingParams())
+    st = rows[0].stats
+    assert rows[0].tokens == [1, 2, 3, 4, 5] and rows[0].finish_reason == "eos"
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (1, 4, 2)
+    assert st.accepted_per_pos == [1, 1, 0, 0]
+
+
+def test_a_finished_request_reaches_the_proposer_whole():
+    proposer = Scripted([])
+    rows, _ = decoder(proposer).generate([[10, 11]], 3, SamplingParams())
+    assert rows[0].tokens == [10, 11, 12, 13, 14]
+    assert proposer.seen == rows[0].tokens  # the last step's tokens were extended too
+
+
+def test_suffix_cache_holds_the_final_tokens_of_earlier_requests():
+    suffix = SuffixProposer(max_tree_depth=8)
+    dec = decoder(suffix)
+    dec.generate([[7, 8]], 3, SamplingParams())  # 7 8 -> 9 10 11
+    suffix.start(99, [10])
+    assert suffix.propose(99, 1) == [11]  # learned from the last generated token
+
+
+def test_top_k_keeps_exactly_k_tokens_even_with_ties():
+    logits = np.array([1.0, 3.0, 3.0, 3.0, 0.5, 3.0])
+    probs = probabilities(logits, SamplingParams(1.0, top_k=2))
+    assert np.count_nonzero(probs) == 2 and probs[1] == probs[2] == 0.5

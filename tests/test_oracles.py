@@ -1,0 +1,275 @@
+"""Independent oracles for the runtime's claims.
+
+- Greedy output of every method (draft_model, ngram, suffix), both ONNX Runtime lowerings,
+  batch 1 and batch > 1, continuous batching and prompts longer than one prefill chunk equals
+  transformers' own `generate` on the source checkpoint, token for token. Our own target-only
+  loop is not the reference: a bug shared by both would pass that comparison.
+- The acceptance rule of speculative sampling produces exactly the target distribution, checked
+  by chi-square tests with well-populated cells against distributions computed outside our code
+  (synthetic p and q; transformers' logits and its own temperature / top-k / top-p warpers), and
+  each test rejects deliberately broken rules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+from typer.testing import CliRunner
+
+import qpcbuild
+from qpcbuild.cli import app
+from qpcbuild.runtime import sampling
+from qpcbuild.runtime.sampling import SamplingParams, accept_sampling
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "models" / "demo"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    """Held-out prompts of the demo pair, one of them longer than two prefill chunks (32)."""
+    import json
+
+    lines = [json.loads(line)["text"] for line in
+             (DEMO / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+    long = "\n".join(lines[:4])
+    return [lines[5], long, lines[6], lines[7]]
+
+
+_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+
+def hf_reference(model, ids: list[int], max_new_tokens: int = 40) -> list[int]:
+    """transformers' greedy `generate` (computed once per prompt for all cases)."""
+    import torch
+
+    if tuple(ids) not in _REFERENCE:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                 do_sample=False, num_beams=1)
+        _REFERENCE[tuple(ids)] = out[0, len(ids):].tolist()
+    return _REFERENCE[tuple(ids)]
+
+
+def build(tmp_path_factory, recipe: str, *overrides: str) -> Path:
+    root = tmp_path_factory.mktemp("oracle")
+    argv = ["compile", str(REPO / "recipes" / recipe), "-o", str(root / "b"), "--cache-dir",
+            str(root.parent / "oracle-cache")]
+    for o in overrides:
+        argv += ["--set", o]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    return root / "b"
+
+
+CASES = {
+    "draft_model-fused": ("demo.yaml", ()),
+    "draft_model-portable": ("demo.yaml", ("onnxruntime.graph=portable",)),
+    "draft_model-batch2": ("demo.yaml", ("shapes.batch_size=2",)),
+    "draft_model-continuous-batching": ("demo.yaml", ("shapes.full_batch_size=3",)),
+    "ngram-fused": ("demo-ngram.yaml", ()),
+    "ngram-batch2": ("demo-ngram.yaml", ("shapes.batch_size=2",)),
+    "suffix-fused": ("demo-suffix.yaml", ()),
+    "suffix-portable": ("demo-suffix.yaml", ("onnxruntime.graph=portable",)),
+    "suffix-continuous-batching": ("demo-suffix.yaml", ("shapes.full_batch_size=2",)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_output_equals_transformers_generate(case, tmp_path_factory, hf_target, prompts):
+    recipe, overrides = CASES[case]
+    gen = qpcbuild.load(build(tmp_path_factory, recipe, *overrides))
+    ids = [gen.encode(p) for p in prompts]
+    assert max(map(len, ids)) > 2 * gen.manifest["shapes"]["prefill_seq_len"]
+    per_call = len(ids) if gen.decoder.cb else gen.target.batch_size
+    got: list[list[int]] = []
+    for start in range(0, len(ids), per_call):
+        result = gen.generate(ids[start:start + per_call], max_new_tokens=40)
+        got += [r.tokens[len(r.prompt):] for r in result.rows]
+        assert result.stats["spec_decode_num_drafts"] > 0  # speculation really ran
+    for n, prompt_ids in enumerate(ids):
+        assert got[n] == hf_reference(hf_target, prompt_ids), f"prompt {n}"
+
+
+# ---------------------------------------------------------------- the acceptance rule
+def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    expected = expected_probs * counts.sum()
+    assert expected.min() >= 5, "every cell must be well populated for the test to have power"
+    return float(scipy_stats.chisquare(counts, expected).pvalue)
+
+
+def resample_from_p(p, q, drafts, rng):
+    """Broken: on rejection, sample from p instead of the residual max(0, p - q)."""
+    for i, x in enumerate(drafts):
+        if rng.random() < min(1.0, p[i, x] / q[i, x]):
+            continue
+        return i, sampling.sample(p[i], rng)
+    return len(drafts), sampling.sample(p[len(drafts)], rng)
+
+
+def ignore_q(p, q, drafts, rng):
+    """Broken: accept with probability p(x), as if the proposal were uniform."""
+    for i, x in enumerate(drafts):
+        if rng.random() < p[i, x]:
+            continue
+        return i, sampling.sample(np.maximum(p[i] - q[i], 0) / np.maximum(p[i] - q[i], 0).sum(),
+                                  rng)
+    return len(drafts), sampling.sample(p[len(drafts)], rng)
+
+
+def skip_bonus(p, q, drafts, rng):
+    """Broken: after every draft is accepted, repeat the last draft instead of sampling p."""
+    n, token = accept_sampling(p, q, drafts, rng)
+    return (n, drafts[-1]) if drafts and n == len(drafts) else (n, token)
+
+
+def _generate(rule, p, q, rng, n_tokens: int, k: int = 2) -> list[int]:
+    """Speculative steps over a position-indexed toy model (the target's distribution at
+    generated position j is p[j], the draft's q[j], whatever came before) until n_tokens."""
+    out: list[int] = []
+    while len(out) < n_tokens:
+        j = len(out)
+        kk = min(k, len(q) - j)
+        drafts = [sampling.sample(q[j + i], rng) for i in range(kk)]
+        n, nxt = rule(p[j:j + kk + 1], q[j:j + kk], drafts, rng)
+        out += drafts[:n] + [nxt]
+    return out[:n_tokens]
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    rng = np.random.default_rng(7)
+    V = 8
+    p = rng.dirichlet(np.full(V, 5.0), size=3)  # target rows for positions 0, 1, 2
+    q = rng.dirichlet(np.full(V, 5.0), size=2)  # a draft that differs from it
+    return p, q
+
+
+def _first_two(rule, p, q, n=60_000, seed=0):
+    """Joint counts of the first two generated tokens (V*V cells)."""
+    rng = np.random.default_rng(seed)
+    V = p.shape[1]
+    counts = np.zeros(V * V)
+    for _ in range(n):
+        a, b = _generate(rule, p, q, rng, 2)
+        counts[a * V + b] += 1
+    return counts
+
+
+def test_acceptance_rule_reproduces_the_target_distribution(synthetic):
+    p, q = synthetic
+    # With position-independent rows the joint is p0 x p1 whatever was accepted.
+    expected = np.outer(p[0], p[1]).ravel()
+    assert chi_square_p(_first_two(accept_sampling, p, q), expected) > 1e-3
+
+
+@pytest.mark.parametrize("broken", [resample_from_p, ignore_q])
+def test_acceptance_test_rejects_broken_rules(synthetic, broken):
+    p, q = synthetic
+    expected = np.outer(p[0], p[1]).ravel()
+    assert chi_square_p(_first_two(broken, p, q), expected) < 1e-6
+
+
+def test_bonus_token_is_sampled_from_the_target(synthetic):
+    """After K accepted drafts the (K+1)-th token comes from p[K]; a rule that skips it fails."""
+    p, q = synthetic
+    V = p.shape[1]
+
+    def third(rule):
+        rng = np.random.default_rng(3)
+        counts = np.zeros(V)
+        for _ in range(40_000):
+            counts[_generate(rule, p, q, rng, 3)[2]] += 1
+        return counts
+
+    assert chi_square_p(third(accept_sampling), p[2]) > 1e-3
+    assert chi_square_p(third(skip_bonus), p[2]) < 1e-6
+
+
+def test_point_mass_proposals_are_lossless(synthetic):
+    """n-gram / suffix proposals (q = None): the output is still exactly p."""
+    p, _ = synthetic
+    rng = np.random.default_rng(5)
+    V = p.shape[1]
+    counts = np.zeros(V)
+    for _ in range(40_000):
+        n, nxt = accept_sampling(p, None, [3], rng)
+        counts[3 if n == 1 else nxt] += 1
+    assert chi_square_p(counts, p[0]) > 1e-3
+
+
+# ---------------------------------------------------------------- end to end on the model
+def hf_probabilities(model, ids: list[int], sp: SamplingParams) -> np.ndarray:
+    """The next-token distribution by transformers' own logits and warpers."""
+    import torch
+    from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sp.temperature)])
+    if sp.top_k:
+        warpers.append(TopKLogitsWarper(sp.top_k))
+    if sp.top_p < 1:
+        warpers.append(TopPLogitsWarper(sp.top_p))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[:, -1].double()
+        scores = warpers(torch.tensor([ids]), logits)
+        return torch.softmax(scores, dim=-1)[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def sampling_bundle(tmp_path_factory) -> Path:
+    return build(tmp_path_factory, "demo.yaml", "shapes.batch_size=8")
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(0.7), SamplingParams(1.3),
+                                SamplingParams(1.0, top_k=5), SamplingParams(1.0, top_p=0.8)],
+                         ids=["t0.7", "t1.3", "top_k5", "top_p0.8"])
+def test_speculative_sampling_matches_transformers_distribution(sp, sampling_bundle, hf_target):
+    """The joint of the first two generated tokens (the first sampled after prefill, the second
+    through a draft proposal and the acceptance rule) against transformers' distribution,
+    with cells pooled so that each expects >= 5 samples."""
+    gen = qpcbuild.load(sampling_bundle)
+    prompt = gen.encode("def read_config(path):\n    with open(path) as f:\n")
+    first = int(np.argmax(hf_probabilities(hf_target, prompt, SamplingParams(1.0))))
+    ctx = prompt + [first]
+    p2 = hf_probabilities(hf_target, ctx, sp)
+    seqs: dict[tuple[int, int], int] = {}
+    n = 0
+    for seed in range(200):
+        rows = gen.generate([ctx] * 8, max_new_tokens=3, temperature=sp.temperature,
+                            top_k=sp.top_k, top_p=sp.top_p, seed=seed).rows
+        for r in rows:
+            a, b = r.tokens[len(ctx):len(ctx) + 2] + [-1] * (2 - len(r.tokens[len(ctx):]))
+            seqs[(a, b)] = seqs.get((a, b), 0) + 1
+            n += 1
+    # Expected joint: p(a) p(b | a) for the likely a's; everything else in one pooled cell.
+    cells, probs = [], []
+    for a in np.argsort(-p2)[:6]:
+        pb = hf_probabilities(hf_target, ctx + [int(a)], sp)
+        for b in np.argsort(-pb)[:6]:
+            if p2[a] * pb[b] * n >= 5:
+                cells.append((int(a), int(b)))
+                probs.append(p2[a] * pb[b])
+    observed = [seqs.get(c, 0) for c in cells]
+    rest_count, rest_prob = n - sum(observed), 1 - sum(probs)
+    if rest_prob * n >= 5:
+        observed.append(rest_count)
+        probs.append(rest_prob)
+    else:  # (top-k leaves too little outside the cells) pool the rest into the last cell
+        observed[-1] += rest_count
+        probs[-1] += rest_prob
+    assert len(cells) >= 4, "the distribution is too flat for this prompt to test anything"
+    assert chi_square_p(np.array(observed, float), np.array(probs)) > 1e-3
