@@ -255,11 +255,20 @@ def test_bad_run_arguments_exit_2_with_a_message(bundle, tmp_path):
 
 
 @pytest.mark.parametrize("command", [["verify"], ["inspect"], ["run", "--prompt", "x"],
-                                     ["serve-config"], ["finish"]])
+                                     ["serve-config"], ["finish"], ["package", "-o", "x.tgz"]])
 def test_a_bundle_path_that_is_not_a_bundle_exits_2(tmp_path, command):
     for path in (tmp_path / "missing", tmp_path):
         result = cli(command[0], path, *command[1:])
         assert result.exit_code == 2, (command, path, result.output)
+
+
+def test_a_bundle_too_large_for_this_machine_is_refused_before_allocating(bundle, monkeypatch):
+    from qpcbuild.runtime import loader
+
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1 << 20)
+    result = cli("run", bundle, "--prompt", "x")
+    assert result.exit_code == 1 and "needs about" in result.output
+    assert "only 0.0 GiB is available" in result.output
 
 
 @pytest.mark.parametrize("change,says", [

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import qpcbuild
 from qpcbuild.cli import app
-from qpcbuild.runtime import sampling
+from qpcbuild.runtime import engine, sampling
 from qpcbuild.runtime.sampling import SamplingParams, accept_sampling
 
 pytestmark = pytest.mark.slow
@@ -234,14 +234,11 @@ def sampling_bundle(tmp_path_factory) -> Path:
     return build(tmp_path_factory, "demo.yaml", "shapes.batch_size=8")
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(0.7), SamplingParams(1.3),
-                                SamplingParams(1.0, top_k=5), SamplingParams(1.0, top_p=0.8)],
-                         ids=["t0.7", "t1.3", "top_k5", "top_p0.8"])
-def test_speculative_sampling_matches_transformers_distribution(sp, sampling_bundle, hf_target):
-    """The joint of the first two generated tokens (the first sampled after prefill, the second
-    through a draft proposal and the acceptance rule) against transformers' distribution,
-    with cells pooled so that each expects >= 5 samples."""
-    gen = qpcbuild.load(sampling_bundle)
+def joint_p_value(bundle: Path, hf_target, sp: SamplingParams) -> float:
+    """Chi-square p-value of the joint of the first two generated tokens (the first sampled
+    after prefill, the second through a draft proposal and the acceptance rule) against
+    transformers' distribution, with cells pooled so that each expects >= 5 samples."""
+    gen = qpcbuild.load(bundle)
     prompt = gen.encode("def read_config(path):\n    with open(path) as f:\n")
     first = int(np.argmax(hf_probabilities(hf_target, prompt, SamplingParams(1.0))))
     ctx = prompt + [first]
@@ -252,17 +249,20 @@ def test_speculative_sampling_matches_transformers_distribution(sp, sampling_bun
         rows = gen.generate([ctx] * 8, max_new_tokens=3, temperature=sp.temperature,
                             top_k=sp.top_k, top_p=sp.top_p, seed=seed).rows
         for r in rows:
-            a, b = r.tokens[len(ctx):len(ctx) + 2] + [-1] * (2 - len(r.tokens[len(ctx):]))
+            a, b = (r.tokens[len(ctx):len(ctx) + 2] + [-1])[:2]  # -1: stopped at an EOS
             seqs[(a, b)] = seqs.get((a, b), 0) + 1
             n += 1
     # Expected joint: p(a) p(b | a) for the likely a's; everything else in one pooled cell.
     cells, probs = [], []
     for a in np.argsort(-p2)[:6]:
+        if int(a) in gen.eos_ids:  # generation stops there: its mass stays in the pooled cell
+            continue
         pb = hf_probabilities(hf_target, ctx + [int(a)], sp)
         for b in np.argsort(-pb)[:6]:
             if p2[a] * pb[b] * n >= 5:
                 cells.append((int(a), int(b)))
                 probs.append(p2[a] * pb[b])
+    assert len(cells) >= 4, "the distribution is too flat for this prompt to test anything"
     observed = [seqs.get(c, 0) for c in cells]
     rest_count, rest_prob = n - sum(observed), 1 - sum(probs)
     if rest_prob * n >= 5:
@@ -271,5 +271,21 @@ def test_speculative_sampling_matches_transformers_distribution(sp, sampling_bun
     else:  # (top-k leaves too little outside the cells) pool the rest into the last cell
         observed[-1] += rest_count
         probs[-1] += rest_prob
-    assert len(cells) >= 4, "the distribution is too flat for this prompt to test anything"
-    assert chi_square_p(np.array(observed, float), np.array(probs)) > 1e-3
+    return chi_square_p(np.array(observed, float), np.array(probs))
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(0.7), SamplingParams(1.3),
+                                SamplingParams(1.0, top_k=5), SamplingParams(1.0, top_p=0.8)],
+                         ids=["t0.7", "t1.3", "top_k5", "top_p0.8"])
+def test_speculative_sampling_matches_transformers_distribution(sp, sampling_bundle, hf_target):
+    assert joint_p_value(sampling_bundle, hf_target, sp) > 1e-3
+
+
+@pytest.mark.parametrize("broken,temperature", [(ignore_q, 0.7), (ignore_q, 1.3),
+                                                (resample_from_p, 0.7)])
+def test_the_model_level_test_rejects_broken_rules(broken, temperature, sampling_bundle,
+                                                   hf_target, monkeypatch):
+    """The demo draft is distilled from the target (q close to p), so resampling from p
+    deviates too little to see at 1,600 samples at T=1.3; at T=0.7 it is seen."""
+    monkeypatch.setattr(engine, "accept_sampling", broken)
+    assert joint_p_value(sampling_bundle, hf_target, SamplingParams(temperature)) < 1e-3
