@@ -1,5 +1,8 @@
 """The `qpcbuild` command line: parse, call one stage, render. No logic lives here.
 
+One file for every command on purpose (~570 lines, almost all option declarations): the
+commands read in the order `qpcbuild --help` lists them, and each body is a few lines.
+
 Exit codes: 0 success; 1 build, toolchain or bundle failure; 2 bad input (recipe, model folder,
 bundle path, CLI argument).
 """

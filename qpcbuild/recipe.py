@@ -1,8 +1,8 @@
 """Recipe: the one YAML file a user writes. Schema, loading with line numbers, static checks.
 
-Loading never trusts the file: it is size-capped, parsed with a safe loader that refuses YAML
-aliases (the "billion laughs" bomb), validated against a strict schema, and every problem is
-reported at once with its key path and line. Checks that need model configs live in `plan`.
+Loading never trusts the file (recipe_file.py reads it), validates it against a strict schema
+and reports every problem at once with its key path and line. Checks that need model configs
+live in `plan`.
 """
 
 from __future__ import annotations
@@ -10,16 +10,14 @@ from __future__ import annotations
 import copy
 import difflib
 import re
-import stat
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .errors import Problem, RecipeError, UsageError
+from .recipe_file import dotted, parse_yaml, read_capped
 
-MAX_RECIPE_BYTES = 1 << 20
 MAX_K = 32
 MAX_CTX_LEN = 1 << 20  # beyond any released model's context; a model's own limit is checked too
 CTX_LEN_MULTIPLE = 32
@@ -176,81 +174,7 @@ class Recipe(_Strict):
         return self.model_dump(mode="json", by_alias=True)
 
 
-# ---------------------------------------------------------------- YAML with line numbers
-class _NoAliasLoader(yaml.SafeLoader):
-    """A safe loader that also refuses anchors/aliases, which enable exponential blow-up."""
-
-    def compose_node(self, parent, index):  # type: ignore[override]
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.MarkedYAMLError("while composing", None,
-                                       "YAML aliases (*name) are not allowed in recipes",
-                                       event.start_mark)
-        return super().compose_node(parent, index)
-
-
-def _key_lines(node: yaml.Node, path: tuple = (), out: dict | None = None,
-               duplicates: list | None = None) -> dict[tuple, int]:
-    out = {} if out is None else out
-    out[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key, value in node.value:
-            k = key.value if isinstance(key, yaml.ScalarNode) else str(key)
-            line = key.start_mark.line + 1
-            if k in seen and duplicates is not None:
-                duplicates.append(Problem(_dotted(path + (k,)), f"duplicate key (first on line "
-                                          f"{seen[k]}); YAML would silently keep the last one",
-                                          line))
-            seen.setdefault(k, line)
-            out[path + (k,)] = line
-            _key_lines(value, path + (k,), out, duplicates)
-            out[path + (k,)] = line
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _key_lines(item, path + (i,), out, duplicates)
-    return out
-
-
-def parse_yaml(text: str, source: str,
-               duplicates: list | None = None) -> tuple[Any, dict[tuple, int]]:
-    """Data and the line of every key path; duplicate keys are appended to `duplicates`."""
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
-        raise RecipeError(source, [Problem("<file>", f"recipe is larger than {MAX_RECIPE_BYTES} "
-                                           "bytes; a recipe is a short YAML file")])
-    try:
-        loader = _NoAliasLoader(text)
-    except yaml.YAMLError as exc:  # the reader refuses control characters before parsing
-        raise RecipeError(source, [Problem("<file>", f"malformed YAML: {exc}")]) from None
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            raise RecipeError(source, [Problem("<file>", "recipe is empty; start from "
-                                               "recipes/demo.yaml")])
-        data = loader.construct_document(node)
-        lines = _key_lines(node, duplicates=duplicates)
-    except RecursionError:  # "[[[[..." thousands deep: the composer recurses per level
-        raise RecipeError(source, [Problem("<file>", "malformed YAML: nested too deeply")]) \
-            from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else None
-        raise RecipeError(source, [Problem("<file>", f"malformed YAML: {exc.problem}", line)]) from None
-    except yaml.YAMLError as exc:
-        raise RecipeError(source, [Problem("<file>", f"malformed YAML: {exc}")]) from None
-    finally:
-        loader.dispose()
-    return data, lines
-
-
 # ---------------------------------------------------------------- validation
-def _dotted(loc: tuple) -> str:
-    parts = []
-    for p in loc:
-        parts.append(f"[{p}]" if isinstance(p, int) else ("." if parts else "") + str(p))
-    return "".join(parts) or "<root>"
-
-
 def _allowed_keys(loc: tuple) -> list[str]:
     cls: Any = Recipe
     for part in loc:
@@ -282,7 +206,7 @@ def _schema_problems(exc: ValidationError, lines: dict[tuple, int]) -> list[Prob
             msg = "required key is missing"
         else:
             msg = f"{err['msg']} (got {err.get('input')!r})"
-        problems.append(Problem(_dotted(loc), msg, line))
+        problems.append(Problem(dotted(loc), msg, line))
     return problems
 
 
@@ -410,38 +334,11 @@ def apply_override(data: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def _read_capped(path: Path, source: str) -> bytes:
-    """The file's bytes, refusing anything but a regular file and stopping at the cap whatever
-    size the file claims (/dev/zero reports 0; a FIFO would block forever)."""
-    def fail(message: str) -> RecipeError:
-        return RecipeError(source, [Problem("<file>", message)])
-
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise fail("no such file") from None
-    except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long
-        raise fail(f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise fail("is a folder, not a recipe file")
-    if not stat.S_ISREG(st.st_mode):
-        raise fail("is not a regular file (a FIFO, socket or device); a recipe is a YAML file")
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_RECIPE_BYTES + 1)
-    except OSError as exc:
-        raise fail(f"cannot be read ({exc.strerror or exc})") from None
-    if len(raw) > MAX_RECIPE_BYTES:
-        raise fail(f"recipe is larger than {MAX_RECIPE_BYTES} bytes; a recipe is a short YAML "
-                   "file")
-    return raw
-
-
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read, validate and resolve a recipe; raises RecipeError listing every problem."""
     path = Path(path)
     source = str(path)
-    raw = _read_capped(path, source)
+    raw = read_capped(path, source)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -474,7 +371,7 @@ def _cross_field_problems(data: dict, exc: ValidationError, lines) -> list[Probl
     except (ValidationError, TypeError, ValueError, RecursionError):
         return []
     rest._lines = lines
-    flagged = {_dotted(b) for b in bad}
+    flagged = {dotted(b) for b in bad}
     return [p for p in static_problems(rest) if p.severity == "error"
             and not any(p.path.startswith(f) or f.startswith(p.path) for f in flagged)]
 
