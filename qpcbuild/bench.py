@@ -47,7 +47,6 @@ OUR_METHODS = ("draft_model", "ngram", "suffix")
 BENCH_KS = tuple(range(0, 9))  # compiled into a bench bundle built from a recipe
 OG_NGRAM_SIZE = 3  # onnxruntime-genai n-gram length (its range is 2..); ours: prompt_lookup 1..4
 REPORT_SCHEMA = 1
-GOALS = {"spd_vs_transformers": 3.0, "target_only_vs_ort_genai": 1.0, "best_vs_ort_genai": 1.3}
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 NOISY_SPREAD = 0.10  # target-only tokens/s varying more than this across repeats: a busy machine
 Say = Callable[[str], None]
@@ -719,36 +718,6 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
     return max(cands, key=lambda r: r["tokens_per_s"]["mean"]) if cands else None
 
 
-def _goal(name: str, desc: str, ours: dict | None, theirs: dict | None, goal: float,
-          why_na: str, left_out: list[dict] = ()) -> dict[str, Any]:
-    out = _goal_verdict(name, desc, ours, theirs, goal, why_na)
-    if left_out and out["status"] != "N/A":
-        out["theirs_left_out"] = [r["label"] for r in left_out]
-        out["detail"] += (f" (their best excludes {len(left_out)} configuration(s) too slow in "
-                          "the warm-up: " + ", ".join(r["label"] for r in left_out) + ")")
-    return out
-
-
-def _goal_verdict(name: str, desc: str, ours: dict | None, theirs: dict | None, goal: float,
-                  why_na: str) -> dict[str, Any]:
-    if not ours or not theirs:
-        return {"goal": name, "description": desc, "target_ratio": goal, "status": "N/A",
-                "detail": why_na}
-    ratio = ours["tokens_per_s"]["mean"] / theirs["tokens_per_s"]["mean"]
-    met = ratio >= goal
-    out = {"goal": name, "description": desc, "target_ratio": goal, "ratio": round(ratio, 3),
-           "ours": f"{ours['system']} {ours['label']}", "ours_tokens_per_s": ours["tokens_per_s"]["mean"],
-           "theirs": f"{theirs['system']} {theirs['label']}",
-           "theirs_tokens_per_s": theirs["tokens_per_s"]["mean"],
-           "status": "MET" if met else "MISSED"}
-    if met:
-        out["detail"] = f"{ratio:.2f}x >= {goal:.2f}x (margin {ratio / goal - 1:+.0%})"
-    else:
-        out["detail"] = (f"{ratio:.2f}x < {goal:.2f}x: short by {goal - ratio:.2f}x; ours needs "
-                         f"{goal / ratio - 1:+.0%} tokens/s to meet it")
-    return out
-
-
 def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
             ours, peer_objs, notes, gen, machine) -> dict[str, Any]:
     from . import __version__
@@ -781,33 +750,6 @@ def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeat
                            "ours_over_theirs": round(mine["tokens_per_s"]["mean"]
                                                      / theirs["tokens_per_s"]["mean"], 3)})
 
-    hf = [r for r in all_peer_rows if r["system"] == "transformers"]
-    og = [r for r in all_peer_rows if r["system"] == "onnxruntime-genai"]
-    has_draft = "draft" in manifest["roles"]
-    spd_method = "draft_model" if has_draft else "ngram"
-    hf_status = peers_out.get("transformers", {}).get("status", "not requested")
-    og_status = peers_out.get("onnxruntime-genai", {}).get("status", "not requested")
-    goals = [
-        _goal("spd_vs_transformers",
-              f"our best {spd_method} >= {GOALS['spd_vs_transformers']}x the tokens/s of "
-              "transformers' best " + ("assisted generation" if has_draft else "prompt lookup"),
-              _best(rows, lambda r: r["method"] == spd_method),
-              _best(hf, lambda r: r["method"] == spd_method), GOALS["spd_vs_transformers"],
-              f"transformers: {hf_status}",
-              [r for r in hf if r.get("skipped") and r["method"] == spd_method]),
-        _goal("target_only_vs_ort_genai",
-              f"our target-only >= {GOALS['target_only_vs_ort_genai']}x onnxruntime-genai's "
-              "target-only", _best(rows, lambda r: r["method"] == "target_only"),
-              _best(og, lambda r: r["method"] == "target_only"),
-              GOALS["target_only_vs_ort_genai"], f"onnxruntime-genai: {og_status}",
-              [r for r in og if r.get("skipped") and r["method"] == "target_only"]),
-        _goal("best_vs_ort_genai",
-              f"our best method >= {GOALS['best_vs_ort_genai']}x onnxruntime-genai's best "
-              "(its speculative decoding when available, else target-only)",
-              _best(rows, lambda r: True), _best(og, lambda r: True),
-              GOALS["best_vs_ort_genai"], f"onnxruntime-genai: {og_status}",
-              [r for r in og if r.get("skipped")]),
-    ]
     try:
         machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -855,7 +797,6 @@ def _report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeat
         "noisy": noisy, "target_only_spread": round(spread, 4),
         "peers": peers_out,
         "ratios": ratios,
-        "goals": goals,
         "notes": notes + ["each ngram/suffix configuration starts with a fresh proposer in each "
                           "repeat (suffix decoding's cross-request cache holds only the earlier "
                           "prompts of that pass)"],
@@ -950,9 +891,6 @@ def show_report(report: dict[str, Any], console=None) -> None:
             rt.add_row(x["peer"], x["method"], x["ours"], x["theirs"],
                        f"{x['ours_over_theirs']:.2f}x")
         console.print(rt)
-    for g in report["goals"]:
-        color = {"MET": "green", "MISSED": "red"}.get(g["status"], "yellow")
-        console.print(f"[{color}]{g['status']:>6}[/] {g['description']}: {g['detail']}")
     if not report["all_greedy_outputs_match"]:
         console.print("[red]greedy outputs differ from target-only for some configuration[/]")
     for n in report["notes"]:
@@ -1078,8 +1016,6 @@ def markdown_table(report: dict[str, Any]) -> str:
         lines += ["", "| peer | method | ours | theirs | ours / theirs |", "|---|---|---|---|---|"]
         lines += [f"| {x['peer']} | {x['method']} | {x['ours']} | {x['theirs']} | "
                   f"{x['ours_over_theirs']:.2f}x |" for x in report["ratios"]]
-    lines.append("")
-    lines += [f"- **{g['status']}** {g['description']}: {g['detail']}" for g in report["goals"]]
     return "\n".join(lines)
 
 

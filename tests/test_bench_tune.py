@@ -188,7 +188,7 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     for name in ("transformers", "onnxruntime-genai"):
         assert report["peers"][name]["status"] == "skipped"
         assert "not installed" in report["peers"][name]["note"]
-    assert {g["status"] for g in report["goals"]} == {"N/A"}
+    assert "goals" not in report  # a user's report holds their results, not ours
     path = bench.write_json(report, tmp_path / "r.json")
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(rows))
     png = bench.plot_report(report, tmp_path / "r.png")
