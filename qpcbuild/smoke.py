@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .arch import ArchSpec, arch_from_config
+from .arch import arch_from_config
 from .plan import digest
 from .recipe import Recipe, resolve_model_path
 from .source import resolve

@@ -517,7 +517,6 @@ def lr_at(step: int, args) -> float:
 def phase_train(args) -> None:
     import numpy as np
     import torch
-    import torch.nn.functional as F
     from transformers import LlamaForCausalLM
     tok = load_tokenizer(args.target)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

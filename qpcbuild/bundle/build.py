@@ -21,7 +21,7 @@ import yaml
 from .. import __version__
 from ..cache import META, Cache
 from ..compile import BuildContext, get_backend
-from ..errors import BundleError, UsageError
+from ..errors import UsageError
 from ..export import export_model
 from ..plan import (EXPORTER_VERSION, ORT_LOWERING_VERSION, BuildPlan, RolePlan, digest,
                     find_compiler)
@@ -135,12 +135,8 @@ def publish(staging: Path, out: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         for old in out.parent.glob(f".{out.name}.old-*"):  # left by a build killed right here
             shutil.rmtree(old, ignore_errors=True)
-        if out.is_symlink() or (out.exists() and not out.is_dir()):
-            raise UsageError(f"{out} exists and is not a folder; refusing to replace it")
+        _refuse_to_replace(out)  # again: something may have appeared there since the start
         if out.exists():
-            if not (out / MANIFEST).is_file() and any(out.iterdir()):
-                raise UsageError(f"{out} exists and is not a qpcbuild bundle; refusing to "
-                                 "replace it")
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:12]}")
             os.replace(out, old)
             os.replace(staging, out)
@@ -151,12 +147,17 @@ def publish(staging: Path, out: Path) -> None:
         os.close(fd)
 
 
-def _check_output(out: Path) -> None:
-    """Refuse an unusable output before any work is done."""
+def _refuse_to_replace(out: Path) -> None:
+    """Only a bundle (or an empty folder) at `out` may be replaced."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UsageError(f"-o {out}: exists and is not a folder")
     if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise UsageError(f"-o {out}: exists and is not a qpcbuild bundle; refusing to replace it")
+
+
+def _check_output(out: Path) -> None:
+    """Refuse an unusable output before any work is done."""
+    _refuse_to_replace(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

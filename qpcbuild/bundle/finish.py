@@ -12,11 +12,11 @@ from typing import Any
 
 from .. import __version__
 from ..compile.qaic import QPC_FILE
-from ..errors import BundleError, UsageError
+from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import hash_tree
-from .manifest import MANIFEST, read_manifest, write_manifest
-from .verify import verify_bundle
+from .manifest import MANIFEST, changed_fields, read_manifest, write_manifest
+from .verify import compare_files
 
 ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
 
@@ -40,8 +40,14 @@ def finish_bundle(bundle: Path, roles: list[str] | None = None,
     pending = tuple(f"{role}/{part}" for role in qaic_roles if role not in roles
                     and m["roles"][role]["backends"]["qaic"].get("status") != "compiled"
                     for part in ADOPTED)
-    # A QPC compiled again replaces the one recorded before; everything else must be intact.
-    problems = [p for p in verify_bundle(bundle, adopting=adopting + pending)
+    # One pass over the bundle: it checks the sealed files and lists the new ones. A QPC
+    # compiled again replaces the one recorded before; everything else must be intact.
+    try:
+        found = hash_tree(bundle, exclude=[MANIFEST])
+    except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
+        raise BundleError(f"{bundle} cannot be finished: {exc}") from None
+    problems = [p for p in changed_fields(m) + compare_files(m["files"], found,
+                                                              adopting=adopting + pending)
                 if not any(f": {folder}/" in p for folder in adopting)]
     if problems:
         raise BundleError(f"{bundle} does not match its manifest, so it cannot be finished: "
@@ -53,7 +59,8 @@ def finish_bundle(bundle: Path, roles: list[str] | None = None,
             raise BundleError(f"the {role} QPC {state} ({role}/qpc/{QPC_FILE}); run "
                               f"`bash {role}/qaic/compile.sh` in the bundle on a machine with the "
                               "Cloud AI SDK first")
-    files = hash_tree(bundle, exclude=[MANIFEST, *pending])
+    files = {p: meta for p, meta in found.items()
+             if not any(p.startswith(f"{folder}/") for folder in pending)}
     sdk = qaic_sdk_versions()
     for role in roles:
         entry = m["roles"][role]["backends"]["qaic"]

@@ -19,19 +19,12 @@ def _actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
     return found
 
 
-def verify_bundle(bundle: Path, fast: bool = False,
+def compare_files(expected: dict[str, dict], actual: dict[str, dict], fast: bool = False,
                   adopting: tuple[str, ...] = ()) -> list[str]:
-    """Problems found (empty = intact). `fast` checks presence and sizes, not digests (nor the
-    seal, whose content includes the digests). `adopting`: folders whose new files are about
-    to be added to the manifest (by `finish`), so they are not reported as extra."""
-    bundle = Path(bundle)
-    manifest = read_manifest(bundle)
-    problems = [] if fast else changed_fields(manifest)
-    expected: dict[str, dict] = manifest["files"]
-    try:
-        actual = _actual_files(bundle, fast)
-    except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
-        return problems + [str(exc)]
+    """Differences between the manifest's file list and the files found. `adopting`: folders
+    whose new files are about to be added to the manifest (by `finish`), so they are not
+    reported as extra."""
+    problems = []
     for path, meta in sorted(expected.items()):
         got = actual.get(path)
         if got is None:
@@ -48,3 +41,16 @@ def verify_bundle(bundle: Path, fast: bool = False,
         if not any(path.startswith(f"{folder}/") for folder in adopting):
             problems.append(f"extra file: {path}")
     return problems
+
+
+def verify_bundle(bundle: Path, fast: bool = False) -> list[str]:
+    """Problems found (empty = intact). `fast` checks presence and sizes, not digests (nor the
+    seal, whose content includes the digests)."""
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    problems = [] if fast else changed_fields(manifest)
+    try:
+        actual = _actual_files(bundle, fast)
+    except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
+        return problems + [str(exc)]
+    return problems + compare_files(manifest["files"], actual, fast)
