@@ -403,6 +403,9 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
         compare_baseline: bool = typer.Option(False, help="Also decode target-only and report "
                                               "the speedup and whether outputs match."),
+        chat: bool = typer.Option(False, help="Each prompt is a user message put through the "
+                                  "bundle's chat template (as vLLM's chat endpoint does)."),
+        system: Optional[str] = typer.Option(None, help="System message for --chat."),
         json_out: bool = typer.Option(False, "--json", help="Text, token ids and stats as JSON.")):
     """Run speculative decoding from a bundle (smoke test, with acceptance statistics)."""
     from .errors import UsageError
@@ -412,6 +415,8 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
     prompts = _read_prompts(prompt, prompt_file)
     if max_new_tokens <= 0:
         raise UsageError("--max-new-tokens must be at least 1")
+    if system is not None and not chat:
+        raise UsageError("--system needs --chat")
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
                batch_size=batch_size)
     # Continuous batching takes every prompt at once and refills slots as requests finish.
@@ -424,10 +429,10 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
         results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
-                                    on_token))
+                                    on_token, chat=chat, system=system))
         if compare_baseline:
             baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
-                                          seed, target_only=True))
+                                          seed, target_only=True, chat=chat, system=system))
     if stream and not json_out:
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,

@@ -217,6 +217,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
            "kv_dtype": "float32",
            "graph": ort_graph(r),
+           "weights": r.onnxruntime.draft_weights if role == "draft" else "float32",
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
            "intra_op_threads": r.onnxruntime.intra_op_threads}
     # The settings part of each artifact's cache key; the build adds the weights' content
@@ -225,7 +226,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     cache_keys = {"export": export_key,
                   "onnxruntime": digest({"export": export_key, "lowering": ORT_LOWERING_VERSION,
                                          **{k: ort[k] for k in ("graph", "batch_size", "ctx_len",
-                                                                "kv_dtype")}}),
+                                                                "kv_dtype", "weights")}}),
                   "qaic": digest({"export": export_key, "argv": argv[1:], "specs": specs,
                                   "custom_io": kv_prec, "fmt": r.hardware.specializations_format})}
     return RolePlan(

@@ -112,6 +112,9 @@ class Hardware(_Strict):
 class OrtOptions(_Strict):
     graph: Literal["fused", "portable"] = "fused"  # fused: ORT's GQA kernels; portable: as exported
     intra_op_threads: int | None = Field(default=None, ge=1)  # None: from the core split
+    # int8: the draft's matmul weights as 8-bit blocks (MatMulNBits). A draft's numerics change
+    # only which tokens it proposes, never the output, so this trades acceptance for speed.
+    draft_weights: Literal["float32", "int8"] = "float32"
 
 
 class Recipe(_Strict):
@@ -270,6 +273,14 @@ def static_problems(r: Recipe) -> list[Problem]:
             f"{h.aic_hw_version}", "warning")
     if len(r.backends) != len(set(r.backends)):
         add("backends", f"duplicate backends in {r.backends}")
+    if r.onnxruntime.draft_weights == "int8":
+        if d.method != "draft_model":
+            add("onnxruntime.draft_weights", f"method '{d.method}' has no draft model")
+        elif r.shapes.batch_size > 1 or r.shapes.full_batch_size is not None:
+            add("onnxruntime.draft_weights", "int8 draft weights exist in the fused graph only, "
+                "which serves batch_size 1 without full_batch_size")
+        elif r.onnxruntime.graph != "fused":
+            add("onnxruntime.draft_weights", "int8 draft weights need onnxruntime.graph: fused")
 
     card = CARDS[h.card]
     n_qids = card["qids"] * h.num_cards

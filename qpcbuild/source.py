@@ -15,7 +15,8 @@ from typing import Any
 from .errors import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
+                   "chat_template.jinja")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 

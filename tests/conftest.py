@@ -87,3 +87,34 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 # ==================================================================================================
 # END tiny-checkpoints block
 # ==================================================================================================
+
+
+# ==================================================================================================
+# The real pair (tests marked real_model): SmolLM2-135M-Instruct, fetched and converted by
+# `make smollm2`, and the draft trained for it (committed under models/smollm2-draft).
+# ==================================================================================================
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+REAL_TARGET = MODELS / "smollm2-135m-instruct"
+REAL_DRAFT = MODELS / "smollm2-draft"
+
+
+def real_model_missing() -> str | None:
+    """Why the real target cannot be used here, or None. CI sets QPCBUILD_REAL_MODEL=required,
+    so that a missing model fails these tests instead of skipping them."""
+    import os
+
+    if (REAL_TARGET / "conversion.json").is_file() and (REAL_DRAFT / "config.json").is_file():
+        return None
+    why = f"{REAL_TARGET} is missing (run `make smollm2`)"
+    if os.environ.get("QPCBUILD_REAL_MODEL") == "required":
+        pytest.fail(why + "; QPCBUILD_REAL_MODEL=required", pytrace=False)
+    return why
+
+
+@pytest.fixture(scope="session")
+def real_pair() -> tuple[Path, Path]:
+    why = real_model_missing()
+    if why:
+        pytest.skip(why)
+    return REAL_TARGET, REAL_DRAFT

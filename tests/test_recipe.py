@@ -272,6 +272,14 @@ BAD = [
         "target.model", L_TARGET_MODEL, "at least 1 character"),
     Bad("target-model-null", edit((f"  model: {TARGET}", "  model:")),
         "target.model", L_TARGET_MODEL, "None"),
+    Bad("int8-draft-weights-in-the-batched-graph", BASE, "onnxruntime.draft_weights", None,
+        "fused graph only", ("onnxruntime.draft_weights=int8", "shapes.batch_size=2")),
+    Bad("int8-draft-weights-in-the-portable-graph", BASE, "onnxruntime.draft_weights", None,
+        "need onnxruntime.graph: fused", ("onnxruntime.draft_weights=int8",
+                                          "onnxruntime.graph=portable")),
+    Bad("int8-draft-weights-without-a-draft", BASE, "onnxruntime.draft_weights", None,
+        "has no draft model", ("onnxruntime.draft_weights=int8", "draft.method=ngram",
+                               "draft.model=null")),
     # ---- --set overrides
     Bad("override-missing-equals", BASE, "shapes.ctx_len", None, "KEY.PATH=VALUE",
         ("shapes.ctx_len",)),
@@ -534,7 +542,8 @@ def test_cli_resolved_prints_yaml_with_defaults():
     assert doc["hardware"]["num_cards"] == 1
     assert doc["hardware"]["specializations_format"] == "named"
     assert doc["hardware"]["compiler_options"]["mos"] is None
-    assert doc["onnxruntime"] == {"graph": "fused", "intra_op_threads": None}
+    assert doc["onnxruntime"] == {"graph": "fused", "intra_op_threads": None,
+                                  "draft_weights": "float32"}
     assert doc["draft"]["trust_remote_code"] is False
     # What --resolved prints is itself a valid recipe that resolves to the same thing.
     assert recipe_from_text(result.stdout).to_yaml_dict() == doc

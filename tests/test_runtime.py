@@ -88,6 +88,60 @@ def test_fused_ort_lowering_gives_the_tokens_of_the_portable_graph(tmp_path_fact
                                atol=1e-4)
 
 
+def _matmul_nbits(x: np.ndarray, q: np.ndarray, scale: np.ndarray, k: int, n: int) -> np.ndarray:
+    """ONNX Runtime's own MatMulNBits (fp32 activations) on our packed weights."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node("MatMulNBits", ["x", "q", "s"], ["y"], domain="com.microsoft", K=k,
+                            N=n, bits=8, block_size=32, accuracy_level=0)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scale, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("k", [64, 72])  # 72: a last block padded with zeros
+def test_int8_weight_packing_is_what_onnxruntime_reads(k):
+    from qpcbuild.compile.ort_graph import blockwise_int8
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(k, 48)).astype(np.float32)
+    w[:32, 3] = 0.0  # an all-zero block
+    x = rng.normal(size=(2, k)).astype(np.float32)
+    q, scale = blockwise_int8(w)
+    deq = (q.astype(np.float32) - 128) * scale.reshape(48, -1, 1)
+    deq = deq.reshape(48, -1)[:, :k].T
+    assert np.max(np.abs(deq - w)) <= np.max(scale) / 2 + 1e-7  # round to nearest
+    np.testing.assert_allclose(_matmul_nbits(x, q, scale, k, 48), x @ deq, rtol=1e-5, atol=1e-4)
+    # The same bytes read in the other orientation are a different matrix: the check can fail.
+    swapped = q.reshape(48, -1)[::-1].reshape(q.shape).copy()
+    assert not np.allclose(_matmul_nbits(x, swapped, scale, k, 48), x @ deq, atol=1e-2)
+
+
+def test_int8_draft_weights_change_the_proposals_never_the_output(tmp_path_factory, prompts):
+    import onnx
+
+    out = build(tmp_path_factory, "int8", overrides=["onnxruntime.draft_weights=int8"])
+    gen = qpcbuild.load(out, verify="none")
+    ort_info = gen.manifest["roles"]["draft"]["backends"]["onnxruntime"]
+    assert ort_info["weights"] == "int8"
+    assert gen.manifest["roles"]["target"]["backends"]["onnxruntime"]["weights"] == "float32"
+    graph = onnx.load(str(out / ort_info["artifact"]), load_external_data=False).graph
+    ops = Counter(n.op_type for n in graph.node)
+    assert ops["MatMulNBits"] == 4 * 2 + 1 and ops["MatMul"] == 0, ops  # 4 per layer + lm_head
+    accepted = 0
+    for p in prompts[:8]:
+        spd = gen.generate([p], max_new_tokens=48)
+        assert _tokens(spd) == _tokens(gen.generate([p], max_new_tokens=48, target_only=True))
+        accepted += spd.stats["spec_decode_num_accepted_tokens"]
+    assert accepted > 0
+
+
 def test_draft_model_accepts_tokens_and_stats_are_consistent(bundle_k_list, prompts):
     gen = qpcbuild.load(bundle_k_list, method="draft_model", k=4, verify="none")
     totals = Counter()

@@ -57,9 +57,9 @@ class OrtBackend:
         metadata = {p.key: p.value for p in source.metadata_props}
         batch, ctx_len = role.ort["batch_size"], role.ort["ctx_len"]
         build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
-                        {**metadata, "ort_graph": "fused"})
+                        {**metadata, "ort_graph": "fused"}, role.ort["weights"])
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
-                "graph": "fused", "kv_binding": "in_place",
+                "graph": "fused", "kv_binding": "in_place", "weights": role.ort["weights"],
                 "fixed_dims": {"batch_size": batch, "ctx_len": ctx_len},
                 "execution_provider": "CPUExecutionProvider"}
 

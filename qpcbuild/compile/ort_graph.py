@@ -5,7 +5,9 @@ built from ORT's fused CPU kernels so a decode step does not pay for the whole s
 - RMSNorm and residual adds are (Skip)SimplifiedLayerNormalization;
 - attention is com.microsoft.GroupQueryAttention over the same [B, nKV, ctx_len, D] buffers,
   updated in place (the runtime binds each KV input and its _RetainedState output to one buffer)
-  and reading only the valid prefix of each row.
+  and reading only the valid prefix of each row;
+- with `weights="int8"` (drafts only) each matmul weight is stored as 8-bit blocks for
+  com.microsoft.MatMulNBits: a quarter of the bytes a memory-bound call has to read.
 
 GroupQueryAttention places a row's S new tokens at slots start..start+S-1 with start =
 position_ids[b, 0], so padded tail slots (-1) are written after the real tokens instead of at
@@ -58,12 +60,30 @@ def rope_tables(arch: ArchSpec, ctx_len: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
+INT8_BLOCK = 32
+
+
+def blockwise_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[K, N] weights as MatMulNBits' 8-bit layout: uint8 [N, ceil(K/32), 32] with the implicit
+    zero point 128, and float32 scales [N * ceil(K/32)]. Symmetric absmax per block of 32 along
+    K, round half to even; a K that is not a multiple of 32 is padded with zeros."""
+    k, n = w.shape
+    blocks = -(-k // INT8_BLOCK)
+    cols = np.zeros((n, blocks * INT8_BLOCK), np.float32)
+    cols[:, :k] = w.T
+    cols = cols.reshape(n, blocks, INT8_BLOCK)
+    scale = np.abs(cols).max(axis=-1) / 127.0
+    scale[scale == 0] = 1.0  # an all-zero block: any scale reproduces it
+    q = np.clip(np.rint(cols / scale[..., None]), -127, 127) + 128
+    return q.astype(np.uint8), scale.astype(np.float32).reshape(-1)
+
+
 def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, ctx_len: int,
-                    out_dir: Path, metadata: dict[str, str]) -> Path:
+                    out_dir: Path, metadata: dict[str, str], weights: str = "float32") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "model.onnx.data", "wb") as data:
         g = GraphBuilder(data, "model.onnx.data")
-        _Lowered(g, arch, w, batch, ctx_len).build(role)
+        _Lowered(g, arch, w, batch, ctx_len, weights == "int8").build(role)
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
     model.opset_import.append(helper.make_opsetid(MS, 1))
     path = out_dir / "model.onnx"
@@ -72,11 +92,28 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, c
 
 
 class _Lowered:
-    def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int, ctx: int):
-        self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
+    def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int, ctx: int,
+                 int8: bool = False):
+        self.g, self.a, self.w, self.batch, self.ctx, self.int8 = g, a, w, batch, ctx, int8
 
     def weight(self, name: str, arr: np.ndarray | None = None) -> str:
         return self.g.weight(name, self.w.get(name) if arr is None else arr)
+
+    def project(self, x: str, name: str, arr: np.ndarray | None = None,
+                out: str | None = None) -> str:
+        """x @ W for a [K, N] weight, in the lowering's weight format."""
+        arr = self.w.get(name) if arr is None else arr
+        if not self.int8:
+            return self.g.op("MatMul", x, self.g.weight(name, arr), out=out)
+        q, scale = blockwise_int8(arr)
+        g = self.g
+        out = out or g._name("matmul")
+        # accuracy_level 4: int8 activations too, ORT's fast kernel; fine for a draft.
+        g.nodes.append(helper.make_node(
+            "MatMulNBits", [x, g.weight(f"{name}.q8", q), g.weight(f"{name}.scale", scale)],
+            [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits", K=arr.shape[0],
+            N=arr.shape[1], bits=8, block_size=INT8_BLOCK, accuracy_level=4))
+        return out
 
     def norm(self, x: str, weight: str) -> str:
         return self.g.op("SimplifiedLayerNormalization", x, self.weight(weight), axis=-1,
@@ -135,7 +172,7 @@ class _Lowered:
         g, a = self.g, self.a
         p = f"model.layers.{i}.self_attn"
         parts = [self.w.get(f"{p}.{n}_proj.weight^T") for n in ("q", "k", "v")]
-        qkv = g.op("MatMul", h, self.weight(f"{p}.qkv^T", np.concatenate(parts, axis=1)))
+        qkv = self.project(h, f"{p}.qkv^T", np.concatenate(parts, axis=1))
         if a.qkv_bias:
             bias = np.concatenate([self.w.get(f"{p}.{n}_proj.bias") for n in ("q", "k", "v")])
             qkv = g.op("Add", qkv, self.weight(f"{p}.qkv_bias", bias))
@@ -151,7 +188,7 @@ class _Lowered:
             [out, f"past_key.{i}_RetainedState", f"past_value.{i}_RetainedState"], domain=MS,
             name=f"n{len(g.nodes)}_GQA", num_heads=a.num_heads, kv_num_heads=a.num_kv_heads,
             do_rotary=1, rotary_interleaved=0, scale=a.head_dim ** -0.5))
-        o = g.op("MatMul", out, self.weight(f"{p}.o_proj.weight^T"))
+        o = self.project(out, f"{p}.o_proj.weight^T")
         return g.op("Add", o, self.weight(f"{p}.o_proj.bias")) if a.o_bias else o
 
     def head_norm(self, x: str, heads: int, weight: str) -> str:
@@ -164,17 +201,18 @@ class _Lowered:
         p = f"model.layers.{i}.mlp"
         gate_up = np.concatenate([self.w.get(f"{p}.gate_proj.weight^T"),
                                   self.w.get(f"{p}.up_proj.weight^T")], axis=1)
-        y = g.op("MatMul", h, self.weight(f"{p}.gate_up^T", gate_up))
+        y = self.project(h, f"{p}.gate_up^T", gate_up)
         if a.mlp_bias:
             bias = np.concatenate([self.w.get(f"{p}.gate_proj.bias"), self.w.get(f"{p}.up_proj.bias")])
             y = g.op("Add", y, self.weight(f"{p}.gate_up_bias", bias))
         gate, up = g.op("Split", y, g.const([a.intermediate_size] * 2), axis=-1, n_out=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
-        down = g.op("MatMul", act, self.weight(f"{p}.down_proj.weight^T"))
+        down = self.project(act, f"{p}.down_proj.weight^T")
         return g.op("Add", down, self.weight(f"{p}.down_proj.bias")) if a.mlp_bias else down
 
     def head(self, x: str, pos: str, nlk: str | None) -> None:
         # Stored [H, V] once, so no step transposes a tied embedding.
         lm = self.w.get("lm_head.weight^T") if self.w.has("lm_head.weight^T") else \
             np.ascontiguousarray(self.w.get("model.embed_tokens.weight").T)
-        logits_head(self.g, x, pos, nlk, self.weight("lm_head^T", lm), self.a, self.batch)
+        logits_head(self.g, x, pos, nlk, None, self.a, self.batch,
+                    matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out))

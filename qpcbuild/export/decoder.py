@@ -158,9 +158,10 @@ class Decoder:
         logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size")
 
 
-def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str, a: ArchSpec,
-                batch_dim) -> None:
-    """Logits for the last real token (draft) or the N tokens ending there (target)."""
+def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str | None,
+                a: ArchSpec, batch_dim, matmul=None) -> None:
+    """Logits for the last real token (draft) or the N tokens ending there (target).
+    `matmul(x, out)` replaces the plain MatMul by `lm` (a lowering's quantized kernel)."""
     last = g.op("ArgMax", pos, axis=1, keepdims=1)  # [B,1] index of the largest position
     if nlk_input is None:
         rows = last
@@ -174,6 +175,9 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
     shape = g.op("Concat", g.op("Shape", rows), g.const([a.hidden_size]), axis=0)
     picked = g.op("GatherElements", x, g.op("Expand", g.op("Unsqueeze", rows, g.const([-1])),
                                              shape), axis=1)  # [B,N,H]
-    g.op("MatMul", picked, lm, out="logits")
+    if matmul is None:
+        g.op("MatMul", picked, lm, out="logits")
+    else:
+        matmul(picked, "logits")
     g.output("logits", FLOAT, [batch_dim, "num_logits_to_keep" if nlk_input else 1,
                                a.vocab_size])

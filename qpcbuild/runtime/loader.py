@@ -15,6 +15,7 @@ from typing import Any
 
 from ..bundle import read_manifest, verify_bundle
 from ..errors import BundleError, UsageError
+from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
 from .proposers import make_proposer
 from .sampling import SamplingParams
@@ -113,6 +114,7 @@ class Generator:
             raise BundleError(f"{bundle}: no tokenizer/tokenizer.json; this bundle can only be "
                               "driven with token ids")
         self.tokenizer = Tokenizer.from_file(str(tok_file))
+        self._chat: ChatTemplate | None = None
         self.eos_ids = set(target_info["arch"]["eos_token_ids"])
         gen_cfg = bundle / "tokenizer" / "generation_config.json"
         if gen_cfg.is_file():
@@ -134,12 +136,24 @@ class Generator:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def chat_prompt(self, prompt, system: str | None = None) -> list[int]:
+        """Token ids of a chat turn: `prompt` is a user message or a list of {"role", "content"}
+        messages, rendered with the bundle's chat template and the assistant's turn opened."""
+        if self._chat is None:
+            self._chat = ChatTemplate(self.bundle / "tokenizer")
+        text = self._chat.render(as_messages(prompt, system))
+        # The template writes the special tokens itself, as in transformers' apply_chat_template.
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, on_token: TokenCallback | None = None,
-                 target_only: bool = False, k: int | None = None) -> GenerationResult:
-        """k: one of the compiled Ks for this call only (default: the K given to `load`)."""
-        if isinstance(prompts, str):
+                 target_only: bool = False, k: int | None = None, chat: bool = False,
+                 system: str | None = None) -> GenerationResult:
+        """k: one of the compiled Ks for this call only (default: the K given to `load`).
+        chat: each prompt is a user message (or a list of messages) put through the bundle's
+        chat template; `system` opens each conversation that has no system message."""
+        if isinstance(prompts, str) or (chat and prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
         if not (math.isfinite(temperature) and temperature >= 0):
             raise UsageError(f"temperature must be a finite number >= 0, got {temperature}")
@@ -149,10 +163,13 @@ class Generator:
             raise UsageError(f"top_k must be >= 0, got {top_k}")
         if seed is not None and not 0 <= seed < 2**63:
             raise UsageError(f"seed must be in 0..2**63-1, got {seed}")
-        ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
         for n, p in enumerate(prompts):
             if isinstance(p, str) and not p:
                 raise UsageError(f"prompt {n} is empty")
+        if chat:
+            ids = [self.chat_prompt(p, system) for p in prompts]
+        else:
+            ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
         sp = SamplingParams(temperature, top_k, top_p, seed)
         rows, times = self.decoder.generate(ids, max_new_tokens, sp,
                                             self.k if k is None else k, on_token, target_only)
