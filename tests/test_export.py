@@ -10,6 +10,7 @@ import errno
 import inspect
 import json
 import shutil
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -297,13 +298,72 @@ def test_demo_greedy_generation_through_graph_matches_transformers(role, tmp_pat
 
 
 @pytest.mark.parametrize("cb", [False, True], ids=["plain", "continuous-batching"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])  # tied embeddings; per-head q/k norms
+def test_card_graph_speaks_qefficients_dialect(variant, cb, exported):
+    """QEfficient's vocabulary (shared facts in dialect.py): its functions with their domains,
+    input order and attributes; RoPE gathered from tables (no Cos/Sin); the lm_head a MatMul
+    weight of its own even for a tied model; and nothing the card has not seen from QEfficient."""
+    from qpcbuild.export import dialect
+
+    result = exported(variant, "target", cb)
+    model = onnx.load(str(result.onnx_path), load_external_data=False)
+    arch = result.arch
+    functions = {(f.domain, f.name): f for f in model.functions}
+    kv = ("CtxScatterCB", "CtxGatherCB") if cb else ("CtxScatter", "CtxGather")
+    assert set(functions) == {("com.qualcomm.cloud", kv[0]), ("com.qualcomm.cloud", kv[1]),
+                              ("com.qti.aisw.onnx", "CustomRMSNorm")}
+    inputs = {name: list(f.input) for (_, name), f in functions.items()}
+    assert inputs["CustomRMSNorm"] == ["hidden_states", "weight"]
+    assert list(functions[("com.qti.aisw.onnx", "CustomRMSNorm")].attribute) == ["epsilon"]
+    assert inputs[kv[0]] == (["data", "batch_index", "position_ids", "updates"] if cb
+                             else ["data", "position_ids", "updates"])
+    assert inputs[kv[1]] == (["data", "batch_index", "ctx_indices", "comp_ctx_len"] if cb
+                             else ["data", "ctx_indices", "comp_ctx_len"])
+    nodes = model.graph.node
+    calls = Counter(n.op_type for n in nodes if n.domain)
+    norms = 2 * arch.num_layers + 1 + (2 * arch.num_layers if arch.qk_norm else 0)
+    assert calls == {kv[0]: 2 * arch.num_layers, kv[1]: 2 * arch.num_layers,
+                     "CustomRMSNorm": norms}
+    for n in nodes:
+        if n.op_type == "CustomRMSNorm":
+            assert [a.name for a in n.attribute] == ["epsilon"]
+            assert n.attribute[0].f == pytest.approx(arch.rms_norm_eps)
+    # The scatter's output is the retained-state graph output itself.
+    scatter_outs = {n.output[0] for n in nodes if n.op_type == kv[0]}
+    assert scatter_outs == {o.name for o in model.graph.output if o.name.endswith("_RetainedState")}
+    ops = {n.op_type for n in nodes if not n.domain}
+    assert not ops & {"Cos", "Sin"}
+    assert ops <= dialect.STANDARD_OPS, ops - dialect.STANDARD_OPS
+    inits = {t.name: list(t.dims) for t in model.graph.initializer}
+    cos = [n for n in nodes if n.op_type == "Gather" and n.input[0] == "rope.cos_cached"]
+    assert cos and inits["rope.cos_cached"] == [arch.max_position_embeddings, arch.head_dim]
+    logits = next(n for n in nodes if "logits" in n.output)
+    assert logits.op_type == "MatMul" and inits[logits.input[1]] == [arch.hidden_size,
+                                                                     arch.vocab_size]
+
+
+def test_dialect_functions_run_unpatched_on_onnxruntime(exported):
+    """Every index the graph feeds its gathers and scatters is one ONNX Runtime accepts: no
+    INT32_MAX to patch. Run a prefill whose pads sit at -1 and check slot ctx_len-1 took them."""
+    drv = GraphDriver(exported("llama", "target").onnx_path, 1, 32)
+    prefill(drv, list(range(5, 10)), 8)  # 5 tokens + 3 pads at position -1
+    key = drv.kv["past_key.0"][0]  # [nKV, C, D]
+    assert np.abs(key[:, :5]).sum() > 0 and np.abs(key[:, 5:-1]).sum() == 0
+    assert np.abs(key[:, -1]).sum() > 0  # the pads' slot
+
+
+# ------------------------------------------------------------------ 4b. the I/O contract
+
+
+@pytest.mark.parametrize("cb", [False, True], ids=["plain", "continuous-batching"])
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_graph_io_contract_opset_and_metadata(role, cb, tiny_models, exported):
     result = exported("llama_untied_rope", role, cb)
     arch = result.arch
     onnx.checker.check_model(str(result.onnx_path), full_check=True)
     model = onnx.load(str(result.onnx_path), load_external_data=False)
-    assert {(o.domain, o.version) for o in model.opset_import} == {("", 17)}
+    assert {(o.domain, o.version) for o in model.opset_import} == \
+        {("", 17), ("com.qualcomm.cloud", 1), ("com.qti.aisw.onnx", 1)}
     assert sorted(p.name for p in result.onnx_path.parent.iterdir()) == [GRAPH_FILE, DATA_FILE]
 
     def sig(values):
@@ -415,8 +475,13 @@ def test_float16_weight_export_stays_close_to_transformers(tiny_models, exported
     for r, n in enumerate(lengths):
         assert_close(steps["decode"][r, 0], ref[r][n], tol=2e-2, what="fp16 decode")
         assert_close(steps["verify"][r], ref[r][n + 1:n + 2 + k], tol=2e-2, what="fp16 verify")
-    f32 = exported("llama_untied_rope", "target").onnx_path.parent / DATA_FILE
-    assert (result.onnx_path.parent / DATA_FILE).stat().st_size < 0.6 * f32.stat().st_size
+    # Checkpoint tensors are stored in float16; only the RoPE tables, computed here in float32
+    # as transformers computes them, stay float32.
+    model = onnx.load(str(result.onnx_path), load_external_data=False)
+    stored = {t.name: t.data_type for t in model.graph.initializer
+              if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert {n for n, t in stored.items() if t != onnx.TensorProto.FLOAT16} == \
+        {"rope.cos_cached", "rope.sin_cached"}
 
 
 # ------------------------------------------------------------------ 7. bad input

@@ -318,6 +318,46 @@ def test_emit_only_flat_specializations(models, tmp_path):
     assert verify_bundle(out) == []
 
 
+def _break_card_graph(path: Path, how: str) -> None:
+    model = onnx.load(str(path), load_external_data=False)
+    if how == "cos-node":
+        model.graph.node.append(onnx.helper.make_node("Cos", ["position_ids"], ["unused_cos"]))
+    elif how == "renamed-function":
+        f = next(f for f in model.functions if f.name == "CtxGather")
+        f.domain = "com.example"
+        for n in model.graph.node:
+            if n.op_type == "CtxGather":
+                n.domain = "com.example"
+    elif how == "reordered-inputs":
+        f = next(f for f in model.functions if f.name == "CtxScatter")
+        f.input[1], f.input[2] = f.input[2], f.input[1]
+    path.write_bytes(model.SerializeToString())
+
+
+@pytest.mark.parametrize("how", [None, "cos-node", "renamed-function", "reordered-inputs"])
+def test_doctor_lists_the_card_vocabulary_and_flags_what_qefficient_does_not_emit(
+        models, tmp_path, how):
+    recipe = write_recipe(tmp_path, models)
+    out = tmp_path / "out" / "tiny-qaic"
+    build(recipe, tmp_path / "cache", out, emit_only=True)
+    if how:
+        _break_card_graph(out / "target" / "onnx" / "model.onnx", how)
+    result = runner.invoke(app, ["doctor", str(out), "--json"])
+    report = json.loads(result.stdout)
+    target, draft = report["roles"]["target"], report["roles"]["draft"]
+    assert draft["findings"] == []
+    assert set(draft["functions"]) == {"CtxScatter", "CtxGather", "CustomRMSNorm"}
+    assert draft["functions"]["CustomRMSNorm"]["domain"] == "com.qti.aisw.onnx"
+    assert "com.qualcomm.cloud::CtxScatter" in draft["ops"]
+    if how is None:
+        assert result.exit_code == 0 and report["clean"] and target["findings"] == []
+        return
+    assert result.exit_code == 1 and not report["clean"]
+    needle = {"cos-node": "op Cos", "renamed-function": "CtxGather",
+              "reordered-inputs": "CtxScatter"}[how]
+    assert any(needle in f for f in target["findings"]), target["findings"]
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_emit_only_mdp_partition_for_multi_qid_group(models, tmp_path, n):
     recipe = write_recipe(tmp_path, models, num_cards=2,

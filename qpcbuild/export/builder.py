@@ -24,6 +24,7 @@ class GraphBuilder:
         self._consts: dict[tuple, str] = {}
         self._data, self._data_name, self._offset = data_file, data_name, 0
         self.weight_hashes: dict[str, str] = {}
+        self.functions: dict[str, onnx.FunctionProto] = {}  # model-local, by name
 
     def _name(self, hint: str) -> str:
         self._count += 1
@@ -35,6 +36,16 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), outs,
                                            name=f"n{len(self.nodes)}_{op_type}", **attrs))
         return outs[0] if n_out == 1 else outs
+
+    def call(self, function: onnx.FunctionProto, *inputs: str, out: str | None = None,
+             **attrs) -> str:
+        """A node calling a model-local function (added to the model once)."""
+        self.functions.setdefault(function.name, function)
+        out = out or self._name(function.name.lower())
+        self.nodes.append(helper.make_node(function.name, list(inputs), [out],
+                                           name=f"n{len(self.nodes)}_{function.name}",
+                                           domain=function.domain, **attrs))
+        return out
 
     def const(self, value, dtype=np.int64) -> str:
         """Small constants, deduplicated, stored inline."""
@@ -80,8 +91,10 @@ class GraphBuilder:
     def model(self, graph_name: str, opset: int, metadata: dict[str, str]) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs,
                                   self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
-                                  producer_name="qpcbuild")
+        domains = sorted({f.domain for f in self.functions.values()})
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)] + [
+            helper.make_opsetid(d, 1) for d in domains], producer_name="qpcbuild",
+            functions=[self.functions[k] for k in sorted(self.functions)])
         model.ir_version = 8  # opset 17 era; accepted by older runtimes and the Qualcomm SDK
         helper.set_model_props(model, metadata)
         return model

@@ -1,12 +1,15 @@
-"""The one decoder graph for every supported family, written as plain ONNX (opset 17).
+"""The one decoder graph for every supported family, in QEfficient's dialect (opset 17).
 
 Shapes in comments: B batch, S seq_len, C ctx_len, H hidden, nH/nKV heads, D head_dim,
-g = nH / nKV (query heads per KV head), V vocab, N num_logits_to_keep.
+g = nH / nKV (query heads per KV head), V vocab, N num_logits_to_keep, P max positions.
 
-Contract (shared/reference/qaic-conventions.md, section 1): KV buffers are fixed-size retained
-state written at `position_ids` with ScatterND; the attention mask is derived from positions
-(key k is hidden from query q when k > position q), so stale entries past a row's position are
-invisible and nothing is ever rolled back; position -1 marks a padded slot.
+Contract (docs in README, "The exported graph"): KV buffers are fixed-size retained state written
+at `position_ids`; the attention mask is derived from positions (key k is hidden from query q when
+k > position q), so stale entries past a row's position are invisible and nothing is ever rolled
+back; position -1 marks a padded slot. The card graph speaks the op vocabulary the Cloud AI
+compiler knows from QEfficient (see dialect.py): CtxScatter / CtxGather for the KV cache,
+CustomRMSNorm, RoPE read from cos/sin tables, KV heads repeated for grouped-query attention and
+an lm_head that is a MatMul weight of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ..arch import ArchSpec
+from . import dialect
 from .builder import GraphBuilder
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
@@ -26,16 +30,21 @@ MASKED = -10000.0  # finite so fully masked pad rows stay finite, and representa
 WeightLoader = Callable[[str, tuple[int, ...], bool], str]
 
 
+def rope_tables(arch: ArchSpec, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [positions, D] as transformers computes them: float32 angles pos * inv_freq,
+    the half-dimension repeated (rotate_half layout)."""
+    freqs = np.outer(np.arange(positions, dtype=np.float32), arch.inv_freq())
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
 class Decoder:
     def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader):
         self.g, self.a, self.load = g, arch, load
 
     # ------------------------------------------------------------ small pieces
     def rms_norm(self, x: str, weight: str) -> str:
-        g = self.g
-        var = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
-        denom = g.op("Sqrt", g.op("Add", var, g.const(self.a.rms_norm_eps, np.float32)))
-        return g.op("Mul", g.op("Div", x, denom), weight)
+        return self.g.call(dialect.custom_rms_norm(), x, weight, epsilon=self.a.rms_norm_eps)
 
     def linear(self, x: str, prefix: str, n_in: int, n_out: int, bias: bool) -> str:
         y = self.g.op("MatMul", x, self.load(f"{prefix}.weight", (n_out, n_in), True))
@@ -53,6 +62,17 @@ class Decoder:
         x = g.op("Reshape", x, g.const([0, 0, n, self.a.head_dim]))
         return g.op("Transpose", x, perm=[0, 2, 1, 3])
 
+    def repeat_kv(self, kv: str, ctx: str) -> str:
+        """[B,nKV,C,D] -> [B,nH,C,D]: each KV head repeated for its g query heads."""
+        g, a = self.g, self.a
+        groups = a.num_heads // a.num_kv_heads
+        if groups == 1:
+            return kv
+        shape = g.op("Concat", g.op("Shape", kv, start=0, end=1),
+                     g.const([a.num_kv_heads, groups]), ctx, g.const([a.head_dim]), axis=0)
+        x = g.op("Expand", g.op("Unsqueeze", kv, g.const([2])), shape)  # [B,nKV,g,C,D]
+        return g.op("Reshape", x, g.const([0, a.num_heads, -1, a.head_dim]))
+
     # ------------------------------------------------------------ the graph
     def build(self, role: str, continuous_batching: bool) -> None:
         g, a = self.g, self.a
@@ -67,50 +87,41 @@ class Decoder:
         nlk_input = g.input("num_logits_to_keep", INT64, ["num_logits_to_keep", 1]) \
             if role == "target" else None
 
-        batch = g.op("Shape", ids, start=0, end=1)  # [1] = B
-        seq = g.op("Shape", ids, start=1, end=2)  # [1] = S
         ctx = g.op("Shape", past[0][0], start=2, end=3)  # [1] = C
+        ctx_len = g.op("Squeeze", ctx, g.const([0]))  # [] = C
 
-        # RoPE angles straight from positions: no table, so no max-position limit.
-        freqs = g.op("Mul", g.op("Unsqueeze", g.op("Cast", pos, to=FLOAT), g.const([-1])),
-                     g.const(a.inv_freq(), np.float32))  # [B,S,D/2]
-        emb = g.op("Concat", freqs, freqs, axis=-1)  # [B,S,D]
-        cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([1]))  # [B,1,S,D]
-        sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([1]))
+        # RoPE from tables of the model's max positions (as QEfficient: one graph serves every
+        # ctx_len); position -1 reads the last row, harmless for a pad.
+        cos_t, sin_t = rope_tables(a, a.max_position_embeddings)
+        cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos_cached", cos_t), pos),
+                   g.const([1]))  # [B,1,S,D]
+        sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope.sin_cached", sin_t), pos),
+                   g.const([1]))
 
-        # Mask [B,1,1,S,C]: key k hidden from query q when k > position of q.
-        keys = g.op("Range", g.const(0), g.op("Squeeze", ctx, g.const([0])), g.const(1))  # [C]
-        mask = g.op("Greater", keys, g.op("Unsqueeze", pos, g.const([-1])))  # [B,S,C]
-        mask = g.op("Unsqueeze", mask, g.const([1, 2]))
-
-        # ScatterND indices [B,nKV,S,3] = (row, kv head, slot); pads (-1) go to slot C-1.
-        last_slot = g.op("Sub", ctx, g.const([1]))
-        slot = g.op("Where", g.op("Less", pos, g.const(0)), last_slot, pos)  # [B,S]
-        expand_to = g.op("Concat", batch, g.const([a.num_kv_heads]), seq, axis=0)
-        if batch_index is not None:
-            rows = g.op("Reshape", batch_index, g.const([-1, 1, 1]))
-        else:
-            rows = g.op("Reshape", g.op("Range", g.const(0), g.op("Squeeze", batch,
-                        g.const([0])), g.const(1)), g.const([-1, 1, 1]))
-        head_ids = g.const(np.arange(a.num_kv_heads).reshape(1, -1, 1))
-        parts = [g.op("Unsqueeze", g.op("Expand", t, expand_to), g.const([-1]))
-                 for t in (rows, head_ids, g.op("Unsqueeze", slot, g.const([1])))]
-        scatter_idx = g.op("Concat", *parts, axis=-1)
-        gather_rows = g.op("Reshape", batch_index, g.const([-1])) if batch_index is not None \
-            else None
+        keys = g.op("Range", g.const(0), ctx_len, g.const(1))  # [C]
+        # Mask [B,1,S,C]: key k hidden from query q when k > position of q.
+        mask = g.op("Unsqueeze", g.op("Greater", keys, g.op("Unsqueeze", pos, g.const([-1]))),
+                    g.const([1]))
+        # Slots past a row's last position are invalid: they gather slot 0, their values are
+        # zeroed and their keys masked (dialect.py says why 0).
+        limit = g.op("Unsqueeze", g.op("ReduceMax", pos, axes=[1], keepdims=1), g.const([1]))
+        invalid = g.op("Greater", g.op("Unsqueeze", keys, g.const([0, 1])), limit)  # [B,1,C]
+        ctx_indices = g.op("Where", invalid, g.const(0), g.op("Unsqueeze", keys, g.const([0, 1])))
+        invalid_v = g.op("Unsqueeze", invalid, g.const([-1]))  # [B,1,C,1]
+        kv = _KvAccess(g, pos, batch_index, ctx_indices, ctx_len, invalid_v)
 
         x = g.op("Gather", self.load("model.embed_tokens.weight",
                                      (a.vocab_size, a.hidden_size), False), ids)  # [B,S,H]
         for i in range(a.num_layers):
-            x = self.layer(i, x, cos, sin, mask, scatter_idx, past[i], gather_rows)
+            x = self.layer(i, x, cos, sin, mask, kv, past[i], ctx)
         x = self.rms_norm(x, self.load("model.norm.weight", (a.hidden_size,), False))
         self.head(x, pos, nlk_input)
         for i in range(a.num_layers):
             for kind in ("key", "value"):
                 g.output(f"past_{kind}.{i}_RetainedState", FLOAT, kv_shape)
 
-    def layer(self, i: int, x: str, cos: str, sin: str, mask: str, scatter_idx: str,
-              past: tuple[str, str], gather_rows: str | None) -> str:
+    def layer(self, i: int, x: str, cos: str, sin: str, mask: str, kv: "_KvAccess",
+              past: tuple[str, str], ctx: str) -> str:
         g, a = self.g, self.a
         p = f"model.layers.{i}"
         h, d, nh, nkv = a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads
@@ -123,21 +134,15 @@ class Decoder:
             k = self.rms_norm(k, self.load(f"{p}.self_attn.k_norm.weight", (d,), False))
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)  # [B,n,S,D]
 
-        k_all = g.op("ScatterND", past[0], scatter_idx, k, out=f"past_key.{i}_RetainedState")
-        v_all = g.op("ScatterND", past[1], scatter_idx, v, out=f"past_value.{i}_RetainedState")
-        if gather_rows is not None:  # continuous batching: this batch's rows of the KV pool
-            k_all = g.op("Gather", k_all, gather_rows, axis=0)
-            v_all = g.op("Gather", v_all, gather_rows, axis=0)
+        k_all = kv.write(past[0], k, f"past_key.{i}_RetainedState")
+        v_all = kv.write(past[1], v, f"past_value.{i}_RetainedState")
+        k_all, v_all = kv.read(k_all), kv.read(v_all, zero_invalid=True)  # [B,nKV,C,D]
 
-        # Grouped-query attention without copying KV: q [B,nKV,g,S,D] against k [B,nKV,1,C,D].
-        q5 = g.op("Reshape", q, g.const([0, nkv, nh // nkv, -1, d]))
-        k5 = g.op("Unsqueeze", k_all, g.const([2]))
-        v5 = g.op("Unsqueeze", v_all, g.const([2]))
-        scores = g.op("MatMul", q5, g.op("Transpose", k5, perm=[0, 1, 2, 4, 3]))  # [B,nKV,g,S,C]
+        k_rep, v_rep = self.repeat_kv(k_all, ctx), self.repeat_kv(v_all, ctx)  # [B,nH,C,D]
+        scores = g.op("MatMul", q, g.op("Transpose", k_rep, perm=[0, 1, 3, 2]))  # [B,nH,S,C]
         scores = g.op("Mul", scores, g.const(d ** -0.5, np.float32))
         scores = g.op("Where", mask, g.const(MASKED, np.float32), scores)
-        attn = g.op("MatMul", g.op("Softmax", scores, axis=-1), v5)  # [B,nKV,g,S,D]
-        attn = g.op("Reshape", attn, g.const([0, nh, -1, d]))
+        attn = g.op("MatMul", g.op("Softmax", scores, axis=-1), v_rep)  # [B,nH,S,D]
         attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
         x = g.op("Add", x, self.linear(attn, f"{p}.self_attn.o_proj", nh * d, h, a.o_bias))
 
@@ -150,12 +155,38 @@ class Decoder:
 
     def head(self, x: str, pos: str, nlk_input: str | None) -> None:
         a = self.a
-        if a.tie_word_embeddings:
-            lm = self.g.op("Transpose", self.load("model.embed_tokens.weight",
-                                                  (a.vocab_size, a.hidden_size), False), perm=[1, 0])
-        else:
-            lm = self.load("lm_head.weight", (a.vocab_size, a.hidden_size), True)
+        # A tied model still gets an [H, V] MatMul weight of its own, as QEfficient stores it:
+        # the compiler compresses constant MatMul weights, not a Transpose of the embedding.
+        source = "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
+        lm = self.load(source, (a.vocab_size, a.hidden_size), True)
         logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size")
+
+
+class _KvAccess:
+    """The KV cache write and read of every layer: CtxScatter/CtxGather, or their CB variants
+    (rows routed through batch_index into the full_batch_size pool)."""
+
+    def __init__(self, g: GraphBuilder, pos: str, batch_index: str | None, ctx_indices: str,
+                 ctx_len: str, invalid_v: str):
+        self.g, self.pos, self.batch_index = g, pos, batch_index
+        self.ctx_indices, self.ctx_len, self.invalid_v = ctx_indices, ctx_len, invalid_v
+
+    def write(self, past: str, new: str, out: str) -> str:
+        if self.batch_index is None:
+            return self.g.call(dialect.ctx_scatter(), past, self.pos, new, out=out)
+        return self.g.call(dialect.ctx_scatter_cb(), past, self.batch_index, self.pos, new,
+                           out=out)
+
+    def read(self, cache: str, zero_invalid: bool = False) -> str:
+        g = self.g
+        if self.batch_index is None:
+            out = g.call(dialect.ctx_gather(), cache, self.ctx_indices, self.ctx_len)
+        else:
+            out = g.call(dialect.ctx_gather_cb(), cache, self.batch_index, self.ctx_indices,
+                         self.ctx_len)
+        if zero_invalid:
+            out = g.op("Where", self.invalid_v, g.const(0.0, np.float32), out)
+        return out
 
 
 def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str | None,

@@ -1,0 +1,150 @@
+"""QEfficient's op vocabulary for the card graph, as ONNX model-local functions.
+
+The Cloud AI compiler recognises a few function names that Qualcomm's QEfficient emits for every
+causal LM it exports: `com.qualcomm.cloud::CtxScatter` / `CtxGather` (KV cache write and read,
+with `CB` variants that route rows through `batch_index`) and `com.qti.aisw.onnx::CustomRMSNorm`.
+A model-local function carries its own body of standard ops, so ONNX Runtime runs the same graph
+by inlining it. Names, domains, input order and attributes follow QEfficient; the bodies here are
+written from the ONNX operator spec.
+
+Invalid indices. QEfficient's TorchScript export marks KV slots past a row's last position with
+INT32_MAX, which the compiler accepts and ONNX Runtime rejects (its runner patches them to 0).
+This graph uses what both accept:
+- reads (`CtxGather`): invalid slots gather slot 0 (QEfficient's own function-export choice); the
+  values read there are zeroed and the keys masked, so what slot 0 holds never matters;
+- writes (`CtxScatter*`): padded tokens (position -1) are written at index -1, i.e. slot
+  ctx_len-1, where they stay masked until a real token overwrites them. QEfficient passes -1 the
+  same way in its non-batched scatter; its continuous-batching scatter uses INT32_MAX instead,
+  which ONNX Runtime would refuse, so both variants use -1 here.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import AttributeProto, TensorProto, helper
+
+CLOUD = "com.qualcomm.cloud"
+AISW = "com.qti.aisw.onnx"
+DOMAINS = (CLOUD, AISW)
+OPSET = 17
+
+
+class _Body:
+    """Nodes of one function body, with sequential local names."""
+
+    def __init__(self, prefix: str):
+        self.nodes: list[onnx.NodeProto] = []
+        self.prefix, self.count = prefix, 0
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        self.count += 1
+        out = out or f"{self.prefix}_{self.count}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+    def ints(self, *values: int) -> str:
+        return self.op("Constant", value=helper.make_tensor(f"c{self.count}", TensorProto.INT64,
+                                                            [len(values)], list(values)))
+
+    def scalar(self, value: int) -> str:
+        return self.op("Constant", value=helper.make_tensor(f"c{self.count}", TensorProto.INT64,
+                                                            [], [value]))
+
+    def dim(self, tensor: str, axis: int) -> str:
+        """[1]-shaped int64 size of `tensor` along `axis`."""
+        return self.op("Shape", tensor, start=axis, end=axis + 1)
+
+    def arange(self, size_1d: str) -> str:
+        limit = self.op("Squeeze", size_1d, self.ints(0))
+        return self.op("Range", self.scalar(0), limit, self.scalar(1))
+
+
+def _scatter_indices(b: _Body, rows: str, heads: str, positions: str) -> str:
+    """ScatterND indices [B, nKV, S, 3] = (row, head, slot) for updates [B, nKV, S, D]."""
+    shape = b.op("Concat", b.dim(rows, 0), heads, b.dim(positions, 1), b.ints(1), axis=0)
+    parts = [b.op("Expand", b.op("Unsqueeze", rows, b.ints(2, 3)), shape),
+             b.op("Expand", b.op("Unsqueeze", b.arange(heads), b.ints(0, 2, 3)), shape),
+             b.op("Expand", b.op("Unsqueeze", positions, b.ints(1, 3)), shape)]
+    return b.op("Concat", *parts, axis=3)
+
+
+def ctx_scatter() -> onnx.FunctionProto:
+    """CtxScatter(data [B,nKV,C,D], position_ids [B,S], updates [B,nKV,S,D]) -> data with each
+    update written at its position."""
+    b = _Body("cs")
+    rows = b.op("Unsqueeze", b.arange(b.dim("data", 0)), b.ints(1))  # [B,1]
+    idx = _scatter_indices(b, rows, b.dim("data", 1), "position_ids")
+    b.op("ScatterND", "data", idx, "updates", out="output")
+    return _function("CtxScatter", ["data", "position_ids", "updates"], b)
+
+
+def ctx_scatter_cb() -> onnx.FunctionProto:
+    """CtxScatterCB(data [FBS,nKV,C,D], batch_index [B,1], position_ids [B,S], updates): row b
+    of the updates goes to KV slot batch_index[b]."""
+    b = _Body("csb")
+    idx = _scatter_indices(b, "batch_index", b.dim("data", 1), "position_ids")
+    b.op("ScatterND", "data", idx, "updates", out="output")
+    return _function("CtxScatterCB", ["data", "batch_index", "position_ids", "updates"], b)
+
+
+def ctx_gather() -> onnx.FunctionProto:
+    """CtxGather(data [B,nKV,C,D], ctx_indices [B,1,L], comp_ctx_len [] = L) -> [B,nKV,L,D]."""
+    b = _Body("cg")
+    shape = b.op("Concat", b.op("Shape", "data", start=0, end=2),
+                 b.op("Reshape", "comp_ctx_len", b.ints(1)), axis=0)
+    idx = b.op("Unsqueeze", b.op("Expand", "ctx_indices", shape), b.ints(-1))
+    b.op("GatherND", "data", idx, batch_dims=2, out="output")
+    return _function("CtxGather", ["data", "ctx_indices", "comp_ctx_len"], b)
+
+
+def ctx_gather_cb() -> onnx.FunctionProto:
+    """CtxGatherCB(data [FBS,nKV,C,D], batch_index [B,1], ctx_indices [B,1,L], comp_ctx_len)
+    -> [B,nKV,L,D], the rows of the KV pool this batch uses."""
+    b = _Body("cgb")
+    rows = b.dim("batch_index", 0)
+    heads = b.dim("data", 1)
+    shape = b.op("Concat", rows, heads, b.op("Reshape", "comp_ctx_len", b.ints(1)), b.ints(1),
+                 axis=0)
+    parts = [b.op("Expand", b.op("Unsqueeze", "batch_index", b.ints(2, 3)), shape),
+             b.op("Expand", b.op("Unsqueeze", b.arange(heads), b.ints(0, 2, 3)), shape),
+             b.op("Expand", b.op("Unsqueeze", "ctx_indices", b.ints(3)), shape)]
+    b.op("GatherND", "data", b.op("Concat", *parts, axis=3), out="output")
+    return _function("CtxGatherCB", ["data", "batch_index", "ctx_indices", "comp_ctx_len"], b)
+
+
+def custom_rms_norm() -> onnx.FunctionProto:
+    """CustomRMSNorm(hidden_states, weight; epsilon) = weight * x / sqrt(mean(x^2, -1) + eps)."""
+    b = _Body("rms")
+    eps = helper.make_node("Constant", [], ["eps"])
+    eps.attribute.append(AttributeProto(name="value_float", ref_attr_name="epsilon",
+                                        type=AttributeProto.FLOAT))
+    b.nodes.append(eps)
+    x = "hidden_states"
+    var = b.op("ReduceMean", b.op("Pow", x, b.op("Constant", value_float=2.0)), axes=[-1],
+               keepdims=1)
+    eps_full = b.op("Expand", "eps", b.op("Shape", var))
+    normed = b.op("Mul", x, b.op("Reciprocal", b.op("Sqrt", b.op("Add", var, eps_full))))
+    b.op("Mul", b.op("Cast", "weight", to=TensorProto.FLOAT), normed, out="output")
+    return _function("CustomRMSNorm", ["hidden_states", "weight"], b, attributes=["epsilon"],
+                     domain=AISW)
+
+
+def _function(name: str, inputs: list[str], body: _Body, attributes: list[str] = (),
+              domain: str = CLOUD) -> onnx.FunctionProto:
+    return helper.make_function(domain, name, inputs, ["output"], body.nodes,
+                                [helper.make_opsetid("", OPSET)], list(attributes))
+
+
+FUNCTIONS = {"CtxScatter": ctx_scatter, "CtxScatterCB": ctx_scatter_cb, "CtxGather": ctx_gather,
+             "CtxGatherCB": ctx_gather_cb, "CustomRMSNorm": custom_rms_norm}
+FUNCTION_DOMAINS = {"CtxScatter": CLOUD, "CtxScatterCB": CLOUD, "CtxGather": CLOUD,
+                    "CtxGatherCB": CLOUD, "CustomRMSNorm": AISW}
+
+# Standard ops in QEfficient's export of a Llama-family causal LM (its TLM graph included):
+# what the compiler is known to see from it. Used by `qpcbuild doctor`.
+STANDARD_OPS = frozenset({
+    "Add", "ArgMax", "Cast", "Concat", "Constant", "ConstantOfShape", "Div", "Equal", "Expand",
+    "Gather", "GatherElements", "GatherND", "Greater", "Less", "MatMul", "Max", "Min", "Mul",
+    "Neg", "Pow", "Range", "Reciprocal", "ReduceMax", "ReduceMean", "Reshape", "ScatterND",
+    "Shape", "Sigmoid", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Transpose",
+    "Unsqueeze", "Where"})
