@@ -281,6 +281,39 @@ def inspect(bundle: Path = typer.Argument(..., help="Bundle folder."),
 
 @app.command()
 @handles_errors
+def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
+           json_out: bool = typer.Option(False, "--json", help="The report as JSON.")):
+    """List the ops, domains and functions of each role's card graph and flag what the Cloud AI
+    compiler has not seen from QEfficient. Exit 1 when something is flagged."""
+    from .bundle import read_manifest
+    from .bundle.doctor import doctor as run_doctor
+
+    report = run_doctor(bundle, read_manifest(bundle))
+    if json_out:
+        emit_json(report)
+    else:
+        for role, r in report["roles"].items():
+            if r["graph"] is None:
+                console.print(f"{role}: {r['note']}")
+                continue
+            console.print(f"{role}: {r['graph']}", markup=False)
+            console.print("  opsets: " + ", ".join(f"{d} {v}" for d, v in r["opsets"].items()))
+            for name, f in r["functions"].items():
+                console.print(f"  function {f['domain']}::{name}({', '.join(f['inputs'])})"
+                              + (f" [{', '.join(f['attributes'])}]" if f["attributes"] else ""),
+                              markup=False)
+            console.print("  ops: " + ", ".join(f"{op} x{n}" for op, n in r["ops"].items()),
+                          markup=False, soft_wrap=True)
+            for finding in r["findings"]:
+                console.print(f"  FLAG {finding}", markup=False)
+        console.print("card graphs speak QEfficient's vocabulary" if report["clean"] else
+                      "some card graph uses what QEfficient does not emit (FLAG lines)")
+    if not report["clean"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
 def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
             out: Path = typer.Option(..., "-o", "--out", help="Archive path (.tar.gz).")):
     """Deterministic .tar.gz of a bundle (sorted entries, fixed mtimes and owners)."""
@@ -437,6 +470,8 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
               "batches": [r.to_dict() for r in results]}
+    if backend == "onnxruntime":  # exact float32, or the card's formats emulated
+        report["numerics"] = numerics_of(gen.manifest)
     if compare_baseline:
         spd = sum(r.stats["e2e_s"] for r in results)
         base = sum(b.stats["e2e_s"] for b in baselines)
@@ -449,6 +484,36 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         emit_json(report)
     else:
         show_run(report, show_text=not stream)
+
+
+def numerics_of(manifest: dict) -> dict:
+    """Per role: the onnxruntime artifact's numerics (exact | emulated) and formats."""
+    out = {}
+    for role, info in manifest["roles"].items():
+        o = info["backends"].get("onnxruntime") or {}
+        out[role] = {"numerics": o.get("numerics", "exact"),
+                     **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"})}
+    return out
+
+
+@app.command()
+@handles_errors
+def serve(bundle: Path = typer.Argument(..., help="Bundle folder."),
+          host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+          port: int = typer.Option(8000, help="TCP port."),
+          backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
+          verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
+          served_model_name: Optional[str] = typer.Option(
+              None, help="Model id clients ask for (default: the bundle's name)."),
+          log_level: str = typer.Option("info", help="uvicorn log level.")):
+    """OpenAI-compatible server on the bundle (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics with vLLM's metric names)."""
+    from .errors import UsageError
+    from .server import serve as run_server
+
+    if not 0 < port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {port}")
+    run_server(bundle, host, port, backend, verify, served_model_name, log_level)
 
 
 @app.command("serve-config")
@@ -506,10 +571,33 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                               "path with .png)."),
           no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
           json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
-                                           "of the tables.")):
+                                           "of the tables."),
+          numerics: bool = typer.Option(False, "--numerics", help="Numerics preview (a recipe): "
+                                        "fp32 against the card's mxfp6 weights + mxint8 KV "
+                                        "emulated on the CPU, side by side: acceptance, tau, the "
+                                        "K tune would pick, greedy agreement, logit drift "
+                                        "(--ks: the K to run, default the recipe's largest).")):
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
     from .bench import bench as run_bench, parse_ks, show_report
 
+    if numerics:
+        from .bench import bench_numerics, show_numerics
+        from .errors import UsageError
+
+        chosen = parse_ks(ks)
+        if chosen is not None and len(chosen) != 1:
+            raise UsageError("--numerics runs one K: give --ks K")
+        report, json_path, png = bench_numerics(
+            target, overrides=set_ or [], prompt_file=prompts, prompt_set=prompt_set,
+            num_prompts=num_prompts, k=chosen[0] if chosen else None,
+            max_new_tokens=max_new_tokens, cache_dir=cache_dir, bundle_out=bundle_dir,
+            json_out=json_out, plot=False if no_plot else plot, say=_progress_line)
+        if json_stdout:
+            emit_json(report)
+        else:
+            show_numerics(report)
+            console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+        return
     peer_list = tuple(p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none")
     report, json_path, png = run_bench(
         target, overrides=set_ or [], prompt_file=prompts, prompt_set=prompt_set,

@@ -21,7 +21,7 @@ from .recipe import CARDS, Recipe, resolve_model_path, resolved_cores
 from .source import ModelSource, resolve
 from .tokenizer_check import alignment
 
-EXPORTER_VERSION = "2"  # bump when the exported graph changes for the same inputs
+EXPORTER_VERSION = "3"  # bump when the exported graph changes for the same inputs
 ORT_LOWERING_VERSION = "1"  # bump when the onnxruntime artifact changes for the same graph
 QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 KV_BYTES = {"float16": 2.0, "mxint8": 33 / 32}  # mxint8: 8-bit values + one scale per 32
@@ -157,6 +157,9 @@ def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
 
 def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: str) -> list[str]:
     opts, q = r.hardware.compiler_options, f"{role}/qaic"
+    # QEfficient passes -convert-to-fp16 whenever its graph is not bfloat16; its graph is
+    # bfloat16 only for a bf16 checkpoint on ai200. The card graph here always computes in
+    # float32 (float16 weights are Cast up), so the flag is always QEfficient's choice for it.
     argv = [compiler, "-aic-hw", f"-aic-hw-version={r.hardware.aic_hw_version}",
             f"-m={role}/onnx/model.onnx", "-retained-state", "-convert-to-fp16"]
     if r.precision.quantization == "mxfp6":
@@ -183,6 +186,21 @@ def ort_graph(r: Recipe) -> str:
     if r.shapes.full_batch_size is not None or r.shapes.batch_size > 1:
         return "portable"
     return r.onnxruntime.graph
+
+
+def ort_numerics(r: Recipe) -> dict[str, Any]:
+    """What the onnxruntime artifact computes with: `exact` float32, or `emulated` card formats
+    (qpcbuild.numerics) when the recipe asks for mxfp6 / mxint8. Emulation exists in the fused
+    lowering only; a portable ORT graph next to the qaic backend stays exact (recipe.py refuses
+    emulation on a portable graph without qaic)."""
+    from .numerics import KV_FORMAT, WEIGHT_FORMAT
+
+    p = r.precision
+    if (p.quantization == "none" and p.kv_cache_dtype == "float16") or ort_graph(r) != "fused":
+        return {"numerics": "exact", "numerics_formats": {"weights": "float32", "kv": "float32"}}
+    return {"numerics": "emulated", "numerics_formats": {
+        "weights": WEIGHT_FORMAT if p.quantization == "mxfp6" else "float32",
+        "kv": KV_FORMAT if p.kv_cache_dtype == "mxint8" else "float32"}}
 
 
 def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
@@ -219,14 +237,17 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
            "graph": ort_graph(r),
            "weights": r.onnxruntime.draft_weights if role == "draft" else "float32",
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
-           "intra_op_threads": r.onnxruntime.intra_op_threads}
+           "intra_op_threads": r.onnxruntime.intra_op_threads, **ort_numerics(r)}
     # The settings part of each artifact's cache key; the build adds the weights' content
     # digest and the toolchain versions. Only what changes the artifact is in: K and threads
     # do not change an onnxruntime artifact, so they are not in its key.
     cache_keys = {"export": export_key,
                   "onnxruntime": digest({"export": export_key, "lowering": ORT_LOWERING_VERSION,
                                          **{k: ort[k] for k in ("graph", "batch_size", "ctx_len",
-                                                                "kv_dtype", "weights")}}),
+                                                                "kv_dtype", "weights")},
+                                         # emulated card formats (exact builds keep their key)
+                                         **({"numerics": ort["numerics_formats"]}
+                                            if ort["numerics"] == "emulated" else {})}),
                   "qaic": digest({"export": export_key, "argv": argv[1:], "specs": specs,
                                   "custom_io": kv_prec, "fmt": r.hardware.specializations_format})}
     return RolePlan(
@@ -278,6 +299,17 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
     if "onnxruntime" in r.backends and r.onnxruntime.graph == "fused" and ort_graph(r) != "fused":
         warnings.append("onnxruntime: batch_size > 1 or continuous batching uses the portable "
                         "graph (the fused GroupQueryAttention lowering runs one row per call)")
+    if "onnxruntime" in r.backends and ort_graph(r) != "fused" and (
+            r.precision.quantization != "none" or r.precision.kv_cache_dtype != "float16"):
+        warnings.append("onnxruntime: the portable graph runs exact float32; the mxfp6/mxint8 "
+                        "numerics preview exists in the fused graph only (batch_size 1)")
+    if "qaic" in r.backends and r.hardware.aic_hw_version == "ai200":
+        for role, src in sources.items():
+            if (src.config.get("torch_dtype") or src.config.get("dtype")) == "bfloat16":
+                warnings.append(f"{role}: a bfloat16 checkpoint on ai200 runs in bfloat16 under "
+                                "QEfficient (no -convert-to-fp16, bfloat16 KV); this bundle's "
+                                "graph is its exact float32 upcast, compiled to float16 as "
+                                "QEfficient compiles float32 checkpoints")
     tok = alignment(sources["target"], sources.get("draft"))
     if tok["verdict"] == "incompatible":
         raise RecipeError(r.source, [Problem("draft.model", "target and draft "

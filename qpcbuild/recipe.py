@@ -261,13 +261,20 @@ def static_problems(r: Recipe) -> list[Problem]:
             add("draft.prompt_lookup_min", f"{lo} is larger than prompt_lookup_max {hi}")
 
     p, h = r.precision, r.hardware
-    if "qaic" not in r.backends:
-        if p.kv_cache_dtype == "mxint8":
-            add("precision.kv_cache_dtype", "mxint8 KV exists only on Cloud AI (qaic backend); "
-                "add qaic to backends or use float16")
-        if p.quantization == "mxfp6":
-            add("precision.quantization", "mxfp6 exists only on Cloud AI (qaic backend); add qaic "
-                "to backends or use none")
+    # Without qaic the card's formats are emulated on ONNX Runtime (the numerics preview),
+    # which only the fused graph does; next to qaic a portable ORT graph stays exact (a plan
+    # warning says so).
+    portable = [why for why, on in (
+        (f"shapes.batch_size is {s.batch_size}", s.batch_size > 1),
+        ("shapes.full_batch_size is set", s.full_batch_size is not None),
+        ("onnxruntime.graph is portable", r.onnxruntime.graph == "portable")) if on]
+    if "qaic" not in r.backends and portable:
+        for key, fmt, off in (("precision.kv_cache_dtype", "mxint8", "float16"),
+                              ("precision.quantization", "mxfp6", "none")):
+            if getattr(p, key.split(".")[1]) == fmt:
+                add(key, f"{fmt} is emulated on ONNX Runtime in the fused graph only (batch_size "
+                    f"1, no full_batch_size, onnxruntime.graph: fused), but {portable[0]}; "
+                    f"use the fused graph, add qaic to backends (the card), or use {off}")
     if p.kv_cache_dtype == "mxint8" and h.aic_hw_version != "ai100":
         add("precision.kv_cache_dtype", f"mxint8 KV is only known to work on ai100, not "
             f"{h.aic_hw_version}", "warning")

@@ -71,7 +71,10 @@ def show_plan(plan: BuildPlan) -> None:
             o = rp.ort
             console.print(f"[bold]onnxruntime[/]: {o['artifact']} with batch_size={o['batch_size']},"
                           f" ctx_len={o['ctx_len']} fixed, {o['graph']} graph, {o['kv_dtype']} KV, "
-                          f"{o['core_share']:.0%} of the CPU threads")
+                          f"{o['core_share']:.0%} of the CPU threads"
+                          + (f"; numerics emulated (weights {o['numerics_formats']['weights']}, "
+                             f"KV {o['numerics_formats']['kv']})"
+                             if o.get("numerics") == "emulated" else ""))
         console.print(f"cache keys: export {rp.cache_keys['export']}, onnxruntime "
                       f"{rp.cache_keys['onnxruntime']}, qaic {rp.cache_keys['qaic']}")
     console.rule("[bold]cores and memory per QID[/]")
@@ -139,6 +142,10 @@ def show_run(report: dict[str, Any], show_text: bool = True) -> None:
         values = [b["stats"][key] for b in report["batches"]]
         t.add_row(key, ", ".join(str(v) for v in values))
     console.print(t)
+    for role, n in (report.get("numerics") or {}).items():
+        console.print(f"{role} numerics: {n['numerics']}" + (
+            f" (weights {n['weights']}, KV {n['kv']}; emulated on the CPU)"
+            if n["numerics"] == "emulated" else " (float32)"))
     if "baseline" in report:
         b = report["baseline"]
         base_tps = ", ".join(str(x["stats"]["e2e_tokens_per_s"]) for x in b["batches"])

@@ -234,10 +234,15 @@ BAD = [
     Bad("unknown-method", edit(("  method: draft_model", "  method: eagle")),
         "draft.method", L_METHOD, "'eagle'"),
     # ---- precision and backends
-    Bad("mxint8-kv-without-qaic", edit(("  kv_cache_dtype: float16", "  kv_cache_dtype: mxint8")),
-        "precision.kv_cache_dtype", L_KV, "qaic"),
-    Bad("mxfp6-without-qaic", edit(("  quantization: none", "  quantization: mxfp6")),
-        "precision.quantization", L_QUANT, "qaic"),
+    # without qaic the card's formats are emulated on ONNX Runtime: in the fused graph only
+    Bad("mxint8-kv-on-portable-graph-without-qaic", edit(
+        ("  kv_cache_dtype: float16", "  kv_cache_dtype: mxint8"),
+        ("  batch_size: 1", "  batch_size: 2")),
+        "precision.kv_cache_dtype", L_KV, "fused graph only"),
+    Bad("mxfp6-on-portable-graph-without-qaic", edit(
+        ("  quantization: none", "  quantization: mxfp6"),
+        ("backends: [onnxruntime]", "backends: [onnxruntime]\nonnxruntime: {graph: portable}")),
+        "precision.quantization", L_QUANT, "graph is portable"),
     Bad("unknown-quantization", edit(("  quantization: none", "  quantization: int4")),
         "precision.quantization", L_QUANT, "'int4'"),
     Bad("unknown-backend", edit(("backends: [onnxruntime]", "backends: [onnxruntime, tensorrt]")),
@@ -362,7 +367,8 @@ def test_billion_laughs_is_refused_fast():
 def test_several_static_errors_are_all_reported():
     text = edit(("  ctx_len: 256", "  ctx_len: 250"),
                 (T_DEVICES, "  target:\n    device_group: [0, 4]"),
-                ("  kv_cache_dtype: float16", "  kv_cache_dtype: mxint8"))
+                ("  kv_cache_dtype: float16", "  kv_cache_dtype: mxint8"),
+                ("  batch_size: 1", "  batch_size: 2"))  # mxint8 on a portable graph
     with pytest.raises(RecipeError) as info:
         recipe_from_text(text)
     exc = info.value

@@ -57,9 +57,14 @@ class OrtBackend:
         metadata = {p.key: p.value for p in source.metadata_props}
         batch, ctx_len = role.ort["batch_size"], role.ort["ctx_len"]
         build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
-                        {**metadata, "ort_graph": "fused"}, role.ort["weights"])
+                        {**metadata, "ort_graph": "fused"}, role.ort["weights"],
+                        role.ort["numerics_formats"] if role.ort["numerics"] == "emulated"
+                        else None)
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
                 "graph": "fused", "kv_binding": "in_place", "weights": role.ort["weights"],
+                # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)
+                "numerics": role.ort["numerics"],
+                "numerics_formats": dict(role.ort["numerics_formats"]),
                 "fixed_dims": {"batch_size": batch, "ctx_len": ctx_len},
                 "execution_provider": "CPUExecutionProvider"}
 
@@ -98,5 +103,6 @@ class OrtBackend:
             shutil.rmtree(work, ignore_errors=True)
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
                 "graph": "portable", "kv_binding": "ping_pong",
+                "numerics": "exact", "numerics_formats": {"weights": "float32", "kv": "float32"},
                 "fixed_dims": fixed, "optimization_level": ORT_LEVEL,
                 "execution_provider": "CPUExecutionProvider"}

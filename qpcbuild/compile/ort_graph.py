@@ -7,7 +7,13 @@ built from ORT's fused CPU kernels so a decode step does not pay for the whole s
   updated in place (the runtime binds each KV input and its _RetainedState output to one buffer)
   and reading only the valid prefix of each row;
 - with `weights="int8"` (drafts only) each matmul weight is stored as 8-bit blocks for
-  com.microsoft.MatMulNBits: a quarter of the bytes a memory-bound call has to read.
+  com.microsoft.MatMulNBits: a quarter of the bytes a memory-bound call has to read;
+- with `numerics` asking for the card's formats (see `qpcbuild.numerics`): every matmul weight
+  is rounded to MXFP6 (stored as float32 values on its grid; the embedding Gather stays exact,
+  as the card compresses matmul weights only), and the new K and V of each call are
+  quantized-dequantized to MXINT8 along head_dim before GroupQueryAttention stores them. K is
+  quantized after RoPE (what the card's KV buffer holds), so such a graph applies RoPE itself
+  and runs GroupQueryAttention with do_rotary=0.
 
 GroupQueryAttention places a row's S new tokens at slots start..start+S-1 with start =
 position_ids[b, 0], so padded tail slots (-1) are written after the real tokens instead of at
@@ -26,6 +32,8 @@ from onnx import TensorProto, helper
 from ..arch import ArchSpec
 from ..export.builder import GraphBuilder
 from ..export.decoder import FLOAT, INT64, logits_head
+from ..numerics import BLOCK as MX_BLOCK
+from ..numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 
 MS = "com.microsoft"
 
@@ -79,11 +87,17 @@ def blockwise_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, ctx_len: int,
-                    out_dir: Path, metadata: dict[str, str], weights: str = "float32") -> Path:
+                    out_dir: Path, metadata: dict[str, str], weights: str = "float32",
+                    numerics: dict[str, str] | None = None) -> Path:
+    """numerics: {"weights": "mxfp6-e2m3-block32" | "float32", "kv": "mxint8-block32" |
+    "float32"} (None: exact float32)."""
+    numerics = numerics or {}
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "model.onnx.data", "wb") as data:
         g = GraphBuilder(data, "model.onnx.data")
-        _Lowered(g, arch, w, batch, ctx_len, weights == "int8").build(role)
+        _Lowered(g, arch, w, batch, ctx_len, weights == "int8",
+                 mxfp6=numerics.get("weights") == WEIGHT_FORMAT,
+                 mxint8=numerics.get("kv") == KV_FORMAT).build(role)
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
     model.opset_import.append(helper.make_opsetid(MS, 1))
     path = out_dir / "model.onnx"
@@ -93,8 +107,10 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, c
 
 class _Lowered:
     def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int, ctx: int,
-                 int8: bool = False):
+                 int8: bool = False, mxfp6: bool = False, mxint8: bool = False):
         self.g, self.a, self.w, self.batch, self.ctx, self.int8 = g, a, w, batch, ctx, int8
+        self.mxfp6, self.mxint8 = mxfp6, mxint8
+        self.rot_pos: str | None = None  # [B, S] positions of the new tokens (mxint8 only)
 
     def weight(self, name: str, arr: np.ndarray | None = None) -> str:
         return self.g.weight(name, self.w.get(name) if arr is None else arr)
@@ -104,8 +120,11 @@ class _Lowered:
         """x @ W for a [K, N] weight, in the lowering's weight format."""
         arr = self.w.get(name) if arr is None else arr
         if not self.int8:
+            if self.mxfp6:  # the card's weights: float32 values on the MXFP6 grid
+                arr = mxfp6_weight(arr)
             return self.g.op("MatMul", x, self.g.weight(name, arr), out=out)
-        q, scale = blockwise_int8(arr)
+        # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout
+        q, scale = mxfp6_int8_blocks(arr) if self.mxfp6 else blockwise_int8(arr)
         g = self.g
         out = out or g._name("matmul")
         # accuracy_level 4: int8 activations too, ORT's fast kernel; fine for a draft.
@@ -152,6 +171,9 @@ class _Lowered:
                      to=TensorProto.INT32)
         cos, sin = rope_tables(a, c)
         cos, sin = g.weight("rope_cos", cos), g.weight("rope_sin", sin)
+        if self.mxint8:  # the slots GroupQueryAttention writes: start .. start + S - 1
+            steps = g.op("Range", g.const(0), g.op("Squeeze", seq, g.const([0])), g.const(1))
+            self.rot_pos = g.op("Add", g.op("Unsqueeze", start, g.const([1])), steps)
 
         x = g.op("Gather", self.weight("model.embed_tokens.weight"), ids)
         h = self.norm(x, "model.layers.0.input_layernorm.weight")
@@ -182,14 +204,62 @@ class _Lowered:
         if a.qk_norm:  # per-head RMSNorm before RoPE (Qwen3)
             q = self.head_norm(q, a.num_heads, f"{p}.q_norm.weight")
             k = self.head_norm(k, a.num_kv_heads, f"{p}.k_norm.weight")
+        inputs = [q, k, v, past[0], past[1], seqlens, total, cos, sin]
+        if self.mxint8:
+            # The cache holds post-RoPE K: rotate here, quantize what GQA will store.
+            q = self.rope(q, a.num_heads, cos, sin)
+            k = self.mxint8_qdq(self.rope(k, a.num_kv_heads, cos, sin), a.num_kv_heads)
+            v = self.mxint8_qdq(v, a.num_kv_heads)
+            inputs = [q, k, v, past[0], past[1], seqlens, total]
         out = g._name("attn")
         g.nodes.append(helper.make_node(
-            "GroupQueryAttention", [q, k, v, past[0], past[1], seqlens, total, cos, sin],
+            "GroupQueryAttention", inputs,
             [out, f"past_key.{i}_RetainedState", f"past_value.{i}_RetainedState"], domain=MS,
             name=f"n{len(g.nodes)}_GQA", num_heads=a.num_heads, kv_num_heads=a.num_kv_heads,
-            do_rotary=1, rotary_interleaved=0, scale=a.head_dim ** -0.5))
+            do_rotary=0 if self.mxint8 else 1, rotary_interleaved=0,
+            scale=a.head_dim ** -0.5))
         o = self.project(out, f"{p}.o_proj.weight^T")
         return g.op("Add", o, self.weight(f"{p}.o_proj.bias")) if a.o_bias else o
+
+    def rope(self, x: str, heads: int, cos: str, sin: str) -> str:
+        """Rotary embedding of [B, S, heads * D] at self.rot_pos, half-split (rotate_half) as
+        GroupQueryAttention's rotary_interleaved=0, from the same cos/sin tables."""
+        g, d = self.g, self.a.head_dim
+        c = g.op("Unsqueeze", g.op("Gather", cos, self.rot_pos), g.const([2]))  # [B,S,1,D/2]
+        s = g.op("Unsqueeze", g.op("Gather", sin, self.rot_pos), g.const([2]))
+        x1, x2 = g.op("Split", g.op("Reshape", x, g.const([0, 0, heads, d])),
+                      g.const([d // 2, d // 2]), axis=-1, n_out=2)
+        r1 = g.op("Sub", g.op("Mul", x1, c), g.op("Mul", x2, s))
+        r2 = g.op("Add", g.op("Mul", x2, c), g.op("Mul", x1, s))
+        return g.op("Reshape", g.op("Concat", r1, r2, axis=-1), g.const([0, 0, heads * d]))
+
+    def mxint8_qdq(self, x: str, heads: int) -> str:
+        """[B, S, heads * D] quantized-dequantized to MXINT8, blocks of 32 along each head's D
+        (the rules of qpcbuild.numerics, in standard ONNX ops)."""
+        g, d = self.g, self.a.head_dim
+        f = lambda v: g.const(v, np.float32)  # noqa: E731
+        nb = -(-d // MX_BLOCK)
+        xb = g.op("Reshape", x, g.const([0, 0, heads, d]))
+        if nb * MX_BLOCK != d:  # a short last block: zeros never change a block's max
+            xb = g.op("Pad", xb, g.const([0, 0, 0, 0, 0, 0, 0, nb * MX_BLOCK - d]))
+        xb = g.op("Reshape", xb, g.const([0, 0, heads, nb, MX_BLOCK]))
+        amax = g.op("ReduceMax", g.op("Abs", xb), axes=[-1], keepdims=1)
+        # floor(log2(amax)) from Log, then made exact with two power-of-two comparisons
+        e = g.op("Floor", g.op("Div", g.op("Log", amax), f(np.log(2.0))))
+        p = g.op("Pow", f(2.0), e)
+        e = g.op("Add", e, g.op("Cast", g.op("LessOrEqual", g.op("Mul", p, f(2.0)), amax),
+                                to=TensorProto.FLOAT))
+        e = g.op("Sub", e, g.op("Cast", g.op("Greater", p, amax), to=TensorProto.FLOAT))
+        scale = g.op("Pow", f(2.0), g.op("Clip", e, f(-127.0), f(127.0)))  # emax_elem 0
+        k = g.op("Clip", g.op("Round", g.op("Mul", g.op("Div", xb, scale), f(64.0))),
+                 f(-127.0), f(127.0))  # Round: half to even
+        y = g.op("Mul", g.op("Div", k, f(64.0)), scale)
+        # A block holding NaN or an infinity becomes NaN throughout (x * 0 is NaN for those).
+        bad = g.op("ReduceSum", g.op("Mul", xb, f(0.0)), g.const([-1]), keepdims=1)
+        y = g.op("Reshape", g.op("Add", y, bad), g.const([0, 0, heads, nb * MX_BLOCK]))
+        if nb * MX_BLOCK != d:
+            y = g.op("Slice", y, g.const([0]), g.const([d]), g.const([3]))
+        return g.op("Reshape", y, g.const([0, 0, heads * d]))
 
     def head_norm(self, x: str, heads: int, weight: str) -> str:
         g, d = self.g, self.a.head_dim
@@ -211,8 +281,8 @@ class _Lowered:
         return g.op("Add", down, self.weight(f"{p}.down_proj.bias")) if a.mlp_bias else down
 
     def head(self, x: str, pos: str, nlk: str | None) -> None:
-        # Stored [H, V] once, so no step transposes a tied embedding.
+        # The portable graph stores the head [H, V] (a tied model's too), so no step transposes.
         lm = self.w.get("lm_head.weight^T") if self.w.has("lm_head.weight^T") else \
-            np.ascontiguousarray(self.w.get("model.embed_tokens.weight").T)
+            self.w.get("model.embed_tokens.weight^T")
         logits_head(self.g, x, pos, nlk, None, self.a, self.batch,
                     matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out))

@@ -20,7 +20,8 @@ from .proposers import Proposer
 from .sampling import SamplingParams, accept_greedy, accept_sampling, probabilities, sample
 from .session import ModelSession
 
-TokenCallback = Callable[[int, list[int]], None]  # (prompt index, new token ids)
+# (prompt index, new token ids); ids are empty when a cancelled row ends
+TokenCallback = Callable[[int, list[int]], None]
 
 
 @dataclass
@@ -53,8 +54,28 @@ class Row:
     draft_len: int = 0
     done: bool = False
     finish_reason: str = ""
-    index: int = -1  # position in the caller's prompt list
+    index: int = -1  # position in the caller's prompt list (a request id when serving)
     stats: RowStats = field(default_factory=RowStats)
+    sp: SamplingParams = field(default_factory=SamplingParams)
+    rng: np.random.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
+    cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
+
+
+def new_row(prompt: list[int], max_new_tokens: int, ctx_len: int, sp: SamplingParams,
+            index: int) -> Row:
+    """A request as the loop keeps it. Each row samples from its own generator, seeded from
+    (seed, index) when a seed is given, so a row's output does not depend on its neighbours."""
+    if not prompt:
+        raise UsageError(f"prompt {index} is empty")
+    if len(prompt) >= ctx_len:
+        raise UsageError(f"prompt {index} has {len(prompt)} tokens; ctx_len is {ctx_len}, so a "
+                         "prompt may have at most ctx_len - 1 tokens")
+    if max_new_tokens <= 0:
+        raise UsageError("max_new_tokens must be at least 1")
+    rng = np.random.default_rng(None if sp.seed is None else [sp.seed, index])
+    return Row(list(prompt), min(len(prompt) + max_new_tokens, ctx_len), index=index, sp=sp,
+               rng=rng)
 
 
 @dataclass
@@ -123,8 +144,7 @@ class SpecDecoder:
         return last
 
     # ------------------------------------------------------------ proposals
-    def _draft_proposals(self, rows: list[Row], want: list[int], sp: SamplingParams,
-                         rng: np.random.Generator, times: LoopTimes):
+    def _draft_proposals(self, rows: list[Row], want: list[int], times: LoopTimes):
         """K single-token draft calls (plus catch-up calls for rows that fully accepted)."""
         b = self.draft.batch_size
         while True:  # catch up: every active row must have exactly one unprocessed token
@@ -149,12 +169,12 @@ class SpecDecoder:
             for i, r in enumerate(rows):
                 if r.done or j >= want[i]:
                     continue
-                if sp.greedy:
+                if r.sp.greedy:
                     proposals[i].append(int(logits[i, 0].argmax()))
                 else:
-                    probs = probabilities(logits[i, 0], sp)
+                    probs = probabilities(logits[i, 0], r.sp)
                     q[i].append(probs)
-                    proposals[i].append(sample(probs, rng))
+                    proposals[i].append(sample(probs, r.rng))
         for i, r in enumerate(rows):
             if not r.done and want[i] > 0:
                 r.draft_len = len(r.tokens) + want[i] - 1  # pending + all but the last draft
@@ -169,22 +189,19 @@ class SpecDecoder:
         if len(prompts) > self.batch and not self.cb:
             raise UsageError(f"{len(prompts)} prompts but the bundle was compiled for batch "
                              f"size {self.batch}; pass at most {self.batch} per batch")
-        if max_new_tokens <= 0:
-            raise UsageError("max_new_tokens must be at least 1")
+        rows = [new_row(p, max_new_tokens, self.ctx_len, sp, n) for n, p in enumerate(prompts)]
+        return rows, self.run_rows(rows, k, on_token, target_only)
+
+    def run_rows(self, rows: list[Row], k: int | None = None,
+                 on_token: TokenCallback | None = None, target_only: bool = False,
+                 incoming: Callable[[int], list[Row]] | None = None) -> LoopTimes:
+        """Decode `rows` to the end. `incoming(n)`, when given, is asked for up to n more rows
+        whenever KV slots are free (continuous batching: a server's queue)."""
         k_max = max(self.ks) if k is None else k
         if k is not None and k not in self.ks:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
-        rows = []
-        for n, p in enumerate(prompts):
-            if not p:
-                raise UsageError(f"prompt {n} is empty")
-            if len(p) >= self.ctx_len:
-                raise UsageError(f"prompt {n} has {len(p)} tokens; ctx_len is {self.ctx_len}, "
-                                 "so a prompt may have at most ctx_len - 1 tokens")
-            rows.append(Row(list(p), min(len(p) + max_new_tokens, self.ctx_len), index=n))
-        rng = np.random.default_rng(sp.seed)
         times = LoopTimes()
-        start = self._t0 = time.perf_counter()
+        start = time.perf_counter()
         use_draft = self.draft is not None and not target_only
         self._proposing = self.proposer is not None and not target_only
         idle = Row([0], 1, tokens=[0], done=True)
@@ -200,11 +217,11 @@ class SpecDecoder:
                 group_rows = [r for _, r in group]
                 logits = self._prefill(self.target, group_rows, times, "target", slot)
                 for j, (s, r) in enumerate(group):
-                    first = int(logits[j].argmax()) if sp.greedy else \
-                        sample(probabilities(logits[j], sp), rng)
+                    first = int(logits[j].argmax()) if r.sp.greedy else \
+                        sample(probabilities(logits[j], r.sp), r.rng)
                     r.tokens = r.prompt + [first]
                     r.target_len = r.stats.prompt_tokens = len(r.prompt)
-                    r.stats.ttft_s = time.perf_counter() - start
+                    r.stats.ttft_s = time.perf_counter() - r.arrival
                     slots[s] = r
                     self._commit(s, r, [first], on_token)
                 if use_draft:
@@ -219,9 +236,17 @@ class SpecDecoder:
 
         admit([(s, waiting.pop()) for s in range(min(self.batch, len(waiting)))])
         while True:
-            if self.cb and waiting:  # refill finished slots with waiting requests
-                free = [s for s, r in enumerate(slots) if r.done][:len(waiting)]
-                admit([(s, waiting.pop()) for s in free])
+            for r in slots:
+                if r.cancelled and not r.done:
+                    r.done, r.finish_reason = True, r.cancelled
+                    r.stats.e2e_s = time.perf_counter() - r.arrival
+                    if on_token:
+                        on_token(r.index, [])  # the row ended without a new token
+            free = [s for s, r in enumerate(slots) if r.done]
+            if self.cb and free and incoming is not None and len(waiting) < len(free):
+                waiting[:0] = list(reversed(incoming(len(free) - len(waiting))))
+            if self.cb and waiting and free:  # refill finished slots with waiting requests
+                admit([(s, waiting.pop()) for s in free[:len(waiting)]])
             if all(r.done for r in slots):
                 if waiting:  # every admitted request ended at its first token
                     continue
@@ -232,20 +257,20 @@ class SpecDecoder:
                 want, proposals, q = [0] * len(slots), [[] for _ in slots], None
             elif use_draft:
                 want = room
-                proposals, q = self._draft_proposals(slots, want, sp, rng, times)
+                proposals, q = self._draft_proposals(slots, want, times)
             else:
                 proposals = [self.proposer.propose(i, room[i]) if not r.done else []
                              for i, r in enumerate(slots)]
                 want, q = [len(p) for p in proposals], None
-            self._verify(slots, proposals, q, sp, rng, times, on_token)
+            self._verify(slots, proposals, q, times, on_token)
         times.total_s = time.perf_counter() - start
         if self._proposing:
             for i in range(self.batch):
                 self.proposer.finish(i)
-        return rows, times
+        return times
 
-    def _verify(self, rows: list[Row], proposals: list[list[int]], q, sp: SamplingParams,
-                rng: np.random.Generator, times: LoopTimes, on_token: TokenCallback | None):
+    def _verify(self, rows: list[Row], proposals: list[list[int]], q, times: LoopTimes,
+                on_token: TokenCallback | None):
         need = max(len(p) for r, p in zip(rows, proposals) if not r.done)
         k_step = next((k for k in self.ks if k >= need), None)
         if k_step is None:
@@ -275,20 +300,20 @@ class SpecDecoder:
                 continue
             drafts = proposals[i]
             window = logits[i, first_slot[i]:first_slot[i] + len(drafts) + 1]
-            if sp.greedy:
+            if r.sp.greedy:
                 n, nxt = accept_greedy(window, drafts)
             else:
                 qi = np.stack(q[i]) if q and q[i] else None
-                n, nxt = accept_sampling(probabilities(window, sp), qi, drafts, rng)
+                n, nxt = accept_sampling(probabilities(window, r.sp), qi, drafts, r.rng)
             old_len = len(r.tokens)
             new = drafts[:n] + [nxt]
             r.target_len = old_len + n
             if self.draft is not None and drafts:
                 r.draft_len = min(r.draft_len, old_len + min(n, len(drafts) - 1))
             r.tokens.extend(new)
-            self._commit(i, r, new, on_token)
             # Accepted drafts after an EOS are cut from the output, so they are not counted.
-            self._count(r.stats, len(drafts), min(n, len(r.tokens) - old_len))
+            self._commit(i, r, new, on_token, lambda: self._count(
+                r.stats, len(drafts), min(n, len(r.tokens) - old_len)))
             if self._proposing:  # finished rows too: the suffix cache keeps whole requests
                 self.proposer.extend(i, r.tokens[old_len:])
 
@@ -305,8 +330,11 @@ class SpecDecoder:
         for j in range(accepted):
             st.accepted_per_pos[j] += 1
 
-    def _commit(self, i: int, r: Row, new: list[int], on_token: TokenCallback | None) -> None:
-        """Apply stop rules to freshly accepted tokens: EOS and the row's length budget."""
+    def _commit(self, i: int, r: Row, new: list[int], on_token: TokenCallback | None,
+                counted: Callable[[], None] | None = None) -> None:
+        """Apply stop rules to freshly accepted tokens (EOS and the row's length budget), then
+        `counted` (the step's statistics), then tell the caller: a caller that sees a row end
+        sees its statistics complete."""
         start = len(r.tokens) - len(new)
         for j, t in enumerate(new):
             if t in self.eos_ids:
@@ -320,7 +348,9 @@ class SpecDecoder:
         emitted = r.tokens[start:]
         r.stats.new_tokens = len(r.tokens) - len(r.prompt)
         if r.done:
-            r.stats.e2e_s = time.perf_counter() - self._t0
+            r.stats.e2e_s = time.perf_counter() - r.arrival
+        if counted:
+            counted()
         if on_token and emitted:
             on_token(r.index, emitted)
 

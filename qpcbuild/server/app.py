@@ -1,0 +1,300 @@
+"""The OpenAI-compatible HTTP surface: /v1/completions, /v1/chat/completions, /v1/models,
+/health and /metrics, on Starlette.
+
+Why Starlette (+ uvicorn): it is the ASGI toolkit FastAPI itself is built on, small and well kept;
+what FastAPI would add (OpenAPI pages, automatic validation) is either not needed or has to be
+replaced anyway, since errors must come back in OpenAI's JSON shape, not FastAPI's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import QpcbuildError
+from ..runtime.loader import Generator
+from ..runtime.sampling import SamplingParams
+from .metrics import ServerMetrics, openai_finish_reason
+from .schema import ChatRequest, CompletionRequest, strip_ignored
+from .worker import EngineWorker, Job
+
+log = logging.getLogger("qpcbuild.server")
+MAX_BODY = 4 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = \
+            status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}}, self.status)
+
+
+class _Stream:
+    """Tokens of one request, handed from the engine thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def listener(self, job: Job, ids: list[int], done: bool) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (list(ids), done))
+
+
+class Detokenizer:
+    """Incremental text with stop strings: text is released only when it cannot be the start of
+    a stop string, and never in the middle of a multi-byte character."""
+
+    def __init__(self, gen: Generator, stops: list[str]):
+        self.gen, self.stops = gen, stops or []
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already released
+        self.stopped = False
+
+    def feed(self, ids: list[int], final: bool) -> str:
+        self.ids += ids
+        text = self.gen.tokenizer.decode(self.ids)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at != -1:
+                text, self.stopped, final = text[:at], True, True
+        end = len(text)
+        if not final:
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence
+                end = len(text.rstrip("\ufffd"))
+            hold = max((n for s in self.stops for n in range(1, len(s))
+                        if text.endswith(s[:n])), default=0)
+            end = min(end, len(text) - hold)
+        out, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
+        return out
+
+
+def build_app(gen: Generator, model_name: str) -> Starlette:
+    metrics: ServerMetrics | None = None
+    worker: EngineWorker | None = None
+    ctx_len = gen.decoder.ctx_len
+
+    def on_finish(job: Job) -> None:
+        if metrics is not None and job.error is None:
+            metrics.record(job.row)
+
+    worker = EngineWorker(gen, on_finish)
+    metrics = ServerMetrics(model_name, lambda: worker.running, lambda: worker.waiting)
+
+    async def body_of(request: Request, schema):
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"request body over {MAX_BODY} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            req = schema.model_validate(strip_ignored(body))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(422, f"{where}: {first['msg']}", param=where) from None
+        if req.model != model_name:
+            raise ApiError(404, f"the model '{req.model}' does not exist; this server serves "
+                           f"'{model_name}'", param="model", code="model_not_found")
+        return req
+
+    def prompt_ids(req, chat: bool) -> list[list[int]]:
+        try:
+            if chat:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                return [gen.chat_prompt(messages)]
+            return [gen.encode(p) for p in req.prompt]
+        except (QpcbuildError, ValueError) as exc:
+            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+
+    def budget(req, ids: list[int]) -> int:
+        if len(ids) >= ctx_len:
+            raise ApiError(400, f"This model's maximum context length is {ctx_len} tokens; the "
+                           f"prompt has {len(ids)}", param="prompt", code="context_length_exceeded")
+        room = ctx_len - len(ids)
+        if req.limit is not None and req.limit > room:
+            raise ApiError(400, f"This model's maximum context length is {ctx_len} tokens. "
+                           f"However, you requested {len(ids) + req.limit} tokens ({len(ids)} "
+                           f"in the prompt, {req.limit} for the completion)",
+                           param="max_tokens", code="context_length_exceeded")
+        return req.limit or room
+
+    def sampling(req) -> SamplingParams:
+        return SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
+
+    async def generate(request: Request, chat: bool):
+        req = await body_of(request, ChatRequest if chat else CompletionRequest)
+        all_ids = prompt_ids(req, chat)
+        limits = [budget(req, ids) for ids in all_ids]
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(loop) for _ in all_ids]
+        jobs = [worker.submit(ids, n, sampling(req), s.listener)
+                for ids, n, s in zip(all_ids, limits, streams)]
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(sse(request, req, chat, rid, created, jobs, streams),
+                                     media_type="text/event-stream")
+        try:
+            texts, reasons = [], []
+            for job, stream in zip(jobs, streams):
+                text, reason = await collect(request, job, stream, req.stop)
+                texts.append(text)
+                reasons.append(reason)
+        except asyncio.CancelledError:
+            for job in jobs:
+                job.cancel()
+            raise
+        usage = _usage(jobs)
+        if chat:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
+                        "finish_reason": reasons[0], "logprobs": None}]
+        else:
+            choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None}
+                       for i, (t, r) in enumerate(zip(texts, reasons))]
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else
+                             "text_completion", "created": created, "model": model_name,
+                             "choices": choices, "usage": usage})
+
+    async def collect(request: Request, job: Job, stream: _Stream, stops: list[str]):
+        detok, parts = Detokenizer(gen, stops), []
+        while True:
+            try:
+                ids, done = await asyncio.wait_for(stream.queue.get(), 0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise asyncio.CancelledError from None
+                continue
+            parts.append(detok.feed(ids, done))
+            if detok.stopped and not done:
+                job.cancel("stop")
+            if done or detok.stopped:
+                _check(job)
+                reason = "stop" if detok.stopped else openai_finish_reason(job.row.finish_reason)
+                return "".join(parts), reason
+
+    async def sse(request, req, chat, rid, created, jobs, streams):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(i, text, reason, first=False):
+            if chat:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            return _event({"id": rid, "object": obj, "created": created, "model": model_name,
+                           "choices": [choice]})
+
+        try:
+            for i, (job, stream) in enumerate(zip(jobs, streams)):
+                detok, first = Detokenizer(gen, req.stop), True
+                if chat:
+                    yield chunk(i, "", None, first=True)
+                    first = False
+                while True:
+                    ids, done = await stream.queue.get()
+                    text = detok.feed(ids, done)
+                    if detok.stopped and not done:
+                        job.cancel("stop")
+                    if done or detok.stopped:
+                        if job.error:
+                            yield _event({"error": {"message": job.error, "type": "server_error",
+                                                    "param": None, "code": None}})
+                            return
+                        reason = "stop" if detok.stopped else \
+                            openai_finish_reason(job.row.finish_reason)
+                        yield chunk(i, text, reason)
+                        break
+                    if text:
+                        yield chunk(i, text, None)
+            if req.include_usage:
+                yield _event({"id": rid, "object": obj, "created": created, "model": model_name,
+                              "choices": [], "usage": _usage(jobs)})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away, or we are done: either way free the slots
+            for job in jobs:
+                job.cancel()
+
+    def _check(job: Job) -> None:
+        if job.error:
+            raise ApiError(500, f"generation failed: {job.error}", type_="server_error")
+
+    async def completions(request: Request):
+        return await guarded(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await guarded(request, chat=True)
+
+    async def guarded(request: Request, chat: bool):
+        try:
+            return await generate(request, chat)
+        except ApiError as exc:
+            return exc.response()
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        except Exception:  # never a traceback to the client
+            log.exception("request failed")
+            return ApiError(500, "internal error (see the server log)", "server_error").response()
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "qpcbuild",
+             "max_model_len": ctx_len}]})
+
+    async def health(request: Request):
+        return Response(status_code=200)
+
+    async def prometheus(request: Request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request: Request, exc):
+        status = getattr(exc, "status_code", 404)
+        return ApiError(status, f"{request.method} {request.url.path}: "
+                        f"{'not found' if status == 404 else 'not allowed'}").response()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.close()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ], exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+    return app
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(jobs: list[Job]) -> dict[str, int]:
+    prompt = sum(len(j.row.prompt) for j in jobs)
+    completion = sum(j.row.stats.new_tokens for j in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

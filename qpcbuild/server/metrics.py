@@ -1,0 +1,83 @@
+"""Prometheus metrics under vLLM's names, so the dashboards and alerts written for vLLM on the
+card (e.g. on vllm:spec_decode_draft_acceptance_rate) read this server unchanged."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, running, waiting):
+        disable_created_metrics()  # as vLLM: no *_created series next to each counter
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = model_name
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, labels + list(extra), registry=r)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts",
+                                  "Verify steps that carried at least one proposed token.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                        "Proposed tokens.")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                           "Accepted proposed tokens.")
+        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted proposed tokens by position in the proposal.",
+                                        ["position"])
+        self.acceptance_rate = Gauge("vllm:spec_decode_draft_acceptance_rate",
+                                     "Accepted / proposed tokens since the server started.",
+                                     labels, registry=r)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.request_success = counter("vllm:request_success", "Finished requests.",
+                                       ["finished_reason"])
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Mean time per output token after the first, per request.",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                     labels, buckets=TOKEN_BUCKETS, registry=r)
+        self.gen_hist = Histogram("vllm:request_generation_tokens",
+                                  "Generated tokens per request.", labels,
+                                  buckets=TOKEN_BUCKETS, registry=r)
+        Gauge("vllm:num_requests_running", "Requests being decoded.", labels,
+              registry=r).labels(model_name).set_function(running)
+        Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", labels,
+              registry=r).labels(model_name).set_function(waiting)
+        self._drafted = self._accepted = 0
+
+    def record(self, row) -> None:
+        """A finished request: its prompt, its tokens, its latencies and its speculation."""
+        m, st = self.model, row.stats
+        self.num_drafts.labels(m).inc(st.num_drafts)
+        self.num_draft_tokens.labels(m).inc(st.num_draft_tokens)
+        self.num_accepted_tokens.labels(m).inc(st.num_accepted_tokens)
+        for pos, n in enumerate(st.accepted_per_pos):
+            self.accepted_per_pos.labels(m, str(pos)).inc(n)
+        self._drafted += st.num_draft_tokens
+        self._accepted += st.num_accepted_tokens
+        if self._drafted:
+            self.acceptance_rate.labels(m).set(self._accepted / self._drafted)
+        self.prompt_tokens.labels(m).inc(st.prompt_tokens)
+        self.generation_tokens.labels(m).inc(st.new_tokens)
+        self.request_success.labels(m, openai_finish_reason(row.finish_reason)).inc()
+        if st.new_tokens:
+            self.ttft.labels(m).observe(st.ttft_s)
+        self.e2e.labels(m).observe(st.e2e_s)
+        if st.new_tokens > 1:
+            self.itl.labels(m).observe((st.e2e_s - st.ttft_s) / (st.new_tokens - 1))
+        self.prompt_hist.labels(m).observe(st.prompt_tokens)
+        self.gen_hist.labels(m).observe(st.new_tokens)
+
+
+def openai_finish_reason(reason: str) -> str:
+    return {"eos": "stop", "stop": "stop", "length": "length", "ctx_len": "length",
+            "abort": "abort"}.get(reason, reason or "stop")
