@@ -15,6 +15,7 @@ from .errors import UsageError
 
 DEFAULT_IMAGE = "ghcr.io/quic/cloud_ai_inference_vllm:latest"
 FORMATS = ("vllm", "docker", "env", "legacy", "json")
+HF_CACHE = "${HF_HOME:-$HOME/.cache/huggingface}"
 
 
 def _speculative_config(m: dict[str, Any]) -> dict[str, Any] | None:
@@ -44,11 +45,38 @@ def qpc_env(m: dict[str, Any], bundle: Path) -> dict[str, str]:
     return {"VLLM_QAIC_QPC_PATH": str(bundle / "target" / "qpc")}
 
 
-def vllm_argv(m: dict[str, Any], legacy: bool = False, qpc_root: Path | None = None) -> list[str]:
+def is_hub_id(ref: str) -> bool:
+    return not ref.startswith((".", "/", "~")) and ref.count("/") == 1
+
+
+def host_setup(m: dict[str, Any]) -> list[str]:
+    """Host settings the Cloud AI SpD guide asks for, as shell lines and comments."""
+    method, lines = m["speculation"]["method"], []
+    if method in ("ngram", "suffix"):
+        lines += [f"# {method}: the proposer runs on the host CPU, where the guide preloads Intel "
+                  "OpenMP (VLLM_DISABLE_LD_PRELOAD_OPT=1 opts out)",
+                  "pip install intel-openmp",
+                  "export LD_PRELOAD=\"$(python -c 'import sys; print(sys.prefix)')/lib/"
+                  "libiomp5.so${LD_PRELOAD:+:$LD_PRELOAD}\""]
+    if max(m["speculation"]["num_speculative_tokens"]) > 0:
+        lines.append("# sampling (temperature > 0): AOT-mode rejection sampling needs the "
+                     "Triton-CPU backend installed")
+    return lines
+
+
+def vllm_argv(m: dict[str, Any], legacy: bool = False, qpc_root: Path | None = None,
+              models: dict[str, str] | None = None) -> list[str]:
+    """models: the model each role is loaded from, when not its recorded reference (a path
+    inside a container)."""
     target = m["roles"]["target"]
     shapes = m["shapes"]
-    argv = ["vllm", "serve", served_model(target), "--device", "qaic",
+    models = models or {}
+    argv = ["vllm", "serve", models.get("target") or served_model(target), "--device", "qaic",
+            # The same model id as `qpcbuild serve`, so one client test runs against both.
+            "--served-model-name", m["name"],
             "--max-model-len", str(shapes["ctx_len"]),
+            # Prompts longer than the compiled prefill chunk are prefilled chunk by chunk anyway.
+            "--long-prefill-token-threshold", str(shapes["prefill_seq_len"]),
             "--max-num-seqs", str(shapes.get("full_batch_size") or shapes["batch_size"]),
             "--max-seq-len-to-capture", str(shapes["prefill_seq_len"])]
     precision = target["precision"]
@@ -57,6 +85,8 @@ def vllm_argv(m: dict[str, Any], legacy: bool = False, qpc_root: Path | None = N
     if precision["kv_cache"] == "mxint8":
         argv += ["--kv-cache-dtype", "mxint8"]
     spec = _speculative_config(m)
+    if spec and "draft" in models:
+        spec["model"] = models["draft"]
     if spec:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if legacy:  # older user guides pass the precompiled QPC through this flag
@@ -77,25 +107,53 @@ def render(m: dict[str, Any], bundle: Path, fmt: str, image: str = DEFAULT_IMAGE
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")
     statuses = {r: info["backends"]["qaic"]["status"] for r, info in m["roles"].items()}
-    note = "" if all(s == "compiled" for s in statuses.values()) else \
+    compiled = all(s == "compiled" for s in statuses.values())
+    note = "" if compiled else \
         ("# note: QPCs not compiled yet (" + ", ".join(f"{r}: {s}" for r, s in statuses.items())
          + "); on a machine with the SDK run `bash <role>/qaic/compile.sh` in the bundle "
          "(it ends with `qpcbuild finish`) first\n")
     bundle = bundle.resolve()
     env = qpc_env(m, bundle)
+    setup = host_setup(m)
     if fmt == "json":
-        return json.dumps({"env": env, "vllm": vllm_argv(m), "legacy": vllm_argv(m, True, bundle),
-                           "image": image}, indent=1) + "\n"
+        return json.dumps({"qpcs_compiled": compiled, "qpc_status": statuses, "env": env,
+                           "host_setup": setup, "vllm": vllm_argv(m),
+                           "legacy": vllm_argv(m, True, bundle),
+                           "docker": _docker(m, bundle, image), "image": image}, indent=1) + "\n"
+    head = note + "".join(line + "\n" for line in setup)
     if fmt == "env":
-        return note + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+        return head + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
     if fmt == "legacy":
-        return note + shlex.join(vllm_argv(m, True, bundle)) + "\n"
+        return head + shlex.join(vllm_argv(m, True, bundle)) + "\n"
     if fmt == "vllm":
-        return note + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " \\\n  " + \
+        return head + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " \\\n  " + \
             shlex.join(vllm_argv(m)) + "\n"
-    mounted = {k: v.replace(str(bundle), "/bundle") for k, v in env.items()}
-    docker = ["docker", "run", "--rm", "-it", "--device", "/dev/accel/", "--shm-size", "4g",
-              "-p", "8000:8000", "-v", f"{bundle}:/bundle:ro"]
-    for k, v in mounted.items():
-        docker += ["-e", f"{k}={v}"]
-    return note + shlex.join(docker + [image] + vllm_argv(m)) + "\n"
+    # The HF cache mount is left unquoted: the host shell expands it.
+    line = " ".join(a if a.startswith(HF_CACHE) else shlex.quote(a)
+                    for a in _docker(m, bundle, image))
+    return note + "".join(line + "\n" for line in setup if line.startswith("#")) + line + "\n"
+
+
+def _docker(m: dict[str, Any], bundle: Path, image: str) -> list[str]:
+    """A container sees only what is mounted: each role's QPC folder, and the model it loads
+    (its folder, or the Hugging Face cache for a hub id)."""
+    argv = ["docker", "run", "--rm", "-it", "--device", "/dev/accel/", "--shm-size", "4g",
+            "-p", "8000:8000"]
+    env, models, hf_cache = {}, {}, False
+    for key, host in qpc_env(m, bundle).items():
+        role = "draft" if "DRAFT" in key else "target"
+        inside = f"/qpc/{role}"
+        argv += ["-v", f"{host}:{inside}:ro"]
+        env[key] = inside
+    for role, info in m["roles"].items():
+        ref = served_model(info)
+        if is_hub_id(ref):
+            hf_cache = True
+        else:
+            models[role] = f"/models/{role}"
+            argv += ["-v", f"{Path(ref).expanduser()}:{models[role]}:ro"]
+    if hf_cache:
+        argv += ["-v", f"{HF_CACHE}:/root/.cache/huggingface"]
+    for k, v in env.items():
+        argv += ["-e", f"{k}={v}"]
+    return argv + [image] + vllm_argv(m, models=models)

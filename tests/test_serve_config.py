@@ -63,13 +63,25 @@ def test_vllm_command_values_match_the_manifest(bundle):
     m = read_manifest(bundle)
     res = runner.invoke(app, ["serve-config", str(bundle), "--format", "vllm"])
     assert res.exit_code == 0, res.output
-    command = [line for line in res.stdout.splitlines() if not line.startswith("#")]
+    lines = res.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("VLLM_"))
+    setup, command = lines[:start], lines[start:]
     argv = shlex.split(" ".join(command).replace("\\", ""))
     env = dict(a.split("=", 1) for a in argv if "=" in a and a.startswith("VLLM_"))
     argv = [a for a in argv if not a.startswith("VLLM_")]
     assert argv[:3] == ["vllm", "serve", m["roles"]["target"]["source"]["ref"]]
     flags = _flags(argv)
+    assert flags["--served-model-name"] == m["name"]  # the model id `qpcbuild serve` answers to
     assert int(flags["--max-model-len"]) == m["shapes"]["ctx_len"]
+    at = argv.index("--max-model-len")
+    assert argv[at + 2:at + 4] == ["--long-prefill-token-threshold",
+                                   str(m["shapes"]["prefill_seq_len"])]
+    host_cpu = m["speculation"]["method"] in ("ngram", "suffix")
+    assert ("pip install intel-openmp" in setup) == host_cpu
+    assert any("libiomp5.so" in line and line.startswith("export LD_PRELOAD")
+               for line in setup) == host_cpu
+    assert any("VLLM_DISABLE_LD_PRELOAD_OPT=1" in line for line in setup) == host_cpu
+    assert any("Triton-CPU" in line for line in setup)
     assert int(flags["--max-num-seqs"]) == m["shapes"]["batch_size"]
     assert int(flags["--max-seq-len-to-capture"]) == m["shapes"]["prefill_seq_len"]
     assert flags["--quantization"] == "mxfp6" and flags["--kv-cache-dtype"] == "mxint8"
@@ -101,13 +113,31 @@ def test_docker_env_and_legacy_forms_agree(bundle):
                          .stdout.splitlines()[-1])
     assert docker[:2] == ["docker", "run"] and "/dev/accel/" in docker
     assert any(a.startswith("ghcr.io/quic/cloud_ai_inference_vllm") for a in docker)
-    assert any(a.endswith(":/bundle:ro") for a in docker)
+    # The container sees only what is mounted: every path it is given lies under a mount.
+    mounts = {v.split(":")[1]: v.split(":")[0] for i, v in enumerate(docker)
+              if i and docker[i - 1] == "-v"}
+    env = dict(docker[i + 1].split("=", 1) for i, a in enumerate(docker) if a == "-e")
+    for key, inside in env.items():
+        assert inside in mounts and mounts[inside] == str(bundle.resolve() / inside.split("/")[-1]
+                                                          / "qpc"), key
+    vllm = docker[docker.index(next(a for a in docker if a.startswith("ghcr.io"))) + 1:]
+    assert vllm[2] in mounts and mounts[vllm[2]] == m["roles"]["target"]["source"]["ref"]
+    if m["speculation"]["method"] == "draft_model":
+        spec = json.loads(_flags(vllm)["--speculative-config"])
+        assert spec["model"] in mounts
     env_out = runner.invoke(app, ["serve-config", str(bundle), "--format", "env"]).stdout
     assert "export VLLM_QAIC" in env_out
     legacy = shlex.split(runner.invoke(app, ["serve-config", str(bundle), "--format", "legacy"])
                          .stdout.splitlines()[-1])
     assert _flags(legacy)["--override-qaic-config"].startswith("qpc_path=")
     assert _flags(legacy)["--max-model-len"] == str(m["shapes"]["ctx_len"])
+
+
+def test_json_says_whether_the_qpcs_are_compiled(bundle):
+    out = json.loads(runner.invoke(app, ["serve-config", str(bundle), "--format", "json"]).stdout)
+    assert out["qpcs_compiled"] is False  # an emit-only bundle
+    assert set(out["qpc_status"].values()) == {"emitted"}
+    assert out["docker"][:2] == ["docker", "run"] and out["vllm"][:2] == ["vllm", "serve"]
 
 
 def test_bad_format_and_onnxruntime_only_bundles_are_refused(bundle, tmp_path):

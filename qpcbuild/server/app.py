@@ -54,6 +54,14 @@ class _Stream:
     def listener(self, job: Job, ids: list[int], done: bool) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (list(ids), done))
 
+    async def next(self) -> tuple[list[int], bool]:
+        """Everything the engine sent since the last call: one text update per wake-up."""
+        ids, done = await self.queue.get()
+        while not done and not self.queue.empty():
+            more, done = self.queue.get_nowait()
+            ids += more
+        return ids, done
+
 
 class Detokenizer:
     """Incremental text with stop strings: text is released only when it cannot be the start of
@@ -178,7 +186,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
         detok, parts = Detokenizer(gen, stops), []
         while True:
             try:
-                ids, done = await asyncio.wait_for(stream.queue.get(), 0.5)
+                ids, done = await asyncio.wait_for(stream.next(), 0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     job.cancel()
@@ -211,7 +219,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                     yield chunk(i, "", None, first=True)
                     first = False
                 while True:
-                    ids, done = await stream.queue.get()
+                    ids, done = await stream.next()
                     text = detok.feed(ids, done)
                     if detok.stopped and not done:
                         job.cancel("stop")
