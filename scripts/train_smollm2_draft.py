@@ -623,6 +623,9 @@ def phase_train(args) -> None:
         if time.time() - t_start > args.train_minutes * 60:
             log(f"training time budget of {args.train_minutes} min reached at step {step}")
             break
+        if args.stop_at_step and step >= args.stop_at_step:
+            log(f"--stop-at-step {args.stop_at_step} reached")
+            break
         scale = lr_at(step, args)
         for g in opt.param_groups:
             g["lr"] = args.lr * scale * g["lr_scale"]
@@ -968,6 +971,8 @@ def parse_args(argv):
     ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--train-minutes", type=float, default=45.0,
                     help="stop training early (and still save) after this long")
+    ap.add_argument("--stop-at-step", type=int, default=0,
+                    help="stop (and save) at this step, keeping the schedule of --steps")
     # eval
     ap.add_argument("--eval-k", type=int, default=4)
     ap.add_argument("--eval-new-tokens", type=int, default=64)
