@@ -492,7 +492,8 @@ def numerics_of(manifest: dict) -> dict:
     for role, info in manifest["roles"].items():
         o = info["backends"].get("onnxruntime") or {}
         out[role] = {"numerics": o.get("numerics", "exact"),
-                     **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"})}
+                     **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"}),
+                     "int8_weights": o.get("weights") == "int8"}
     return out
 
 
@@ -556,8 +557,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           max_new_tokens: int = typer.Option(128, help="New tokens per prompt."),
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),
-          peers: str = typer.Option("transformers,onnxruntime-genai", help="Peers to run when "
-                                    "installed (comma list), or 'none'."),
+          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp", help="Peers to "
+                                    "run when installed (comma list), or 'none'."),
           peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
                                                 "speculative decoding (default: --ks)."),
           cache_dir: Optional[Path] = typer.Option(None, help="Build cache (also holds the "
@@ -640,9 +641,25 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
          in_place: bool = typer.Option(False, "--in-place", help="Rewrite the recipe's "
                                        "num_speculative_tokens line (other lines are kept)."),
          json_out: bool = typer.Option(False, "--json", help="Print the evidence and decision "
-                                       "as JSON.")):
+                                       "as JSON."),
+         cost_model: bool = typer.Option(False, "--cost-model", help="Call costs from a roofline "
+                                         "model of the recipe's card (shapes, precision, the "
+                                         "card's published bandwidth and fp16 compute per QID) "
+                                         "instead of timing them here; acceptance is measured "
+                                         "as always."),
+         card_bandwidth_gbs: Optional[float] = typer.Option(None, "--card-bandwidth-gbs",
+                                                            help="With --cost-model: DRAM GB/s "
+                                                            "per QID (default: the card's "
+                                                            "published figure)."),
+         card_tflops: Optional[float] = typer.Option(None, "--card-tflops", help="With "
+                                                     "--cost-model: fp16 TFLOPS per QID "
+                                                     "(default: the card's published figure)."),
+         per_batch: Optional[str] = typer.Option(None, "--per-batch", help="Batch sizes (1,2,4 "
+                                                 "or 1-4): the best K for each too, recorded "
+                                                 "in the evidence.")):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
     from .errors import UsageError
+    from .bench import parse_ks
     from .tune import show_tune, tune as run_tune, write_tuned_recipe
 
     if write is not None and in_place:
@@ -650,7 +667,9 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     result = run_tune(recipe, set_ or [], k_max=k_max, prompt_file=prompts,
                       prompt_set=prompt_set, num_prompts=num_prompts,
                       max_new_tokens=max_new_tokens, rounds=rounds, cache_dir=cache_dir,
-                      say=_progress_line)
+                      say=_progress_line, cost_model=cost_model,
+                      card_bandwidth_gbs=card_bandwidth_gbs, card_tflops=card_tflops,
+                      per_batch=parse_ks(per_batch))
     written = None
     if write is not None or in_place:
         written = write_tuned_recipe(recipe, result, None if in_place else write)

@@ -31,6 +31,19 @@ CARDS: dict[str, dict[str, int]] = {
     "cloud-ai-100-standard": {"qids": 1, "cores_per_qid": 14, "dram_gib_per_qid": 16},
 }
 
+# Published per-card figures for `tune --cost-model`, divided per QID (SoC): DDR bandwidth and
+# fp16 compute. Source: the Cloud AI SDK documentation, "Architecture", table of SKUs
+# (https://quic.github.io/cloud-ai-sdk-pages/latest/Getting-Started/Architecture): DDR BW
+# Standard 137 GB/s, Pro 137 GB/s, Ultra 548 GB/s (4 SoCs); FP16 110 / 125 / 290 TFLOPs. These
+# are AI 100 figures; an ai200 card has none here (give --card-bandwidth-gbs and --card-tflops).
+CARD_ROOFLINE_SOURCE = ("Qualcomm Cloud AI SDK documentation, Getting-Started/Architecture, "
+                        "table of SKUs")
+CARD_ROOFLINE: dict[str, dict[str, float]] = {
+    "cloud-ai-100-ultra": {"dram_gbs_per_qid": 548 / 4, "fp16_tflops_per_qid": 290 / 4},
+    "cloud-ai-100-pro": {"dram_gbs_per_qid": 137.0, "fp16_tflops_per_qid": 125.0},
+    "cloud-ai-100-standard": {"dram_gbs_per_qid": 137.0, "fp16_tflops_per_qid": 110.0},
+}
+
 Method = Literal["draft_model", "ngram", "suffix"]
 Backend = Literal["onnxruntime", "qaic"]
 

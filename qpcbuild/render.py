@@ -145,7 +145,9 @@ def show_run(report: dict[str, Any], show_text: bool = True) -> None:
     for role, n in (report.get("numerics") or {}).items():
         console.print(f"{role} numerics: {n['numerics']}" + (
             f" (weights {n['weights']}, KV {n['kv']}; emulated on the CPU)"
-            if n["numerics"] == "emulated" else " (float32)"))
+            if n["numerics"] == "emulated" else " (float32)") + (
+            "; matmul weights in int8 blocks with int8 activations (changes proposals only)"
+            if n.get("int8_weights") else ""))
     if "baseline" in report:
         b = report["baseline"]
         base_tps = ", ".join(str(x["stats"]["e2e_tokens_per_s"]) for x in b["batches"])

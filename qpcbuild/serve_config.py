@@ -61,6 +61,11 @@ def host_setup(m: dict[str, Any]) -> list[str]:
     if max(m["speculation"]["num_speculative_tokens"]) > 0:
         lines.append("# sampling (temperature > 0): AOT-mode rejection sampling needs the "
                      "Triton-CPU backend installed")
+    per_batch = (m.get("tuning") or {}).get("per_batch")
+    if per_batch:  # recorded by `tune --per-batch`; no vLLM flag takes a K per batch size
+        lines.append("# tune --per-batch: best K by batch size " + ", ".join(
+            f"{p['batch_size']}:{p['chosen_k']}" for p in per_batch) + " (vLLM takes one "
+            "num_speculative_tokens; this is for reference only)")
     return lines
 
 

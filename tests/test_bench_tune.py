@@ -1,5 +1,7 @@
 """`qpcbuild bench` and `qpcbuild tune`: the report's contents on a tiny bundle of the demo pair
-(peers forced missing), and tune's model and recipe rewriting as pure functions."""
+(peers forced missing); tune's model, cost model and recipe rewriting as pure functions; the
+engine's replay API against real speculative decoding (the oracle, which also rejects broken
+replays); where costs come from, recorded in the recipe comment and the manifest."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from qpcbuild import bench, tune
 from qpcbuild.cli import app
 from qpcbuild.errors import UsageError
 from qpcbuild.recipe import load_recipe, recipe_from_text
+from qpcbuild.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 # QPCBUILD_TEST_DEMO: another folder holding target/ and draft/ of the same shapes (for
@@ -119,19 +122,49 @@ def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_
     again = inplace.read_text()
     assert load_recipe(inplace).speculation.num_speculative_tokens == 1
     assert again.count("chosen by `qpcbuild tune`") == 1
-    kept = [x for x in (ROOT / recipe).read_text().splitlines()
+    # every other line is kept; ruamel only normalises spacing inside a line (`draft:  {`)
+    kept = [" ".join(x.split()) for x in (ROOT / recipe).read_text().splitlines()
             if "num_speculative_tokens" not in x and "model:" not in x]
-    assert all(line in again.splitlines() for line in kept)
+    got = {" ".join(x.split()) for x in again.splitlines()}
+    assert all(line in got for line in kept)
 
 
-def test_patch_handles_block_lists_and_a_missing_speculation_section():
+def test_set_k_handles_block_lists_flow_maps_and_a_missing_speculation_section():
     base = "schema: 1\nname: x\ntarget:\n  model: /nonexistent/t\ndraft:\n  method: ngram\n"
     for text in (base + "speculation:\n  num_speculative_tokens:\n    - 0\n    - 4\n",
                  base + "speculation:\n  num_speculative_tokens: [0,\n    4]\n",
+                 base + "speculation: {num_speculative_tokens: 2}  # inline\n",
                  base + "shapes:\n  ctx_len: 512\n"):
-        r = recipe_from_text(text)
-        out = tune.patch_recipe_text(text, r, 5, ["# tune: evidence"])
+        out = tune.set_k_in_text(text, "ngram", 5, ["# tune: evidence"])
         assert recipe_from_text(out).speculation.num_speculative_tokens == 5
+        assert "  # tune: evidence\n  num_speculative_tokens: 5" in out
+
+
+def _comments(text: str) -> list[str]:
+    return [line[line.index("#"):].strip() for line in text.splitlines() if "#" in line]
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
+def test_ruamel_round_trip_keeps_comments_and_changes_only_k(recipe):
+    import yaml
+
+    text = (ROOT / "recipes" / recipe).read_text()
+    method = yaml.safe_load(text)["draft"]["method"]
+    out = tune.set_k_in_text(text, method, 5, ["# tune: first line", "# tune: second line"])
+    # every comment of the recipe is still there, except the one that described the old K
+    k_line = next(x for x in text.splitlines() if "num_speculative_tokens" in x)
+    old_k_comment = _comments(k_line)
+    assert [c for c in _comments(text) if c not in old_k_comment] == \
+        [c for c in _comments(out) if not c.startswith(("# tune:", "# tuned"))]
+    # the data differ in K only
+    before, after = yaml.safe_load(text), yaml.safe_load(out)
+    assert after["speculation"].pop("num_speculative_tokens") == 5
+    before["speculation"].pop("num_speculative_tokens")
+    assert before == after
+    # a second run replaces the evidence instead of adding to it
+    again = tune.set_k_in_text(out, method, 2, ["# tune: newer"])
+    assert again.count("# tune:") == 1 and yaml.safe_load(again)["speculation"][
+        "num_speculative_tokens"] == 2
 
 
 # ---------------------------------------------------------------- bench: inputs
@@ -161,7 +194,7 @@ def tiny_bundle(tmp_path_factory) -> Path:
 
 def _no_peers(monkeypatch):
     # `None` in sys.modules makes `import x` raise ImportError: the peers look uninstalled.
-    for mod in ("torch", "transformers", "onnxruntime_genai"):
+    for mod in ("torch", "transformers", "onnxruntime_genai", "llama_cpp"):
         monkeypatch.setitem(sys.modules, mod, None)
 
 
@@ -185,7 +218,7 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     spd = [r for r in rows if r["method"] == "draft_model"]
     assert all(0 <= r["acceptance_rate"] <= 1 and r["ideal_speedup"] > 0 for r in spd)
     assert all(len(r["acceptance_per_position"]) == r["k"] for r in spd)
-    for name in ("transformers", "onnxruntime-genai"):
+    for name in ("transformers", "onnxruntime-genai", "llama.cpp"):
         assert report["peers"][name]["status"] == "skipped"
         assert "not installed" in report["peers"][name]["note"]
     assert "goals" not in report  # a user's report holds their results, not ours
@@ -226,8 +259,16 @@ def test_tune_measures_and_writes_a_recipe(tmp_path):
     for check in result["model_check"][1:]:  # greedy: the replayed loop is the real loop
         assert check["accepted_replayed"] == check["accepted_measured"]
         assert check["drafts_replayed"] == check["drafts_measured"]
+    # the costs say where they come from: this recipe runs on ONNX Runtime, timed here
+    assert result["cost_source"] == "onnxruntime-cpu"
+    assert result["costs"]["statistic"] == "lower quartile" and result["costs"]["rounds"] == 3
+    assert "exact float32" in result["acceptance_measured_on"]
     out = tune.write_tuned_recipe(ROOT / "recipes" / "demo.yaml", result, tmp_path / "t.yaml")
     assert load_recipe(out).speculation.num_speculative_tokens == result["chosen_k"]
+    text = out.read_text()
+    assert "# tune: costs: onnxruntime-cpu (measured on ONNX Runtime on this CPU, lower " \
+        "quartile of 3 rounds" in text
+    assert "# tune: acceptance measured on ONNX Runtime, exact float32" in text
 
 
 @needs_demo
@@ -244,55 +285,205 @@ def test_compile_tune_builds_with_the_chosen_k_and_records_the_evidence(tmp_path
     m = read_manifest(out)
     assert m["tuning"]["chosen_k"] == max(m["speculation"]["num_speculative_tokens"])
     assert m["tuning"]["table"] and m["tuning"]["calibration"]["num_drafts"] > 0
+    assert m["tuning"]["cost_source"] == "onnxruntime-cpu"
 
 
-# ---------------------------------------------------------------- tune: replaying the loop
-def test_replay_draft_by_hand():
-    # matches[i]: the draft's next token after output token i equals output token i+1
-    m = [True, True, False, True, True, True, False, False]
-    st = tune.replay_draft(m, n_out=9, max_new=9, k=2)
-    # steps: [1,2 accepted + 3] -> [4,5 accepted + 6, catch-up] -> [7 rejected + 7,
-    # catch-up, 1 draft: room 1] -> [no room: target only]
-    assert (st["steps"], st["drafts"], st["draft_tokens"], st["accepted"]) == (4, 3, 5, 4)
-    assert st["per_pos"] == [2, 2] and st["catch_up"] == 2 and st["tokens"] == 8
+# ---------------------------------------------------------------- the engine's replay API
+def _totals(rows, times) -> dict:
+    """Per-position acceptance and call counts of a set of rows, as the oracle compares them."""
+    width = max((len(r.stats.accepted_per_pos) for r in rows), default=0)
+    return {"per_pos": [sum(r.stats.accepted_per_pos[j] for r in rows
+                            if j < len(r.stats.accepted_per_pos)) for j in range(width)],
+            "drafts": sum(r.stats.num_drafts for r in rows),
+            "draft_tokens": sum(r.stats.num_draft_tokens for r in rows),
+            "accepted": sum(r.stats.num_accepted_tokens for r in rows),
+            "steps": sum(r.stats.target_calls for r in rows),
+            "target_calls": times.target_calls, "draft_calls": times.draft_calls,
+            "tokens": [r.tokens for r in rows]}
 
 
-class _Oracle:
-    """A proposer that knows the output and proposes its next tokens, the first one wrong every
-    third step."""
-
-    def __init__(self, output):
-        self.output, self.calls = output, []
-
-    def start(self, rid, tokens):
-        self.seen = len(tokens)
-        self.prompt_len = len(tokens) - 1
-        self.calls.append(("start", len(tokens)))
-
-    def extend(self, rid, tokens):
-        self.seen += len(tokens)
-        self.calls.append(("extend", list(tokens)))
-
-    def propose(self, rid, k):
-        done = self.seen - self.prompt_len
-        guess = self.output[done:done + k]
-        if sum(c[0] == "extend" for c in self.calls) % 3 == 2 and guess:
-            guess = [-1] + guess[1:]
-        return guess
-
-    def finish(self, rid):
-        self.calls.append(("finish",))
+def _disagreements(real: dict, replayed: dict) -> list[str]:
+    return [key for key in real if real[key] != replayed[key]]
 
 
-def test_replay_proposer_drives_the_proposer_like_the_engine():
-    out = list(range(100, 120))
-    prop = _Oracle(out)
-    st = tune.replay_proposer(prop, [1, 2, 3], out, max_new=20, k=3)
-    assert prop.calls[0] == ("start", 4) and prop.calls[-1] == ("finish",)
-    extended = [t for c in prop.calls if c[0] == "extend" for t in c[1]]
-    assert extended == out[1:len(extended) + 1]  # accepted tokens plus the target's, in order
-    assert st["tokens"] == 19 and st["accepted"] + st["steps"] >= 19
-    # Position j+1 is only ever accepted after position j: the counts cannot grow.
-    assert all(a >= b for a, b in zip(st["per_pos"], st["per_pos"][1:])) and st["per_pos"][0] > 0
-    alphas = tune.conditional_acceptance(st["per_pos"], st["drafts"])
-    assert 0 < alphas[0] < 1 and alphas[1] == pytest.approx(1.0)
+def test_replay_on_a_toy_model_equals_the_real_loop():
+    """A target whose greedy next token is token + 1 (an EOS at 5 ends some rows) and a proposer
+    that is right, then wrong: replaying the known outputs counts exactly what running does."""
+    from test_engine_rules import EOS, Scripted, decoder
+
+    for proposal, prompt in (([3, 4, 9, 9], [1, 2]), ([8, 9, 10, 11], [6, 7]),
+                             ([9, 10, 1, 12], [7, 8])):
+        for k in (1, 2, 4):
+            d = decoder(Scripted(proposal), ks=(0, 1, 2, 4))
+            base, _ = d.generate([prompt], 12, SamplingParams(), target_only=True)
+            out = base[0].tokens[len(prompt):]
+            assert (EOS in out) == (prompt[0] < 5)
+            rows, times = d.generate([prompt], 12, SamplingParams(), k=k)
+            real = _totals(rows, times)
+            rows, times = d.replay([prompt], [out], 12, k)
+            assert _disagreements(real, _totals(rows, times)) == []
+
+
+@needs_demo
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
+def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_replays(
+        tiny_bundle, method, monkeypatch):
+    """The oracle: real speculative decoding on the demo pair at each K (the target model runs)
+    against `SpecDecoder.replay` and tune's `replayed` over the target-only greedy outputs."""
+    from qpcbuild.runtime import engine
+    from qpcbuild.runtime.loader import load
+
+    gen = load(tiny_bundle, method="draft_model", verify="fast").sibling(method)
+    prompts = [gen.encode(p) for p in bench.load_prompts(prompt_set="code", limit=3)[1]]
+    max_new = 24
+    base = gen.sibling(target_only=True)
+    outputs = [base.generate([p], max_new, target_only=True).rows[0].tokens[len(p):]
+               for p in prompts]
+    for k in (1, 2):
+        gen.fresh_proposer()
+        runs = [gen.generate([p], max_new, k=k) for p in prompts]
+        real = {"per_pos": [sum(x) for x in zip(*[
+                    r.stats["spec_decode_num_accepted_tokens_per_pos"] + [0] * (
+                        k - len(r.stats["spec_decode_num_accepted_tokens_per_pos"]))
+                    for r in runs])],
+                "drafts": sum(r.stats["spec_decode_num_drafts"] for r in runs),
+                "draft_tokens": sum(r.stats["spec_decode_num_draft_tokens"] for r in runs),
+                "accepted": sum(r.stats["spec_decode_num_accepted_tokens"] for r in runs),
+                "target_calls": sum(r.stats["target_calls"] for r in runs),
+                "draft_calls": sum(r.stats["draft_calls"] for r in runs),
+                "tokens": [row.tokens for r in runs for row in r.rows]}
+        assert real["drafts"] > 0 and any(real["per_pos"])
+        got = _totals(*gen.sibling(method).decoder.replay(prompts, outputs, max_new, k))
+        got["per_pos"] += [0] * (k - len(got["per_pos"]))
+        got.pop("steps")
+        assert _disagreements(real, got) == []
+        sim = tune.replayed(gen, prompts, outputs, max_new, k)  # what tune uses
+        assert (sim["per_pos"], sim["drafts"], sim["accepted"], sim["draft_calls"]) == \
+            (real["per_pos"], real["drafts"], real["accepted"], real["draft_calls"])
+        # Broken replays are rejected: one that counts each acceptance at the next position,
+        # and one whose target answers one position late (each draft compared with the token
+        # after the right one).
+        shifted = dict(got, per_pos=[0] + got["per_pos"][:-1])
+        assert "per_pos" in _disagreements(real, shifted)
+        good_next = engine._KnownTarget._next
+
+        def off_by_one(self, seq, p):
+            try:
+                return good_next(self, seq, p + 1)
+            except UsageError:
+                return seq[-1]
+
+        monkeypatch.setattr(engine._KnownTarget, "_next", off_by_one)
+        broken = _totals(*gen.sibling(method).decoder.replay(prompts, outputs, max_new, k))
+        broken["per_pos"] += [0] * (k - len(broken["per_pos"]))
+        broken.pop("steps")
+        assert _disagreements(real, broken) != []
+        monkeypatch.undo()
+
+
+def test_replay_refuses_an_output_that_is_too_short():
+    from test_engine_rules import Scripted, decoder
+
+    d = decoder(Scripted([9, 9]), ks=(0, 2))
+    with pytest.raises(UsageError, match="past the given output"):
+        d.replay([[6, 7]], [[8, 9]], 8, 2)  # 8 new tokens asked, 2 known, no EOS
+
+
+# ---------------------------------------------------------------- tune: the cost model
+def test_roofline_costs_follow_from_the_assumptions_by_hand():
+    r = load_recipe(ROOT / "recipes" / "demo.yaml",
+                    demo_overrides() + ["backends=[qaic]", "precision.quantization=mxfp6",
+                                        "precision.kv_cache_dtype=mxint8"])
+    fig = {"card": "test", "dram_gbs_per_qid": 100.0, "fp16_tflops_per_qid": 50.0,
+           "source": "test"}
+    t_verify, t_draft, detail = tune.roofline_costs(r, [1, 2], position=100, batch=1, fig=fig)
+    # Demo target (config.json): H 256, 6 layers, 8 heads, 2 KV heads, head_dim 32, I 688,
+    # V 4096, tied. Per layer 256*256 + 2*256*64 + 256*256 + 3*256*688 + 2*256 = 692,736;
+    # params 6 * 692,736 + 4096*256 + 256 = 5,205,248, of which the embedding 1,048,576.
+    # Weights: 4,156,672 matmul params * 25/32 + 1,048,576 * 2 = 5,344,552 bytes.
+    # KV: 2 * 6 * 2 * 32 * 33/32 = 792 bytes per token; K=2 at position 100: 103 tokens.
+    assert detail["target_call"]["weight_bytes"] == pytest.approx(5_344_552)
+    assert t_verify[2] == pytest.approx((5_344_552 + 792 * 103) / 100e9)  # memory bound
+    assert detail["verify_bound"][2] == "memory"
+    assert 2 * 5_205_248 * 3 / 50e12 < t_verify[2]  # the compute roof is lower here
+    # Demo draft: H 128, 2 layers, 4 heads, 2 KV heads, I 344, tied: per layer 181,504;
+    # params 887,424 (embedding 524,288): 363,136 * 25/32 + 524,288 * 2 = 1,332,276 bytes;
+    # KV 2 * 2 * 2 * 32 * 33/32 = 264 bytes per token, 101 tokens for one step at 100.
+    step = (1_332_276 + 264 * 101) / 100e9
+    assert detail["draft_step_ms"] == pytest.approx(step * 1e3, abs=1e-6)
+    assert t_draft[2] == pytest.approx(2 * step)
+    # batch 128 at position 0: the compute roof takes over for the target's verify of 3 tokens
+    # (2 * 5,205,248 * 3 * 128 FLOPs = 80 us at 50 TFLOPS; 5,344,552 + 792 * 3 * 128 bytes =
+    # 56 us at 100 GB/s)
+    tc, _, dc = tune.roofline_costs(r, [2], position=0, batch=128, fig=fig)
+    assert dc["verify_bound"][2] == "compute"
+    assert tc[2] == pytest.approx(2 * 5_205_248 * 3 * 128 / 50e12)
+    assert (5_344_552 + 792 * 3 * 128) / 100e9 < tc[2]
+    # the published table: Ultra 548 GB/s and 290 TFLOPS over 4 QIDs
+    pub = tune.roofline_figures(r)
+    assert (pub["dram_gbs_per_qid"], pub["fp16_tflops_per_qid"]) == (137.0, 72.5)
+    assert "Architecture" in pub["source"]
+    assert tune.roofline_figures(r, 50.0)["source"].startswith("given on the command line")
+    ai200 = load_recipe(ROOT / "recipes" / "demo.yaml",
+                        demo_overrides() + ["hardware.aic_hw_version=ai200"])
+    with pytest.raises(UsageError, match="--card-bandwidth-gbs"):
+        tune.roofline_figures(ai200)
+
+
+@needs_demo
+def test_tune_cost_model_prints_and_records_its_assumptions(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=1,
+                       max_new_tokens=16, cache_dir=tmp_path / "cache", cost_model=True)
+    assert result["cost_source"] == "roofline-model"
+    costs = result["costs"]
+    assert costs["assumptions"] == tune.ROOFLINE_ASSUMPTIONS
+    assert costs["figures"]["dram_gbs_per_qid"] == 137.0
+    r = load_recipe(ROOT / "recipes" / "demo.yaml", demo_overrides())
+    t_verify, t_draft, _ = tune.roofline_costs(r, [1, 2], costs["position"], 1,
+                                               costs["figures"])
+    for row in result["table"]:  # the decision's numbers are the model's, host time 0
+        k = row["k"]
+        assert row["verify_ms"] == pytest.approx(t_verify[k] * 1e3, abs=1e-4)
+        assert row["host_ms"] == 0
+    buf = StringIO()
+    tune.show_tune(result, Console(file=buf, width=300, force_terminal=True, color_system=None,
+                                   highlight=False))
+    shown = buf.getvalue()
+    assert "roofline-model" in shown and all(a[:40] in shown for a in tune.ROOFLINE_ASSUMPTIONS)
+    out = tune.write_tuned_recipe(ROOT / "recipes" / "demo.yaml", result, tmp_path / "t.yaml")
+    text = out.read_text()
+    assert "# tune: costs: roofline-model of cloud-ai-100-ultra (137 GB/s" in text
+    assert text.count("# tune:   assumed:") == len(tune.ROOFLINE_ASSUMPTIONS)
+
+
+# ---------------------------------------------------------------- tune: --per-batch
+def test_best_k_per_batch_is_the_argmax_of_each_batch_table():
+    rows = lambda rates: [{"k": k, "tokens_per_s": t, "cost_ms": 1.0, "predicted_speedup": 1.0}
+                          for k, t in rates.items()]
+    out = tune.best_k_per_batch({4: rows({1: 90.0, 2: 80.0}), 1: rows({1: 100.0, 2: 120.0})})
+    assert [(p["batch_size"], p["chosen_k"]) for p in out] == [(1, 2), (4, 1)]
+    assert out[1]["tokens_per_s_batch"] == pytest.approx(360.0)
+
+
+@needs_demo
+def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path):
+    from qpcbuild.serve_config import host_setup
+
+    result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=1,
+                       max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache",
+                       per_batch=[1, 2])
+    pb = result["per_batch"]
+    assert [p["batch_size"] for p in pb] == [1, 2]
+    for p in pb:
+        assert p["chosen_k"] == max(p["table"], key=lambda r: (r["tokens_per_s"], -r["k"]))["k"]
+    assert pb[0]["chosen_k"] == result["chosen_k"]  # the recipe's batch is 1
+    line = f"# tune: best K per batch size: 1:{pb[0]['chosen_k']}, 2:{pb[1]['chosen_k']}"
+    assert line in tune.evidence_comment(result)
+    m = {"speculation": {"method": "draft_model", "num_speculative_tokens": [2]},
+         "tuning": result}
+    assert any(x.startswith("# tune --per-batch: best K by batch size 1:") for x in host_setup(m))
+    assert not any("per-batch" in x for x in host_setup({**m, "tuning": {}}))

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -126,12 +127,27 @@ class Generator:
         self.target = _open_session(bundle, manifest, "target", backend)
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
-        opts = manifest["speculation"]["options"] if manifest["speculation"]["method"] == method \
-            else {}
-        proposer = make_proposer(method, opts) if method in ("ngram", "suffix") else None
-        self.decoder = SpecDecoder(self.target, self.draft, proposer, self.ks,
-                                   manifest["shapes"]["prefill_seq_len"], self.eos_ids, method,
-                                   bool(manifest["shapes"].get("full_batch_size")))
+        self.decoder = build_decoder(manifest, self.target, self.draft, method, self.eos_ids)
+
+    def sibling(self, method: str | None = None, target_only: bool = False) -> "Generator":
+        """A Generator over the same sessions (nothing is loaded again) for another method the
+        bundle supports, with a fresh proposer; `target_only`: neither draft nor proposer (the
+        engine tells a method's proposer about accepted tokens even in target-only runs)."""
+        method = method or self.method
+        if method == "draft_model" and self.draft is None and not target_only:
+            raise UsageError("this generator has no draft session; load the bundle with "
+                             "method='draft_model'")
+        g = copy.copy(self)
+        g.method = method
+        g.draft = self.draft if method == "draft_model" and not target_only else None
+        g.decoder = build_decoder(self.manifest, self.target, g.draft,
+                                  None if target_only else method, self.eos_ids)
+        g.decoder.method = method
+        return g
+
+    def fresh_proposer(self) -> None:
+        """Start the proposer over (suffix decoding's cross-request cache empty)."""
+        self.decoder.proposer = new_proposer(self.manifest, self.method)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -176,6 +192,26 @@ class Generator:
         texts = [self.tokenizer.decode(r.tokens[len(r.prompt):]) for r in rows]
         method = "target_only" if target_only else self.method
         return GenerationResult(texts, rows, summarize(rows, times, method))
+
+
+def new_proposer(manifest: dict, method: str | None):
+    """The proposer of an ngram/suffix method with the bundle's options for it (its own
+    method) or the defaults (another one); None for draft_model and target-only."""
+    if method not in ("ngram", "suffix"):
+        return None
+    spd = manifest["speculation"]
+    return make_proposer(method, spd["options"] if spd["method"] == method else {})
+
+
+def build_decoder(manifest: dict, target, draft, method: str | None,
+                  eos_ids: set[int]) -> SpecDecoder:
+    """The one way a SpecDecoder is made from a bundle: its compiled Ks, prefill chunk and
+    continuous batching, with `method`'s proposer (method None: target-only, no proposer)."""
+    shapes = manifest["shapes"]
+    return SpecDecoder(target, draft, new_proposer(manifest, method),
+                       tuple(manifest["roles"]["target"]["compiled_ks"]),
+                       shapes["prefill_seq_len"], eos_ids, method or "target_only",
+                       bool(shapes.get("full_batch_size")))
 
 
 def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = None,

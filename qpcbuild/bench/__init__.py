@@ -1,0 +1,46 @@
+"""`qpcbuild bench`: every method and K a bundle supports, target-only, and the peers a user would
+otherwise pick, measured side by side in one run on one prompt set.
+
+What one run does
+-----------------
+* Ours: each method the bundle supports (draft_model when it has a draft; ngram and suffix always,
+  they need no model) at each requested K, plus target-only decoding at the smallest compiled K
+  (ideally 0). All methods share one set of ONNX Runtime sessions (`Generator.sibling`).
+* Peers, when installed (never faked; a missing one is reported as skipped with the reason):
+  Hugging Face transformers on PyTorch/CPU (target-only, assisted generation with the draft at
+  each K and with transformers' own defaults, prompt lookup at each K), onnxruntime-genai on
+  the same checkpoints (target-only, and its speculative decoding: draft model and n-gram), and
+  llama.cpp through llama-cpp-python (target-only, and prompt lookup where the library has it).
+* Repeats are interleaved (each repeat runs every configuration, ours and the peers', over the
+  whole prompt set in turn), so drift of a busy machine hits all of them alike while each runs
+  warm as it would in use. A warm-up pass on the first prompt comes first and is not counted.
+* Greedy decoding throughout; each configuration's tokens are compared with our target-only
+  tokens (ours must match exactly; a peer's match is reported, not required).
+
+tokens/s = new tokens / wall time of the generate calls (prefill included), per repeat; the
+table shows the mean and the standard deviation over repeats. speedup = tokens/s / target-only
+tokens/s of the same run (the spread is that of the per-repeat ratios).
+
+Parts: inputs.py (Ks, prompt sets, the measurement bundle), measure.py (our measurement and the
+entry point), peers.py, report.py (report, JSON, tables, markdown), plot.py, numerics.py
+(`bench --numerics`).
+"""
+
+from ..prompts import read_prompt_file
+from .inputs import (BENCH_KS, OUR_METHODS, PROMPT_DIR, PROMPT_SETS, build_for_measurement,
+                     build_on_card, default_bench_dir, is_bundle, load_prompts, machine_info,
+                     measurement_overrides, parse_ks)
+from .measure import DEFAULT_PEERS, Measure, bench, run_bench
+from .numerics import (bench_numerics, numerics_markdown, plot_numerics, run_numerics,
+                       show_numerics, teacher_forced_logits)
+from .peers import PEERS, Peer
+from .plot import plot_report
+from .report import (build_report, default_json_path, markdown_table, show_report,
+                     write_json)
+
+__all__ = ["BENCH_KS", "DEFAULT_PEERS", "OUR_METHODS", "PEERS", "PROMPT_DIR", "PROMPT_SETS",
+           "Measure", "Peer", "bench", "bench_numerics", "build_for_measurement", "build_on_card",
+           "build_report", "default_bench_dir", "default_json_path", "is_bundle", "load_prompts",
+           "machine_info", "markdown_table", "measurement_overrides", "numerics_markdown",
+           "parse_ks", "plot_numerics", "plot_report", "read_prompt_file", "run_bench",
+           "run_numerics", "show_numerics", "show_report", "teacher_forced_logits", "write_json"]

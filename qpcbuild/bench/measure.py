@@ -1,0 +1,258 @@
+"""Our measurement: every method and K of a bundle and target-only, the peers' cases beside them,
+repeats interleaved; and `bench`, the entry point (bundle or recipe -> report, JSON, plot)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UsageError
+from ..runtime.engine import prefill_calls
+from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
+                     is_bundle, load_prompts, machine_info)
+
+DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
+SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
+
+
+# ---------------------------------------------------------------- measurement records
+@dataclass
+class Measure:
+    """One configuration: per-repeat wall time and tokens, plus summed engine statistics."""
+    system: str
+    method: str
+    k: int | None
+    label: str
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    outputs: list[list[list[int]]] = field(default_factory=list)  # per repeat, per prompt
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    skipped: str | None = None
+
+    def tps(self) -> list[float]:
+        return [t / s if s > 0 else 0.0 for t, s in zip(self.tokens, self.seconds)]
+
+
+SUM_KEYS = ("new_tokens", "target_calls", "draft_calls", "target_time_s", "draft_time_s",
+            "e2e_s", "host_overhead_s", "ttft_s", "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "requests")
+
+
+def _add_stats(acc: dict[str, Any], st: dict[str, Any]) -> None:
+    for key in SUM_KEYS:
+        acc[key] = acc.get(key, 0) + (st.get(key) or 0)
+    per_pos = acc.setdefault("per_pos", [])
+    for j, v in enumerate(st.get("spec_decode_num_accepted_tokens_per_pos") or []):
+        if j >= len(per_pos):
+            per_pos.append(0)
+        per_pos[j] += v
+
+
+def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int) -> Callable:
+    target_only = method == "target_only"
+    prefill, ctx_len = gen.manifest["shapes"]["prefill_seq_len"], gen.target.ctx_len
+
+    def run(prompt_ids: list[list[int]], acc: dict[str, Any] | None) -> tuple[list, int, float]:
+        outs, tokens, seconds = [], 0, 0.0
+        for start in range(0, len(prompt_ids), batch):
+            chunk = prompt_ids[start:start + batch]
+            t0 = time.perf_counter()
+            res = gen.generate(chunk, max_new, temperature=0.0, target_only=target_only,
+                               k=None if target_only else k)
+            seconds += time.perf_counter() - t0
+            for row in res.rows:
+                outs.append(row.tokens[len(row.prompt):])
+            tokens += res.stats["new_tokens"]
+            if acc is not None:
+                _add_stats(acc, res.stats)
+                acc["prefill_calls"] = acc.get("prefill_calls", 0) + \
+                    prefill_calls(chunk, prefill, ctx_len)
+        return outs, tokens, seconds
+    return run
+
+
+def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: list[int] | None
+              = None, methods: list[str] | None = None, max_new_tokens: int = 128,
+              repeats: int = 3, peers: tuple[str, ...] = DEFAULT_PEERS,
+              peer_ks: list[int] | None = None, cache_dir: Path | None = None,
+              say: Say | None = None) -> dict[str, Any]:
+    """Measure and return the report (a JSON-able dict)."""
+    from ..bundle import read_manifest
+    from ..runtime.loader import load
+    from .peers import PEERS
+    from .report import build_report
+
+    say = say or (lambda m: None)
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    if max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    if repeats < 1:
+        raise UsageError("--repeats must be at least 1")
+    compiled = sorted(manifest["roles"]["target"]["compiled_ks"])
+    supported = [m for m in OUR_METHODS if m != "draft_model" or "draft" in manifest["roles"]]
+    methods = list(methods or supported)
+    for m in methods:
+        if m not in supported:
+            raise UsageError(f"method '{m}' is not supported by this bundle (supported: "
+                             f"{', '.join(supported)})")
+    ks = list(ks) if ks is not None else [k for k in compiled if k > 0]
+    missing = [k for k in ks if k not in compiled]
+    if missing:
+        raise UsageError(f"K {missing} not compiled in {bundle} (compiled: {compiled}); bench a "
+                         "recipe instead to build every K, or pick --ks from the compiled ones")
+    ks = [k for k in ks if k > 0]
+    if not ks:
+        raise UsageError("no K >= 1 to measure")
+    peer_ks = list(peer_ks) if peer_ks is not None else ks
+
+    machine = machine_info()  # the load average now, before this run adds to it
+    # One Generator per method, all over the same sessions (one target, one draft): a method
+    # is only a different proposer in front of them.
+    base = load(bundle, method=methods[0], verify="fast")
+    gens = {m: base if m == methods[0] else base.sibling(m) for m in methods}
+    gen = base
+    batch = gen.target.batch_size
+    ctx_len = manifest["shapes"]["ctx_len"]
+    room = ctx_len - max_new_tokens - 1
+    if room < 1:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
+    prompt_ids, truncated = [], 0
+    for p in prompts:
+        ids = gen.encode(p)
+        if not ids:
+            raise UsageError(f"prompt '{p[:30]}' encodes to no tokens")
+        if len(ids) > room:  # keep the end of the prompt: the continuation depends on it
+            ids, truncated = ids[-room:], truncated + 1
+        prompt_ids.append(ids)
+    notes = []
+    if truncated:
+        notes.append(f"{truncated} prompt(s) cut to their last {room} tokens so that prompt + "
+                     f"{max_new_tokens} new tokens fit ctx_len {ctx_len}")
+
+    base_k = compiled[0]
+    if base_k != 0:
+        notes.append(f"target-only runs on the smallest compiled K ({base_k}, a {base_k + 1}-token "
+                     "window) because K=0 is not compiled: the baseline is slower than it could be")
+    ours: list[tuple[Measure, Callable]] = [
+        (Measure("qpcbuild", "target_only", base_k, "target-only"),
+         _our_runner(gen.sibling(target_only=True), "target_only", None, batch, max_new_tokens))]
+    for m in methods:
+        for k in ks:
+            ours.append((Measure("qpcbuild", m, k, f"{m} K={k}"),
+                         _our_runner(gens[m], m, k, batch, max_new_tokens)))
+
+    peer_objs: list = []
+    eos_ids = set(gen.eos_ids)
+    for name in peers:
+        make = PEERS.get("onnxruntime-genai" if name == "ort-genai" else name)
+        if make is None:
+            raise UsageError(f"unknown peer '{name}' ({' | '.join(PEERS)})")
+        peer_objs.append(make(manifest, peer_ks, max_new_tokens, eos_ids, cache_dir, say))
+        p = peer_objs[-1]
+        say(f"peer {p.name}: {p.status}" + (f" ({p.note})" if p.note else ""))
+
+    cases = ours + [c for p in peer_objs for c in p.cases]
+    # Repeats interleaved: every repeat runs every configuration over the whole prompt set in
+    # turn (so each runs warm, as it would in use), and drift spreads over all configurations.
+    # Repeat 0 is a warm-up on the first prompt batch and is not counted.
+    warmup = prompt_ids[:batch]
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()  # what is loaded now (models, libraries) stays out of the collections below
+    warm_tps: dict[str, float] = {}  # each peer's target-only tokens/s in the warm-up
+    baseline_run: dict[str, Callable] = {}
+    for rep in range(repeats + 1):
+        warm = rep == 0
+        for meas, run in cases:
+            if meas.error or meas.skipped:
+                continue
+            if meas.system == "qpcbuild" and meas.method in ("ngram", "suffix"):
+                # Its own proposer, fresh each repeat: suffix decoding's cross-request cache
+                # holds only the earlier prompts of this pass, never this very continuation.
+                gens[meas.method].fresh_proposer()
+            # As timeit does: no cyclic garbage collection inside a timed pass (its pauses would
+            # land on whichever configuration happens to run); it runs between passes.
+            gc.collect()
+            gc.disable()
+            try:
+                outs, tokens, seconds = run(warmup if warm else prompt_ids,
+                                            None if warm else meas.stats)
+            except Exception as exc:
+                if meas.system == "qpcbuild":
+                    raise
+                meas.error = f"{type(exc).__name__}: {exc}"
+                say(f"  {meas.system} {meas.label} failed: {meas.error}")
+                continue
+            finally:
+                gc.enable()
+            rate = tokens / seconds if seconds > 0 else 0.0
+            say(f"{'warm-up' if warm else f'repeat {rep}/{repeats}'} {meas.system} {meas.label}: "
+                f"{rate:,.0f} tokens/s  (elapsed {time.perf_counter() - started:.0f} s)")
+            if not warm:
+                meas.seconds.append(seconds)
+                meas.tokens.append(tokens)
+                meas.outputs.append(outs)
+                continue
+            if meas.system == "qpcbuild":
+                continue
+            if meas.method == "target_only":
+                warm_tps[meas.system] = rate
+                baseline_run[meas.system] = run
+            elif rate < SLOW_PEER_FRACTION * warm_tps.get(meas.system, 0.0):
+                # Far slower than the peer's own target-only, it cannot be the peer's best
+                # configuration (the one worth comparing) and would dominate the run. A busy
+                # machine slows whole stretches of time, so the check is repeated against the
+                # peer's target-only measured right before it, on the same prompt: only a
+                # configuration that is slow by itself is left out.
+                _, tb, sb = baseline_run[meas.system](warmup, None)
+                _, t2, s2 = run(warmup, None)
+                ref = tb / sb if sb > 0 else 0.0
+                rate2 = t2 / s2 if s2 > 0 else 0.0
+                if rate2 < SLOW_PEER_FRACTION * ref:
+                    meas.skipped = (f"not measured: {rate2:,.1f} tokens/s in its warm-up "
+                                    f"against {ref:,.1f} for this peer's target-only just "
+                                    f"before (under {SLOW_PEER_FRACTION:.0%}; first warm-up "
+                                    f"{rate:,.1f} against {warm_tps[meas.system]:,.1f})")
+                    say(f"  {meas.system} {meas.label}: {meas.skipped}")
+    gc.unfreeze()
+    return build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
+                   ks, methods, ours, peer_objs, notes, gen, machine)
+
+
+def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None = None,
+          prompt_set: str | None = None, num_prompts: int | None = None,
+          ks: list[int] | None = None, methods: list[str] | None = None,
+          max_new_tokens: int = 128, repeats: int = 3,
+          peers: tuple[str, ...] = DEFAULT_PEERS,
+          peer_ks: list[int] | None = None, cache_dir: Path | None = None,
+          bundle_out: Path | None = None, json_out: Path | None = None,
+          plot: Path | None | bool = None, say: Say | None = None) -> tuple[dict[str, Any], Path, Path | None]:
+    """Bundle or recipe -> (report, JSON path, PNG path or None)."""
+    say = say or (lambda m: None)
+    target = Path(target)
+    if is_bundle(target):
+        if overrides:
+            raise UsageError("--set applies to a recipe; this is a built bundle")
+        bundle = target
+    elif target.is_file():
+        want = sorted(set([0] + list(ks or BENCH_KS)))
+        out = Path(bundle_out) if bundle_out else default_bench_dir(target, list(overrides))
+        bundle = build_for_measurement(target, list(overrides), want, out, cache_dir, say)
+    else:
+        raise UsageError(f"{target}: neither a bundle folder (with manifest.json) nor a recipe "
+                         "file")
+    label, prompts = load_prompts(prompt_file, prompt_set, num_prompts)
+    report = run_bench(bundle, prompts, prompt_label=label, ks=ks, methods=methods,
+                       max_new_tokens=max_new_tokens, repeats=repeats, peers=peers,
+                       peer_ks=peer_ks, cache_dir=cache_dir, say=say)
+    from .plot import plot_report
+    from .report import default_json_path, write_outputs
+
+    json_path, png = write_outputs(report, json_out or default_json_path(bundle, report["name"]),
+                                   plot, plot_report)
+    return report, json_path, png

@@ -1,0 +1,337 @@
+"""The bench report: built from the measurements (a JSON-able dict of the user's results only),
+then written as JSON, shown as tables and written as a markdown table (plot.py draws it).
+
+Where each number comes from is written into the report's `settings` (tokens/s: wall time of
+our generate calls on this machine's ONNX Runtime sessions; speedup: over the same run's
+target-only; ideal speedup: the measured per-call costs and acceptance put into the SpD cost
+formula)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .inputs import loadavg
+from .measure import Measure
+
+REPORT_SCHEMA = 1
+NOISY_SPREAD = 0.10  # target-only tokens/s varying more than this across repeats: a busy machine
+
+
+def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else round(x, nd)
+
+
+def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> dict[str, Any]:
+    tps = meas.tps()
+    mean, std = _mean_std(tps)
+    ratios = [t / b for t, b in zip(tps, base.tps()) if b > 0]
+    sp_mean = mean / statistics.fmean(base.tps()) if mean and base.tps() else None
+    _, sp_std = _mean_std(ratios)
+    same = None
+    if meas.outputs and ref_outputs:
+        same = all(o == ref_outputs[0] for o in meas.outputs)
+    row = {"system": meas.system, "method": meas.method, "k": meas.k, "label": meas.label,
+           "tokens_per_s": {"mean": _r(mean, 2), "std": _r(std, 2),
+                            "per_repeat": [_r(t, 2) for t in tps]},
+           "speedup": {"mean": _r(sp_mean, 3), "std": _r(sp_std, 3)},
+           "new_tokens_per_repeat": meas.tokens[0] if meas.tokens else None,
+           "seconds_per_repeat": [_r(s, 4) for s in meas.seconds],
+           "greedy_matches_target_only": same}
+    if meas.error:
+        row["error"] = meas.error
+    if meas.skipped:
+        row["skipped"] = meas.skipped
+    st = meas.stats
+    if meas.system == "qpcbuild" and st:
+        drafts = st.get("spec_decode_num_drafts", 0)
+        dtoks = st.get("spec_decode_num_draft_tokens", 0)
+        acc = st.get("spec_decode_num_accepted_tokens", 0)
+        row.update({
+            "acceptance_rate": _r(acc / dtoks) if dtoks else None,
+            "mean_acceptance_length": _r(1 + acc / drafts) if drafts else None,
+            "acceptance_per_position": [_r(a / drafts) for a in st.get("per_pos", [])]
+            if drafts else [],
+            "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted_tokens": acc,
+            "target_calls": st.get("target_calls"), "draft_calls": st.get("draft_calls"),
+            "target_time_s": _r(st.get("target_time_s")), "draft_time_s": _r(st.get("draft_time_s")),
+            "host_overhead_fraction": _r(st["host_overhead_s"] / st["e2e_s"])
+            if st.get("e2e_s") else None,
+        })
+        bst = base.stats
+        dec, bdec = _decode(st), _decode(bst)
+        if dec and bdec:
+            row["decode_tokens_per_s"] = _r(dec["tokens_per_s"], 2)
+            row["decode_speedup"] = _r(dec["tokens_per_s"] / bdec["tokens_per_s"], 3)
+        if meas.method == "draft_model" and dec and bdec and st.get("draft_calls"):
+            # Over decode steps only (prefill is the same for every configuration and not part
+            # of the speculation's economics). The draft's per-call time includes its prefill
+            # chunks, so the ideal is slightly pessimistic for the draft.
+            t_base = bdec["target_s_per_call"]
+            t_spd = dec["target_s_per_call"]
+            t_draft = st["draft_time_s"] / st["draft_calls"]
+            ideal = dec["tokens_per_step"] * t_base / (meas.k * t_draft + t_spd)
+            row["ideal_speedup"] = _r(ideal, 3)
+            row["measured_over_ideal"] = _r(row["decode_speedup"] / ideal, 3) \
+                if row.get("decode_speedup") and ideal else None
+            row["cost_per_call_ms"] = {"target_only_target": _r(t_base * 1e3),
+                                       "spd_target": _r(t_spd * 1e3), "draft": _r(t_draft * 1e3)}
+    elif st:
+        row["peer_stats"] = dict(st)
+        if st.get("draft_tokens_proposed"):
+            row["acceptance_rate"] = _r(st["draft_tokens_accepted"] / st["draft_tokens_proposed"])
+    return row
+
+
+def _decode(st: dict[str, Any]) -> dict[str, float] | None:
+    """Decode-phase figures from summed engine statistics: after each request's first token
+    (ttft_s is the target prefill and the first token; decode steps are the target calls that
+    are not prefill chunks)."""
+    steps = st.get("target_calls", 0) - st.get("prefill_calls", 0)
+    decode_s = st.get("e2e_s", 0.0) - st.get("ttft_s", 0.0)
+    tokens = st.get("new_tokens", 0) - st.get("requests", 0)
+    if steps <= 0 or decode_s <= 0 or tokens <= 0:
+        return None
+    return {"tokens_per_s": tokens / decode_s, "tokens_per_step": tokens / steps,
+            "target_s_per_call": (st["target_time_s"] - st["ttft_s"]) / steps}
+
+
+def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
+    cands = [r for r in rows if pred(r) and r["tokens_per_s"]["mean"] and not r.get("error")]
+    return max(cands, key=lambda r: r["tokens_per_s"]["mean"]) if cands else None
+
+
+def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
+            ours, peer_objs, notes, gen, machine) -> dict[str, Any]:
+    from .. import __version__
+
+    base = ours[0][0]
+    ref = base.outputs
+    rows = [_row(m, base, ref) for m, _ in ours]
+    peers_out = {}
+    all_peer_rows = []
+    for p in peer_objs:
+        prow = [_row(m, base, ref) for m, _ in p.cases]
+        all_peer_rows += prow
+        peers_out[p.name] = {"status": p.status, "note": p.note, "version": p.version,
+                             "info": p.info, "rows": prow}
+    ratios = []
+    for p in peer_objs:
+        for method in ("target_only", "draft_model", "ngram"):
+            mine = _best(rows, lambda r, m=method: r["method"] == m)
+            theirs = _best(peers_out[p.name]["rows"], lambda r, m=method: r["method"] == m)
+            if mine and theirs:
+                ratios.append({"peer": p.name, "method": method, "ours": mine["label"],
+                               "theirs": theirs["label"],
+                               "ours_over_theirs": round(mine["tokens_per_s"]["mean"]
+                                                         / theirs["tokens_per_s"]["mean"], 3)})
+        mine = _best(rows, lambda r: True)
+        theirs = _best(peers_out[p.name]["rows"], lambda r: True)
+        if mine and theirs:
+            ratios.append({"peer": p.name, "method": "best", "ours": mine["label"],
+                           "theirs": theirs["label"],
+                           "ours_over_theirs": round(mine["tokens_per_s"]["mean"]
+                                                     / theirs["tokens_per_s"]["mean"], 3)})
+
+    if loadavg() is not None:
+        machine["loadavg_at_end"] = loadavg()
+    base_tps = base.tps()
+    spread = statistics.pstdev(base_tps) / statistics.fmean(base_tps) \
+        if len(base_tps) > 1 and statistics.fmean(base_tps) > 0 else 0.0
+    noisy = spread > NOISY_SPREAD
+    if noisy:
+        notes.append(f"target-only tokens/s varied by {spread:.0%} across repeats ("
+                     + ", ".join(f"{t:,.0f}" for t in base_tps) + "): the machine was not quiet; "
+                     "compare configurations within a repeat (per_repeat) or run again")
+    machine["threads"] = {"qpcbuild_target": _threads(gen.target),
+                          "qpcbuild_draft": _threads(gen.draft) if gen.draft else None}
+    return {
+        "schema": REPORT_SCHEMA, "tool": "qpcbuild bench", "qpcbuild_version": __version__,
+        "bundle": str(bundle), "bundle_id": manifest["bundle_id"], "name": manifest["name"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine,
+        "settings": {"prompt_set": prompt_label, "prompts": len(prompt_ids),
+                     "prompt_tokens": [len(p) for p in prompt_ids], "max_new_tokens": max_new,
+                     "repeats": repeats, "warmup": "one prompt per configuration, not counted",
+                     "interleaving": "per repeat: every configuration runs over all prompts "
+                                     "in turn",
+                     "gc": "cyclic garbage collection off inside timed calls, run between "
+                           "them (as timeit does)",
+                     "ks": ks, "methods": methods, "greedy": True,
+                     "batch_size": manifest["shapes"]["batch_size"],
+                     "ctx_len": manifest["shapes"]["ctx_len"],
+                     "prefill_seq_len": manifest["shapes"]["prefill_seq_len"],
+                     "compiled_ks": manifest["roles"]["target"]["compiled_ks"],
+                     "target_only_k": base.k,
+                     "tokens_per_s": "new tokens / wall time of the generate calls (prefill "
+                                     "included); mean and std over repeats",
+                     "speedup": "tokens/s over the same run's qpcbuild target-only tokens/s",
+                     "decode_speedup": "decode phase only (after the first token): decode "
+                                       "tokens/s over target-only decode tokens/s",
+                     "ideal_speedup": "draft_model, decode steps only: (tokens per verify step) "
+                                      "x (target-only time per target call) / (K x draft time "
+                                      "per draft call + SpD target time per target call); "
+                                      "measured_over_ideal = decode_speedup / ideal_speedup"},
+        "baseline": rows[0],
+        "rows": rows,
+        "all_greedy_outputs_match": all(r["greedy_matches_target_only"] for r in rows),
+        "noisy": noisy, "target_only_spread": round(spread, 4),
+        "peers": peers_out,
+        "ratios": ratios,
+        "notes": notes + ["each ngram/suffix configuration starts with a fresh proposer in each "
+                          "repeat (suffix decoding's cross-request cache holds only the earlier "
+                          "prompts of that pass)"],
+    }
+
+
+def _threads(session) -> int | None:
+    try:
+        return session.sess.get_session_options().intra_op_num_threads
+    except Exception:
+        return None
+
+
+def default_json_path(bundle: Path, manifest_name: str) -> Path:
+    bundle = Path(bundle).resolve()
+    return bundle.parent / f"bench-{manifest_name}.json"
+
+
+def write_json(report: dict[str, Any], path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_outputs(report: dict[str, Any], json_path: Path, plot: Path | None | bool,
+                  plotter: Callable[[dict[str, Any], Path], Path]) -> tuple[Path, Path | None]:
+    """The JSON report, and the plot (plot False: none; a path; None: next to the JSON)."""
+    json_path = write_json(report, json_path)
+    png = None
+    if plot is not False:
+        try:
+            png = plotter(report, plot if isinstance(plot, Path) else json_path.with_suffix(".png"))
+        except ImportError as exc:
+            report["notes"].append(f"no plot: matplotlib is not installed ({exc})")
+            write_json(report, json_path)
+    return json_path, png
+
+
+def _fmt(mean, std, digits=0, suffix="") -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:,.{digits}f}{suffix}" + (f" ±{std:,.{digits}f}" if std else "")
+
+
+def _short(x: float) -> str:
+    """0.93 -> '.93', 1.0 -> '1.00' (per-position columns stay narrow)."""
+    text = f"{x:.2f}"
+    return text[1:] if text.startswith("0") else text
+
+
+def show_report(report: dict[str, Any], console=None) -> None:
+    from rich.table import Table
+
+    from rich.console import Console
+
+    from ..render import console as default_console
+    console = console or default_console
+    if not console.is_terminal:  # a file or a pipe: rich would wrap at 80 columns
+        console = Console(width=170, highlight=False)
+    s = report["settings"]
+    m = report["machine"]
+    title = (f"{report['name']}: {s['prompts']} prompts ({s['prompt_set']}), {s['max_new_tokens']} "
+             f"new tokens, greedy, {s['repeats']} repeats  |  {m['cpu']} x{m['cpu_count']}")
+    t = Table("method", "K", "tokens/s", "speedup", "decode x", "accept", "mean len",
+              "per-position acceptance", "ideal", "meas/ideal", "host", "= target", title=title,
+              title_justify="left")
+    for r in report["rows"]:
+        pp = r.get("acceptance_per_position") or []
+        t.add_row(r["method"], str(r["k"]),
+                  _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),
+                  _fmt(r["speedup"]["mean"], r["speedup"]["std"], 2, "x"),
+                  "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x",
+                  "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}",
+                  "-" if r.get("mean_acceptance_length") is None
+                  else f"{r['mean_acceptance_length']:.2f}",
+                  " ".join(_short(x) for x in pp) or "-",
+                  "-" if r.get("ideal_speedup") is None else f"{r['ideal_speedup']:.2f}x",
+                  "-" if r.get("measured_over_ideal") is None
+                  else f"{r['measured_over_ideal']:.0%}",
+                  "-" if r.get("host_overhead_fraction") is None
+                  else f"{r['host_overhead_fraction']:.0%}",
+                  {True: "[green]yes[/]", False: "[red]NO[/]", None: "-"}[
+                      r["greedy_matches_target_only"]])
+    console.print(t)
+    for name, p in report["peers"].items():
+        if p["status"] != "ok":
+            console.print(f"[yellow]peer {name}: {p['status']}[/] - {p['note']}")
+            continue
+        pt = Table("configuration", "tokens/s", "vs our target-only", "accept", "= our tokens",
+                   title=f"peer: {name} {p['version'] or ''}  {p['note']}", title_justify="left")
+        for r in p["rows"]:
+            pt.add_row(r["label"], _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),
+                       _fmt(r["speedup"]["mean"], r["speedup"]["std"], 2, "x"),
+                       "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}",
+                       r.get("error") or r.get("skipped")
+                       or {True: "yes", False: "no", None: "-"}[r["greedy_matches_target_only"]])
+        console.print(pt)
+    if report["ratios"]:
+        rt = Table("peer", "method", "ours (best)", "theirs (best)", "ours / theirs",
+                   title="tokens/s ratios, best configuration of each", title_justify="left")
+        for x in report["ratios"]:
+            rt.add_row(x["peer"], x["method"], x["ours"], x["theirs"],
+                       f"{x['ours_over_theirs']:.2f}x")
+        console.print(rt)
+    if not report["all_greedy_outputs_match"]:
+        console.print("[red]greedy outputs differ from target-only for some configuration[/]")
+    for n in report["notes"]:
+        console.print(f"note: {n}")
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """Per method and K: tokens/s, speedup, acceptance, ideal vs measured, host overhead."""
+    lines = ["| method | K | tokens/s | speedup | decode speedup | acceptance | mean acc. len | "
+             "ideal (decode) | measured/ideal | host overhead | = target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append("| " + " | ".join([
+            r["method"], str(r["k"]), _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),
+            _fmt(r["speedup"]["mean"], r["speedup"]["std"], 2, "x"),
+            "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x",
+            "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.3f}",
+            "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}",
+            "-" if r.get("ideal_speedup") is None else f"{r['ideal_speedup']:.2f}x",
+            "-" if r.get("measured_over_ideal") is None else f"{r['measured_over_ideal']:.0%}",
+            "-" if r.get("host_overhead_fraction") is None
+            else f"{r['host_overhead_fraction']:.1%}",
+            str(r["greedy_matches_target_only"])]) + " |")
+    for name, p in report["peers"].items():
+        if p["status"] != "ok":
+            lines.append(f"\n{name}: {p['status']} ({p['note']})")
+            continue
+        lines += ["", f"**{name} {p['version']}** ({p['note']})", "",
+                  "| configuration | tokens/s | vs our target-only | = our target-only |",
+                  "|---|---|---|---|"]
+        for r in p["rows"]:
+            lines.append(f"| {r['label']} | {_fmt(r['tokens_per_s']['mean'], r['tokens_per_s']['std'])}"
+                         f" | {_fmt(r['speedup']['mean'], r['speedup']['std'], 2, 'x')} | "
+                         f"{r.get('error') or r.get('skipped') or r['greedy_matches_target_only']} |")
+    if report["ratios"]:
+        lines += ["", "| peer | method | ours | theirs | ours / theirs |", "|---|---|---|---|---|"]
+        lines += [f"| {x['peer']} | {x['method']} | {x['ours']} | {x['theirs']} | "
+                  f"{x['ours_over_theirs']:.2f}x |" for x in report["ratios"]]
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""What `qpcbuild tune` shows and records: the evidence comment written into a recipe, the
+tables on the terminal, the JSON. Every cost line names its source (measured on which backend,
+or the roofline model with its assumptions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .recipe_edit import TUNE_MARK
+
+
+def cost_line(result: dict[str, Any]) -> str:
+    """Where the call costs come from, in one line."""
+    src, costs = result.get("cost_source", "onnxruntime-cpu"), result["costs"]
+    if src == "roofline-model":
+        f = costs["figures"]
+        return (f"costs: roofline-model of {f['card']} ({f['dram_gbs_per_qid']:g} GB/s, "
+                f"{f['fp16_tflops_per_qid']:g} fp16 TFLOPS per QID; {f['source']}); "
+                "memory or compute bound per call, host time 0")
+    where = {"onnxruntime-cpu": "ONNX Runtime on this CPU", "qaic-card": "the Cloud AI card "
+             "(qaicrt)"}.get(src, src)
+    return (f"costs: {src} (measured on {where}, {costs.get('statistic', 'median')} of "
+            f"{costs.get('rounds')} rounds at position {costs.get('position')}, batch "
+            f"{costs.get('batch_size')})")
+
+
+def evidence_comment(result: dict[str, Any]) -> list[str]:
+    rows = {r["k"]: r for r in result["table"]}
+    k = result["chosen_k"]
+    others = sorted((r for r in result["table"] if r["k"] != k), key=lambda r: -r["tokens_per_s"])
+    cal, costs = result["calibration"], result["costs"]
+    lines = [f"{TUNE_MARK} K={k} chosen by `qpcbuild tune` ({result['created']}) on "
+             f"{cal['prompts']} {result['prompt_set']} prompts, {result['method']}:",
+             f"{TUNE_MARK} predicted {rows[k]['tokens_per_s']:,.0f} tokens/s "
+             f"({rows[k]['predicted_speedup']:.2f}x target-only), "
+             f"{rows[k]['expected_tokens_per_step']:.2f} tokens per step of "
+             f"{rows[k]['cost_ms']:.4g} ms"
+             + (f"; next best K={others[0]['k']} ({others[0]['vs_best']:+.1%})" if others else "")]
+    at_k = _by_k(cal, k)
+    lines.append(f"{TUNE_MARK} acceptance per position at K={k}: "
+                 + " ".join(f"{a:.2f}" for a in (at_k or cal)["acceptance_per_position"])
+                 + (f" (proposals in {cal['proposal_fraction']:.0%} of steps)"
+                    if result["method"] != "draft_model" else ""))
+    lines.append(f"{TUNE_MARK} verify ms by K: " + " ".join(
+        f"{kk}:{v:.4g}" for kk, v in sorted(costs["verify_ms"].items(), key=lambda x: int(x[0])))
+        + (f"; draft step {costs['draft_step_ms']:.4g} ms" if costs.get("draft_step_ms") else ""))
+    lines.append(f"{TUNE_MARK} {cost_line(result)}")
+    lines += [f"{TUNE_MARK}   assumed: {a}" for a in costs.get("assumptions") or []]
+    lines += [f"{TUNE_MARK} note: {n}" for n in result.get("notes") or []]
+    if result.get("acceptance_measured_on"):
+        lines.append(f"{TUNE_MARK} acceptance measured on {result['acceptance_measured_on']}")
+    if result.get("per_batch"):
+        lines.append(f"{TUNE_MARK} best K per batch size: " + ", ".join(
+            f"{p['batch_size']}:{p['chosen_k']}" for p in result["per_batch"]))
+    return lines
+
+
+def _by_k(cal: dict[str, Any], k: int) -> dict[str, Any] | None:
+    by_k = cal.get("by_k") or {}
+    return by_k.get(k) or by_k.get(str(k))
+
+
+def show_tune(result: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..render import console as default_console
+    console = console or default_console
+    if not console.is_terminal:
+        console = Console(width=150, highlight=False)
+    cal, costs = result["calibration"], result["costs"]
+    k_max = result["k_max"]
+    console.print(f"[bold]tune {result['name']}[/]  method {result['method']}; "
+                  f"{cal['prompts']} calibration prompts ({result['prompt_set']}), "
+                  f"{cal['max_new_tokens']} new tokens; acceptance: "
+                  f"{cal.get('acceptance_source', 'calibration run')}, at each K"
+                  + (f", on {result['acceptance_measured_on']}"
+                     if result.get("acceptance_measured_on") else ""), soft_wrap=True)
+    ev = Table("K", "steps", "with proposal", "accepted", *[f"a{j}" for j in range(1, k_max + 1)],
+               title="acceptance evidence: alpha_j = P(position j accepted | j-1 accepted)",
+               title_justify="left")
+    for kk in range(1, k_max + 1):
+        b = _by_k(cal, kk)
+        if b is None:
+            continue
+        ev.add_row(str(kk), str(b["steps"]), str(b["drafts"]), str(b["accepted"]),
+                   *[f"{a:.2f}" for a in b["alpha"]], *[""] * (k_max - len(b["alpha"])))
+    console.print(ev)
+    hs = costs["host_per_step_ms"]
+    console.print(cost_line(result), soft_wrap=True)
+    for a in costs.get("assumptions") or []:
+        console.print(f"  assumption: {a}", soft_wrap=True)
+    line = ("verify K+1 ms " + " ".join(
+                f"{kk}:{v:.4g}" for kk, v in sorted(costs["verify_ms"].items(),
+                                                     key=lambda x: int(x[0]))))
+    if costs.get("draft_ms_for_k_steps"):
+        line += "; K draft steps ms " + " ".join(
+            f"{kk}:{v:.4g}" for kk, v in sorted(costs["draft_ms_for_k_steps"].items(),
+                                                key=lambda x: int(x[0])))
+    line += "; host per step " + (", ".join(f"{k} {v:.3f} ms" for k, v in hs.items())
+                                  if isinstance(hs, dict) else str(hs))
+    console.print(line, soft_wrap=True)
+    t = Table("K", "E[tokens/step]", "draft ms", "verify ms", "host ms", "step ms", "tokens/s",
+              "vs target-only", "vs best", title="decision: expected tokens per second by K",
+              title_justify="left")
+    for r in result["table"]:
+        mark = "[bold green]" if r["k"] == result["chosen_k"] else ""
+        end = "[/]" if mark else ""
+        t.add_row(f"{mark}{r['k']}{end}", f"{r['expected_tokens_per_step']:.3f}",
+                  f"{r['draft_ms']:.4g}", f"{r['verify_ms']:.4g}", f"{r['host_ms']:.4g}",
+                  f"{r['cost_ms']:.4g}", f"{mark}{r['tokens_per_s']:,.0f}{end}",
+                  f"{r['predicted_speedup']:.2f}x", f"{r['vs_best']:+.1%}")
+    console.print(t)
+    parts = []
+    for c in result["model_check"]:
+        text = c["config"] + (
+            f" {c['predicted']:,.0f} vs {c['measured']:,.0f} tokens/s"
+            if c.get("predicted") is not None and c.get("measured") else "") + (
+            f" ({c['error']:+.0%})" if c.get("error") is not None else "")
+        if "accepted_replayed" in c:
+            text += (f", accepted {c['accepted_replayed']} replayed vs {c['accepted_measured']} "
+                     "measured")
+        parts.append(text)
+    console.print("model check (decode phase, first prompts): " + "; ".join(parts),
+                  soft_wrap=True)
+    if result.get("per_batch"):
+        pb = Table("batch", "best K", "tokens/s per sequence", "tokens/s batch",
+                   "vs target-only", title="best K per batch size (--per-batch)",
+                   title_justify="left")
+        for p in result["per_batch"]:
+            pb.add_row(str(p["batch_size"]), str(p["chosen_k"]),
+                       f"{p['tokens_per_s_per_sequence']:,.0f}", f"{p['tokens_per_s_batch']:,.0f}",
+                       f"{p['predicted_speedup']:.2f}x")
+        console.print(pb)
+    for n in result.get("notes") or []:
+        console.print(f"note: {n}", soft_wrap=True)
+    console.print(f"[bold]K = {result['chosen_k']}[/] (recipe has {result['recipe_k']}); compile "
+                  f"Ks {result['recommended_ks']} (num_speculative_tokens: {result['chosen_k']})")
+
+
+def write_json(result: dict[str, Any], path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return path
