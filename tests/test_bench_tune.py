@@ -199,6 +199,25 @@ def _no_peers(monkeypatch):
 
 
 @needs_demo
+def test_peers_find_the_recipes_checkpoints_although_the_bundle_records_no_paths(tmp_path):
+    """A bundle names its models by reference only; bench given the recipe hands the peers
+    the recipe's folders, and transformers then runs and reproduces our greedy tokens."""
+    from qpcbuild.bench.measure import _local_models
+
+    recipe = ROOT / "recipes" / "demo.yaml"
+    report, _, _ = bench.bench(recipe, ks=[1], methods=["draft_model"], num_prompts=1,
+                               prompt_set="code", max_new_tokens=8, repeats=1,
+                               peers=("transformers",), peer_ks=[1], cache_dir=tmp_path / "c",
+                               bundle_out=tmp_path / "b", json_out=tmp_path / "r.json",
+                               plot=False)
+    peer = report["peers"]["transformers"]
+    assert peer["status"] == "ok", peer
+    assert _local_models(recipe, [], tmp_path / "b") == {
+        "target": (ROOT / "models/demo/target").resolve(),
+        "draft": (ROOT / "models/demo/draft").resolve()}
+
+
+@needs_demo
 def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monkeypatch):
     _no_peers(monkeypatch)
     prompts = bench.load_prompts(prompt_set="code", limit=2)[1]

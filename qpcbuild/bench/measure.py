@@ -79,8 +79,10 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
               = None, methods: list[str] | None = None, max_new_tokens: int = 128,
               repeats: int = 3, peers: tuple[str, ...] = DEFAULT_PEERS,
               peer_ks: list[int] | None = None, cache_dir: Path | None = None,
-              say: Say | None = None) -> dict[str, Any]:
-    """Measure and return the report (a JSON-able dict)."""
+              say: Say | None = None,
+              model_paths: dict[str, Path] | None = None) -> dict[str, Any]:
+    """Measure and return the report (a JSON-able dict). `model_paths`: each role's local
+    checkpoint for the peers (a bundle records models by reference only, not by path)."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .peers import PEERS
@@ -89,6 +91,9 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     say = say or (lambda m: None)
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
+    for role, path in (model_paths or {}).items():  # in memory only: the peers load from here
+        if role in manifest["roles"]:
+            manifest["roles"][role]["source"]["path"] = str(path)
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if repeats < 1:
@@ -249,10 +254,27 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
     label, prompts = load_prompts(prompt_file, prompt_set, num_prompts)
     report = run_bench(bundle, prompts, prompt_label=label, ks=ks, methods=methods,
                        max_new_tokens=max_new_tokens, repeats=repeats, peers=peers,
-                       peer_ks=peer_ks, cache_dir=cache_dir, say=say)
+                       peer_ks=peer_ks, cache_dir=cache_dir, say=say,
+                       model_paths=_local_models(target, overrides, bundle))
     from .plot import plot_report
     from .report import default_json_path, write_outputs
 
     json_path, png = write_outputs(report, json_out or default_json_path(bundle, report["name"]),
                                    plot, plot_report)
     return report, json_path, png
+
+
+def _local_models(target: Path, overrides, bundle: Path) -> dict[str, Path]:
+    """Each role's checkpoint folder, for the peers: from the recipe when bench was given one,
+    else the bundle's recorded reference when it names a folder from here."""
+    from ..bundle import read_manifest
+    from ..recipe import load_recipe, resolve_model_path
+
+    if not is_bundle(target):
+        r = load_recipe(target, list(overrides))
+        refs = {"target": r.target.model, "draft": r.draft.model}
+        found = {role: Path(resolve_model_path(r, ref)) for role, ref in refs.items() if ref}
+    else:
+        found = {role: Path(info["source"]["ref"]).expanduser()
+                 for role, info in read_manifest(bundle)["roles"].items()}
+    return {role: p for role, p in found.items() if (p / "config.json").is_file()}
