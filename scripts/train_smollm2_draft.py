@@ -671,7 +671,8 @@ def write_draft(args, draft, stats, history, step, seconds, partial: bool) -> No
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     half = copy.deepcopy(draft).half()
-    half.save_pretrained(tmp, safe_serialization=True)
+    # Shards of < 20 MiB each (the embedding alone, then the rest), so no committed file is big.
+    half.save_pretrained(tmp, safe_serialization=True, max_shard_size="15MB")
     cfg = json.loads((tmp / "config.json").read_text())
     cfg["rope_theta"] = float((cfg.get("rope_parameters") or {}).get("rope_theta", 100000.0))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -851,7 +852,7 @@ TRIED = """\
 def write_card(args) -> None:
     info = json.loads((args.out / "training.json").read_text())
     cfg = json.loads((args.out / "config.json").read_text())
-    size_mb = (args.out / "model.safetensors").stat().st_size / 1e6
+    size_mb = sum(f.stat().st_size for f in args.out.glob("*.safetensors")) / 1e6
     d, st = info["data"], info["settings"]
     last_val = next((h for h in reversed(info["history"]) if "val_kl" in h), {})
     first_val = info["history"][0] if info["history"] else {}
