@@ -536,6 +536,15 @@ def _progress_line(message: str) -> None:
     err_console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
+def _print_report(report: dict, show, json_path: Path, png: Optional[Path],
+                  json_stdout: bool) -> None:
+    if json_stdout:
+        emit_json(report)
+        return
+    show(report)
+    console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+
+
 @app.command()
 @handles_errors
 def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: then a bench "
@@ -593,11 +602,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
             num_prompts=num_prompts, k=chosen[0] if chosen else None,
             max_new_tokens=max_new_tokens, cache_dir=cache_dir, bundle_out=bundle_dir,
             json_out=json_out, plot=False if no_plot else plot, say=_progress_line)
-        if json_stdout:
-            emit_json(report)
-        else:
-            show_numerics(report)
-            console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+        _print_report(report, show_numerics, json_path, png, json_stdout)
         return
     peer_list = tuple(p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none")
     report, json_path, png = run_bench(
@@ -607,11 +612,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
         peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
         json_out=json_out, plot=False if no_plot else plot, say=_progress_line)
-    if json_stdout:
-        emit_json(report)
-    else:
-        show_report(report)
-        console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+    _print_report(report, show_report, json_path, png, json_stdout)
     if not report["all_greedy_outputs_match"]:
         bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
         err_console.print(f"[red]error:[/] greedy outputs differ from target-only for: "
