@@ -6,6 +6,7 @@ replays); where costs come from, recorded in the recipe comment and the manifest
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -248,6 +249,42 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     png = bench.plot_report(report, tmp_path / "r.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "| draft_model | 2 |" in bench.markdown_table(report)
+    bw = report["target_only_bandwidth"]
+    # Oracle for the graph's weight bytes: the checkpoint's own tensors (float32), the tied
+    # embedding counted once, as the LM head's MatMul (the Gather reads one row per token).
+    from safetensors import safe_open
+    with safe_open(str(DEMO / "target" / "model.safetensors"), "np") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert bw["weights_mb"] == pytest.approx(params * 4 / 1e6, rel=1e-3)
+    assert bw["achieved_gbs"] == pytest.approx(
+        bw["bytes_per_token_mb"] * bw["decode_tokens_per_s"] / 1e3, rel=1e-2)
+    assert bw["probe"]["gbs"] > 0 and bw["fraction_of_probe"] == pytest.approx(
+        bw["achieved_gbs"] / bw["probe"]["gbs"], rel=1e-2)
+    assert "GB/s" in bench.markdown_table(report)
+
+
+def test_graph_bytes_counts_indexed_tables_by_row(tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qpcbuild.bench.bandwidth import graph_bytes
+    table = numpy_helper.from_array(np.zeros((100, 8), np.float32), "table")
+    weight = numpy_helper.from_array(np.zeros((8, 16), np.float16), "w")
+    both = numpy_helper.from_array(np.zeros((100, 8), np.float32), "both")  # gathered AND matmul'd
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]),
+             helper.make_node("Gather", ["both", "ids"], ["e2"]),
+             helper.make_node("Add", ["e", "e2"], ["s"]),
+             helper.make_node("MatMul", ["s", "w"], ["y"]),
+             helper.make_node("MatMul", ["x", "both"], ["z"], name="reads_all_of_both")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1]),
+                     helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 100])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], [table, weight, both])
+    onnx.save(helper.make_model(graph), tmp_path / "g.onnx")
+    got = graph_bytes(tmp_path / "g.onnx")
+    assert got == {"full_bytes": 8 * 16 * 2 + 100 * 8 * 4, "indexed_row_bytes": 8 * 4}
 
 
 @needs_demo

@@ -85,8 +85,9 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     checkpoint for the peers (a bundle records models by reference only, not by path)."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
+    from .bandwidth import target_only_bandwidth
     from .peers import PEERS
-    from .report import build_report
+    from .report import build_report, decode_figures
 
     say = say or (lambda m: None)
     bundle = Path(bundle)
@@ -225,8 +226,11 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                                     f"{rate:,.1f} against {warm_tps[meas.system]:,.1f})")
                     say(f"  {meas.system} {meas.label}: {meas.skipped}")
     gc.unfreeze()
+    base_decode = decode_figures(ours[0][0].stats)
+    bandwidth = target_only_bandwidth(gen, ours[0][0].stats, [len(p) for p in prompt_ids],
+                                      base_decode and base_decode["tokens_per_s"])
     return build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
-                   ks, methods, ours, peer_objs, notes, gen, machine)
+                        ks, methods, ours, peer_objs, notes, gen, machine, bandwidth)
 
 
 def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None = None,

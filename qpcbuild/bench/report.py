@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .bandwidth import bandwidth_line
 from .inputs import loadavg
 from .measure import Measure
 
@@ -70,7 +71,7 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
             if st.get("e2e_s") else None,
         })
         bst = base.stats
-        dec, bdec = _decode(st), _decode(bst)
+        dec, bdec = decode_figures(st), decode_figures(bst)
         if dec and bdec:
             row["decode_tokens_per_s"] = _r(dec["tokens_per_s"], 2)
             row["decode_speedup"] = _r(dec["tokens_per_s"] / bdec["tokens_per_s"], 3)
@@ -94,7 +95,7 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
     return row
 
 
-def _decode(st: dict[str, Any]) -> dict[str, float] | None:
+def decode_figures(st: dict[str, Any]) -> dict[str, float] | None:
     """Decode-phase figures from summed engine statistics: after each request's first token
     (ttft_s is the target prefill and the first token; decode steps are the target calls that
     are not prefill chunks)."""
@@ -113,7 +114,7 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
 
 
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
-            ours, peer_objs, notes, gen, machine) -> dict[str, Any]:
+            ours, peer_objs, notes, gen, machine, bandwidth=None) -> dict[str, Any]:
     from .. import __version__
 
     base = ours[0][0]
@@ -187,6 +188,7 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
         "rows": rows,
         "all_greedy_outputs_match": all(r["greedy_matches_target_only"] for r in rows),
         "noisy": noisy, "target_only_spread": round(spread, 4),
+        "target_only_bandwidth": bandwidth,
         "peers": peers_out,
         "ratios": ratios,
         "notes": notes + ["each ngram/suffix configuration starts with a fresh proposer in each "
@@ -296,6 +298,8 @@ def show_report(report: dict[str, Any], console=None) -> None:
             rt.add_row(x["peer"], x["method"], x["ours"], x["theirs"],
                        f"{x['ours_over_theirs']:.2f}x")
         console.print(rt)
+    if report.get("target_only_bandwidth"):
+        console.print(bandwidth_line(report["target_only_bandwidth"]))
     if not report["all_greedy_outputs_match"]:
         console.print("[red]greedy outputs differ from target-only for some configuration[/]")
     for n in report["notes"]:
@@ -334,4 +338,6 @@ def markdown_table(report: dict[str, Any]) -> str:
         lines += ["", "| peer | method | ours | theirs | ours / theirs |", "|---|---|---|---|---|"]
         lines += [f"| {x['peer']} | {x['method']} | {x['ours']} | {x['theirs']} | "
                   f"{x['ours_over_theirs']:.2f}x |" for x in report["ratios"]]
+    if report.get("target_only_bandwidth"):
+        lines += ["", bandwidth_line(report["target_only_bandwidth"])]
     return "\n".join(lines)

@@ -77,7 +77,7 @@ class OrtSession:
             self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         except Exception as exc:
             raise BundleError(f"{path}: onnxruntime cannot load this artifact: {exc}") from None
-        self.role, self.specializations = role, specs
+        self.path, self.role, self.specializations = Path(path), role, specs
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
         names = [f"past_{k}.{i}" for i in range(num_layers) for k in ("key", "value")]
         # In place (fused graph): each KV input and its _RetainedState output share one buffer.

@@ -1,0 +1,139 @@
+"""Target-only decode against this machine's memory bandwidth.
+
+A decode step of a small-batch LLM reads every weight once and the valid part of the KV cache,
+and does little arithmetic per byte, so its ceiling is bytes per token / memory bandwidth. Two
+figures make that check:
+
+* bytes per token, read off the target's ONNX Runtime graph: every initializer counts in full,
+  except tables the graph reads by index (the embedding under a Gather, the RoPE cos/sin caches
+  of GroupQueryAttention), which count one row per token; plus the KV cache up to the mean
+  number of valid positions during the run (attention reads only those).
+* the rate a weight-streaming kernel reaches here: ONNX Runtime's own MatMul of one row against
+  a float32 matrix as large as the target's weights (so no cache holds it), on as many threads
+  as the target's session uses. That is the same kernel family the decode spends its time in;
+  the ratio therefore measures what the rest of the graph and the per-call host work cost.
+
+The probe runs right after the measurements, on the same machine state.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+PROBE_ROWS = 1024          # inner dimension of the probe's MatMul
+PROBE_CALLS = 15           # timed calls; the median is reported
+PROBE_MAX_BYTES = 1 << 30  # 1 GiB caps the probe's matrix for larger targets
+# GroupQueryAttention's cos_cache / sin_cache inputs (contrib op schema): read at position ids.
+GQA_TABLE_INPUTS = (7, 8)
+
+
+def _itemsize(data_type: int) -> float:
+    import onnx
+    import numpy as np
+
+    if data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return 0.5
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type)).itemsize
+
+
+def graph_bytes(model_path: Path) -> dict[str, float]:
+    """Bytes of the graph's initializers: read in full per call, and read by index (row bytes)."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    indexed: dict[str, bool] = {}  # initializer -> consumed only as an indexed table so far
+    for node in model.graph.node:
+        for pos, name in enumerate(node.input):
+            by_index = ((node.op_type == "Gather" and pos == 0)
+                        or (node.op_type == "GroupQueryAttention" and pos in GQA_TABLE_INPUTS))
+            indexed[name] = indexed.get(name, True) and by_index
+    full = row = 0.0
+    for init in model.graph.initializer:
+        dims = list(init.dims)
+        size = _itemsize(init.data_type)
+        count = 1
+        for d in dims:
+            count *= d
+        if indexed.get(init.name) and dims:
+            row += size * count / dims[0]
+        else:
+            full += size * count
+    return {"full_bytes": full, "indexed_row_bytes": row}
+
+
+def probe_streaming_gbs(nbytes: float, threads: int) -> dict[str, Any]:
+    """GB/s of ONNX Runtime's MatMul of a [1, R] row with a float32 [R, N] matrix of ~nbytes."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    cols = max(1, int(min(nbytes, PROBE_MAX_BYTES) // (4 * PROBE_ROWS)))
+    weight = np.random.default_rng(0).standard_normal((PROBE_ROWS, cols), dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "stream",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, PROBE_ROWS])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])],
+        [onnx.numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    del weight, model, graph
+    x = {"x": np.ones((1, PROBE_ROWS), np.float32)}
+    for _ in range(3):
+        sess.run(None, x)
+    times = []
+    for _ in range(PROBE_CALLS):
+        t0 = time.perf_counter()
+        sess.run(None, x)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    matrix = 4.0 * PROBE_ROWS * cols
+    return {"gbs": matrix / median / 1e9, "matrix_mb": matrix / 1e6, "threads": threads,
+            "calls": PROBE_CALLS, "median_ms": median * 1e3,
+            "kernel": f"onnxruntime MatMul [1,{PROBE_ROWS}] x float32 [{PROBE_ROWS},{cols}]"}
+
+
+def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[int],
+                          decode_tokens_per_s: float | None) -> dict[str, Any] | None:
+    """Bytes per decoded token x target-only decode tokens/s, against the streaming probe.
+    None for a session that is not ONNX Runtime's (a card runs elsewhere)."""
+    path = getattr(gen.target, "path", None)
+    if path is None or not decode_tokens_per_s:
+        return None
+    arch = gen.manifest["roles"]["target"]["arch"]
+    g = graph_bytes(Path(path))
+    new = base_stats.get("new_tokens", 0) / max(1, base_stats.get("requests", 1))
+    mean_positions = statistics.fmean(prompt_lengths) + new / 2
+    kv_per_position = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4
+    kv = kv_per_position * mean_positions
+    per_token = g["full_bytes"] + g["indexed_row_bytes"] + kv
+    achieved = per_token * decode_tokens_per_s / 1e9
+    threads = gen.target.sess.get_session_options().intra_op_num_threads
+    probe = probe_streaming_gbs(g["full_bytes"], threads)
+    return {"bytes_per_token_mb": round(per_token / 1e6, 2),
+            "weights_mb": round(g["full_bytes"] / 1e6, 2),
+            "kv_mb_at_mean_context": round(kv / 1e6, 3),
+            "mean_valid_positions": round(mean_positions, 1),
+            "decode_tokens_per_s": round(decode_tokens_per_s, 2),
+            "achieved_gbs": round(achieved, 2),
+            "probe": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in probe.items()},
+            "fraction_of_probe": round(achieved / probe["gbs"], 3)}
+
+
+def bandwidth_line(b: dict[str, Any]) -> str:
+    p = b["probe"]
+    return (f"target-only decode: {b['bytes_per_token_mb']:,.1f} MB per token (weights "
+            f"{b['weights_mb']:,.1f} MB + KV {b['kv_mb_at_mean_context']:,.2f} MB at "
+            f"{b['mean_valid_positions']:.0f} positions) x {b['decode_tokens_per_s']:,.1f} "
+            f"tokens/s = {b['achieved_gbs']:,.1f} GB/s; weight streaming on this machine "
+            f"({p['kernel']}, {p['threads']} threads): {p['gbs']:,.1f} GB/s -> "
+            f"{b['fraction_of_probe']:.0%} of it")

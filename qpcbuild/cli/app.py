@@ -1,0 +1,73 @@
+"""The Typer application and what every command shares: error handling (a message and an exit
+code, never a stack trace), JSON output and the common arguments."""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import sys
+import threading
+from typing import Callable
+
+import typer
+
+from ..errors import QpcbuildError, Terminated
+from ..render import err_console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Build and package speculative-decoding model pairs for Qualcomm Cloud AI "
+                       "100 (qaic) and ONNX Runtime, and run them.")
+
+RecipeArg = typer.Argument(..., help="Recipe YAML file (see recipes/).", show_default=False)
+SetOpt = typer.Option(None, "--set", help="Override a recipe key: --set shapes.ctx_len=4096 "
+                      "(repeatable).")
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def handles_errors(fn: Callable) -> Callable:
+    """Users get a message and an exit code, never a stack trace. SIGTERM unwinds like Ctrl-C,
+    so a killed build removes its staging folder and temp cache entries."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+        try:
+            return fn(*args, **kwargs)
+        except QpcbuildError as exc:
+            err_console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+            if kwargs.get("json_out") is True or kwargs.get("json_stdout") is True:
+                emit_json({"error": error_object(exc)})  # CI parses stdout
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("[red]interrupted[/]")
+            raise typer.Exit(130) from None
+        except Terminated:
+            err_console.print("[red]terminated[/]")
+            raise typer.Exit(143) from None
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
+    return wrapper
+
+
+def error_object(exc: QpcbuildError) -> dict:
+    """What `--json` prints on failure: the exit code, the message and, for a recipe, where."""
+    from ..errors import RecipeError
+
+    where = [{"path": p.path, "line": p.line, "message": p.message}
+             for p in exc.problems] if isinstance(exc, RecipeError) else None
+    return {"code": exc.exit_code, "type": type(exc).__name__, "message": str(exc),
+            "where": where}
+
+
+def emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+
+
+
+def progress_line(message: str) -> None:
+    err_console.print(message, markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,152 @@
+"""Commands that turn a recipe into a bundle: plan, export, compile; and version."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..render import console, err_console
+from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_line
+
+
+@app.command()
+@handles_errors
+def plan(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
+         json_out: bool = typer.Option(False, "--json", help="One JSON document (for CI)."),
+         resolved: bool = typer.Option(False, "--resolved",
+                                       help="Print the resolved recipe (defaults filled in).")):
+    """Validate a recipe and show exactly what `compile` will build. Reads configs, never weights."""
+    from ..plan import make_plan
+    from ..recipe import load_recipe
+    from ..render import show_plan
+    import yaml
+
+    r = load_recipe(recipe, set_ or [])
+    if resolved:
+        sys.stdout.write(yaml.safe_dump(r.to_yaml_dict(), sort_keys=False))
+        return
+    p = make_plan(r)
+    if json_out:
+        emit_json(p.to_dict())
+    else:
+        show_plan(p)
+
+
+@app.command()
+@handles_errors
+def export(model: str = typer.Argument(..., help="Local model folder or Hugging Face id "
+                                       "(resolved from the local HF cache)."),
+           role: str = typer.Option(..., "--role", help="target | draft"),
+           out: Path = typer.Option(..., "-o", "--out", help="Output folder."),
+           revision: Optional[str] = typer.Option(None, help="Hugging Face revision."),
+           continuous_batching: bool = typer.Option(False, help="Add the batch_index input."),
+           weight_dtype: str = typer.Option("float32", help="float32 | float16 stored weights."),
+           check: bool = typer.Option(True, help="Run onnx.checker (full check) on the result."),
+           allow_pickle: bool = typer.Option(False, help="Accept .bin/.pt checkpoints (they can "
+                                             "run code when loaded; read weights-only)."),
+           allow_unused_weights: bool = typer.Option(False, help="Export even when the "
+                                                     "checkpoint holds tensors config.json does "
+                                                     "not describe.")):
+    """Export one checkpoint to the Cloud AI-compatible ONNX graph (retained-state KV)."""
+    import time
+
+    from ..export import export_model
+    from ..errors import UsageError
+    from ..source import resolve
+
+    if role not in ("target", "draft"):
+        raise UsageError(f"--role must be target or draft, not '{role}'")
+    if weight_dtype not in ("float32", "float16"):
+        raise UsageError(f"--weight-dtype must be float32 or float16, not '{weight_dtype}'")
+    start = time.perf_counter()
+    res = export_model(resolve(model, revision, allow_known=False), role, out,
+                       continuous_batching=continuous_batching, weight_dtype=weight_dtype,
+                       allow_pickle=allow_pickle, allow_unused=allow_unused_weights)
+    if check:
+        import onnx
+        onnx.checker.check_model(str(res.onnx_path), full_check=True)
+    console.print(f"exported {res.arch.architecture} ({res.arch.param_count:,} parameters) as "
+                  f"{role} to {res.onnx_path} in {time.perf_counter() - start:.1f} s; weights "
+                  f"digest {res.weights_digest[:16]}")
+
+
+@app.command()
+@handles_errors
+def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
+            out: Optional[Path] = typer.Option(None, "-o", "--out",
+                                               help="Bundle folder (default: the recipe's output)."),
+            emit_only: bool = typer.Option(False, "--emit-only", help="qaic: write graphs, "
+                                           "compiler inputs and compile.sh; do not compile."),
+            compiler: Optional[str] = typer.Option(None, help="Path to qaic-compile/qaic-exec."),
+            cache_dir: Optional[Path] = typer.Option(None, help="Build cache (default: the user "
+                                                     "cache dir, or $QPCBUILD_CACHE)."),
+            jobs: int = typer.Option(2, min=1, help="Export target and draft concurrently."),
+            smoke_weights: bool = typer.Option(False, "--smoke-weights", help="Use random weights "
+                                               "of the recipe's exact shapes (for checking a "
+                                               "recipe without the real checkpoint)."),
+            smoke_layers: Optional[int] = typer.Option(2, min=1, help="With --smoke-weights: "
+                                                       "layers per model (0 = all)."),
+            tune_k: bool = typer.Option(False, "--tune", help="Pick K first from measured "
+                                        "acceptance and costs (`qpcbuild tune` with its "
+                                        "defaults) and record the evidence."),
+            json_out: bool = typer.Option(False, "--json", help="One JSON result at the end.")):
+    """Build the bundle: export both models, compile for each backend, write the manifest."""
+    import time
+
+    from ..bundle import build_bundle
+    from ..cache import Cache
+    from ..plan import make_plan
+    from ..recipe import load_recipe
+
+    tuning = None
+    if tune_k:
+        from ..errors import UsageError
+        from ..tune import show_tune, tune as run_tune
+
+        if smoke_weights:
+            raise UsageError("--tune measures the real models; it cannot be combined with "
+                             "--smoke-weights")
+        tuning = run_tune(recipe, set_ or [], cache_dir=cache_dir, say=progress_line)
+        if not json_out:
+            show_tune(tuning)
+        set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
+    r = load_recipe(recipe, set_ or [])
+    cache = Cache(cache_dir, say=lambda m: err_console.print(f"[yellow]warning:[/] {m}"))
+    if smoke_weights:
+        from ..smoke import with_smoke_weights
+        r = with_smoke_weights(r, cache.root / "smoke", smoke_layers or None,
+                               say=lambda m: err_console.print(m))
+    plan_ = make_plan(r, compiler)
+    started = time.perf_counter()
+
+    def progress(stage: str, how: str, seconds: float) -> None:
+        if not json_out:
+            mark = "[green]✓[/]" if how == "built" else "[cyan]↺[/]"
+            console.print(f"{mark} {stage:<28} {how:<7} {seconds:6.1f} s   "
+                          f"(elapsed {time.perf_counter() - started:.1f} s)")
+
+    for w in plan_.warnings:
+        err_console.print(f"[yellow]warning:[/] {w}")
+    result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only, compiler=compiler,
+                          jobs=jobs, progress=progress,
+                          manifest_extra={"tuning": tuning} if tuning else None)
+    if json_out:
+        emit_json({**result.to_dict(), **({"tuning": {
+            "chosen_k": tuning["chosen_k"], "recommended_ks": tuning["recommended_ks"],
+            "file": tuning.get("file", "manifest.json")}} if tuning else {})})
+    else:
+        console.print(f"bundle [bold]{result.bundle}[/] id {result.bundle_id[:16]} built in "
+                      f"{result.seconds:.1f} s")
+        if tuning is not None:
+            console.print(f"K={tuning['chosen_k']} from tuning; evidence in "
+                          f"{tuning.get('file', 'the manifest (key tuning)')}")
+
+
+@app.command()
+def version():
+    """Print versions of qpcbuild and its toolchain."""
+    from ..toolchain import versions
+    emit_json(versions())

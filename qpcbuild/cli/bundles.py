@@ -1,0 +1,191 @@
+"""Commands on a built bundle (verify, finish, inspect, doctor, package, unpack) and the build
+cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..render import console, err_console
+from .app import app, emit_json, handles_errors
+
+
+@app.command()
+@handles_errors
+def verify(bundle: Path = typer.Argument(..., help="Bundle folder."),
+           fast: bool = typer.Option(False, "--fast", help="Check presence and sizes only "
+                                     "(for huge QPCs); skips SHA-256 and the seal."),
+           json_out: bool = typer.Option(False, "--json", help="One JSON result (for CI).")):
+    """Recompute the bundle id and every file digest. Exit 1 naming each changed field or file."""
+    from ..bundle import read_manifest, verify_bundle
+    from ..errors import BundleError
+
+    try:
+        problems = verify_bundle(bundle, fast=fast)
+        bundle_id = read_manifest(bundle)["bundle_id"]
+    except BundleError as exc:
+        problems, bundle_id = [str(exc)], None
+    if json_out:
+        emit_json({"bundle": str(bundle), "bundle_id": bundle_id, "ok": not problems,
+                   "checked": "sizes" if fast else "seal and sha256", "problems": problems})
+    else:
+        for p in problems:
+            err_console.print(f"[red]✗[/] {p}", soft_wrap=True)
+        if not problems:
+            console.print(f"[green]✓[/] {bundle}: bundle id {bundle_id} "
+                          + ("(sizes only)" if fast else "matches its content and every file"))
+    if problems:
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def finish(bundle: Path = typer.Argument(..., help="Bundle folder built with --emit-only."),
+           role: Optional[List[str]] = typer.Option(None, "--role", help="target | draft "
+                                                    "(repeatable; default: every qaic role)."),
+           compiler: Optional[str] = typer.Option(None, help="The qaic-compile that built the "
+                                                  "QPCs (recorded by name and digest).")):
+    """Adopt QPCs compiled by <role>/qaic/compile.sh into the bundle and re-seal its manifest."""
+    from ..bundle import finish_bundle
+
+    m = finish_bundle(bundle, list(role or []) or None, compiler)
+    for name, info in m["roles"].items():
+        q = info["backends"].get("qaic")
+        if q:
+            console.print(f"{name}: {q['status']}" + (f", {len(q['qpc_files'])} QPC files in "
+                                                      f"{q['qpc']}" if q.get("qpc") else ""))
+    console.print(f"[green]✓[/] {bundle}: new bundle id {m['bundle_id']}")
+
+
+@app.command()
+@handles_errors
+def inspect(bundle: Path = typer.Argument(..., help="Bundle folder."),
+            json_out: bool = typer.Option(False, "--json", help="Print the manifest.")):
+    """Summarize a bundle: roles, shapes, Ks, cores, backends, files."""
+    from ..bundle import read_manifest
+    from ..render import show_manifest
+
+    m = read_manifest(bundle)
+    emit_json(m) if json_out else show_manifest(m)
+
+
+@app.command()
+@handles_errors
+def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
+           json_out: bool = typer.Option(False, "--json", help="The report as JSON.")):
+    """List the ops, domains and functions of each role's card graph and flag what the Cloud AI
+    compiler has not seen from QEfficient. Exit 1 when something is flagged."""
+    from ..bundle import read_manifest
+    from ..bundle.doctor import doctor as run_doctor
+
+    report = run_doctor(bundle, read_manifest(bundle))
+    if json_out:
+        emit_json(report)
+    else:
+        for role, r in report["roles"].items():
+            if r["graph"] is None:
+                console.print(f"{role}: {r['note']}")
+                continue
+            console.print(f"{role}: {r['graph']}", markup=False)
+            console.print("  opsets: " + ", ".join(f"{d} {v}" for d, v in r["opsets"].items()))
+            for name, f in r["functions"].items():
+                console.print(f"  function {f['domain']}::{name}({', '.join(f['inputs'])})"
+                              + (f" [{', '.join(f['attributes'])}]" if f["attributes"] else ""),
+                              markup=False)
+            console.print("  ops: " + ", ".join(f"{op} x{n}" for op, n in r["ops"].items()),
+                          markup=False, soft_wrap=True)
+            for finding in r["findings"]:
+                console.print(f"  FLAG {finding}", markup=False)
+        console.print("card graphs speak QEfficient's vocabulary" if report["clean"] else
+                      "some card graph uses what QEfficient does not emit (FLAG lines)")
+    if not report["clean"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
+            out: Path = typer.Option(..., "-o", "--out", help="Archive path (.tar.gz).")):
+    """Deterministic .tar.gz of a bundle (sorted entries, fixed mtimes and owners)."""
+    from ..bundle.archive import pack
+    from ..bundle import read_manifest
+
+    read_manifest(bundle)
+    pack(bundle, out)
+    console.print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+
+
+@app.command()
+@handles_errors
+def unpack(archive: Path = typer.Argument(..., help="A .tar.gz made by `qpcbuild package`."),
+           dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into.")):
+    """Safely unpack a bundle archive (refuses absolute paths, '..', links and devices)."""
+    from ..bundle.archive import unpack as unpack_archive
+
+    path = unpack_archive(archive, dest)
+    console.print(f"unpacked {path}; check it with `qpcbuild verify {path}`")
+
+
+# ---------------------------------------------------------------- the build cache
+cache_app = typer.Typer(no_args_is_help=True, help="List, check and clean the build cache.")
+app.add_typer(cache_app, name="cache")
+CacheDirOpt = typer.Option(None, "--cache-dir", help="Build cache (default: the user cache "
+                           "dir, or $QPCBUILD_CACHE).")
+
+
+@cache_app.command("ls")
+@handles_errors
+def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
+             json_out: bool = typer.Option(False, "--json", help="One JSON list.")):
+    """Entries with their size and last use."""
+    from rich.table import Table
+
+    from ..cache import Cache
+
+    entries = Cache(cache_dir).entries()
+    if json_out:
+        emit_json([e.to_dict() for e in entries])
+        return
+    t = Table("kind", "key", "MiB", "last used (UTC)", title=str(Cache(cache_dir).root),
+              title_justify="left")
+    for e in entries:
+        t.add_row(e.kind, e.key, f"{e.bytes / 2**20:.1f}", e.to_dict()["last_used"])
+    console.print(t)
+
+
+@cache_app.command("verify")
+@handles_errors
+def cache_verify(cache_dir: Optional[Path] = CacheDirOpt,
+                 json_out: bool = typer.Option(False, "--json", help="One JSON list.")):
+    """Recompute every entry's file digests against its record. Exit 1 if any entry changed."""
+    from ..cache import Cache
+
+    entries = Cache(cache_dir).entries(check=True)
+    if json_out:
+        emit_json([e.to_dict() for e in entries])
+    else:
+        for e in entries:
+            mark = "[green]✓[/]" if not e.problems else "[red]✗[/]"
+            console.print(f"{mark} {e.kind}/{e.key}" + (": " + "; ".join(e.problems)
+                                                       if e.problems else ""))
+        console.print(f"{len(entries)} entries, {sum(bool(e.problems) for e in entries)} damaged"
+                      + ("; `qpcbuild cache prune` removes them" if any(e.problems for e in
+                                                                        entries) else ""))
+    if any(e.problems for e in entries):
+        raise typer.Exit(1)
+
+
+@cache_app.command("prune")
+@handles_errors
+def cache_prune(cache_dir: Optional[Path] = CacheDirOpt,
+                days: Optional[float] = typer.Option(None, "--days", min=0, help="Also remove "
+                                                     "entries not used for this many days.")):
+    """Remove debris of killed builds, damaged entries and (with --days) unused ones."""
+    from ..cache import Cache
+
+    removed = Cache(cache_dir).prune(days)
+    for r in removed:
+        console.print(f"removed {r}")
+    console.print(f"{len(removed)} removed")

@@ -1,0 +1,162 @@
+"""Commands that measure: bench (side by side with peers, or the numerics preview) and tune."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..render import console, err_console
+from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_line
+
+
+def _print_report(report: dict, show, json_path: Path, png: Optional[Path],
+                  json_stdout: bool) -> None:
+    if json_stdout:
+        emit_json(report)
+        return
+    show(report)
+    console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
+
+
+@app.command()
+@handles_errors
+def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: then a bench "
+                                        "bundle with Ks 0..8 (or 0 and --ks) is built first, "
+                                        "exports from the cache."),
+          set_: Optional[List[str]] = SetOpt,
+          prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: JSONL "
+                                                 "with a \"prompt\" (or \"text\") key, or one "
+                                                 "prompt per line."),
+          prompt_set: Optional[str] = typer.Option(None, "--prompt-set", help="Shipped prompts: "
+                                                   "code | echo | prose (default: code)."),
+          num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first "
+                                                    "N prompts only."),
+          ks: Optional[str] = typer.Option(None, "--ks", help="Ks to measure: 1-8, 1,2,4 "
+                                           "(default: every compiled K > 0)."),
+          methods: Optional[str] = typer.Option(None, "--methods", help="Comma list of "
+                                                "draft_model, ngram, suffix (default: all the "
+                                                "bundle supports)."),
+          max_new_tokens: int = typer.Option(128, help="New tokens per prompt."),
+          repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
+                                      "first and is not counted)."),
+          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp", help="Peers to "
+                                    "run when installed (comma list), or 'none'."),
+          peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
+                                                "speculative decoding (default: --ks)."),
+          cache_dir: Optional[Path] = typer.Option(None, help="Build cache (also holds the "
+                                                   "onnxruntime-genai models of the peers)."),
+          bundle_dir: Optional[Path] = typer.Option(None, "--bundle-dir", help="Where a recipe's "
+                                                    "bench bundle goes (default: its output + "
+                                                    "'-bench')."),
+          json_out: Optional[Path] = typer.Option(None, "--json-out", help="JSON report (default: "
+                                                  "bench-<name>.json next to the bundle)."),
+          plot: Optional[Path] = typer.Option(None, "--plot", help="PNG plot (default: the JSON "
+                                              "path with .png)."),
+          no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
+          json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
+                                           "of the tables."),
+          numerics: bool = typer.Option(False, "--numerics", help="Numerics preview (a recipe): "
+                                        "fp32 against the card's mxfp6 weights + mxint8 KV "
+                                        "emulated on the CPU, side by side: acceptance, tau, the "
+                                        "K tune would pick, greedy agreement, logit drift "
+                                        "(--ks: the K to run, default the recipe's largest).")):
+    """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
+    from ..bench import bench as run_bench, parse_ks, show_report
+
+    if numerics:
+        from ..bench import bench_numerics, show_numerics
+        from ..errors import UsageError
+
+        chosen = parse_ks(ks)
+        if chosen is not None and len(chosen) != 1:
+            raise UsageError("--numerics runs one K: give --ks K")
+        report, json_path, png = bench_numerics(
+            target, overrides=set_ or [], prompt_file=prompts, prompt_set=prompt_set,
+            num_prompts=num_prompts, k=chosen[0] if chosen else None,
+            max_new_tokens=max_new_tokens, cache_dir=cache_dir, bundle_out=bundle_dir,
+            json_out=json_out, plot=False if no_plot else plot, say=progress_line)
+        _print_report(report, show_numerics, json_path, png, json_stdout)
+        return
+    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none")
+    report, json_path, png = run_bench(
+        target, overrides=set_ or [], prompt_file=prompts, prompt_set=prompt_set,
+        num_prompts=num_prompts, ks=parse_ks(ks),
+        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
+        max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
+        peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
+        json_out=json_out, plot=False if no_plot else plot, say=progress_line)
+    _print_report(report, show_report, json_path, png, json_stdout)
+    if not report["all_greedy_outputs_match"]:
+        bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
+        err_console.print(f"[red]error:[/] greedy outputs differ from target-only for: "
+                          f"{', '.join(bad)} (see {json_path})")
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
+         k_max: int = typer.Option(8, "--k-max", help="Largest K to consider (calibration runs "
+                                   "at K_max)."),
+         prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts "
+                                                "(JSONL or one per line; default: the shipped "
+                                                "code set)."),
+         prompt_set: Optional[str] = typer.Option(None, "--prompt-set", help="code | echo | "
+                                                  "prose"),
+         num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first "
+                                                   "N prompts only."),
+         max_new_tokens: int = typer.Option(128, help="New tokens per calibration prompt."),
+         rounds: int = typer.Option(20, min=3, help="Timed calls per K for the cost medians."),
+         cache_dir: Optional[Path] = typer.Option(None, help="Build cache (default: the user "
+                                                  "cache dir, or $QPCBUILD_CACHE)."),
+         write: Optional[Path] = typer.Option(None, "--write", help="Write the recipe with the "
+                                              "chosen K and the evidence as comments to this "
+                                              "file."),
+         in_place: bool = typer.Option(False, "--in-place", help="Rewrite the recipe's "
+                                       "num_speculative_tokens line (other lines are kept)."),
+         json_out: bool = typer.Option(False, "--json", help="Print the evidence and decision "
+                                       "as JSON."),
+         cost_model: bool = typer.Option(False, "--cost-model", help="Call costs from a roofline "
+                                         "model of the recipe's card (shapes, precision, the "
+                                         "card's published bandwidth and fp16 compute per QID) "
+                                         "instead of timing them here; acceptance is measured "
+                                         "as always."),
+         card_bandwidth_gbs: Optional[float] = typer.Option(None, "--card-bandwidth-gbs",
+                                                            help="With --cost-model: DRAM GB/s "
+                                                            "per QID (default: the card's "
+                                                            "published figure)."),
+         card_tflops: Optional[float] = typer.Option(None, "--card-tflops", help="With "
+                                                     "--cost-model: fp16 TFLOPS per QID "
+                                                     "(default: the card's published figure)."),
+         per_batch: Optional[str] = typer.Option(None, "--per-batch", help="Batch sizes (1,2,4 "
+                                                 "or 1-4): the best K for each too, recorded "
+                                                 "in the evidence.")):
+    """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
+    from ..errors import UsageError
+    from ..bench import parse_ks
+    from ..tune import show_tune, tune as run_tune, write_tuned_recipe
+
+    if write is not None and in_place:
+        raise UsageError("give --write FILE or --in-place, not both")
+    result = run_tune(recipe, set_ or [], k_max=k_max, prompt_file=prompts,
+                      prompt_set=prompt_set, num_prompts=num_prompts,
+                      max_new_tokens=max_new_tokens, rounds=rounds, cache_dir=cache_dir,
+                      say=progress_line, cost_model=cost_model,
+                      card_bandwidth_gbs=card_bandwidth_gbs, card_tflops=card_tflops,
+                      per_batch=parse_ks(per_batch))
+    written = None
+    if write is not None or in_place:
+        written = write_tuned_recipe(recipe, result, None if in_place else write)
+        result["written"] = str(written)
+        if set_:
+            err_console.print("[yellow]note:[/] only num_speculative_tokens was written; the "
+                              f"--set overrides used while measuring ({', '.join(set_)}) were "
+                              "not")
+    if json_out:
+        emit_json(result)
+        return
+    show_tune(result)
+    if written:
+        console.print(f"wrote {written}")

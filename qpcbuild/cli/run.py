@@ -1,0 +1,143 @@
+"""Commands that run a bundle: run (smoke test with acceptance statistics), serve, serve-config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..render import console
+from .app import app, emit_json, handles_errors
+
+
+def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
+    from ..errors import UsageError
+    from ..prompts import read_prompt_file
+
+    prompts = list(prompt or []) + (read_prompt_file(prompt_file) if prompt_file else [])
+    if not prompts:
+        raise UsageError("give --prompt TEXT or --prompt-file FILE")
+    for n, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"prompt {n} is empty")
+    return prompts
+
+
+@app.command()
+@handles_errors
+def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
+        prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="Prompt text "
+                                                   "(repeatable: one batch)."),
+        prompt_file: Optional[Path] = typer.Option(None, help="One prompt per line ('\\n' for "
+                                                   "newlines), or JSONL with a \"prompt\" key."),
+        max_new_tokens: int = typer.Option(64, help="New tokens per prompt."),
+        temperature: float = typer.Option(0.0, help="0 = greedy."),
+        top_p: float = typer.Option(1.0), top_k: int = typer.Option(0),
+        seed: Optional[int] = typer.Option(None),
+        method: Optional[str] = typer.Option(None, help="draft_model | ngram | suffix "
+                                             "(default: the bundle's)."),
+        k: Optional[int] = typer.Option(None, "--k", help="One of the compiled Ks."),
+        backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
+        ctx_len: Optional[int] = typer.Option(None, help="Refuse a bundle not compiled for this "
+                                              "ctx_len."),
+        batch_size: Optional[int] = typer.Option(None, help="Refuse a bundle not compiled for "
+                                                 "this batch size."),
+        verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
+        stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
+        compare_baseline: bool = typer.Option(False, help="Also decode target-only and report "
+                                              "the speedup and whether outputs match."),
+        chat: bool = typer.Option(False, help="Each prompt is a user message put through the "
+                                  "bundle's chat template (as vLLM's chat endpoint does)."),
+        system: Optional[str] = typer.Option(None, help="System message for --chat."),
+        json_out: bool = typer.Option(False, "--json", help="Text, token ids and stats as JSON.")):
+    """Run speculative decoding from a bundle (smoke test, with acceptance statistics)."""
+    from ..errors import UsageError
+    from ..render import show_run
+    from ..runtime.loader import load
+
+    prompts = _read_prompts(prompt, prompt_file)
+    if max_new_tokens <= 0:
+        raise UsageError("--max-new-tokens must be at least 1")
+    if system is not None and not chat:
+        raise UsageError("--system needs --chat")
+    gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
+               batch_size=batch_size)
+    # Continuous batching takes every prompt at once and refills slots as requests finish.
+    batch = len(prompts) if gen.decoder.cb else gen.target.batch_size
+    on_token = None
+    if stream and not json_out:
+        on_token = lambda row, ids: console.print(  # noqa: E731
+            gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False, highlight=False)
+    results, baselines = [], []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
+                                    on_token, chat=chat, system=system))
+        if compare_baseline:
+            baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
+                                          seed, target_only=True, chat=chat, system=system))
+    if stream and not json_out:
+        console.print()
+    report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
+              "batches": [r.to_dict() for r in results]}
+    if backend == "onnxruntime":  # exact float32, or the card's formats emulated
+        report["numerics"] = numerics_of(gen.manifest)
+    if compare_baseline:
+        spd = sum(r.stats["e2e_s"] for r in results)
+        base = sum(b.stats["e2e_s"] for b in baselines)
+        same = all(a.rows[i].tokens == b.rows[i].tokens for a, b in zip(results, baselines)
+                   for i in range(len(a.rows)))
+        report["baseline"] = {"batches": [b.to_dict() for b in baselines],
+                              "speedup_e2e": round(base / max(spd, 1e-9), 3),
+                              "outputs_match": same if temperature == 0 else None}
+    if json_out:
+        emit_json(report)
+    else:
+        show_run(report, show_text=not stream)
+
+
+def numerics_of(manifest: dict) -> dict:
+    """Per role: the onnxruntime artifact's numerics (exact | emulated) and formats."""
+    out = {}
+    for role, info in manifest["roles"].items():
+        o = info["backends"].get("onnxruntime") or {}
+        out[role] = {"numerics": o.get("numerics", "exact"),
+                     **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"}),
+                     "int8_weights": o.get("weights") == "int8"}
+    return out
+
+
+@app.command()
+@handles_errors
+def serve(bundle: Path = typer.Argument(..., help="Bundle folder."),
+          host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+          port: int = typer.Option(8000, help="TCP port."),
+          backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
+          verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
+          served_model_name: Optional[str] = typer.Option(
+              None, help="Model id clients ask for (default: the bundle's name)."),
+          log_level: str = typer.Option("info", help="uvicorn log level.")):
+    """OpenAI-compatible server on the bundle (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics with vLLM's metric names)."""
+    from ..errors import UsageError
+    from ..server import serve as run_server
+
+    if not 0 < port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {port}")
+    run_server(bundle, host, port, backend, verify, served_model_name, log_level)
+
+
+@app.command("serve-config")
+@handles_errors
+def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
+                 format: str = typer.Option("vllm", "--format", help="vllm | docker | env | "
+                                            "legacy | json"),
+                 image: str = typer.Option("ghcr.io/quic/cloud_ai_inference_vllm:latest",
+                                           help="Cloud AI vLLM image for --format docker.")):
+    """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
+    from ..bundle import read_manifest
+    from ..serve_config import render
+
+    sys.stdout.write(render(read_manifest(bundle), bundle, format, image))
