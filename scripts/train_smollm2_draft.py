@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("code", "chat", "prose")
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
@@ -137,6 +138,54 @@ CHAT_ACTIVITIES = [
 ]
 CHAT_PHRASES = ["Good morning", "Where is the train station?", "Thank you very much",
                 "I would like a cup of tea", "How are you today?", "The weather is nice"]
+# Prose: story openings and expository openings cut mid-sentence, as a user would ask a model
+# to continue (bench's `prose` set is of this kind; its own prompts are excluded below).
+PROSE_PEOPLE = [
+    "The old fisherman", "A young teacher", "The village baker", "My grandmother",
+    "The night nurse", "A retired soldier", "The new mayor", "Two brothers", "The librarian",
+    "A travelling musician", "The ship's captain", "A farmer's daughter", "The detective",
+    "A shy student", "The shopkeeper on the corner", "An elderly painter", "The station master",
+    "A little girl named Rosa", "The king's gardener", "My neighbour",
+]
+PROSE_SITUATIONS = [
+    "walked into the empty station just before midnight and",
+    "had lived in the same house for forty years, so when the letter arrived",
+    "found a small wooden box buried under the apple tree, and inside it",
+    "was the only person in town who remembered the flood, and every spring",
+    "opened the door to find a stranger standing in the rain, who",
+    "had never seen the sea before that summer, when",
+    "kept a diary for sixty years, and on the last page",
+    "woke up to silence: the whole street was covered in snow, and",
+    "was counting the money for the third time when",
+    "had promised to finish the bridge before winter, but",
+]
+PROSE_TOPICS = [
+    "the printing press", "bread", "the bicycle", "public libraries", "lighthouses", "tea",
+    "the railway", "paper money", "maps", "clocks", "glass", "bridges", "the telephone",
+    "honey bees", "rivers", "salt", "the violin", "windmills", "chess", "the postal service",
+]
+PROSE_FRAMES = [
+    "The history of {t} begins long before most people think. In fact,",
+    "Few inventions changed daily life as much as {t}. Before it,",
+    "If you have ever wondered about {t}, you are not alone. Most people",
+    "There are many myths about {t}. The most common one is that",
+]
+
+
+def prose_texts(exclude: list[str]) -> list[str]:
+    """Template-made prose openings, none starting like a prompt in `exclude`."""
+    texts = [f"{who} {what}" for who in PROSE_PEOPLE for what in PROSE_SITUATIONS]
+    texts += [f.format(t=t) for t in PROSE_TOPICS for f in PROSE_FRAMES]
+    starts = {" ".join(e.split()[:3]).lower() for e in exclude}
+    return [t for t in texts if " ".join(t.split()[:3]).lower() not in starts]
+
+
+def prose_prompts(tok) -> list[dict]:
+    bench_set = ROOT / "qpcbuild" / "data" / "prompts" / "prose.jsonl"
+    exclude = [json.loads(line)["prompt"] for line in bench_set.read_text().splitlines()
+               if line.strip()]
+    return [{"id": f"prose:{t}", "kind": "prose", "ids": tok(t, add_special_tokens=False)["input_ids"]}
+            for t in prose_texts(exclude)]
 
 
 def chat_questions() -> list[str]:
@@ -179,6 +228,7 @@ def chat_prompts(tok) -> list[dict]:
 def build_prompts(tok, args) -> list[dict]:
     prompts = code_prompts(tok, args.code_prompts, args.seed, args.max_prompt_tokens)
     prompts += chat_prompts(tok)
+    prompts += prose_prompts(tok)
     for p in prompts:
         p["heldout"] = stable_hash(p["id"]) % 100 < args.heldout_percent
     return prompts
@@ -199,7 +249,8 @@ def load_tokenizer(path: Path):
 
 # ---------------------------------------------------------------- phase: gen
 def generation_jobs(prompts: list[dict], seed: int, sampled_code_share: float) -> list[dict]:
-    """One job per (prompt, mode). Code: greedy, or sampled for a share; chat: greedy + sampled."""
+    """One job per (prompt, mode). Code: greedy, or sampled for a share; chat and prose: greedy
+    + sampled."""
     rng = random.Random(seed + 1)
     jobs = []
     for p in prompts:
@@ -214,15 +265,18 @@ def generation_jobs(prompts: list[dict], seed: int, sampled_code_share: float) -
 
 
 def make_batches(jobs: list[dict], batch_size: int, seed: int) -> list[list[dict]]:
-    """Same-mode batches of similar prompt length (less padding), in an interleaved order."""
-    batches = []
-    for kind in ("code", "chat"):
-        for mode in ("greedy", "sample"):
-            group = sorted((j for j in jobs if j["kind"] == kind and j["mode"] == mode),
+    """Same-mode batches of similar prompt length (less padding), in an interleaved order. Prose
+    (added after the first runs) comes after code and chat, so their batch numbers are kept."""
+    def group(kinds, rng_seed):
+        out = []
+        for kind in kinds:
+            for mode in ("greedy", "sample"):
+                g = sorted((j for j in jobs if j["kind"] == kind and j["mode"] == mode),
                            key=lambda j: len(j["ids"]))
-            batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
-    random.Random(seed + 2).shuffle(batches)
-    return batches
+                out += [g[i:i + batch_size] for i in range(0, len(g), batch_size)]
+        random.Random(rng_seed).shuffle(out)
+        return out
+    return group(("code", "chat"), seed + 2) + group(("prose",), seed + 3)
 
 
 def generate_with_teacher(target, batch: list[dict], new_tokens: int, sample: bool,
@@ -298,7 +352,8 @@ def phase_gen(args) -> None:
     (args.work / "prompts.json").write_text(json.dumps(prompts))
     n_held = sum(p["heldout"] for p in prompts)
     log(f"{len(prompts)} prompts ({sum(p['kind'] == 'code' for p in prompts)} code, "
-        f"{sum(p['kind'] == 'chat' for p in prompts)} chat), {n_held} held out")
+        f"{sum(p['kind'] == 'chat' for p in prompts)} chat, "
+        f"{sum(p['kind'] == 'prose' for p in prompts)} prose), {n_held} held out")
     jobs = generation_jobs(prompts, args.seed, args.sampled_code_share)
     batches = make_batches(jobs, args.gen_batch, args.seed)
     log(f"{len(jobs)} generation jobs in {len(batches)} batches of <= {args.gen_batch}")
@@ -309,7 +364,7 @@ def phase_gen(args) -> None:
     start = time.time()
     for b, batch in enumerate(batches):
         done_file = work / f"batch_{b:04d}.json"
-        if done_file.exists():
+        if done_file.exists() or batch[0]["kind"] not in args.gen_kinds.split(","):
             continue
         if args.gen_max_batches and b >= args.gen_max_batches:
             log(f"--gen-max-batches {args.gen_max_batches} reached")
@@ -529,7 +584,7 @@ def phase_train(args) -> None:
     stats = {"sequences": len(seqs), "train_sequences": len(train), "val_sequences": len(val),
              "tokens": sum(len(s["ids"]) for s in seqs),
              "continuation_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
-             "by_kind": {k: sum(1 for s in seqs if s["kind"] == k) for k in ("code", "chat")},
+             "by_kind": {k: sum(1 for s in seqs if s["kind"] == k) for k in KINDS},
              "by_mode": {m: sum(1 for s in seqs if s["mode"] == m) for m in ("greedy", "sample")}}
     log(f"data: {json.dumps(stats)}")
     prompts = json.loads((args.work / "prompts.json").read_text())
@@ -785,7 +840,7 @@ def phase_eval(args) -> None:
     draft = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
     prompts = [p for p in json.loads((args.work / "prompts.json").read_text()) if p["heldout"]]
     results = {}
-    for kind in ("code", "chat"):
+    for kind in KINDS:
         chosen = [p for p in prompts if p["kind"] == kind][:args.eval_prompts]
         tokens, calls, acc, lossless, t0 = 0, 0, [0] * args.eval_k, 0, time.time()
         for n, p in enumerate(chosen):
@@ -909,7 +964,7 @@ def write_card(args) -> None:
     ev = info.get("eval")
     if ev:
         lines += ["", "## Measured (held-out prompts, greedy speculative decoding)"]
-        for kind in ("code", "chat"):
+        for kind in (k for k in KINDS if k in ev):
             e = ev[kind]
             lines.append(
                 f"- {kind}: {e['prompts']} prompts, K={e['k']}, up to {e['max_new_tokens']} new "
@@ -947,6 +1002,8 @@ def parse_args(argv):
     ap.add_argument("--gen-minutes", type=float, default=22.0)
     ap.add_argument("--gen-max-batches", type=int, default=0,
                     help="stop generating after this many batches (0: only the time budget)")
+    ap.add_argument("--gen-kinds", default=",".join(KINDS),
+                    help="generate only the batches of these prompt kinds (comma-separated)")
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--gen-new-tokens", type=int, default=128)
     ap.add_argument("--topk", type=int, default=32)
@@ -977,7 +1034,7 @@ def parse_args(argv):
     # eval
     ap.add_argument("--eval-k", type=int, default=4)
     ap.add_argument("--eval-new-tokens", type=int, default=64)
-    ap.add_argument("--eval-prompts", type=int, default=40, help="per kind (code, chat)")
+    ap.add_argument("--eval-prompts", type=int, default=40, help="per kind (code, chat, prose)")
     ap.add_argument("--lossless-checks", type=int, default=5,
                     help="prompts per kind whose SpD output is compared with target greedy")
     return ap.parse_args(argv)
