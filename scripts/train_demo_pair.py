@@ -21,7 +21,6 @@ import os
 import platform
 import random
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from stdlib_corpus import stdlib_sources  # scripts/ is on sys.path when a script runs
 
 EOS = "<|endoftext|>"
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
@@ -62,18 +63,6 @@ DRAFT_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
 
 
 # ---------------------------------------------------------------- data
-def stdlib_files() -> list[tuple[str, Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in sorted(filenames):
-            if name.endswith(".py") and not name.startswith("test_"):
-                path = Path(dirpath) / name
-                found.append((path.relative_to(root).as_posix(), path))
-    return found
-
-
 def is_validation(relpath: str, percent: int) -> bool:
     digest = hashlib.sha256(relpath.encode()).digest()
     return int.from_bytes(digest[:4], "big") % 100 < percent
@@ -81,7 +70,7 @@ def is_validation(relpath: str, percent: int) -> bool:
 
 def read_split(percent: int) -> tuple[list[str], list[str], list[str]]:
     train, val, val_names = [], [], []
-    for rel, path in stdlib_files():
+    for rel, path in stdlib_sources(SKIPPED_DIRS):
         text = path.read_text(encoding="utf-8", errors="replace")
         if is_validation(rel, percent):
             val.append(text)

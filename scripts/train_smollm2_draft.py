@@ -45,9 +45,10 @@ import random
 import re
 import shutil
 import sys
-import sysconfig
 import time
 from pathlib import Path
+
+from stdlib_corpus import stdlib_sources  # scripts/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("code", "chat", "prose")
@@ -67,21 +68,13 @@ def stable_hash(text: str) -> int:
 # ---------------------------------------------------------------- prompts
 def code_prompts(tok, n: int, seed: int, max_prompt_tokens: int) -> list[dict]:
     """Beginnings of functions from the stdlib: some context lines, the def line, 0-3 body lines."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in sorted(filenames):
-            if name.endswith(".py") and not name.startswith("test_"):
-                files.append(Path(dirpath) / name)
     rng = random.Random(seed)
     defs = []
-    for path in files:
+    for rel, path in stdlib_sources(SKIPPED_DIRS):
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except (UnicodeDecodeError, OSError):
             continue
-        rel = path.relative_to(root).as_posix()
         for i, line in enumerate(lines):
             if re.match(r"\s*(async\s+)?def \w+\(.*\)\s*(->.*)?:\s*$", line):
                 defs.append((rel, i, lines))
@@ -432,20 +425,15 @@ def load_gen_data(work: Path):
 
 def stdlib_stream(tok, heldout_files: set[str]):
     import numpy as np
-    root = Path(sysconfig.get_paths()["stdlib"])
     ids = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            rel = path.relative_to(root).as_posix()
-            if not name.endswith(".py") or name.startswith("test_") or rel in heldout_files:
-                continue
-            try:
-                ids.extend(tok(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
-            except (UnicodeDecodeError, OSError):
-                continue
-            ids.append(tok.eos_token_id)
+    for rel, path in stdlib_sources(SKIPPED_DIRS):
+        if rel in heldout_files:
+            continue
+        try:
+            ids.extend(tok(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids.append(tok.eos_token_id)
     return np.asarray(ids, dtype=np.int64)
 
 
