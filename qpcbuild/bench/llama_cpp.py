@@ -1,0 +1,309 @@
+"""llama.cpp as a bench peer, two ways: through llama-cpp-python (target-only, and prompt lookup
+via its `LlamaPromptLookupDecoding`), and llama.cpp's own prompt-lookup program `llama-lookup`
+(when $QPCBUILD_LLAMA_CPP_BIN names the folder of a llama.cpp build's programs). Both read a
+single .gguf in the target's checkpoint folder, run greedy at batch 1 with our thread count and
+are timed as our rows are."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+from .inputs import Say, _pkg_version
+from .measure import Measure
+from .peers import Peer, _local_source
+
+
+def _gguf(folder: Path | None) -> Path | None:
+    """The one GGUF file in a checkpoint folder (llama.cpp reads GGUF, not safetensors)."""
+    found = sorted(folder.glob("*.gguf")) if folder else []
+    return found[0] if len(found) == 1 else None
+
+
+NO_GGUF = ("no single .gguf file in the target's checkpoint folder (llama.cpp reads GGUF; for "
+           "SmolLM2 `make smollm2-gguf` writes model-f32.gguf, the same float32 weights as "
+           "model.safetensors; otherwise llama.cpp's convert_hf_to_gguf.py --outtype f32)")
+TIMING_NOTE = ("tokens/s timed as ours: new tokens over the wall time of each prompt's whole "
+               "generation, prefill included")
+
+
+def _backend_threads(manifest: dict) -> int:
+    """The CPU threads our ONNX Runtime target session runs with for this bundle (same rule)."""
+    from ..runtime.session import thread_count
+
+    ort = manifest["roles"]["target"].get("ort") or {}
+    return thread_count(ort.get("core_share", 1.0), ort.get("intra_op_threads"))
+
+
+def _lookup_max_ngram(manifest: dict) -> int:
+    """Our prompt-lookup n-gram length (the bundle's, else the proposer's default, 4)."""
+    opts = (manifest.get("speculation") or {}).get("options") or {}
+    return int(opts.get("prompt_lookup_max") or 4)
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: set[int], max_new: int) -> list[int]:
+    """Our engine's stop rule on a token list: an EOS is kept and ends it; at most max_new."""
+    out = []
+    for t in tokens[:max_new]:
+        out.append(t)
+        if t in eos_ids:
+            break
+    return out
+
+
+def _omp_note() -> str:
+    """llama.cpp's CPU threads are OpenMP's: how they wait (the environment's choice, read when
+    the library loads) decides whether it survives a busy machine."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    if policy:
+        return f"OMP_WAIT_POLICY={policy}"
+    return ("OMP_WAIT_POLICY unset (OpenMP threads spin while waiting; on a machine busy with "
+            "other work that can make llama.cpp many times slower: export "
+            "OMP_WAIT_POLICY=passive before starting bench)")
+
+
+class _CountingDraft:
+    """llama-cpp-python's draft model, counting its calls (one per verification round) and the
+    tokens it proposes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls, self.proposed = inner, 0, 0
+
+    def __call__(self, input_ids, /, **kwargs):
+        out = self.inner(input_ids, **kwargs)
+        self.calls += 1
+        self.proposed += len(out)
+        return out
+
+
+def llama_cpp_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+                   cache_dir: Path | None, say: Say) -> Peer:
+    """llama.cpp through llama-cpp-python: target-only decoding and, where the library has its
+    `LlamaPromptLookupDecoding` draft class, prompt-lookup decoding at each K. Our prompt token
+    ids are fed as they are (no re-tokenization); greedy; batch 1; our thread count. (llama.cpp's
+    own prompt lookup is the `llama-lookup` program: the "llama-lookup" peer.)"""
+    try:
+        import llama_cpp
+    except Exception as exc:
+        return Peer("llama.cpp", "skipped", f"not installed ({type(exc).__name__}: {exc}); "
+                    "pip install llama-cpp-python")
+    version = _pkg_version("llama-cpp-python") or getattr(llama_cpp, "__version__", None)
+    gguf = _gguf(_local_source(manifest, "target"))
+    if gguf is None:
+        return Peer("llama.cpp", "skipped", NO_GGUF, version)
+    lookup = getattr(llama_cpp, "LlamaPromptLookupDecoding", None)
+    if lookup is None:
+        try:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding as lookup
+        except Exception:
+            lookup = None
+    threads = _backend_threads(manifest)
+    ngram = _lookup_max_ngram(manifest)
+    ctx = manifest["shapes"]["ctx_len"]
+    peer = Peer("llama.cpp", "ok", version=version,
+                info={"gguf": str(gguf), "n_threads": threads, "n_threads_batch": threads,
+                      "n_ctx": ctx, "sampling": "greedy (temp 0)", "input": "our token ids",
+                      "prompt_lookup_class": lookup is not None,
+                      "prompt_lookup_max_ngram_size": ngram if lookup else None,
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")})
+    peer.note = (f"llama-cpp-python {version}, {gguf.name}, {threads} threads (as ours), our "
+                 "token ids, greedy; prompt lookup "
+                 + (f"via LlamaPromptLookupDecoding (max_ngram_size {ngram}, as ours; "
+                    "num_pred_tokens K)" if lookup else "not in this version")
+                 + f"; {TIMING_NOTE}; {_omp_note()}")
+    models: dict[bool, Any] = {}
+
+    def model(spec: bool):
+        if spec not in models:
+            # Prompt lookup needs every position's logits (logits_all); target-only does not.
+            models[spec] = llama_cpp.Llama(
+                model_path=str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
+                draft_model=_CountingDraft(lookup(max_ngram_size=ngram, num_pred_tokens=1))
+                if spec else None, logits_all=spec, verbose=False)
+        return models[spec]
+
+    def runner(k: int | None) -> Callable:
+        def run(prompt_ids, acc):
+            llm = model(k is not None)
+            draft = None
+            if k is not None:
+                draft = _CountingDraft(lookup(max_ngram_size=ngram, num_pred_tokens=k))
+                llm.draft_model = draft
+            outs, tokens, seconds = [], 0, 0.0
+            for ids in prompt_ids:
+                llm.reset()
+                calls0 = draft.calls if draft else 0
+                new: list[int] = []
+                t0 = time.perf_counter()
+                gen = llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                   repeat_penalty=1.0, reset=True)
+                for tok in gen:
+                    new.append(int(tok))  # an EOS is kept, as our engine keeps it
+                    if tok in eos_ids or len(new) >= max_new:
+                        break
+                gen.close()
+                seconds += time.perf_counter() - t0
+                outs.append(new)
+                tokens += len(new)
+                if acc is not None and draft is not None:
+                    # Each round is one draft call then one target call; a round yields its
+                    # accepted drafts plus one token of the target's; the first token comes
+                    # from the prefill.
+                    rounds = draft.calls - calls0
+                    acc["rounds"] = acc.get("rounds", 0) + rounds
+                    acc["draft_tokens_accepted"] = acc.get("draft_tokens_accepted", 0) + \
+                        max(0, len(new) - 1 - rounds)
+            if acc is not None and draft is not None:
+                acc["draft_tokens_proposed"] = acc.get("draft_tokens_proposed", 0) + \
+                    draft.proposed
+            return outs, tokens, seconds
+        return run
+
+    peer.cases.append((Measure("llama.cpp", "target_only", None, "target-only"), runner(None)))
+    if lookup is not None:
+        for k in ks:
+            if k >= 1:
+                peer.cases.append((Measure("llama.cpp", "ngram", k, f"prompt lookup K={k}"),
+                                   runner(k)))
+    return peer
+
+
+# ---------------------------------------------------------------- llama-lookup (llama.cpp CLI)
+LLAMA_CPP_BIN_ENV = "QPCBUILD_LLAMA_CPP_BIN"
+LOOKUP_NGRAM = (1, 4)  # llama-lookup's n-gram sizes (LLAMA_NGRAM_MIN/MAX); ours: 1..4
+_ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_STAT = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)\s*$", re.M)
+# Debug lines (-lv 5): every sampled token, drafted-and-accepted or not, with its id.
+_SAMPLED = re.compile(r"the sampled target token (?:matches the \d+th drafted token )?"
+                      r"\((-?\d+), '")
+
+
+def parse_lookup_output(text: str) -> dict[str, Any]:
+    """The figures `llama-lookup` prints at its end (stdout and stderr together): prompt tokens
+    and prefill seconds ("encoded"), generated tokens and decode-loop seconds ("decoded"),
+    n_draft, n_predict, n_drafted, n_accept, and, when it ran with debug logging, the id of
+    every sampled token in order. Raises ValueError when the timing lines are missing."""
+    enc, dec = _ENCODED.findall(text), _DECODED.findall(text)
+    if not enc or not dec:
+        raise ValueError("no 'encoded ... tokens in ... seconds' / 'decoded ...' lines in the "
+                         "output of llama-lookup")
+    out: dict[str, Any] = {"n_input": int(enc[-1][0]), "encode_s": float(enc[-1][1]),
+                           "n_decoded": int(dec[-1][0]), "decode_s": float(dec[-1][1])}
+    for key, value in _STAT.findall(text):
+        out[key] = int(value)
+    out["tokens"] = [int(t) for t in _SAMPLED.findall(text)]
+    return out
+
+
+def _llama_cpp_version(exe: Path) -> str | None:
+    try:
+        proc = subprocess.run([str(exe), "--version"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"version:\s*(\S+)(?:.*?commit (\w+))?", proc.stdout + proc.stderr)
+    return (m.group(1) + (f" (commit {m.group(2)})" if m.group(2) else "")) if m else None
+
+
+def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+                      cache_dir: Path | None, say: Say) -> Peer:
+    """llama.cpp's own prompt lookup: the `llama-lookup` program, run once per prompt from the
+    folder named by $QPCBUILD_LLAMA_CPP_BIN (a llama.cpp build's bin/). Target-only is the same
+    program with no drafts (--spec-draft-n-max 0). Its own timing lines are used (prefill +
+    decode loop: model loading and process start are not counted); it reads the prompt as text,
+    so our token ids are decoded with the bundle's tokenizer and its prompt token count is
+    checked."""
+    folder = os.environ.get(LLAMA_CPP_BIN_ENV)
+    if not folder:
+        return Peer("llama-lookup", "skipped", f"set {LLAMA_CPP_BIN_ENV} to the folder holding "
+                    "llama.cpp's llama-lookup program (cmake -B build llama.cpp && cmake "
+                    "--build build --target llama-lookup: build/bin)")
+    exe = Path(folder).expanduser() / "llama-lookup"
+    if not exe.is_file() or not os.access(exe, os.X_OK):
+        return Peer("llama-lookup", "skipped", f"{exe}: no such program (from "
+                    f"{LLAMA_CPP_BIN_ENV})")
+    target = _local_source(manifest, "target")
+    gguf = _gguf(target)
+    if gguf is None:
+        return Peer("llama-lookup", "skipped", NO_GGUF)
+    try:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    except Exception as exc:
+        return Peer("llama-lookup", "skipped", "cannot decode the prompts to text for it: "
+                    f"{type(exc).__name__}: {exc}")
+    version = _llama_cpp_version(exe)
+    threads = _backend_threads(manifest)
+    ctx = manifest["shapes"]["ctx_len"]
+    peer = Peer("llama-lookup", "ok", version=version,
+                info={"program": str(exe), "gguf": str(gguf), "threads": threads, "n_ctx": ctx,
+                      "ngram_sizes": list(LOOKUP_NGRAM), "sampling": "greedy (--temp 0 "
+                      "--top-k 1)", "input": "prompt text decoded from our token ids",
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")})
+    peer.note = (f"{exe.name} {version or ''}, {gguf.name}, {threads} threads (as ours), greedy, "
+                 f"n-grams {LOOKUP_NGRAM[0]}..{LOOKUP_NGRAM[1]} over the context, "
+                 "target-only = --spec-draft-n-max 0; prompt given as text (our ids decoded; "
+                 "its prompt token count is checked); tokens/s from its own timing lines: generated tokens "
+                 "over prefill + decode-loop seconds (process start and model load excluded); "
+                 "it may run a few tokens past max-new-tokens (it checks the limit once per "
+                 "round): those count in tokens/s, the compared output is cut at "
+                 f"max-new-tokens; {_omp_note()}")
+    tmp = Path(tempfile.mkdtemp(prefix="qpcbuild-llama-lookup-"))
+    weakref.finalize(peer, shutil.rmtree, tmp, True)
+    texts: dict[tuple[int, ...], Path] = {}
+
+    def prompt_file(ids: list[int]) -> Path:
+        key = tuple(ids)
+        if key not in texts:
+            path = tmp / f"prompt-{len(texts)}.txt"
+            # llama.cpp's -f drops one final newline of the file: add one, so it reads the text.
+            path.write_text(tok.decode(list(ids), skip_special_tokens=False) + "\n",
+                            encoding="utf-8")
+            texts[key] = path
+        return texts[key]
+
+    def runner(k: int) -> Callable:
+        def run(prompt_ids, acc):
+            outs, tokens, seconds = [], 0, 0.0
+            for ids in prompt_ids:
+                cmd = [str(exe), "-m", str(gguf), "-f", str(prompt_file(ids)), "--no-escape",
+                       "-n", str(max(max_new - 1, 1)),  # it stops once it has more than -n
+                       "--spec-draft-n-max", str(k), "-t", str(threads), "-tb", str(threads),
+                       "-c", str(ctx), "--temp", "0", "--top-k", "1", "--seed", "0",
+                       "-lv", "5"]  # its debug lines carry every sampled token's id
+                proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                                      timeout=600)
+                if proc.returncode != 0:
+                    tail = (proc.stdout + proc.stderr).strip().splitlines()[-4:]
+                    raise RuntimeError(f"llama-lookup exit {proc.returncode}: "
+                                       + " | ".join(tail))
+                res = parse_lookup_output(proc.stdout + proc.stderr)
+                outs.append(_cut_at_eos(res["tokens"], eos_ids, max_new))
+                tokens += res["n_decoded"]
+                seconds += res["encode_s"] + res["decode_s"]
+                if acc is not None:
+                    acc["prompt_token_mismatch"] = acc.get("prompt_token_mismatch", 0) + \
+                        int(res["n_input"] != len(ids))
+                    if k:
+                        acc["draft_tokens_proposed"] = acc.get("draft_tokens_proposed", 0) + \
+                            res.get("n_drafted", 0)
+                        acc["draft_tokens_accepted"] = acc.get("draft_tokens_accepted", 0) + \
+                            res.get("n_accept", 0)
+            return outs, tokens, seconds
+        return run
+
+    peer.cases.append((Measure("llama-lookup", "target_only", None, "target-only (no drafts)"),
+                       runner(0)))
+    for k in ks:
+        if k >= 1:
+            peer.cases.append((Measure("llama-lookup", "ngram", k, f"llama-lookup K={k}"),
+                               runner(k)))
+    return peer
