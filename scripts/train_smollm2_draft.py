@@ -922,14 +922,15 @@ def write_card(args) -> None:
         "## Data (on-policy distillation)",
         f"- Prompts: beginnings of functions from the Python {platform.python_version()} standard "
         "library (0-30 context lines, the `def` line, 0-3 body lines; at most "
-        f"{st['max_prompt_tokens']} tokens) and template-made chat questions wrapped in the "
-        f"target's chat template; {st['heldout_percent']}% of the prompts held out by hash for "
-        "evaluation.",
+        f"{st['max_prompt_tokens']} tokens), template-made chat questions wrapped in the "
+        "target's chat template, and template-made prose openings (stories and expository "
+        "text cut mid-sentence, none starting like a prompt of bench's prose set); "
+        f"{st['heldout_percent']}% of the prompts held out by hash for evaluation.",
         f"- Generation jobs: each training code prompt once, greedy or (for "
-        f"{st['sampled_code_share']:.0%} of them) sampled at temperature 0.7; each chat prompt "
-        "twice, greedy and sampled; in shuffled same-mode batches of 32. The target continued "
-        f"for up to {st['gen_new_tokens']} tokens (or EOS) until {st['gen_minutes']} minutes of "
-        "CPU time were spent, so only part of the jobs ran: "
+        f"{st['sampled_code_share']:.0%} of them) sampled at temperature 0.7; each chat and "
+        "prose prompt twice, greedy and sampled; in shuffled same-mode batches of 32. The target "
+        f"continued for up to {st['gen_new_tokens']} tokens (or EOS); generation is "
+        "time-budgeted (--gen-minutes), and the batches that ran gave "
         f"{d['sequences']} sequences ({d['by_kind']}, {d['by_mode']}), {d['tokens']:,} tokens, "
         f"{d['continuation_tokens']:,} of them generated. The target's top-{st['topk']} "
         "next-token log-probs were recorded at every position.",

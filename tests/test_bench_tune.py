@@ -107,8 +107,10 @@ def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_
                                   tmp_path / "sub" / "tuned.yaml")
     r = load_recipe(out)
     orig = load_recipe(ROOT / recipe)
-    assert r.speculation.num_speculative_tokens == 3
-    assert r.ks == tuple(tune.recommended_ks(orig.draft.method, 3))
+    before = orig.speculation.num_speculative_tokens
+    keep_zero = isinstance(before, list) and 0 in before  # K=0 baselines stay compiled
+    assert r.speculation.num_speculative_tokens == ([0, 3] if keep_zero else 3)
+    assert r.ks == ((0, 3) if keep_zero else tuple(tune.recommended_ks(orig.draft.method, 3)))
     # the copy points at the same model folders and keeps every other setting
     assert Path(r.source_dir() / r.target.model).resolve() == \
         Path(orig.source_dir() / orig.target.model).resolve()
@@ -121,7 +123,7 @@ def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_
     tune.write_tuned_recipe(inplace, _fake_result(2, orig.draft.method))
     tune.write_tuned_recipe(inplace, _fake_result(1, orig.draft.method))
     again = inplace.read_text()
-    assert load_recipe(inplace).speculation.num_speculative_tokens == 1
+    assert load_recipe(inplace).speculation.num_speculative_tokens == ([0, 1] if keep_zero else 1)
     assert again.count("chosen by `qpcbuild tune`") == 1
     # every other line is kept; ruamel only normalises spacing inside a line (`draft:  {`)
     kept = [" ".join(x.split()) for x in (ROOT / recipe).read_text().splitlines()
@@ -132,13 +134,16 @@ def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_
 
 def test_set_k_handles_block_lists_flow_maps_and_a_missing_speculation_section():
     base = "schema: 1\nname: x\ntarget:\n  model: /nonexistent/t\ndraft:\n  method: ngram\n"
-    for text in (base + "speculation:\n  num_speculative_tokens:\n    - 0\n    - 4\n",
-                 base + "speculation:\n  num_speculative_tokens: [0,\n    4]\n",
-                 base + "speculation: {num_speculative_tokens: 2}  # inline\n",
-                 base + "shapes:\n  ctx_len: 512\n"):
+    # A list that compiled K=0 (target-only baselines) keeps K=0; a list without it does not.
+    for text, want, line in (
+            (base + "speculation:\n  num_speculative_tokens:\n    - 0\n    - 4\n", [0, 5], "[0, 5]"),
+            (base + "speculation:\n  num_speculative_tokens: [0,\n    4]\n", [0, 5], "[0, 5]"),
+            (base + "speculation:\n  num_speculative_tokens: [3, 4]\n", 5, "5"),
+            (base + "speculation: {num_speculative_tokens: 2}  # inline\n", 5, "5"),
+            (base + "shapes:\n  ctx_len: 512\n", 5, "5")):
         out = tune.set_k_in_text(text, "ngram", 5, ["# tune: evidence"])
-        assert recipe_from_text(out).speculation.num_speculative_tokens == 5
-        assert "  # tune: evidence\n  num_speculative_tokens: 5" in out
+        assert recipe_from_text(out).speculation.num_speculative_tokens == want
+        assert f"  # tune: evidence\n  num_speculative_tokens: {line}" in out
 
 
 def _comments(text: str) -> list[str]:
@@ -161,13 +166,14 @@ def test_ruamel_round_trip_keeps_comments_and_changes_only_k(recipe):
         [c for c in _comments(out) if not c.startswith(("# tune:", "# tuned"))]
     # the data differ in K only
     before, after = yaml.safe_load(text), yaml.safe_load(out)
-    assert after["speculation"].pop("num_speculative_tokens") == 5
-    before["speculation"].pop("num_speculative_tokens")
+    old_k = before["speculation"].pop("num_speculative_tokens")
+    with_zero = isinstance(old_k, list) and 0 in old_k
+    assert after["speculation"].pop("num_speculative_tokens") == ([0, 5] if with_zero else 5)
     assert before == after
     # a second run replaces the evidence instead of adding to it
     again = tune.set_k_in_text(out, method, 2, ["# tune: newer"])
     assert again.count("# tune:") == 1 and yaml.safe_load(again)["speculation"][
-        "num_speculative_tokens"] == 2
+        "num_speculative_tokens"] == ([0, 2] if with_zero else 2)
 
 
 # ---------------------------------------------------------------- bench: inputs
@@ -322,7 +328,8 @@ def test_tune_measures_and_writes_a_recipe(tmp_path):
     assert result["costs"]["statistic"] == "lower quartile" and result["costs"]["rounds"] == 3
     assert "exact float32" in result["acceptance_measured_on"]
     out = tune.write_tuned_recipe(ROOT / "recipes" / "demo.yaml", result, tmp_path / "t.yaml")
-    assert load_recipe(out).speculation.num_speculative_tokens == result["chosen_k"]
+    # demo.yaml compiles K=0 for target-only baselines: the tuned copy keeps it
+    assert load_recipe(out).speculation.num_speculative_tokens == [0, result["chosen_k"]]
     text = out.read_text()
     assert "# tune: costs: onnxruntime-cpu (measured on ONNX Runtime on this CPU, lower " \
         "quartile of 3 rounds" in text

@@ -13,7 +13,8 @@ figures make that check:
   as the target's session uses. That is the same kernel family the decode spends its time in;
   the ratio therefore measures what the rest of the graph and the per-call host work cost.
 
-The probe runs right after the measurements, on the same machine state.
+The probe runs right after each repeat's target-only pass: a shared machine's memory bandwidth
+drifts over minutes, so only a rate measured next to the decode is its limit.
 """
 
 from __future__ import annotations
@@ -64,69 +65,86 @@ def graph_bytes(model_path: Path) -> dict[str, float]:
     return {"full_bytes": full, "indexed_row_bytes": row}
 
 
-def probe_streaming_gbs(nbytes: float, threads: int) -> dict[str, Any]:
-    """GB/s of ONNX Runtime's MatMul of a [1, R] row with a float32 [R, N] matrix of ~nbytes."""
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
+class StreamingProbe:
+    """ONNX Runtime's MatMul of a [1, R] row with a float32 [R, N] matrix of ~nbytes: the rate a
+    weight-streaming kernel reaches here. Built once; `measure()` is called right after each
+    target-only pass, because a shared machine's memory bandwidth drifts over minutes."""
 
-    cols = max(1, int(min(nbytes, PROBE_MAX_BYTES) // (4 * PROBE_ROWS)))
-    weight = np.random.default_rng(0).standard_normal((PROBE_ROWS, cols), dtype=np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "stream",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, PROBE_ROWS])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])],
-        [onnx.numpy_helper.from_array(weight, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    sess = ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
-    del weight, model, graph
-    x = {"x": np.ones((1, PROBE_ROWS), np.float32)}
-    for _ in range(3):
-        sess.run(None, x)
-    times = []
-    for _ in range(PROBE_CALLS):
-        t0 = time.perf_counter()
-        sess.run(None, x)
-        times.append(time.perf_counter() - t0)
-    median = statistics.median(times)
-    matrix = 4.0 * PROBE_ROWS * cols
-    return {"gbs": matrix / median / 1e9, "matrix_mb": matrix / 1e6, "threads": threads,
-            "calls": PROBE_CALLS, "median_ms": median * 1e3,
-            "kernel": f"onnxruntime MatMul [1,{PROBE_ROWS}] x float32 [{PROBE_ROWS},{cols}]"}
+    def __init__(self, nbytes: float, threads: int) -> None:
+        import numpy as np
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        cols = max(1, int(min(nbytes, PROBE_MAX_BYTES) // (4 * PROBE_ROWS)))
+        weight = np.random.default_rng(0).standard_normal((PROBE_ROWS, cols), dtype=np.float32)
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])], "stream",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, PROBE_ROWS])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])],
+            [onnx.numpy_helper.from_array(weight, "w")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        self.sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                         providers=["CPUExecutionProvider"])
+        self.x = {"x": np.ones((1, PROBE_ROWS), np.float32)}
+        self.matrix_bytes = 4.0 * PROBE_ROWS * cols
+        self.threads = threads
+        self.kernel = f"onnxruntime MatMul [1,{PROBE_ROWS}] x float32 [{PROBE_ROWS},{cols}]"
+
+    def measure(self) -> float:
+        """GB/s: the matrix over the median of PROBE_CALLS timed calls (after 3 untimed)."""
+        for _ in range(3):
+            self.sess.run(None, self.x)
+        times = []
+        for _ in range(PROBE_CALLS):
+            t0 = time.perf_counter()
+            self.sess.run(None, self.x)
+            times.append(time.perf_counter() - t0)
+        return self.matrix_bytes / statistics.median(times) / 1e9
+
+
+def make_probe(gen) -> StreamingProbe | None:
+    """A probe as large as the target's weights, on the target session's threads; None when
+    the target is not an ONNX Runtime session."""
+    path = getattr(gen.target, "path", None)
+    if path is None:
+        return None
+    threads = gen.target.sess.get_session_options().intra_op_num_threads
+    return StreamingProbe(graph_bytes(Path(path))["full_bytes"], threads)
 
 
 def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[int],
-                          decode_tokens_per_s: float | None) -> dict[str, Any] | None:
-    """Bytes per decoded token x target-only decode tokens/s, against the streaming probe.
-    None for a session that is not ONNX Runtime's (a card runs elsewhere)."""
-    path = getattr(gen.target, "path", None)
-    if path is None or not decode_tokens_per_s:
+                          decode_tokens_per_s: float | None, probe: StreamingProbe | None,
+                          probe_gbs: list[float]) -> dict[str, Any] | None:
+    """Bytes per decoded token x target-only decode tokens/s, against the streaming probe's
+    rates measured next to the target-only passes. None without an ONNX Runtime target."""
+    if probe is None or not probe_gbs or not decode_tokens_per_s:
         return None
     arch = gen.manifest["roles"]["target"]["arch"]
-    g = graph_bytes(Path(path))
+    g = graph_bytes(Path(gen.target.path))
     new = base_stats.get("new_tokens", 0) / max(1, base_stats.get("requests", 1))
     mean_positions = statistics.fmean(prompt_lengths) + new / 2
     kv_per_position = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4
     kv = kv_per_position * mean_positions
     per_token = g["full_bytes"] + g["indexed_row_bytes"] + kv
     achieved = per_token * decode_tokens_per_s / 1e9
-    threads = gen.target.sess.get_session_options().intra_op_num_threads
-    probe = probe_streaming_gbs(g["full_bytes"], threads)
+    limit = statistics.median(probe_gbs)
     return {"bytes_per_token_mb": round(per_token / 1e6, 2),
             "weights_mb": round(g["full_bytes"] / 1e6, 2),
             "kv_mb_at_mean_context": round(kv / 1e6, 3),
             "mean_valid_positions": round(mean_positions, 1),
             "decode_tokens_per_s": round(decode_tokens_per_s, 2),
             "achieved_gbs": round(achieved, 2),
-            "probe": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in probe.items()},
-            "fraction_of_probe": round(achieved / probe["gbs"], 3)}
+            "probe": {"gbs": round(limit, 3), "per_repeat_gbs": [round(x, 3) for x in probe_gbs],
+                      "kernel": probe.kernel, "threads": probe.threads,
+                      "matrix_mb": round(probe.matrix_bytes / 1e6, 1), "calls": PROBE_CALLS,
+                      "when": "right after each repeat's target-only pass"},
+            "fraction_of_probe": round(achieved / limit, 3)}
 
 
 def bandwidth_line(b: dict[str, Any]) -> str:

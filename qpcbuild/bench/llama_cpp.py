@@ -64,9 +64,9 @@ def _omp_note() -> str:
     policy = os.environ.get("OMP_WAIT_POLICY")
     if policy:
         return f"OMP_WAIT_POLICY={policy}"
-    return ("OMP_WAIT_POLICY unset (OpenMP threads spin while waiting; on a machine busy with "
-            "other work that can make llama.cpp many times slower: export "
-            "OMP_WAIT_POLICY=passive before starting bench)")
+    return ("OMP_WAIT_POLICY unset (OpenMP threads spin while waiting: fastest on a quiet "
+            "machine; on one busy with other work spinning can make llama.cpp many times "
+            "slower, and OMP_WAIT_POLICY=passive avoids that at a cost)")
 
 
 class _CountingDraft:

@@ -85,7 +85,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     checkpoint for the peers (a bundle records models by reference only, not by path)."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
-    from .bandwidth import target_only_bandwidth
+    from .bandwidth import make_probe, target_only_bandwidth
     from .peers import PEERS
     from .report import build_report, decode_figures
 
@@ -167,6 +167,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     # turn (so each runs warm, as it would in use), and drift spreads over all configurations.
     # Repeat 0 is a warm-up on the first prompt batch and is not counted.
     warmup = prompt_ids[:batch]
+    probe, probe_gbs = make_probe(gen), []
     started = time.perf_counter()
     gc.collect()
     gc.freeze()  # what is loaded now (models, libraries) stays out of the collections below
@@ -203,6 +204,8 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                 meas.seconds.append(seconds)
                 meas.tokens.append(tokens)
                 meas.outputs.append(outs)
+                if meas is ours[0][0] and probe is not None:
+                    probe_gbs.append(probe.measure())
                 continue
             if meas.system == "qpcbuild":
                 continue
@@ -228,7 +231,9 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     gc.unfreeze()
     base_decode = decode_figures(ours[0][0].stats)
     bandwidth = target_only_bandwidth(gen, ours[0][0].stats, [len(p) for p in prompt_ids],
-                                      base_decode and base_decode["tokens_per_s"])
+                                      base_decode and base_decode["tokens_per_s"], probe,
+                                      probe_gbs)
+    del probe
     return build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
                         ks, methods, ours, peer_objs, notes, gen, machine, bandwidth)
 

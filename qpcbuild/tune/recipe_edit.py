@@ -70,6 +70,14 @@ def _set_eol_comment(m, key: str, text: str) -> None:
                                       if new.start_mark else CommentMark(0), None)
 
 
+def _flow_list(items: list[int]):
+    from ruamel.yaml.comments import CommentedSeq
+
+    seq = CommentedSeq(items)
+    seq.fa.set_flow_style()
+    return seq
+
+
 def set_k_in_text(text: str, method: str, k: int, comment: list[str],
                   model_paths: dict[str, str] | None = None) -> str:
     """The recipe text with num_speculative_tokens = K, `comment` (lines starting with
@@ -93,8 +101,12 @@ def set_k_in_text(text: str, method: str, k: int, comment: list[str],
     else:
         spec.fa.set_block_style()  # a comment line cannot stand inside {...}
     ks = recommended_ks(method, k)
-    spec[K_KEY] = k
-    note = "tuned (see above)" + (f"; compiled as {ks}" if len(ks) > 1 else "")
+    old = spec.get(K_KEY)
+    # A list that compiled K=0 too (target-only baselines) keeps it: the user asked for it.
+    keep_zero = isinstance(old, list) and 0 in old and k != 0
+    spec[K_KEY] = _flow_list([0, k]) if keep_zero else k
+    note = "tuned (see above)" + ("; K=0 kept for target-only baselines" if keep_zero else
+                                  f"; compiled as {ks}" if len(ks) > 1 else "")
     _set_eol_comment(spec, K_KEY, note)
     before = "\n".join(c[2:] if c.startswith("# ") else c.lstrip("#") for c in comment)
     spec.yaml_set_comment_before_after_key(K_KEY, before=before, indent=2)  # top level
@@ -142,7 +154,7 @@ def write_tuned_recipe(recipe_path: Path, result: dict[str, Any], dest: Path | N
         check = recipe_from_text(new_text, str(target), base_dir=target.parent.resolve())
     except RecipeError as exc:
         raise UsageError(f"the tuned recipe would not load ({exc}); not written") from None
-    if check.speculation.num_speculative_tokens != k:
+    if check.speculation.num_speculative_tokens not in (k, [0, k]):
         raise RecipeError(str(target), [Problem("speculation.num_speculative_tokens",
                                                 "rewriting the recipe did not set K")])
     for role in ("target", "draft"):
