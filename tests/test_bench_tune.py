@@ -205,6 +205,7 @@ def _no_peers(monkeypatch):
     # `None` in sys.modules makes `import x` raise ImportError: the peers look uninstalled.
     for mod in ("torch", "transformers", "onnxruntime_genai", "llama_cpp"):
         monkeypatch.setitem(sys.modules, mod, None)
+    monkeypatch.delenv("QPCBUILD_LLAMA_CPP_BIN", raising=False)  # no llama-lookup program
 
 
 @needs_demo
@@ -249,6 +250,13 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     for name in ("transformers", "onnxruntime-genai", "llama.cpp"):
         assert report["peers"][name]["status"] == "skipped"
         assert "not installed" in report["peers"][name]["note"]
+    assert report["peers"]["llama-lookup"]["status"] == "skipped"  # no QPCBUILD_LLAMA_CPP_BIN
+    assert "QPCBUILD_LLAMA_CPP_BIN" in report["peers"]["llama-lookup"]["note"]
+    # the CLI's default --peers is the same list
+    import inspect
+    from qpcbuild.cli.measure import bench as bench_cmd
+    assert inspect.signature(bench_cmd).parameters["peers"].default.default == \
+        ",".join(bench.DEFAULT_PEERS)
     assert "goals" not in report  # a user's report holds their results, not ours
     path = bench.write_json(report, tmp_path / "r.json")
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(rows))

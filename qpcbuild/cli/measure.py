@@ -41,8 +41,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           max_new_tokens: int = typer.Option(128, help="New tokens per prompt."),
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),
-          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp", help="Peers to "
-                                    "run when installed (comma list), or 'none'."),
+          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup",
+                                    help="Peers to run when installed (comma list), or 'none'."),
           peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
                                                 "speculative decoding (default: --ks)."),
           cache_dir: Optional[Path] = typer.Option(None, help="Build cache (also holds the "
