@@ -108,7 +108,7 @@ def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_
     r = load_recipe(out)
     orig = load_recipe(ROOT / recipe)
     before = orig.speculation.num_speculative_tokens
-    keep_zero = isinstance(before, list) and 0 in before  # K=0 baselines stay compiled
+    keep_zero = isinstance(before, list) and before == [0, 4]  # K=0 baselines stay compiled
     assert r.speculation.num_speculative_tokens == ([0, 3] if keep_zero else 3)
     assert r.ks == ((0, 3) if keep_zero else tuple(tune.recommended_ks(orig.draft.method, 3)))
     # the copy points at the same model folders and keeps every other setting
@@ -134,11 +134,15 @@ def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_
 
 def test_set_k_handles_block_lists_flow_maps_and_a_missing_speculation_section():
     base = "schema: 1\nname: x\ntarget:\n  model: /nonexistent/t\ndraft:\n  method: ngram\n"
-    # A list that compiled K=0 (target-only baselines) keeps K=0; a list without it does not.
+    # K replaces a list's largest K; its other Ks below K stay (K=0 for target-only baselines,
+    # a ladder of verify windows), those above go; nothing left below K gives a plain K.
     for text, want, line in (
             (base + "speculation:\n  num_speculative_tokens:\n    - 0\n    - 4\n", [0, 5], "[0, 5]"),
             (base + "speculation:\n  num_speculative_tokens: [0,\n    4]\n", [0, 5], "[0, 5]"),
-            (base + "speculation:\n  num_speculative_tokens: [3, 4]\n", 5, "5"),
+            (base + "speculation:\n  num_speculative_tokens: [3, 4]\n", [3, 5], "[3, 5]"),
+            (base + "speculation:\n  num_speculative_tokens: [0, 1, 2, 4, 8]\n", [0, 1, 2, 4, 5],
+             "[0, 1, 2, 4, 5]"),
+            (base + "speculation:\n  num_speculative_tokens: [6, 8]\n", 5, "5"),
             (base + "speculation: {num_speculative_tokens: 2}  # inline\n", 5, "5"),
             (base + "shapes:\n  ctx_len: 512\n", 5, "5")):
         out = tune.set_k_in_text(text, "ngram", 5, ["# tune: evidence"])
@@ -167,13 +171,14 @@ def test_ruamel_round_trip_keeps_comments_and_changes_only_k(recipe):
     # the data differ in K only
     before, after = yaml.safe_load(text), yaml.safe_load(out)
     old_k = before["speculation"].pop("num_speculative_tokens")
-    with_zero = isinstance(old_k, list) and 0 in old_k
-    assert after["speculation"].pop("num_speculative_tokens") == ([0, 5] if with_zero else 5)
+    below = sorted(x for x in old_k[:-1] if x < 5) if isinstance(old_k, list) else []
+    assert after["speculation"].pop("num_speculative_tokens") == (below + [5] if below else 5)
     assert before == after
     # a second run replaces the evidence instead of adding to it
     again = tune.set_k_in_text(out, method, 2, ["# tune: newer"])
+    below = [x for x in below if x < 2]  # the second run replaces 5, the largest
     assert again.count("# tune:") == 1 and yaml.safe_load(again)["speculation"][
-        "num_speculative_tokens"] == ([0, 2] if with_zero else 2)
+        "num_speculative_tokens"] == (below + [2] if below else 2)
 
 
 # ---------------------------------------------------------------- bench: inputs
@@ -275,6 +280,7 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     assert bw["probe"]["gbs"] > 0 and bw["fraction_of_probe"] == pytest.approx(
         bw["achieved_gbs"] / bw["probe"]["gbs"], rel=1e-2)
     assert "GB/s" in bench.markdown_table(report)
+    assert report["machine"]["threads"]["qpcbuild_target"] == bw["probe"]["threads"] >= 1
 
 
 def test_graph_bytes_counts_indexed_tables_by_row(tmp_path):

@@ -21,7 +21,11 @@ class CountingModel:
 
     role, batch_size, ctx_len, vocab_size, specializations = "target", 1, 64, V, []
 
+    def __init__(self):
+        self.widths: list[int] = []  # seq_len of every call, prefill chunks included
+
     def run(self, input_ids, position_ids, batch_index=None):
+        self.widths.append(input_ids.shape[1])
         logits = np.zeros((*input_ids.shape, V), np.float32)
         for b, s in np.ndindex(input_ids.shape):
             logits[b, s, (input_ids[b, s] + 1) % V] = 10.0
@@ -85,3 +89,18 @@ def test_top_k_keeps_exactly_k_tokens_even_with_ties():
     logits = np.array([1.0, 3.0, 3.0, 3.0, 0.5, 3.0])
     probs = probabilities(logits, SamplingParams(1.0, top_k=2))
     assert np.count_nonzero(probs) == 2 and probs[1] == probs[2] == 0.5
+
+
+def test_a_proposal_verifies_in_the_smallest_compiled_window_that_holds_it():
+    class Lengths(Scripted):  # the target's own next tokens, 1 then 2 then 3, then none
+        def propose(self, rid, k):
+            n = self.lengths.pop(0) if self.lengths else 0
+            return [(self.seen[-1] + 1 + i) % V for i in range(n)]
+
+    for ks, want in (((0, 1, 2, 4), [PREFILL, 2, 3, 5, 1, 1]), ((0, 4), [PREFILL, 5, 5, 5, 1, 1])):
+        proposer = Lengths([])
+        proposer.lengths = [1, 2, 3]
+        dec = decoder(proposer, ks=ks)
+        rows, _ = dec.generate([[6, 7]], 12, SamplingParams())
+        assert rows[0].tokens == [(6 + i) % V for i in range(14)]
+        assert dec.target.widths == want, ks

@@ -162,6 +162,11 @@ def test_llama_lookup_skipped_without_a_gguf(tmp_path, monkeypatch):
     monkeypatch.setenv(LLAMA_CPP_BIN_ENV, str(exe.parent))
     p = llama_lookup_peer(_manifest(folder), [4], 16, {2}, None, print)
     assert p.status == "skipped" and ".gguf" in p.note
+    # A bundle (not a recipe) records no checkpoint folder: the note says so, not "no .gguf".
+    unknown = _manifest(folder)
+    del unknown["roles"]["target"]["source"]["path"]
+    p = llama_lookup_peer(unknown, [4], 16, {2}, None, print)
+    assert p.status == "skipped" and "bench the recipe" in p.note and ".gguf" not in p.note
 
 
 def test_llama_cpp_skipped_when_not_installed(tmp_path, monkeypatch):

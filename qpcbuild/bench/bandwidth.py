@@ -66,17 +66,19 @@ def graph_bytes(model_path: Path) -> dict[str, float]:
 
 
 class StreamingProbe:
-    """ONNX Runtime's MatMul of a [1, R] row with a float32 [R, N] matrix of ~nbytes: the rate a
-    weight-streaming kernel reaches here. Built once; `measure()` is called right after each
-    target-only pass, because a shared machine's memory bandwidth drifts over minutes."""
+    """ONNX Runtime's MatMul of a [1, R] row with a float32 [R, N] matrix as large as the
+    target graph's weights (`graph`: its `graph_bytes`): the rate a weight-streaming kernel
+    reaches here. Built once; `measure()` is called right after each target-only pass, because
+    a shared machine's memory bandwidth drifts over minutes."""
 
-    def __init__(self, nbytes: float, threads: int) -> None:
+    def __init__(self, graph: dict[str, float], threads: int) -> None:
         import numpy as np
         import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper
 
-        cols = max(1, int(min(nbytes, PROBE_MAX_BYTES) // (4 * PROBE_ROWS)))
+        self.graph = graph
+        cols = max(1, int(min(graph["full_bytes"], PROBE_MAX_BYTES) // (4 * PROBE_ROWS)))
         weight = np.random.default_rng(0).standard_normal((PROBE_ROWS, cols), dtype=np.float32)
         graph = helper.make_graph(
             [helper.make_node("MatMul", ["x", "w"], ["y"])], "stream",
@@ -114,8 +116,7 @@ def make_probe(gen) -> StreamingProbe | None:
     path = getattr(gen.target, "path", None)
     if path is None:
         return None
-    threads = gen.target.sess.get_session_options().intra_op_num_threads
-    return StreamingProbe(graph_bytes(Path(path))["full_bytes"], threads)
+    return StreamingProbe(graph_bytes(Path(path)), gen.target.threads)
 
 
 def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[int],
@@ -126,7 +127,7 @@ def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[
     if probe is None or not probe_gbs or not decode_tokens_per_s:
         return None
     arch = gen.manifest["roles"]["target"]["arch"]
-    g = graph_bytes(Path(gen.target.path))
+    g = probe.graph
     new = base_stats.get("new_tokens", 0) / max(1, base_stats.get("requests", 1))
     mean_positions = statistics.fmean(prompt_lengths) + new / 2
     kv_per_position = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4

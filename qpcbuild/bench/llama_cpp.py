@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from .inputs import Say, _pkg_version
 from .measure import Measure
-from .peers import Peer, _local_source
+from .peers import NO_CHECKPOINT, Peer, _local_source
 
 
 def _gguf(folder: Path | None) -> Path | None:
@@ -95,9 +95,10 @@ def llama_cpp_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int
         return Peer("llama.cpp", "skipped", f"not installed ({type(exc).__name__}: {exc}); "
                     "pip install llama-cpp-python")
     version = _pkg_version("llama-cpp-python") or getattr(llama_cpp, "__version__", None)
-    gguf = _gguf(_local_source(manifest, "target"))
+    target = _local_source(manifest, "target")
+    gguf = _gguf(target)
     if gguf is None:
-        return Peer("llama.cpp", "skipped", NO_GGUF, version)
+        return Peer("llama.cpp", "skipped", NO_GGUF if target else NO_CHECKPOINT, version)
     lookup = getattr(llama_cpp, "LlamaPromptLookupDecoding", None)
     if lookup is None:
         try:
@@ -233,7 +234,7 @@ def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
     target = _local_source(manifest, "target")
     gguf = _gguf(target)
     if gguf is None:
-        return Peer("llama-lookup", "skipped", NO_GGUF)
+        return Peer("llama-lookup", "skipped", NO_GGUF if target else NO_CHECKPOINT)
     try:
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(str(target / "tokenizer.json"))

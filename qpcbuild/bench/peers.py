@@ -34,6 +34,11 @@ class Peer:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+NO_CHECKPOINT = ("the target's checkpoint folder is not known: a bundle records its models by "
+                 "reference only, so bench the recipe (not the bundle) to run this peer; or the "
+                 "bundle was built with smoke weights")
+
+
 def _local_source(manifest: dict, role: str) -> Path | None:
     info = manifest["roles"].get(role)
     if not info:
@@ -56,8 +61,7 @@ def transformers_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
                     "pip install 'qpcbuild[bench]'")
     target_path = _local_source(manifest, "target")
     if target_path is None:
-        return Peer("transformers", "skipped", "the bundle's target checkpoint is not a local "
-                    "folder (or it was built with smoke weights), so there is nothing to load")
+        return Peer("transformers", "skipped", NO_CHECKPOINT)
     draft_path = _local_source(manifest, "draft")
     peer = Peer("transformers", "ok", version=_pkg_version("transformers"))
     try:
@@ -181,8 +185,7 @@ def ort_genai_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int
                     f"{exc}); pip install onnxruntime-genai")
     version = _pkg_version("onnxruntime-genai")
     if _local_source(manifest, "target") is None:
-        return Peer("onnxruntime-genai", "skipped", "the bundle's target checkpoint is not a "
-                    "local folder (or it was built with smoke weights)", version)
+        return Peer("onnxruntime-genai", "skipped", NO_CHECKPOINT, version)
     try:
         dirs = genai_models(manifest, cache_dir, say)
         models = {name: og.Model(str(d)) for name, d in dirs.items()}

@@ -155,8 +155,8 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
         notes.append(f"target-only tokens/s varied by {spread:.0%} across repeats ("
                      + ", ".join(f"{t:,.0f}" for t in base_tps) + "): the machine was not quiet; "
                      "compare configurations within a repeat (per_repeat) or run again")
-    machine["threads"] = {"qpcbuild_target": _threads(gen.target),
-                          "qpcbuild_draft": _threads(gen.draft) if gen.draft else None}
+    machine["threads"] = {"qpcbuild_target": getattr(gen.target, "threads", None),
+                          "qpcbuild_draft": getattr(gen.draft, "threads", None)}
     return {
         "schema": REPORT_SCHEMA, "tool": "qpcbuild bench", "qpcbuild_version": __version__,
         "bundle": str(bundle), "bundle_id": manifest["bundle_id"], "name": manifest["name"],
@@ -195,13 +195,6 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                           "repeat (suffix decoding's cross-request cache holds only the earlier "
                           "prompts of that pass)"],
     }
-
-
-def _threads(session) -> int | None:
-    try:
-        return session.sess.get_session_options().intra_op_num_threads
-    except Exception:
-        return None
 
 
 def default_json_path(bundle: Path, manifest_name: str) -> Path:

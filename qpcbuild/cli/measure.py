@@ -11,6 +11,15 @@ from ..render import console, err_console
 from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_line
 
 
+# Options bench and tune share (the prompts they measure on).
+PromptsOpt = typer.Option(None, "--prompts", help="Prompt file: JSONL with a \"prompt\" (or "
+                          "\"text\") key, or one prompt per line (default: a shipped set).")
+PromptSetOpt = typer.Option(None, "--prompt-set", help="Shipped prompts: code | echo | prose "
+                            "(default: code).")
+NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use the first N prompts only.")
+MaxNewTokensOpt = typer.Option(128, help="New tokens per prompt.")
+
+
 def _print_report(report: dict, show, json_path: Path, png: Optional[Path],
                   json_stdout: bool) -> None:
     if json_stdout:
@@ -26,19 +35,15 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                         "bundle with Ks 0..8 (or 0 and --ks) is built first, "
                                         "exports from the cache."),
           set_: Optional[List[str]] = SetOpt,
-          prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: JSONL "
-                                                 "with a \"prompt\" (or \"text\") key, or one "
-                                                 "prompt per line."),
-          prompt_set: Optional[str] = typer.Option(None, "--prompt-set", help="Shipped prompts: "
-                                                   "code | echo | prose (default: code)."),
-          num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first "
-                                                    "N prompts only."),
+          prompts: Optional[Path] = PromptsOpt,
+          prompt_set: Optional[str] = PromptSetOpt,
+          num_prompts: Optional[int] = NumPromptsOpt,
           ks: Optional[str] = typer.Option(None, "--ks", help="Ks to measure: 1-8, 1,2,4 "
                                            "(default: every compiled K > 0)."),
           methods: Optional[str] = typer.Option(None, "--methods", help="Comma list of "
                                                 "draft_model, ngram, suffix (default: all the "
                                                 "bundle supports)."),
-          max_new_tokens: int = typer.Option(128, help="New tokens per prompt."),
+          max_new_tokens: int = MaxNewTokensOpt,
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),
           peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup",
@@ -100,14 +105,10 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
 def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
          k_max: int = typer.Option(8, "--k-max", help="Largest K to consider (calibration runs "
                                    "at K_max)."),
-         prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts "
-                                                "(JSONL or one per line; default: the shipped "
-                                                "code set)."),
-         prompt_set: Optional[str] = typer.Option(None, "--prompt-set", help="code | echo | "
-                                                  "prose"),
-         num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first "
-                                                   "N prompts only."),
-         max_new_tokens: int = typer.Option(128, help="New tokens per calibration prompt."),
+         prompts: Optional[Path] = PromptsOpt,
+         prompt_set: Optional[str] = PromptSetOpt,
+         num_prompts: Optional[int] = NumPromptsOpt,
+         max_new_tokens: int = MaxNewTokensOpt,
          rounds: int = typer.Option(20, min=3, help="Timed calls per K for the cost medians."),
          cache_dir: Optional[Path] = typer.Option(None, help="Build cache (default: the user "
                                                   "cache dir, or $QPCBUILD_CACHE)."),

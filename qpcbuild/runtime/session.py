@@ -78,6 +78,7 @@ class OrtSession:
         except Exception as exc:
             raise BundleError(f"{path}: onnxruntime cannot load this artifact: {exc}") from None
         self.path, self.role, self.specializations = Path(path), role, specs
+        self.threads = threads
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
         names = [f"past_{k}.{i}" for i in range(num_layers) for k in ("key", "value")]
         # In place (fused graph): each KV input and its _RetainedState output share one buffer.

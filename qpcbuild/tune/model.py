@@ -9,7 +9,9 @@ a step, and the K with the most tokens per second.
                  catch-up draft call in the next step.
    ngram/suffix: tokens(K) = p E(K) + (1 - p), cost(K) = p t_verify(K) + (1 - p) t_verify(0)
                  + h(K), where p is the fraction of steps that had a proposal (the compile list
-                 [0, K] runs proposals of any length in the K+1 window, the others at K=0).
+                 [0, K] runs proposals of any length in the K+1 window, the others at K=0;
+                 a list with Ks between verifies a short proposal in a smaller window, which
+                 this model does not count).
    h(K), the loop's own time per step, is linear between the points it is known at.
 
 The costs are given by the caller: measured on a backend, or modelled (see costs.py).

@@ -102,10 +102,12 @@ def set_k_in_text(text: str, method: str, k: int, comment: list[str],
         spec.fa.set_block_style()  # a comment line cannot stand inside {...}
     ks = recommended_ks(method, k)
     old = spec.get(K_KEY)
-    # A list that compiled K=0 too (target-only baselines) keeps it: the user asked for it.
-    keep_zero = isinstance(old, list) and 0 in old and k != 0
-    spec[K_KEY] = _flow_list([0, k]) if keep_zero else k
-    note = "tuned (see above)" + ("; K=0 kept for target-only baselines" if keep_zero else
+    # K replaces a list's largest K; the list keeps its other Ks below K (K=0 for target-only
+    # baselines, a ladder of shorter verify windows for ngram/suffix): the user asked for them.
+    below = [x for x in old if isinstance(x, int)] if isinstance(old, list) else []
+    kept = sorted({x for x in below if x < k and x != max(below)})
+    spec[K_KEY] = _flow_list(kept + [k]) if kept else k
+    note = "tuned (see above)" + (f"; {kept} kept from the list" if kept else
                                   f"; compiled as {ks}" if len(ks) > 1 else "")
     _set_eol_comment(spec, K_KEY, note)
     before = "\n".join(c[2:] if c.startswith("# ") else c.lstrip("#") for c in comment)
@@ -154,7 +156,8 @@ def write_tuned_recipe(recipe_path: Path, result: dict[str, Any], dest: Path | N
         check = recipe_from_text(new_text, str(target), base_dir=target.parent.resolve())
     except RecipeError as exc:
         raise UsageError(f"the tuned recipe would not load ({exc}); not written") from None
-    if check.speculation.num_speculative_tokens not in (k, [0, k]):
+    written = check.speculation.num_speculative_tokens
+    if written != k and not (isinstance(written, list) and max(written) == k):
         raise RecipeError(str(target), [Problem("speculation.num_speculative_tokens",
                                                 "rewriting the recipe did not set K")])
     for role in ("target", "draft"):
