@@ -566,3 +566,19 @@ def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path):
          "tuning": result}
     assert any(x.startswith("# tune --per-batch: best K by batch size 1:") for x in host_setup(m))
     assert not any("per-batch" in x for x in host_setup({**m, "tuning": {}}))
+
+
+def test_decode_profile_breaks_a_call_down_by_operator(tiny_bundle):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("decode_profile",
+                                                  ROOT / "benchmarks" / "decode_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.profile(tiny_bundle, [1, 3], calls=4)
+    assert [w["seq_len"] for w in r["windows"]] == [1, 3]
+    for w in r["windows"]:
+        # every MatMul of the graph ran: the op table holds them, and kernel time sits inside
+        # the calls' wall time (means of the same calls)
+        assert w["ops_ms"].get("MatMul", 0) > 0 and w["matmul_gbs"] > 0
+        assert 0 < w["kernels_ms"] <= w["call_ms"] * 1.05
+    assert r["probe"]["gbs"] > 0 and r["threads"] >= 1
