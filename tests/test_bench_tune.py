@@ -409,7 +409,7 @@ def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_repla
         tiny_bundle, method, monkeypatch):
     """The oracle: real speculative decoding on the demo pair at each K (the target model runs)
     against `SpecDecoder.replay` and tune's `replayed` over the target-only greedy outputs."""
-    from qpcbuild.runtime import engine
+    from qpcbuild.runtime import replay
     from qpcbuild.runtime.loader import load
 
     gen = load(tiny_bundle, method="draft_model", verify="fast").sibling(method)
@@ -444,7 +444,7 @@ def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_repla
         # after the right one).
         shifted = dict(got, per_pos=[0] + got["per_pos"][:-1])
         assert "per_pos" in _disagreements(real, shifted)
-        good_next = engine._KnownTarget._next
+        good_next = replay.KnownTarget._next
 
         def off_by_one(self, seq, p):
             try:
@@ -452,7 +452,7 @@ def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_repla
             except UsageError:
                 return seq[-1]
 
-        monkeypatch.setattr(engine._KnownTarget, "_next", off_by_one)
+        monkeypatch.setattr(replay.KnownTarget, "_next", off_by_one)
         broken = _totals(*gen.sibling(method).decoder.replay(prompts, outputs, max_new, k))
         broken["per_pos"] += [0] * (k - len(broken["per_pos"]))
         broken.pop("steps")
