@@ -34,18 +34,17 @@ def profile(bundle: Path, seq_lens: list[int], calls: int) -> dict:
     import onnxruntime as ort
 
     from qpcbuild.bench.bandwidth import StreamingProbe, graph_bytes
-    from qpcbuild.runtime.loader import load
-    from qpcbuild.runtime.session import OrtSession, Specialization
+    from qpcbuild.bundle import read_manifest
+    from qpcbuild.runtime.loader import _open_session
+    from qpcbuild.runtime.session import OrtSession
 
-    gen = load(bundle, verify="none")
-    base = gen.decoder.target
-    if not isinstance(base, OrtSession):
-        raise SystemExit(f"{bundle}: the target is not an ONNX Runtime session")
-    arch = gen.manifest["roles"]["target"]["arch"]
-    kv_shape = (base.batch_size, arch["num_kv_heads"], base.ctx_len, arch["head_dim"])
-    in_place = gen.manifest["roles"]["target"]["backends"]["onnxruntime"].get(
-        "kv_binding") == "in_place"
-    specs = [Specialization(f"w{s}", base.batch_size, s, base.ctx_len, s) for s in seq_lens]
+    # The loader's own session for the target (shapes, threads, KV binding as `run` has them),
+    # with one specialization per profiled window instead of the compiled ones.
+    manifest = read_manifest(bundle)
+    target = manifest["roles"]["target"]
+    symbols = target["specializations"][0]["symbols"]
+    target["specializations"] = [{"name": f"w{s}", "symbols": {
+        **symbols, "seq_len": s, "num_logits_to_keep": s}} for s in seq_lens]
     tmp = Path(tempfile.mkdtemp(prefix="qpcbuild-profile-"))
     plain = ort.SessionOptions
 
@@ -57,11 +56,11 @@ def profile(bundle: Path, seq_lens: list[int], calls: int) -> dict:
 
     ort.SessionOptions = profiled
     try:
-        sess = OrtSession(base.path, "target", specs, kv_shape, arch["num_layers"],
-                          arch["vocab_size"], base.threads, in_place)
+        sess = _open_session(bundle, manifest, "target", "onnxruntime")
     finally:
         ort.SessionOptions = plain
-    del gen, base
+    if not isinstance(sess, OrtSession):
+        raise SystemExit(f"{bundle}: the target is not an ONNX Runtime session")
     warm = 5
     for s in seq_lens:
         ids = np.ones((sess.batch_size, s), np.int64)

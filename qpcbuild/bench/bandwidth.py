@@ -78,6 +78,7 @@ class StreamingProbe:
         from onnx import TensorProto, helper
 
         self.graph = graph
+        self.rates: list[float] = []  # GB/s of each measure() call
         cols = max(1, int(min(graph["full_bytes"], PROBE_MAX_BYTES) // (4 * PROBE_ROWS)))
         weight = np.random.default_rng(0).standard_normal((PROBE_ROWS, cols), dtype=np.float32)
         graph = helper.make_graph(
@@ -99,7 +100,8 @@ class StreamingProbe:
         self.kernel = f"onnxruntime MatMul [1,{PROBE_ROWS}] x float32 [{PROBE_ROWS},{cols}]"
 
     def measure(self) -> float:
-        """GB/s: the matrix over the median of PROBE_CALLS timed calls (after 3 untimed)."""
+        """GB/s: the matrix over the median of PROBE_CALLS timed calls (after 3 untimed); each
+        result is also kept in `rates`."""
         for _ in range(3):
             self.sess.run(None, self.x)
         times = []
@@ -107,7 +109,8 @@ class StreamingProbe:
             t0 = time.perf_counter()
             self.sess.run(None, self.x)
             times.append(time.perf_counter() - t0)
-        return self.matrix_bytes / statistics.median(times) / 1e9
+        self.rates.append(self.matrix_bytes / statistics.median(times) / 1e9)
+        return self.rates[-1]
 
 
 def make_probe(gen) -> StreamingProbe | None:
@@ -120,11 +123,12 @@ def make_probe(gen) -> StreamingProbe | None:
 
 
 def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[int],
-                          decode_tokens_per_s: float | None, probe: StreamingProbe | None,
-                          probe_gbs: list[float]) -> dict[str, Any] | None:
+                          decode_tokens_per_s: float | None,
+                          probe: StreamingProbe | None) -> dict[str, Any] | None:
     """Bytes per decoded token x target-only decode tokens/s, against the streaming probe's
     rates measured next to the target-only passes. None without an ONNX Runtime target."""
-    if probe is None or not probe_gbs or not decode_tokens_per_s:
+    probe_gbs = probe.rates if probe is not None else []
+    if not probe_gbs or not decode_tokens_per_s:
         return None
     arch = gen.manifest["roles"]["target"]["arch"]
     g = probe.graph

@@ -167,7 +167,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     # turn (so each runs warm, as it would in use), and drift spreads over all configurations.
     # Repeat 0 is a warm-up on the first prompt batch and is not counted.
     warmup = prompt_ids[:batch]
-    probe, probe_gbs = make_probe(gen), []
+    probe = make_probe(gen)
     started = time.perf_counter()
     gc.collect()
     gc.freeze()  # what is loaded now (models, libraries) stays out of the collections below
@@ -205,7 +205,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                 meas.tokens.append(tokens)
                 meas.outputs.append(outs)
                 if meas is ours[0][0] and probe is not None:
-                    probe_gbs.append(probe.measure())
+                    probe.measure()
                 continue
             if meas.system == "qpcbuild":
                 continue
@@ -231,8 +231,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     gc.unfreeze()
     base_decode = decode_figures(ours[0][0].stats)
     bandwidth = target_only_bandwidth(gen, ours[0][0].stats, [len(p) for p in prompt_ids],
-                                      base_decode and base_decode["tokens_per_s"], probe,
-                                      probe_gbs)
+                                      base_decode and base_decode["tokens_per_s"], probe)
     del probe
     return build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
                         ks, methods, ours, peer_objs, notes, gen, machine, bandwidth)
