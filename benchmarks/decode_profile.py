@@ -1,4 +1,4 @@
-"""Where one target decode call's time goes, next to what weight streaming reaches here.
+"""Where one decode call's time goes, next to what weight streaming reaches here.
 
 `qpcbuild bench` reports target-only decode as a fraction of a weight-streaming probe (ONNX
 Runtime's MatMul over a float32 matrix as large as the target's weights). This script explains
@@ -8,6 +8,7 @@ profiler on, sums kernel time per operator type, and measures the probe in the s
 
     python benchmarks/decode_profile.py build/smollm2-ngram-bench --seq-lens 1,5
     python benchmarks/decode_profile.py build/smollm2-ngram-bench --json-out profile.json
+    python benchmarks/decode_profile.py build/smollm2 --role draft --seq-lens 1
 
 The profiler adds a little time per node; the shares, and the MatMul kernels' own GB/s against
 the probe, are what the figures are for. Run it on a quiet machine.
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 POSITION = 300  # KV positions already valid when the timed calls start
 
 
-def profile(bundle: Path, seq_lens: list[int], calls: int) -> dict:
+def profile(bundle: Path, seq_lens: list[int], calls: int, role: str = "target") -> dict:
     import onnxruntime as ort
 
     from qpcbuild.bench.bandwidth import StreamingProbe, graph_bytes
@@ -38,13 +39,16 @@ def profile(bundle: Path, seq_lens: list[int], calls: int) -> dict:
     from qpcbuild.runtime.loader import _open_session
     from qpcbuild.runtime.session import OrtSession
 
-    # The loader's own session for the target (shapes, threads, KV binding as `run` has them),
+    # The loader's own session for the role (shapes, threads, KV binding as `run` has them),
     # with one specialization per profiled window instead of the compiled ones.
     manifest = read_manifest(bundle)
-    target = manifest["roles"]["target"]
-    symbols = target["specializations"][0]["symbols"]
-    target["specializations"] = [{"name": f"w{s}", "symbols": {
-        **symbols, "seq_len": s, "num_logits_to_keep": s}} for s in seq_lens]
+    if role not in manifest["roles"]:
+        raise SystemExit(f"{bundle}: no {role} in this bundle")
+    info = manifest["roles"][role]
+    symbols = info["specializations"][0]["symbols"]
+    logits = (lambda s: {"num_logits_to_keep": s}) if role == "target" else (lambda s: {})
+    info["specializations"] = [{"name": f"w{s}", "symbols": {
+        **symbols, "seq_len": s, **logits(s)}} for s in seq_lens]
     tmp = Path(tempfile.mkdtemp(prefix="qpcbuild-profile-"))
     plain = ort.SessionOptions
 
@@ -56,11 +60,11 @@ def profile(bundle: Path, seq_lens: list[int], calls: int) -> dict:
 
     ort.SessionOptions = profiled
     try:
-        sess = _open_session(bundle, manifest, "target", "onnxruntime")
+        sess = _open_session(bundle, manifest, role, "onnxruntime")
     finally:
         ort.SessionOptions = plain
     if not isinstance(sess, OrtSession):
-        raise SystemExit(f"{bundle}: the target is not an ONNX Runtime session")
+        raise SystemExit(f"{bundle}: the {role} is not an ONNX Runtime session")
     warm = 5
     for s in seq_lens:
         ids = np.ones((sess.batch_size, s), np.int64)
@@ -73,7 +77,7 @@ def profile(bundle: Path, seq_lens: list[int], calls: int) -> dict:
     graph = graph_bytes(sess.path)
     probe = StreamingProbe(graph, sess.threads)
     probe_gbs = probe.measure()
-    out = {"bundle": str(bundle), "threads": sess.threads, "calls": calls,
+    out = {"bundle": str(bundle), "role": role, "threads": sess.threads, "calls": calls,
            "weights_mb": round(graph["full_bytes"] / 1e6, 1),
            "probe": {"kernel": probe.kernel, "gbs": round(probe_gbs, 2)}, "windows": []}
     for i, s in enumerate(seq_lens):
@@ -95,7 +99,7 @@ def profile(bundle: Path, seq_lens: list[int], calls: int) -> dict:
 
 
 def show(r: dict) -> None:
-    print(f"{r['bundle']}: {r['threads']} threads, {r['weights_mb']:,} MB of weights; "
+    print(f"{r['bundle']} {r['role']}: {r['threads']} threads, {r['weights_mb']:,} MB of weights; "
           f"weight streaming ({r['probe']['kernel']}): {r['probe']['gbs']} GB/s")
     for w in r["windows"]:
         print(f"\nseq_len {w['seq_len']}: {w['call_ms']} ms per call (mean, profiled), "
@@ -111,10 +115,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--seq-lens", default="1,5", help="window sizes to profile (1 = decode)")
+    ap.add_argument("--role", choices=("target", "draft"), default="target")
     ap.add_argument("--calls", type=int, default=25)
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
-    r = profile(args.bundle, [int(x) for x in args.seq_lens.split(",")], args.calls)
+    r = profile(args.bundle, [int(x) for x in args.seq_lens.split(",")], args.calls, args.role)
     show(r)
     if args.json_out:
         args.json_out.write_text(json.dumps(r, indent=2) + "\n")

@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -20,6 +21,7 @@ from .errors import Problem, RecipeError, UsageError
 from .recipe import CARDS, Recipe, resolve_model_path, resolved_cores
 from .source import ModelSource, resolve
 from .tokenizer_check import alignment
+from .vocab_subset import read_vocab_subset, subset_digest
 
 EXPORTER_VERSION = "3"  # bump when the exported graph changes for the same inputs
 ORT_LOWERING_VERSION = "1"  # bump when the onnxruntime artifact changes for the same graph
@@ -44,6 +46,8 @@ class RolePlan:
     ort: dict[str, Any]
     memory: dict[str, float]
     cache_keys: dict[str, str]
+    # draft only: {"ref": as the recipe wrote it, "path", "size", "sha256"} (vocab_subset.py)
+    vocab_subset: dict[str, Any] | None = None
 
     def specializations_file(self, fmt: str) -> dict[str, Any]:
         if fmt == "flat":
@@ -204,7 +208,7 @@ def ort_numerics(r: Recipe) -> dict[str, Any]:
 
 
 def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
-               compiler: str) -> RolePlan:
+               compiler: str, vocab_subset: dict[str, Any] | None = None) -> RolePlan:
     arch = arch_from_config(src.config, f"{src.ref}/config.json")
     hw = getattr(r.hardware, role)
     cb = r.shapes.full_batch_size is not None
@@ -220,7 +224,9 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
               "recipe_ref": smoke_of or getattr(r, role).model}
     export_key = digest({"exporter": EXPORTER_VERSION, "config": src.config_digest,
                          "role": role, "continuous_batching": cb,
-                         "dtype": r.precision.export_dtype})
+                         "dtype": r.precision.export_dtype,
+                         # a subset changes the graph; its key stays as before without one
+                         **({"vocab_subset": vocab_subset["sha256"]} if vocab_subset else {})})
     argv = compiler_argv(role, r, cores, len(hw.device_group), compiler)
     batch = r.shapes.full_batch_size or r.shapes.batch_size
     n_dev = len(hw.device_group)
@@ -255,7 +261,8 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         specializations=specs, io=io_signature(role, arch, cb, r.precision.export_dtype),
         custom_io=[{"IOName": n, "Precision": kv_prec} for n in names],
         mdp_partition=mdp_partition(hw.device_group, cores), device_group=list(hw.device_group),
-        num_cores=cores, compiler_argv=argv, ort=ort, memory=memory, cache_keys=cache_keys)
+        num_cores=cores, compiler_argv=argv, ort=ort, memory=memory, cache_keys=cache_keys,
+        vocab_subset=vocab_subset)
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
@@ -266,10 +273,20 @@ def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
     return checkpoint_problems(src.path, arch, ref.allow_pickle, ref.allow_unused_weights)
 
 
+def _vocab_subset(r: Recipe, arch: ArchSpec) -> dict[str, Any]:
+    ref = r.draft.vocab_subset
+    path = Path(ref).expanduser()
+    path = path if path.is_absolute() else r.source_dir() / path
+    ids = read_vocab_subset(path, arch.vocab_size, arch.eos_token_ids)
+    return {"ref": ref, "path": str(path.resolve()), "size": int(len(ids)),
+            "sha256": subset_digest(ids)}
+
+
 def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
     """Resolve models (configs only), check what needs them, and decide everything."""
     problems: list[Problem] = []
     sources: dict[str, ModelSource] = {}
+    subset: dict[str, Any] | None = None
     refs = {"target": (r.target.model, r.target.revision, "target.model")}
     if r.draft.method == "draft_model":
         refs["draft"] = (r.draft.model, r.draft.revision, "draft.model")
@@ -282,6 +299,12 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
         except UsageError as exc:
             problems.append(Problem(key, str(exc), r.line_of(key)))
             continue
+        if role == "draft" and r.draft.vocab_subset:
+            try:
+                subset = _vocab_subset(r, arch)
+            except UsageError as exc:
+                problems.append(Problem("draft.vocab_subset", str(exc),
+                                        r.line_of("draft.vocab_subset")))
         if r.shapes.ctx_len > arch.max_position_embeddings:
             problems.append(Problem("shapes.ctx_len", f"{r.shapes.ctx_len} exceeds the {role}'s "
                                     f"max_position_embeddings ({arch.max_position_embeddings}), "
@@ -321,7 +344,8 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
     compiler = compiler or find_compiler()[0] or "qaic-compile"
     roles = [_role_plan("target", r, sources["target"], r.ks, cores["target"], compiler)]
     if "draft" in sources:
-        roles.append(_role_plan("draft", r, sources["draft"], (), cores["draft"], compiler))
+        roles.append(_role_plan("draft", r, sources["draft"], (), cores["draft"], compiler,
+                                subset))
         t, d = roles[0].arch.param_count, roles[1].arch.param_count
         if d >= t:
             warnings.append(f"draft.model: the draft ({d:,} parameters) is not smaller than the "

@@ -67,6 +67,9 @@ class Draft(_Strict):
     trust_remote_code: bool = False
     allow_pickle: bool = False
     allow_unused_weights: bool = False
+    # A JSON file {"token_ids": [...]} (relative to the recipe): the draft's LM head keeps only
+    # these rows, so a call reads less; it proposes only these tokens, never changing the output.
+    vocab_subset: str | None = Field(default=None, min_length=1)
     # ngram (vLLM names and defaults)
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     prompt_lookup_max: int | None = Field(default=None, ge=1)
@@ -261,7 +264,7 @@ def static_problems(r: Recipe) -> list[Problem]:
     if d.method == "draft_model" and not d.model:
         add("draft.model", "draft_model needs a draft model (Hugging Face id or local folder)")
     if d.method != "draft_model":
-        for key in ("model", "revision"):
+        for key in ("model", "revision", "vocab_subset"):
             if getattr(d, key) is not None:
                 add(f"draft.{key}", f"method '{d.method}' uses no draft model; remove this key")
     own = {"ngram": NGRAM_DEFAULTS, "suffix": SUFFIX_DEFAULTS}.get(d.method, {})

@@ -15,10 +15,12 @@ Phases (all resumable; intermediate files live in --work):
          log-probs are stored (teacher-forced pass), for prompt and continuation positions.
   train  train the draft on those sequences: soft cross-entropy to the target's renormalised
          top-k distribution (= KL up to a constant) plus a little hard CE on the next token.
+  vocab  write --out/draft_vocab.json, the draft's vocabulary subset (recipe key
+         draft.vocab_subset): the most frequent tokens of the target's own continuations.
   eval   greedy speculative decoding (draft proposes K=4, target verifies; KV caches for both)
          on held-out code and chat prompts: tokens per target call and acceptance by position;
          and the per-call cost of one cached 1-token forward of each model.
-  all    the three in order, then write --out.
+  all    the four in order, then write --out.
 
 Run:  python scripts/train_smollm2_draft.py                 # the defaults are what was run
       python scripts/train_smollm2_draft.py --gen-minutes 1 --steps 20 --work /tmp/w --out /tmp/d
@@ -423,6 +425,35 @@ def load_gen_data(work: Path):
     return seqs
 
 
+def split_validation(seqs: list[dict], percent: int) -> tuple[list[dict], list[dict]]:
+    """(train, validation): a sequence is held out by a hash of its prompt id and mode."""
+    val = [s for s in seqs if stable_hash(s["id"] + s["mode"] + "val") % 100 < percent]
+    held = {id(s) for s in val}
+    return [s for s in seqs if id(s) not in held], val
+
+
+def phase_vocab(args) -> None:
+    """The draft's vocabulary subset for recipes (draft.vocab_subset): the --vocab-subset most
+    frequent tokens of the target's own continuations in the training split."""
+    from collections import Counter
+    train, val = split_validation(load_gen_data(args.work), args.val_percent)
+    if not train:
+        raise SystemExit("no generated data; run --phase gen first")
+    counts = Counter(t for s in train for t in s["ids"][s["prompt_len"]:])
+    keep = sorted(t for t, _ in counts.most_common(args.vocab_subset))
+    held = [t for s in val for t in s["ids"][s["prompt_len"]:]]
+    kept = set(keep)
+    coverage = sum(t in kept for t in held) / max(1, len(held))
+    out = args.out / "draft_vocab.json"
+    out.write_text(json.dumps({
+        "token_ids": keep,
+        "chosen_by": f"the {len(keep)} most frequent tokens of the target's continuations in "
+                     f"the training split ({sum(counts.values())} tokens, {len(counts)} distinct)",
+        "heldout_coverage": round(coverage, 4)}) + "\n")
+    log(f"{out}: {len(keep)} tokens; they cover {coverage:.1%} of the {len(held)} held-out "
+        "continuation tokens")
+
+
 def stdlib_stream(tok, heldout_files: set[str]):
     import numpy as np
     ids = []
@@ -567,8 +598,7 @@ def phase_train(args) -> None:
     seqs = load_gen_data(args.work)
     if not seqs:
         raise SystemExit("no generated data; run --phase gen first")
-    val = [s for s in seqs if stable_hash(s["id"] + s["mode"] + "val") % 100 < args.val_percent]
-    train = [s for s in seqs if s not in val]
+    train, val = split_validation(seqs, args.val_percent)
     stats = {"sequences": len(seqs), "train_sequences": len(train), "val_sequences": len(val),
              "tokens": sum(len(s["ids"]) for s in seqs),
              "continuation_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
@@ -950,6 +980,14 @@ def write_card(args) -> None:
         f"{last_val.get('val_kl')}, top-1 agreement with the target "
         f"{first_val.get('val_top1_agree')} -> {last_val.get('val_top1_agree')}.",
     ]
+    vocab = args.out / "draft_vocab.json"
+    if vocab.is_file():
+        v = json.loads(vocab.read_text())
+        lines += ["", "## Vocabulary subset (`draft_vocab.json`)",
+                  f"- {len(v['token_ids'])} token ids for a recipe's `draft.vocab_subset`: "
+                  f"{v['chosen_by']} (`--phase vocab`). They cover {v['heldout_coverage']:.1%} "
+                  "of the held-out continuations' tokens; with the subset the draft's LM head "
+                  "reads those rows only and never proposes another token."]
     ev = info.get("eval")
     if ev:
         lines += ["", "## Measured (held-out prompts, greedy speculative decoding)"]
@@ -976,7 +1014,8 @@ def write_card(args) -> None:
 # ---------------------------------------------------------------- main
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--phase", choices=("all", "gen", "train", "eval", "card"), default="all")
+    ap.add_argument("--phase", choices=("all", "gen", "train", "vocab", "eval", "card"),
+                    default="all")
     ap.add_argument("--target", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
     ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-draft")
     ap.add_argument("--work", type=Path, default=Path("/tmp/qpcbuild-smollm2-draft"),
@@ -996,6 +1035,8 @@ def parse_args(argv):
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--gen-new-tokens", type=int, default=128)
     ap.add_argument("--topk", type=int, default=32)
+    ap.add_argument("--vocab-subset", type=int, default=8192,
+                    help="tokens in the draft's vocabulary subset (phase vocab)")
     # draft
     ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=4)
@@ -1045,6 +1086,8 @@ def main(argv=None) -> int:
         phase_gen(args)
     if args.phase in ("all", "train"):
         phase_train(args)
+    if args.phase in ("all", "vocab"):
+        phase_vocab(args)
     if args.phase in ("all", "eval"):
         phase_eval(args)
     if args.phase in ("all", "eval", "card"):

@@ -574,11 +574,12 @@ def test_decode_profile_breaks_a_call_down_by_operator(tiny_bundle):
                                                   ROOT / "benchmarks" / "decode_profile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    r = mod.profile(tiny_bundle, [1, 3], calls=4)
-    assert [w["seq_len"] for w in r["windows"]] == [1, 3]
-    for w in r["windows"]:
-        # every MatMul of the graph ran: the op table holds them, and kernel time sits inside
-        # the calls' wall time (means of the same calls)
-        assert w["ops_ms"].get("MatMul", 0) > 0 and w["matmul_gbs"] > 0
-        assert 0 < w["kernels_ms"] <= w["call_ms"] * 1.05
-    assert r["probe"]["gbs"] > 0 and r["threads"] >= 1
+    for role, seq_lens in (("target", [1, 3]), ("draft", [1])):
+        r = mod.profile(tiny_bundle, seq_lens, calls=4, role=role)
+        assert [w["seq_len"] for w in r["windows"]] == seq_lens and r["role"] == role
+        for w in r["windows"]:
+            # every MatMul of the graph ran: the op table holds them, and kernel time sits
+            # inside the calls' wall time (means of the same calls)
+            assert w["ops_ms"].get("MatMul", 0) > 0 and w["matmul_gbs"] > 0
+            assert 0 < w["kernels_ms"] <= w["call_ms"] * 1.05
+        assert r["probe"]["gbs"] > 0 and r["threads"] >= 1

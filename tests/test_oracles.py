@@ -1,7 +1,8 @@
 """Independent oracles for the runtime's claims.
 
 - Greedy output of every method (draft_model, ngram, suffix), both ONNX Runtime lowerings,
-  batch 1 and batch > 1, continuous batching and prompts longer than one prefill chunk equals
+  batch 1 and batch > 1, continuous batching, a draft with a vocabulary subset (which cannot
+  propose a third of the tokens) and prompts longer than one prefill chunk equals
   transformers' own `generate` on the source checkpoint, token for token. Our own target-only
   loop is not the reference: a bug shared by both would pass that comparison.
 - The acceptance rule of speculative sampling produces exactly the target distribution, checked
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +43,6 @@ def hf_target():
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
     """Held-out prompts of the demo pair, one of them longer than two prefill chunks (32)."""
-    import json
-
     lines = [json.loads(line)["text"] for line in
              (DEMO / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
     long = "\n".join(lines[:4])
@@ -64,8 +64,17 @@ def hf_reference(model, ids: list[int], max_new_tokens: int = 40) -> list[int]:
     return _REFERENCE[tuple(ids)]
 
 
+def demo_subset(tmp_path_factory) -> str:
+    """A vocabulary subset for the demo draft without every third token id (EOS kept)."""
+    path = tmp_path_factory.getbasetemp() / "demo-subset.json"
+    vocab = json.loads((DEMO / "draft" / "config.json").read_text())["vocab_size"]
+    path.write_text(json.dumps({"token_ids": [t for t in range(vocab) if t % 3 != 1]}))
+    return f"draft.vocab_subset={path}"
+
+
 def build(tmp_path_factory, recipe: str, *overrides: str) -> Path:
     root = tmp_path_factory.mktemp("oracle")
+    overrides = tuple(demo_subset(tmp_path_factory) if o == SUBSET else o for o in overrides)
     argv = ["compile", str(REPO / "recipes" / recipe), "-o", str(root / "b"), "--cache-dir",
             str(root.parent / "oracle-cache")]
     for o in overrides:
@@ -75,8 +84,10 @@ def build(tmp_path_factory, recipe: str, *overrides: str) -> Path:
     return root / "b"
 
 
+SUBSET = "<demo subset>"
 CASES = {
     "draft_model-fused": ("demo.yaml", ()),
+    "draft_model-vocab-subset": ("demo.yaml", (SUBSET,)),
     "draft_model-portable": ("demo.yaml", ("onnxruntime.graph=portable",)),
     "draft_model-batch2": ("demo.yaml", ("shapes.batch_size=2",)),
     "draft_model-continuous-batching": ("demo.yaml", ("shapes.full_batch_size=3",)),
@@ -234,6 +245,12 @@ def sampling_bundle(tmp_path_factory) -> Path:
     return build(tmp_path_factory, "demo.yaml", "shapes.batch_size=8")
 
 
+@pytest.fixture(scope="module")
+def subset_sampling_bundle(tmp_path_factory) -> Path:
+    """A draft whose q is 0 for every third token: the rule must still give exactly p."""
+    return build(tmp_path_factory, "demo.yaml", "shapes.batch_size=8", SUBSET)
+
+
 def joint_p_value(bundle: Path, hf_target, sp: SamplingParams) -> float:
     """Chi-square p-value of the joint of the first two generated tokens (the first sampled
     after prefill, the second through a draft proposal and the acceptance rule) against
@@ -279,6 +296,13 @@ def joint_p_value(bundle: Path, hf_target, sp: SamplingParams) -> float:
                          ids=["t0.7", "t1.3", "top_k5", "top_p0.8"])
 def test_speculative_sampling_matches_transformers_distribution(sp, sampling_bundle, hf_target):
     assert joint_p_value(sampling_bundle, hf_target, sp) > 1e-3
+
+
+def test_speculative_sampling_with_a_vocabulary_subset_draft(subset_sampling_bundle, hf_target,
+                                                             monkeypatch):
+    assert joint_p_value(subset_sampling_bundle, hf_target, SamplingParams(1.0)) > 1e-3
+    monkeypatch.setattr(engine, "accept_sampling", ignore_q)
+    assert joint_p_value(subset_sampling_bundle, hf_target, SamplingParams(1.0)) < 1e-3
 
 
 @pytest.mark.parametrize("broken,temperature", [(ignore_q, 0.7), (ignore_q, 1.3),

@@ -28,6 +28,7 @@ from ..plan import (EXPORTER_VERSION, ORT_LOWERING_VERSION, BuildPlan, RolePlan,
 from ..source import resolve, safetensors_files, tokenizer_files
 from ..toolchain import artifact_versions, compiler_identity
 from ..tree import copy_tree, hash_tree
+from ..vocab_subset import read_vocab_subset, subset_digest
 from .manifest import MANIFEST, MANIFEST_SCHEMA, write_manifest
 
 Progress = Callable[[str, str, float], None]  # (stage, "reused" | "built" | "written", seconds)
@@ -187,6 +188,9 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
             "mdp_partition": rp.mdp_partition, "ort": rp.ort,
             "backends": {name: b[rp.role] for name, b in backends.items()},
         }
+        if rp.vocab_subset:  # the ids live in the graph; the manifest says which set it was
+            roles[rp.role]["vocab_subset"] = {k: rp.vocab_subset[k] for k in ("ref", "size",
+                                                                               "sha256")}
     return {
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
@@ -209,6 +213,18 @@ def _bundle_recipe(plan: BuildPlan) -> str:
 
 
 # ---------------------------------------------------------------- the build
+def _subset_ids(role: RolePlan):
+    """The plan's vocabulary subset, read again and checked to be the set the plan saw."""
+    if not role.vocab_subset:
+        return None
+    ids = read_vocab_subset(Path(role.vocab_subset["path"]), role.arch.vocab_size,
+                            role.arch.eos_token_ids)
+    if subset_digest(ids) != role.vocab_subset["sha256"]:
+        raise UsageError(f"draft.vocab_subset: {role.vocab_subset['path']} changed while "
+                         "the bundle was being built")
+    return ids
+
+
 def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit_only: bool = False,
                  compiler: str | None = None, jobs: int = 1, progress: Progress | None = None,
                  manifest_extra: dict[str, Any] | None = None) -> BuildResult:
@@ -252,7 +268,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
                 res = export_model(src, role.role, tmp / "onnx",
                                    continuous_batching=r.shapes.full_batch_size is not None,
                                    weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,
-                                   allow_unused=ref.allow_unused_weights)
+                                   allow_unused=ref.allow_unused_weights,
+                                   vocab_subset=_subset_ids(role))
                 return {"weights_digest": res.weights_digest, "metadata": res.metadata}
 
             entry, meta, reused = cache.get_or_build("exports", keys[role.role]["export"], build)

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 
 from ..arch import ArchSpec
 from ..export.builder import GraphBuilder
-from ..export.decoder import FLOAT, INT64, logits_head
+from ..export.decoder import FLOAT, INT64, VOCAB_SUBSET, logits_head
 from ..numerics import BLOCK as MX_BLOCK
 from ..numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 
@@ -57,7 +57,7 @@ class PortableWeights:
         with open(self.dir / location, "rb") as fh:
             fh.seek(offset)
             arr = np.frombuffer(fh.read(length), dtype=np_dtype).reshape(dims)
-        return arr.astype(np.float32)
+        return arr.astype(np.float32) if arr.dtype.kind == "f" else arr  # float16 exports too
 
     def has(self, name: str) -> bool:
         return name in self.entries
@@ -281,8 +281,12 @@ class _Lowered:
         return g.op("Add", down, self.weight(f"{p}.down_proj.bias")) if a.mlp_bias else down
 
     def head(self, x: str, pos: str, nlk: str | None) -> None:
-        # The portable graph stores the head [H, V] (a tied model's too), so no step transposes.
-        lm = self.w.get("lm_head.weight^T") if self.w.has("lm_head.weight^T") else \
-            self.w.get("model.embed_tokens.weight^T")
+        # The portable graph stores the head [H, V] (a tied model's too), so no step transposes;
+        # a draft's vocabulary subset keeps its rows [H, Vs] and the index that spreads them.
+        name = next(n + suffix for suffix in ("[subset]", "") for n in
+                    ("lm_head.weight^T", "model.embed_tokens.weight^T") if self.w.has(n + suffix))
+        lm = self.w.get(name)
+        ids = self.weight(VOCAB_SUBSET) if name.endswith("[subset]") else None
         logits_head(self.g, x, pos, nlk, None, self.a, self.batch,
-                    matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out))
+                    matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out),
+                    vocab_subset=ids)

@@ -23,6 +23,7 @@ from .. import __version__
 from ..arch import ArchSpec, arch_from_config
 from ..errors import QpcbuildError, UsageError
 from ..source import ModelSource, safetensors_files, tokenizer_files
+from ..vocab_subset import subset_digest
 from .builder import GraphBuilder, save
 from .decoder import Decoder
 from .safetensors_reader import WeightReader
@@ -61,10 +62,15 @@ def _check_tokenizer(path: Path, arch: ArchSpec) -> None:
 
 def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
                  weight_dtype: str = "float32", allow_pickle: bool = False,
-                 allow_unused: bool = False) -> ExportResult:
-    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft")."""
+                 allow_unused: bool = False,
+                 vocab_subset: np.ndarray | None = None) -> ExportResult:
+    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft").
+    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows."""
     if role not in ("target", "draft"):
         raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
+    if vocab_subset is not None and role != "draft":
+        raise UsageError("a vocabulary subset is for drafts only: the target's logits decide "
+                         "the output")
     model_dir = source.require_path()
     arch = arch_from_config(source.config, f"{model_dir}/config.json")
     _check_tokenizer(model_dir, arch)
@@ -87,10 +93,13 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
             loaded: dict[str, str] = {}
             np_dtype = np.float16 if weight_dtype == "float16" else np.float32
 
-            def load(name: str, shape: tuple[int, ...], transpose: bool) -> str:
-                key = f"{name}{'^T' if transpose else ''}"
+            def load(name: str, shape: tuple[int, ...], transpose: bool,
+                     rows: np.ndarray | None = None) -> str:
+                key = f"{name}{'^T' if transpose else ''}{'[subset]' if rows is not None else ''}"
                 if key not in loaded:
                     arr, raw = reader.read(name, shape)
+                    if rows is not None:
+                        arr = arr[rows]
                     # One float64 sum: NaN or inf anywhere makes it non-finite, no temporary.
                     if not math.isfinite(float(arr.sum(dtype=np.float64))):
                         raise UsageError(f"{model_dir}: tensor '{name}' holds NaN or infinite "
@@ -103,17 +112,20 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                         g.op("Cast", w, to=onnx.TensorProto.FLOAT)
                 return loaded[key]
 
-            Decoder(g, arch, load).build(role, continuous_batching)
+            Decoder(g, arch, load, vocab_subset).build(role, continuous_batching)
             data.flush()
             os.fsync(data.fileno())
-        per_tensor = sorted(f"{k.removesuffix('^T')}:{v}" for k, v in g.weight_hashes.items())
+        # one entry per source tensor, however many forms of it the graph holds
+        per_tensor = sorted(f"{k.split('^')[0]}:{v}" for k, v in g.weight_hashes.items())
         weights_digest = hashlib.sha256("\n".join(sorted(set(per_tensor))).encode()).hexdigest()
         # Content only: where the model came from is the manifest's business, and a path here
         # would make the artifact (and every bundle id) depend on the checkout's location.
         metadata = {"qpcbuild_version": __version__, "role": role, "weights_digest": weights_digest,
                     "config_digest": source.config_digest, "architecture": arch.architecture,
                     "continuous_batching": str(continuous_batching).lower(),
-                    "weight_dtype": weight_dtype}
+                    "weight_dtype": weight_dtype,
+                    **({"vocab_subset": subset_digest(vocab_subset)}
+                       if vocab_subset is not None else {})}
         save(g.model(f"qpcbuild_{role}", OPSET, metadata), tmp / GRAPH_FILE)
         if out_dir.exists():
             shutil.rmtree(out_dir)

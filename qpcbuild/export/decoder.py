@@ -17,17 +17,19 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from ..arch import ArchSpec
 from . import dialect
 from .builder import GraphBuilder
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
+VOCAB_SUBSET = "lm_head.vocab_subset"  # [Vs, 1] int64: a draft's kept token ids
 MASKED = -10000.0  # finite so fully masked pad rows stay finite, and representable in fp16
 
-# load(name, shape) -> graph tensor name of that weight (float32 or float16 + Cast)
-WeightLoader = Callable[[str, tuple[int, ...], bool], str]
+# load(name, shape, transpose[, rows]) -> graph tensor name of that weight (float32 or
+# float16 + Cast); rows: keep only these rows (a draft's vocabulary subset)
+WeightLoader = Callable[..., str]
 
 
 def rope_tables(arch: ArchSpec, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -39,8 +41,9 @@ def rope_tables(arch: ArchSpec, positions: int) -> tuple[np.ndarray, np.ndarray]
 
 
 class Decoder:
-    def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader):
-        self.g, self.a, self.load = g, arch, load
+    def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader,
+                 vocab_subset: np.ndarray | None = None):
+        self.g, self.a, self.load, self.vocab_subset = g, arch, load, vocab_subset
 
     # ------------------------------------------------------------ small pieces
     def rms_norm(self, x: str, weight: str) -> str:
@@ -158,8 +161,13 @@ class Decoder:
         # A tied model still gets an [H, V] MatMul weight of its own, as QEfficient stores it:
         # the compiler compresses constant MatMul weights, not a Transpose of the embedding.
         source = "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
-        lm = self.load(source, (a.vocab_size, a.hidden_size), True)
-        logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size")
+        if self.vocab_subset is None:
+            lm = self.load(source, (a.vocab_size, a.hidden_size), True)
+            logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size")
+            return
+        lm = self.load(source, (a.vocab_size, a.hidden_size), True, rows=self.vocab_subset)
+        ids = self.g.weight(VOCAB_SUBSET, self.vocab_subset.reshape(-1, 1))
+        logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size", vocab_subset=ids)
 
 
 class _KvAccess:
@@ -190,9 +198,11 @@ class _KvAccess:
 
 
 def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str | None,
-                a: ArchSpec, batch_dim, matmul=None) -> None:
+                a: ArchSpec, batch_dim, matmul=None, vocab_subset: str | None = None) -> None:
     """Logits for the last real token (draft) or the N tokens ending there (target).
-    `matmul(x, out)` replaces the plain MatMul by `lm` (a lowering's quantized kernel)."""
+    `matmul(x, out)` replaces the plain MatMul by `lm` (a lowering's quantized kernel).
+    `vocab_subset` ([Vs, 1] token ids; drafts, N = 1): `lm` holds those rows only, and their
+    logits are scattered back over the whole vocabulary, MASKED for every other token."""
     last = g.op("ArgMax", pos, axis=1, keepdims=1)  # [B,1] index of the largest position
     if nlk_input is None:
         rows = last
@@ -206,9 +216,19 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
     shape = g.op("Concat", g.op("Shape", rows), g.const([a.hidden_size]), axis=0)
     picked = g.op("GatherElements", x, g.op("Expand", g.op("Unsqueeze", rows, g.const([-1])),
                                              shape), axis=1)  # [B,N,H]
+    out = "logits" if vocab_subset is None else g._name("subset_logits")
     if matmul is None:
-        g.op("MatMul", picked, lm, out="logits")
+        g.op("MatMul", picked, lm, out=out)
     else:
-        matmul(picked, "logits")
+        matmul(picked, out)
+    if vocab_subset is not None:
+        # ScatterND writes one row per kept token (a Gather over all V would copy V elements,
+        # 5x slower here); rows are tokens, so [B,1,Vs] goes through [Vs,B] and back.
+        cols = g.op("Transpose", g.op("Reshape", out, g.const([0, -1])), perm=[1, 0])
+        shape = g.op("Concat", g.const([a.vocab_size]), g.op("Shape", cols, start=1, end=2),
+                     axis=0)
+        full = g.op("ScatterND", g.op("ConstantOfShape", shape, value=helper.make_tensor(
+            "value", FLOAT, [1], [MASKED])), vocab_subset, cols)  # [V, B]
+        g.op("Unsqueeze", g.op("Transpose", full, perm=[1, 0]), g.const([1]), out="logits")
     g.output("logits", FLOAT, [batch_dim, "num_logits_to_keep" if nlk_input else 1,
                                a.vocab_size])
