@@ -282,7 +282,7 @@ class _Lowered:
 
     def head(self, x: str, pos: str, nlk: str | None) -> None:
         # The portable graph stores the head [H, V] (a tied model's too), so no step transposes;
-        # a draft's vocabulary subset keeps its rows [H, Vs] and the index that spreads them.
+        # a draft's vocabulary subset keeps its rows [H, Vs] and their token ids.
         name = next(n + suffix for suffix in ("[subset]", "") for n in
                     ("lm_head.weight^T", "model.embed_tokens.weight^T") if self.w.has(n + suffix))
         lm = self.w.get(name)

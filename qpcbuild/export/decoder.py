@@ -161,12 +161,9 @@ class Decoder:
         # A tied model still gets an [H, V] MatMul weight of its own, as QEfficient stores it:
         # the compiler compresses constant MatMul weights, not a Transpose of the embedding.
         source = "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
-        if self.vocab_subset is None:
-            lm = self.load(source, (a.vocab_size, a.hidden_size), True)
-            logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size")
-            return
         lm = self.load(source, (a.vocab_size, a.hidden_size), True, rows=self.vocab_subset)
-        ids = self.g.weight(VOCAB_SUBSET, self.vocab_subset.reshape(-1, 1))
+        ids = None if self.vocab_subset is None else \
+            self.g.weight(VOCAB_SUBSET, self.vocab_subset.reshape(-1, 1))
         logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size", vocab_subset=ids)
 
 
