@@ -275,7 +275,10 @@ def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
 
 def _vocab_subset(r: Recipe, arch: ArchSpec) -> dict[str, Any]:
     ref = r.draft.vocab_subset
-    path = Path(ref).expanduser()
+    try:
+        path = Path(ref).expanduser()
+    except RuntimeError as exc:  # "~nosuchuser/x"
+        raise UsageError(f"{ref}: not a usable path ({exc})") from None
     path = path if path.is_absolute() else r.source_dir() / path
     ids = read_vocab_subset(path, arch.vocab_size, arch.eos_token_ids)
     return {"ref": ref, "path": str(path.resolve()), "size": int(len(ids)),

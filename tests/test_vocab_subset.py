@@ -134,6 +134,17 @@ def test_bad_subset_files_are_named_with_the_key(content, message, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("ref,message", [("~nosuchuser/s.json", "not a usable path"),
+                                         ("x" * 300 + ".json", "not a readable JSON file")])
+def test_unusable_subset_paths_are_named_with_the_key(ref, message, tmp_path):
+    recipe = demo_recipe(tmp_path, tmp_path / "subset.json")
+    recipe.write_text(recipe.read_text().replace("vocab_subset: subset.json",
+                                                 f"vocab_subset: {ref}"))
+    result = runner.invoke(app, ["plan", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert "draft.vocab_subset" in result.output and message in result.output
+
+
 def test_a_subset_needs_a_draft_model(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"schema: 1\nname: x\ntarget: {{model: {REPO / 'models/demo/target'}}}\n"
