@@ -46,9 +46,9 @@ def profile(bundle: Path, seq_lens: list[int], calls: int, role: str = "target")
         raise SystemExit(f"{bundle}: no {role} in this bundle")
     info = manifest["roles"][role]
     symbols = info["specializations"][0]["symbols"]
-    logits = (lambda s: {"num_logits_to_keep": s}) if role == "target" else (lambda s: {})
     info["specializations"] = [{"name": f"w{s}", "symbols": {
-        **symbols, "seq_len": s, **logits(s)}} for s in seq_lens]
+        **symbols, "seq_len": s, **({"num_logits_to_keep": s} if role == "target" else {})}}
+        for s in seq_lens]
     tmp = Path(tempfile.mkdtemp(prefix="qpcbuild-profile-"))
     plain = ort.SessionOptions
 

@@ -11,14 +11,13 @@ import json
 import os
 import shlex
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .arch import ArchSpec, arch_from_config
 from .checkpoint import checkpoint_problems
 from .errors import Problem, RecipeError, UsageError
-from .recipe import CARDS, Recipe, resolve_model_path, resolved_cores
+from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
 from .source import ModelSource, resolve
 from .tokenizer_check import alignment
 from .vocab_subset import read_vocab_subset, subset_digest
@@ -276,10 +275,9 @@ def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
 def _vocab_subset(r: Recipe, arch: ArchSpec) -> dict[str, Any]:
     ref = r.draft.vocab_subset
     try:
-        path = Path(ref).expanduser()
+        path = recipe_relative(r, ref)
     except RuntimeError as exc:  # "~nosuchuser/x"
         raise UsageError(f"{ref}: not a usable path ({exc})") from None
-    path = path if path.is_absolute() else r.source_dir() / path
     ids = read_vocab_subset(path, arch.vocab_size, arch.eos_token_ids)
     return {"ref": ref, "path": str(path.resolve()), "size": int(len(ids)),
             "sha256": subset_digest(ids)}

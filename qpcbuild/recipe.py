@@ -439,12 +439,17 @@ def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
     return recipe
 
 
+def recipe_relative(recipe: Recipe, ref: str) -> Path:
+    """`ref` as a path: `~` expanded, a relative one taken from the recipe's folder. Raises
+    RuntimeError for "~nosuchuser/..." (callers turn it into their own UsageError)."""
+    path = Path(ref).expanduser()
+    return path if path.is_absolute() else recipe.source_dir() / path
+
+
 def resolve_model_path(recipe: Recipe, ref: str) -> str:
     """A local folder is taken relative to the recipe's folder; anything else is a hub id."""
     try:
-        candidate = Path(ref).expanduser()
-        if not candidate.is_absolute():
-            candidate = recipe.source_dir() / candidate
+        candidate = recipe_relative(recipe, ref)
         if candidate.exists() or ref.startswith((".", "/", "~")):
             return str(candidate.resolve())
     except (OSError, RuntimeError) as exc:  # "~nosuchuser/m", a name longer than NAME_MAX

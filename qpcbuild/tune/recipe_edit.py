@@ -105,7 +105,8 @@ def set_k_in_text(text: str, method: str, k: int, comment: list[str],
     # K replaces a list's largest K; the list keeps its other Ks below K (K=0 for target-only
     # baselines, a ladder of shorter verify windows for ngram/suffix): the user asked for them.
     old_ks = [x for x in old if isinstance(x, int)] if isinstance(old, list) else []
-    kept = sorted({x for x in old_ks if x < k and x != max(old_ks)})
+    largest = max(old_ks, default=None)
+    kept = sorted({x for x in old_ks if x < k and x != largest})
     spec[K_KEY] = _flow_list(kept + [k]) if kept else k
     note = "tuned (see above)" + (f"; {kept} kept from the list" if kept else
                                   f"; compiled as {ks}" if len(ks) > 1 else "")
