@@ -232,11 +232,10 @@ def checkpoint_bytes(config: dict) -> int:
     import numpy as np
 
     from qpcbuild.arch import arch_from_config
-    from qpcbuild.smoke import tensor_shapes
 
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     size = 2 if dtype in ("bfloat16", "float16") else 4
-    return sum(int(np.prod(s)) for s in tensor_shapes(arch_from_config(config)).values()) * size
+    return sum(int(np.prod(s)) for s in arch_from_config(config).tensor_shapes().values()) * size
 
 
 def write_checkpoint(config: dict, folder: Path) -> tuple[Path, float]:

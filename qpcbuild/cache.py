@@ -27,7 +27,7 @@ from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 
 from .errors import UsageError
-from .tree import file_digest, hash_tree
+from .tree import copy_tree, file_digest, hash_tree
 
 META = "cache-entry.json"
 ENTRY_FORMAT = 2
@@ -134,26 +134,15 @@ class Cache:
                 raise
         return final, meta, False
 
+    def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+        """Put an entry's files into a bundle: copies, so the bundle can never reach the cache."""
+        copy_tree(entry, dst, skip=skip)
+
     # ------------------------------------------------------------ weights identity
     def weights_digest(self, files: list[Path]) -> str:
         """SHA-256 over the weight and config files' contents, remembered per file state
         (size, mtime, inode, ctime) so an unchanged model is hashed once per machine."""
-        memo_dir = self.root / "digests"
-        lines = []
-        for f in sorted(files, key=lambda p: p.name):
-            st = f.stat()
-            state = f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
-            memo = memo_dir / (hashlib.sha256(state.encode()).hexdigest()[:32] + ".sha256")
-            try:
-                digest = memo.read_text().strip()
-            except OSError:
-                digest = ""
-            if len(digest) != 64:
-                digest = file_digest(f)
-                memo_dir.mkdir(exist_ok=True)
-                memo.write_text(digest + "\n")
-            lines.append(f"{f.name}\0{digest}\n")
-        return hashlib.sha256("".join(lines).encode()).hexdigest()
+        return weights_digest(files, self.root / "digests")
 
     # ------------------------------------------------------------ maintenance
     def entries(self, check: bool = False) -> list[EntryInfo]:
@@ -202,3 +191,52 @@ class Cache:
             except Timeout:  # a build is using this entry right now
                 continue
         return removed
+
+
+def weights_digest(files: list[Path], memo_dir: Path | None = None) -> str:
+    lines = []
+    for f in sorted(files, key=lambda p: p.name):
+        memo = None
+        if memo_dir is not None:
+            st = f.stat()
+            state = f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
+            memo = memo_dir / (hashlib.sha256(state.encode()).hexdigest()[:32] + ".sha256")
+        try:
+            digest = memo.read_text().strip() if memo else ""
+        except OSError:
+            digest = ""
+        if len(digest) != 64:
+            digest = file_digest(f)
+            if memo:
+                memo_dir.mkdir(exist_ok=True)
+                memo.write_text(digest + "\n")
+        lines.append(f"{f.name}\0{digest}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+class ScratchCache:
+    """No cache (`compile --no-cache`): every artifact is built in a scratch folder of this one
+    build and moved, not copied, into the bundle. A one-shot build (a fresh CI container)
+    then needs disk for one copy of the graphs, not two, and nothing outlives the build."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def ensure_usable(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def remove_debris(self) -> list[str]:
+        return []
+
+    def get_or_build(self, kind: str, key: str,
+                     build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
+        folder = self.root / kind / key
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return folder, build(folder), False
+
+    def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+        copy_tree(entry, dst, skip=skip, move=True)
+
+    def weights_digest(self, files: list[Path]) -> str:
+        return weights_digest(files)

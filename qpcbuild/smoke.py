@@ -22,12 +22,16 @@ from .plan import digest
 from .recipe import Recipe, resolve_model_path
 from .source import resolve
 
-CHUNK_ELEMENTS = 1 << 24  # generate at most 64 MiB of float32 at a time
+POOL_ELEMENTS = 1 << 22  # one pool of random values, cycled through every tensor
 
 
 def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str,
                              seed: int = 0) -> None:
-    """Stream random N(0, 0.02) matrices (ones for norms) into one safetensors file."""
+    """Write one safetensors file of N(0, 0.02) values (ones for norms).
+
+    The values come from one seeded pool of 4M draws, read from a random start for each
+    tensor: drawing GBs of fresh normals would cost more than writing them, and smoke
+    weights only have to be finite, of the right shapes, and not constant."""
     code, size = {"bfloat16": ("BF16", 2), "float16": ("F16", 2)}.get(dtype, ("F32", 4))
     header, offset = {}, 0
     for name, shape in shapes.items():
@@ -37,20 +41,25 @@ def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dty
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * ((-len(raw)) % 8)
     rng = np.random.default_rng(seed)
+
+    def encode(x: np.ndarray) -> bytes:
+        if code == "BF16":
+            return (x.view(np.uint32) >> 16).astype("<u2").tobytes()
+        return x.astype("<f2" if code == "F16" else "<f4").tobytes()
+
+    pool = encode(rng.standard_normal(POOL_ELEMENTS, dtype=np.float32) * 0.02)
+    ones = encode(np.ones(POOL_ELEMENTS, np.float32))
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape in shapes.items():
-            total = int(np.prod(shape))
-            for start in range(0, total, CHUNK_ELEMENTS):
-                n = min(CHUNK_ELEMENTS, total - start)
-                x = np.ones(n, np.float32) if name.endswith("norm.weight") else \
-                    rng.standard_normal(n, dtype=np.float32) * 0.02
-                if code == "BF16":
-                    fh.write((x.view(np.uint32) >> 16).astype("<u2").tobytes())
-                elif code == "F16":
-                    fh.write(x.astype("<f2").tobytes())
-                else:
-                    fh.write(x.astype("<f4").tobytes())
+            left = int(np.prod(shape)) * size
+            source = ones if name.endswith("norm.weight") else pool
+            start = int(rng.integers(POOL_ELEMENTS)) * size
+            while left:
+                piece = memoryview(source)[start:start + left]
+                fh.write(piece)
+                left -= len(piece)
+                start = 0
 
 
 def smoke_model(config: dict, folder: Path, layers: int | None, of: str = "") -> Path:

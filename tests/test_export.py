@@ -624,3 +624,40 @@ def test_disk_full_while_writing_leaves_nothing_behind(where, tiny_models, tmp_p
     err = _expect_clean_failure(tiny_models["llama"], tmp_path / "out", "No space left",
                                 str(tmp_path / "out" / "graph"), error=QpcbuildError)
     assert isinstance(err, QpcbuildError)
+
+
+# ------------------------------------------------------------------ streamed weights
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_stored_tensor_finds_nan_and_inf_from_its_bits_like_numpy(dtype):
+    from qpcbuild.export.safetensors_reader import StoredTensor
+
+    rng = np.random.default_rng(0)
+    bits = np.uint32 if dtype == "F32" else np.uint16
+    # random bit patterns cover every exponent, NaN payloads and the largest finite values
+    raw = rng.integers(0, np.iinfo(bits).max, size=(257, 9), dtype=np.uint64).astype(bits)
+    values = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[dtype])
+    t = StoredTensor(values, dtype, "")
+    finite_rows = [r for r in range(len(raw)) if np.isfinite(t.widen(values[r])).all()]
+    assert 0 < len(finite_rows) < len(raw)
+    for r in range(len(raw)):  # numpy's verdict on the widened float32 values is the oracle
+        row = StoredTensor(values[r:r + 1], dtype, "")
+        assert row.non_finite() == (r not in finite_rows), (dtype, r)
+
+
+@pytest.mark.parametrize("layout", ["plain", "transposed", "strided"])
+def test_weights_are_written_in_blocks_exactly_as_one_copy(layout, monkeypatch):
+    """Small blocks and tiles force the multi-block path that multi-GB matrices take."""
+    import qpcbuild.export.builder as builder
+
+    monkeypatch.setattr(builder, "BLOCK_ELEMENTS", 97)
+    monkeypatch.setattr(builder, "TILE", 5)
+    rng = np.random.default_rng(1)  # bfloat16 bits of values within float16's range, both signs
+    bf16 = rng.integers(0, 0x4700, size=(23, 41), dtype=np.uint16) | \
+        (rng.integers(0, 2, size=(23, 41), dtype=np.uint16) << 15)
+    arr = {"plain": bf16, "transposed": bf16.T, "strided": bf16[::2, 1::3]}[layout]
+    widen = lambda part: (part.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    for dtype in (np.float32, np.float16):
+        blocks = [b.copy() for b in builder._c_order_blocks(arr, np.dtype(dtype), widen)]
+        assert len(blocks) > 1
+        np.testing.assert_array_equal(np.concatenate(blocks),
+                                      np.ascontiguousarray(widen(arr)).astype(dtype))

@@ -236,6 +236,52 @@ def test_cache_ls_and_prune(demo, tmp_path):
     assert "4 removed" in result.output
 
 
+
+@pytest.mark.parametrize("backends", ["[onnxruntime]", "[qaic,onnxruntime]"])
+def test_no_cache_builds_the_same_bundle_and_leaves_nothing_behind(repo_copy, tmp_path,
+                                                                   monkeypatch, backends):
+    """--no-cache moves fresh artifacts into the bundle: same files and id as a cached build,
+    no cache folder created, no scratch or smoke folder left anywhere."""
+    recipe = str(repo_copy / "recipes" / "demo.yaml")
+    args = ["--set", f"backends={backends}", "--emit-only", "--json"]
+    cached = runner.invoke(app, ["compile", recipe, "-o", str(tmp_path / "cached"),
+                                 "--cache-dir", str(tmp_path / "cache"), *args])
+    assert cached.exit_code == 0, cached.output
+    default_cache, temp = tmp_path / "default-cache", tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("QPCBUILD_CACHE", str(default_cache))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
+    fresh = runner.invoke(app, ["compile", recipe, "-o", str(tmp_path / "fresh"), "--no-cache",
+                                *args])
+    assert fresh.exit_code == 0, fresh.output
+    assert json.loads(fresh.stdout)["bundle_id"] == json.loads(cached.stdout)["bundle_id"]
+    assert verify_bundle(tmp_path / "fresh") == []
+    assert read_manifest(tmp_path / "fresh")["files"] == read_manifest(tmp_path / "cached")["files"]
+    assert not default_cache.exists() and list(temp.iterdir()) == []
+    assert debris(tmp_path / "fresh", default_cache) == []
+
+
+def test_no_cache_with_smoke_weights_keeps_no_random_checkpoint(repo_copy, tmp_path, monkeypatch):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("QPCBUILD_CACHE", str(tmp_path / "default-cache"))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    result = runner.invoke(app, ["compile", str(repo_copy / "recipes" / "demo.yaml"), "-o",
+                                 str(tmp_path / "smoke"), "--no-cache", "--smoke-weights"])
+    assert result.exit_code == 0, result.output
+    assert read_manifest(tmp_path / "smoke")["roles"]["target"]["source"]["smoke_weights"]
+    assert list(temp.iterdir()) == [] and not (tmp_path / "default-cache").exists()
+
+
+@pytest.mark.parametrize("flags,named", [(["--cache-dir", "c"], "--cache-dir"),
+                                         (["--tune"], "--tune")])
+def test_no_cache_refuses_flags_that_need_a_cache(repo_copy, tmp_path, flags, named):
+    result = runner.invoke(app, ["compile", str(repo_copy / "recipes" / "demo.yaml"), "-o",
+                                 str(tmp_path / "b"), "--no-cache", *flags])
+    assert result.exit_code == 2 and named in result.output and not (tmp_path / "b").exists()
+
 # ---------------------------------------------------------------- reproducible across machines
 def _compile_and_package(root: Path, cache: Path, umask: int) -> tuple[str, bytes]:
     env = {**os.environ, "QPCBUILD_CACHE": str(cache), "TZ": "Asia/Kolkata"}

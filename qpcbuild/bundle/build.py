@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from .. import __version__
-from ..cache import META, Cache
+from ..cache import META, Cache, ScratchCache
 from ..compile import BuildContext, get_backend
 from ..errors import UsageError
 from ..export import export_model
@@ -31,6 +31,7 @@ from ..tree import copy_tree, hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
 from .manifest import MANIFEST, MANIFEST_SCHEMA, write_manifest
 
+SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 Progress = Callable[[str, str, float], None]  # (stage, "reused" | "built" | "written", seconds)
 
 
@@ -225,10 +226,11 @@ def _subset_ids(role: RolePlan):
     return ids
 
 
-def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit_only: bool = False,
+def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = None, emit_only: bool = False,
                  compiler: str | None = None, jobs: int = 1, progress: Progress | None = None,
                  manifest_extra: dict[str, Any] | None = None) -> BuildResult:
-    """`manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K)."""
+    """`cache=None`: build everything afresh and move it into the bundle (`--no-cache`).
+    `manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K)."""
     start = time.perf_counter()
     r = plan.recipe
     out = Path(out) if out else r.output_dir()
@@ -248,9 +250,10 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
                          "target's tokenizer (run and serve need it)")
     _check_output(out)
     remove_debris(out)
-    cache.ensure_usable()
-    cache.remove_debris()
     with staging_folder(out) as staging:
+        cache = cache or ScratchCache(staging / SCRATCH)
+        cache.ensure_usable()
+        cache.remove_debris()
         ctx = BuildContext(plan, staging, emit_only, compiler)
         tool = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
         keys: dict[str, dict[str, str]] = {}
@@ -283,7 +286,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
         for rp in plan.roles:
             onnx_dir = exports[rp.role][0] / "onnx"
             if "qaic" in backends:
-                copy_tree(onnx_dir, staging / rp.role / "onnx")
+                cache.deliver(onnx_dir, staging / rp.role / "onnx")
+                onnx_dir = staging / rp.role / "onnx"
             for name, backend in backends.items():
                 t0 = time.perf_counter()
                 key = keys[rp.role][name]
@@ -301,18 +305,19 @@ def build_bundle(plan: BuildPlan, *, cache: Cache, out: Path | None = None, emit
                     entry, info, reused = cache.get_or_build("qpc", key, keep_qpc)
                     if reused:
                         backend.write_inputs(ctx, rp)
-                        copy_tree(entry, staging, skip=(META,))
+                        cache.deliver(entry, staging, skip=(META,))
                 else:
                     def build_ort(tmp: Path, rp=rp, backend=backend) -> dict[str, Any]:
                         return backend.build(BuildContext(plan, tmp, emit_only, compiler), rp,
                                              onnx_dir)
 
                     entry, info, reused = cache.get_or_build("ort", key, build_ort)
-                    copy_tree(entry, staging, skip=(META,))
+                    cache.deliver(entry, staging, skip=(META,))
                 built[name][rp.role] = info
                 record(f"{name} {rp.role}" + (" (emit only)" if name == "qaic" and emit_only
                                              else ""), reused, t0)
 
+        shutil.rmtree(staging / SCRATCH, ignore_errors=True)
         tok_dir = staging / "tokenizer"
         tok_dir.mkdir()
         for f in tokenizer_files(target_dir):

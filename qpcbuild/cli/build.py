@@ -83,6 +83,10 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             compiler: Optional[str] = typer.Option(None, help="Path to qaic-compile/qaic-exec."),
             cache_dir: Optional[Path] = typer.Option(None, help="Build cache (default: the user "
                                                      "cache dir, or $QPCBUILD_CACHE)."),
+            no_cache: bool = typer.Option(False, "--no-cache", help="Build everything afresh "
+                                          "and move it into the bundle: a one-shot build (a "
+                                          "fresh CI container) needs disk for one copy of the "
+                                          "graphs, not two."),
             jobs: int = typer.Option(2, min=1, help="Export target and draft concurrently."),
             smoke_weights: bool = typer.Option(False, "--smoke-weights", help="Use random weights "
                                                "of the recipe's exact shapes (for checking a "
@@ -94,16 +98,23 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                         "defaults) and record the evidence."),
             json_out: bool = typer.Option(False, "--json", help="One JSON result at the end.")):
     """Build the bundle: export both models, compile for each backend, write the manifest."""
+    import tempfile
     import time
+    from contextlib import ExitStack
 
     from ..bundle import build_bundle
     from ..cache import Cache
+    from ..errors import UsageError
     from ..plan import make_plan
     from ..recipe import load_recipe
 
+    if no_cache and cache_dir:
+        raise UsageError("--no-cache and --cache-dir contradict each other; pass one of them")
+    if no_cache and tune_k:
+        raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
+                         "built through the cache")
     tuning = None
     if tune_k:
-        from ..errors import UsageError
         from ..tune import show_tune, tune as run_tune
 
         if smoke_weights:
@@ -114,25 +125,30 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             show_tune(tuning)
         set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
     r = load_recipe(recipe, set_ or [])
-    cache = Cache(cache_dir, say=lambda m: err_console.print(f"[yellow]warning:[/] {m}"))
-    if smoke_weights:
-        from ..smoke import with_smoke_weights
-        r = with_smoke_weights(r, cache.root / "smoke", smoke_layers or None,
-                               say=lambda m: err_console.print(m))
-    plan_ = make_plan(r, compiler)
-    started = time.perf_counter()
+    cache = None if no_cache else \
+        Cache(cache_dir, say=lambda m: err_console.print(f"[yellow]warning:[/] {m}"))
+    with ExitStack() as scratch:
+        if smoke_weights:
+            from ..smoke import with_smoke_weights
+            # Without a cache the random checkpoints live only as long as this build.
+            smoke_dir = cache.root / "smoke" if cache else Path(scratch.enter_context(
+                tempfile.TemporaryDirectory(prefix="qpcbuild-smoke-")))
+            r = with_smoke_weights(r, smoke_dir, smoke_layers or None,
+                                   say=lambda m: err_console.print(m))
+        plan_ = make_plan(r, compiler)
+        started = time.perf_counter()
 
-    def progress(stage: str, how: str, seconds: float) -> None:
-        if not json_out:
-            mark = "[green]✓[/]" if how == "built" else "[cyan]↺[/]"
-            console.print(f"{mark} {stage:<28} {how:<7} {seconds:6.1f} s   "
-                          f"(elapsed {time.perf_counter() - started:.1f} s)")
+        def progress(stage: str, how: str, seconds: float) -> None:
+            if not json_out:
+                mark = "[green]✓[/]" if how == "built" else "[cyan]↺[/]"
+                console.print(f"{mark} {stage:<28} {how:<7} {seconds:6.1f} s   "
+                              f"(elapsed {time.perf_counter() - started:.1f} s)")
 
-    for w in plan_.warnings:
-        err_console.print(f"[yellow]warning:[/] {w}")
-    result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only, compiler=compiler,
-                          jobs=jobs, progress=progress,
-                          manifest_extra={"tuning": tuning} if tuning else None)
+        for w in plan_.warnings:
+            err_console.print(f"[yellow]warning:[/] {w}")
+        result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only,
+                              compiler=compiler, jobs=jobs, progress=progress,
+                              manifest_extra={"tuning": tuning} if tuning else None)
     if json_out:
         emit_json({**result.to_dict(), **({"tuning": {
             "chosen_k": tuning["chosen_k"], "recommended_ks": tuning["recommended_ks"],

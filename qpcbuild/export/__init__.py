@@ -1,15 +1,15 @@
 """Checkpoint -> ONNX graph (one graph per model, used by every specialization and backend).
 
-`export_model` streams the weights tensor by tensor into `model.onnx.data` while the decoder
-graph is written, so peak memory stays near the largest single tensor. The output folder appears
-complete or not at all.
+`export_model` streams the weights into `model.onnx.data` while the decoder graph is written:
+each tensor is memory-mapped from the checkpoint and written in blocks of at most 64 MiB, so
+memory stays small whatever the model's size (the page cache holds the rest). The output folder
+appears complete or not at all.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -97,17 +97,14 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                      rows: np.ndarray | None = None) -> str:
                 key = f"{name}{'^T' if transpose else ''}{'[subset]' if rows is not None else ''}"
                 if key not in loaded:
-                    arr, raw = reader.read(name, shape)
-                    if rows is not None:
-                        arr = arr[rows]
-                    # One float64 sum: NaN or inf anywhere makes it non-finite, no temporary.
-                    if not math.isfinite(float(arr.sum(dtype=np.float64))):
+                    stored = reader.stored(name, shape)
+                    if stored.non_finite():
                         raise UsageError(f"{model_dir}: tensor '{name}' holds NaN or infinite "
                                          "values; the checkpoint is damaged")
-                    arr = arr.T if transpose else arr
-                    w = g.weight(key, arr.astype(np_dtype, copy=False),
-                                 hashlib.sha256(raw).hexdigest())
-                    del arr, raw  # keep peak memory at about one tensor
+                    values = stored.values if rows is None else stored.values[rows]
+                    w = g.weight(key, values.T if transpose else values, stored.sha256, np_dtype,
+                                 widen=stored.widen)
+                    del stored, values  # the mapping is released tensor by tensor
                     loaded[key] = w if np_dtype == np.float32 else \
                         g.op("Cast", w, to=onnx.TensorProto.FLOAT)
                 return loaded[key]

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
+BLOCK_ELEMENTS = 1 << 24  # at most 64 MiB of float32 staged per write
+TILE = 64
 
 
 class GraphBuilder:
@@ -57,28 +59,39 @@ class GraphBuilder:
             self._consts[key] = name
         return self._consts[key]
 
-    def weight(self, name: str, arr: np.ndarray, source_digest: str | None = None) -> str:
-        """A large tensor written to the external data file at a page-aligned offset."""
-        # Written straight from the array's memory: a multi-GB embedding is never copied again.
-        arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
+    def weight(self, name: str, arr: np.ndarray, source_digest: str | None = None,
+               dtype: np.dtype | type | None = None,
+               widen: Callable[[np.ndarray], np.ndarray] | None = None) -> str:
+        """A large tensor written to the external data file at a page-aligned offset, block by
+        block, so a multi-GB matrix is never copied whole. `widen` turns any slice of `arr`
+        into float32 (stored bfloat16 bits); `dtype` is what the file holds."""
+        if dtype is None:
+            dtype = np.float32 if widen else arr.dtype
+        dtype = np.dtype(dtype).newbyteorder("<")
         pad = (-self._offset) % ALIGN
         if pad:
             self._data.write(b"\0" * pad)
             self._offset += pad
-        raw = memoryview(arr).cast("B")
-        self._data.write(raw)
+        digest = None if source_digest else hashlib.sha256()
+        length = 0
+        for block in _c_order_blocks(arr, dtype, widen):
+            raw = memoryview(block).cast("B")
+            self._data.write(raw)
+            if digest:
+                digest.update(raw)
+            length += len(raw)
         tensor = TensorProto()
         tensor.name = name
-        tensor.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(dtype)
         tensor.dims.extend(arr.shape)
         tensor.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self._data_name), ("offset", str(self._offset)),
-                           ("length", str(len(raw)))):
+                           ("length", str(length))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
-        self._offset += len(raw)
+        self._offset += length
         self.initializers.append(tensor)
-        self.weight_hashes[name] = source_digest or hashlib.sha256(raw).hexdigest()
+        self.weight_hashes[name] = source_digest or digest.hexdigest()
         return name
 
     def input(self, name: str, elem: int, shape: list) -> str:
@@ -98,6 +111,34 @@ class GraphBuilder:
         model.ir_version = 8  # opset 17 era; accepted by older runtimes and the Qualcomm SDK
         helper.set_model_props(model, metadata)
         return model
+
+
+def _c_order_blocks(arr: np.ndarray, dtype: np.dtype,
+                    widen: Callable[[np.ndarray], np.ndarray] | None = None):
+    """`arr` (through `widen`, then cast to `dtype`) in C order, as consecutive row blocks of
+    at most BLOCK_ELEMENTS, staged in one reused buffer.
+
+    A transposed matrix (the layout of every MatMul weight) is copied tile by tile, which keeps
+    both sides in cache: numpy's element-wise copy of a transposed view runs 2-5x slower."""
+    take = widen or (lambda part: part)
+    if widen is None and arr.flags.c_contiguous and arr.dtype == dtype:
+        yield arr
+        return
+    if arr.ndim != 2:
+        yield np.ascontiguousarray(take(arr), dtype=dtype)
+        return
+    n_rows, n_cols = arr.shape
+    rows = max(1, min(n_rows, BLOCK_ELEMENTS // max(1, n_cols)))
+    buf = np.empty((rows, n_cols), dtype)
+    transposed = not arr.flags.c_contiguous and arr.T.flags.c_contiguous
+    for start in range(0, n_rows, rows):
+        block = buf[:min(rows, n_rows - start)]
+        if transposed:  # each tile reads TILE source rows and writes TILE columns of the block
+            for col in range(0, n_cols, TILE):
+                block[:, col:col + TILE] = take(arr[start:start + len(block), col:col + TILE])
+        else:
+            block[...] = take(arr[start:start + len(block)])
+        yield block
 
 
 def save(model: onnx.ModelProto, path: Path) -> None:

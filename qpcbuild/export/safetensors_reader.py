@@ -1,12 +1,13 @@
-"""Read safetensors tensors one at a time, straight from the file, with every header checked.
+"""Map safetensors tensors one at a time, straight from the file, with every header checked.
 
 We parse the format ourselves (8-byte header length, JSON header, raw little-endian data) so that
-bfloat16 needs no framework, a truncated shard is caught before any byte is trusted, and peak
-memory stays at one tensor whatever the model's size.
+bfloat16 needs no framework, a truncated shard is caught before any byte is trusted, and no
+tensor is ever copied whole into memory, whatever the model's size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from ..errors import UsageError
 
 DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
 MAX_HEADER = 100 << 20
+CHECK_CHUNK = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 class WeightReader:
-    """All tensors of a checkpoint by name; `read` returns one float32 array at a time."""
+    """All tensors of a checkpoint by name; `stored` maps one at a time."""
 
     def __init__(self, files: list[Path], allow_pickle: bool = False):
         self.tensors: dict[str, TensorInfo] = {}
@@ -83,7 +85,7 @@ class WeightReader:
     def has(self, name: str) -> bool:
         return name in self.tensors or name in self.pickled
 
-    def raw(self, name: str, expected_shape: tuple[int, ...]) -> tuple[bytes, TensorInfo]:
+    def _checked(self, name: str, expected_shape: tuple[int, ...]) -> TensorInfo:
         info = self.tensors.get(name)
         if info is None:
             names = ", ".join(f.name for f in self.files)
@@ -98,14 +100,11 @@ class WeightReader:
         if info.length != itemsize * int(np.prod(info.shape, dtype=np.int64)):
             raise UsageError(f"{info.file}: tensor '{name}' byte length {info.length} does not "
                              f"match its shape and dtype")
-        with open(info.file, "rb") as fh:
-            fh.seek(info.start)
-            data = fh.read(info.length)
-        if len(data) != info.length:
-            raise UsageError(f"{info.file}: truncated while reading tensor '{name}'")
-        return data, info
+        return info
 
-    def read(self, name: str, expected_shape: tuple[int, ...]) -> tuple[np.ndarray, bytes]:
+    def stored(self, name: str, expected_shape: tuple[int, ...]) -> StoredTensor:
+        """The tensor as stored, memory-mapped: nothing is read until it is used, and a
+        multi-GB embedding never needs a second copy in memory."""
         if name in self.pickled:
             t = self.pickled[name]
             if tuple(t.shape) != tuple(expected_shape):
@@ -114,15 +113,42 @@ class WeightReader:
             if not t.is_floating_point():
                 raise UsageError(f"tensor '{name}' has dtype {t.dtype}; floating point expected")
             import torch
-            return t.to(torch.float32).numpy(), t.contiguous().view(-1).view(torch.uint8).numpy()
-        data, info = self.raw(name, expected_shape)
-        np_dtype = DTYPES[info.dtype][0]
-        arr = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<"))
-        if info.dtype == "BF16":  # bfloat16 is the top half of a float32; one allocation
-            wide = arr.astype(np.uint32)
+            raw = t.contiguous().view(-1).view(torch.uint8).numpy()
+            return StoredTensor(t.to(torch.float32).numpy(), "F32",
+                                hashlib.sha256(memoryview(raw)).hexdigest())
+        info = self._checked(name, expected_shape)
+        if info.length == 0:  # mmap cannot map nothing
+            values = np.zeros(info.shape, DTYPES[info.dtype][0])
+        else:
+            values = np.memmap(info.file, dtype=np.dtype(DTYPES[info.dtype][0]).newbyteorder("<"),
+                               mode="r", offset=info.start, shape=info.shape)
+        return StoredTensor(values, info.dtype, hashlib.sha256(memoryview(values)).hexdigest())
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor's stored values (bfloat16 as its raw uint16 bits), the digest of its bytes,
+    and how to turn any slice of it into float32."""
+    values: np.ndarray
+    dtype: str  # "F32" | "F16" | "BF16"
+    sha256: str
+
+    def widen(self, part: np.ndarray) -> np.ndarray:
+        if self.dtype == "BF16":  # bfloat16 is the top half of a float32
+            wide = part.astype(np.uint32)
             wide <<= 16
-            arr = wide.view(np.float32)
-        return arr.astype(np.float32, copy=False).reshape(info.shape), data
+            return wide.view(np.float32)
+        return part.astype(np.float32, copy=False)
+
+    def non_finite(self) -> bool:
+        """NaN or inf anywhere, read from the exponent bits in bounded chunks."""
+        bits, mask = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00),
+                      "F32": (np.uint32, 0x7F800000)}[self.dtype]
+        flat = self.values.reshape(-1).view(bits)
+        for start in range(0, flat.size, CHECK_CHUNK):
+            if ((flat[start:start + CHECK_CHUNK] & mask) == mask).any():
+                return True
+        return False
 
 
 def _load_pickle(path: Path) -> dict:
