@@ -214,10 +214,9 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
 
         try:
             for i, (job, stream) in enumerate(zip(jobs, streams)):
-                detok, first = Detokenizer(gen, req.stop), True
+                detok = Detokenizer(gen, req.stop)
                 if chat:
                     yield chunk(i, "", None, first=True)
-                    first = False
                 while True:
                     ids, done = await stream.next()
                     text = detok.feed(ids, done)

@@ -108,13 +108,12 @@ class EngineWorker:
             jobs = self._take(self.slots, block=True)
             if not jobs:
                 continue
-            incoming = None
-            if self.decoder.cb:
-                def incoming(n: int) -> list[Row]:
-                    return [j.row for j in self._take(n, block=False)]
+
+            def incoming(n: int) -> list[Row]:  # continuous batching refills freed slots
+                return [j.row for j in self._take(n, block=False)]
             try:
                 self.decoder.run_rows([j.row for j in jobs], on_token=self._on_token,
-                                      incoming=incoming)
+                                      incoming=incoming if self.decoder.cb else None)
             except Exception as exc:  # a failing model call must not kill the server
                 log.exception("engine step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
