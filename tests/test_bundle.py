@@ -444,6 +444,24 @@ def test_failed_build_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path, monk
     assert verify_bundle(out) == [] and leftovers(out) == []
 
 
+@pytest.mark.parametrize("where", ["ort-error", "interrupt-before-manifest"])
+def test_failed_build_without_a_cache_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path,
+                                                                         monkeypatch, where):
+    out = tmp_path / "out" / "tiny"
+    build(recipe, tmp_path / "old-cache", out, "speculation.num_speculative_tokens=2")
+    before = {rel: sha256(out / rel) for rel in files_on_disk(out)}
+    if where == "ort-error":
+        monkeypatch.setattr(OrtBackend, "build", _fail_ort)
+    else:
+        monkeypatch.setattr(bundle_mod, "hash_tree", _interrupting_hash)
+    with pytest.raises((ToolchainError, KeyboardInterrupt)):
+        build_bundle(make_plan(load_recipe(recipe)), cache=None, out=out, jobs=1)
+    monkeypatch.undo()
+    assert leftovers(out) == []  # the scratch folder lived inside the staging folder
+    assert {rel: sha256(out / rel) for rel in files_on_disk(out)} == before
+    assert verify_bundle(out) == []
+
+
 def test_failed_first_build_leaves_no_bundle(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr(OrtBackend, "build", _fail_ort)
     out = tmp_path / "out" / "tiny"
