@@ -62,6 +62,8 @@ class EntryInfo:
 
 
 class Cache:
+    keeps = True  # entries outlive the build
+
     def __init__(self, root: Path | None = None, say: Say | None = None):
         self.root = Path(root) if root else default_cache_dir()
         self.say = say or (lambda message: None)
@@ -218,6 +220,7 @@ class ScratchCache:
     """No cache (`compile --no-cache`): every artifact is built in a scratch folder of this one
     build and moved, not copied, into the bundle. A one-shot build (a fresh CI container)
     then needs disk for one copy of the graphs, not two, and nothing outlives the build."""
+    keeps = False
 
     def __init__(self, root: Path):
         self.root = Path(root)

@@ -530,6 +530,21 @@ def test_second_build_reuses_cached_qpc(recipe, tmp_path, stand_in):
     assert verify_bundle(third.bundle) == []
 
 
+def test_compile_without_a_cache_gives_the_cached_builds_bundle(recipe, tmp_path, stand_in,
+                                                                monkeypatch):
+    cached = build(recipe, tmp_path / "cache", tmp_path / "one" / "tiny-qaic",
+                   compiler=str(stand_in.path))
+    copies = []
+    monkeypatch.setattr(bundle_mod, "copy_tree", lambda *a, **kw: copies.append(a))
+    out = tmp_path / "two" / "tiny-qaic"
+    fresh = build_bundle(make_plan(load_recipe(recipe)), cache=None, out=out,
+                         compiler=str(stand_in.path))
+    assert [c["role"] for c in stand_in.calls] == [*ROLES, *ROLES]  # compiled again
+    assert copies == []  # the QPCs stay where the compiler wrote them
+    assert fresh.bundle_id == cached.bundle_id and verify_bundle(out) == []
+    assert read_manifest(out)["files"] == read_manifest(cached.bundle)["files"]
+
+
 def test_emit_only_after_compile_does_not_ship_the_cached_qpc(recipe, tmp_path, stand_in):
     cache = tmp_path / "cache"
     build(recipe, cache, tmp_path / "one" / "tiny-qaic", compiler=str(stand_in.path))

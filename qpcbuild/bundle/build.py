@@ -291,7 +291,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
             for name, backend in backends.items():
                 t0 = time.perf_counter()
                 key = keys[rp.role][name]
-                if name == "qaic" and emit_only:
+                if name == "qaic" and (emit_only or not cache.keeps):
+                    # (without a cache the QPC stays where the compiler wrote it: no copy)
                     info, reused = backend.build(ctx, rp, onnx_dir), False
                 elif name == "qaic":
                     # The compiler runs in the staging bundle (its paths are bundle-relative);
