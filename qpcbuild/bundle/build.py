@@ -226,8 +226,9 @@ def _subset_ids(role: RolePlan):
     return ids
 
 
-def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = None, emit_only: bool = False,
-                 compiler: str | None = None, jobs: int = 1, progress: Progress | None = None,
+def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = None,
+                 emit_only: bool = False, compiler: str | None = None, jobs: int = 1,
+                 progress: Progress | None = None,
                  manifest_extra: dict[str, Any] | None = None) -> BuildResult:
     """`cache=None`: build everything afresh and move it into the bundle (`--no-cache`).
     `manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K)."""
