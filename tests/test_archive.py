@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import tarfile
@@ -99,6 +100,24 @@ def test_pack_twice_is_byte_identical_even_after_touching_mtimes_and_modes(tmp_p
     (bundle / "onnx").chmod(0o700)
     second = pack(bundle, tmp_path / "other-name.tar.gz").read_bytes()
     assert first == second
+
+
+def test_a_tar_name_packs_without_compression_and_unpacks_the_same(tmp_path: Path,
+                                                                   out_dir: Path) -> None:
+    bundle = make_bundle(tmp_path)
+    plain = pack(bundle, tmp_path / "a.tar")
+    assert plain.read_bytes() == pack(bundle, tmp_path / "b.tar").read_bytes()
+    with gzip.open(pack(bundle, tmp_path / "c.tar.gz")) as gz:
+        assert gz.read() == plain.read_bytes()  # the same tar stream, only not compressed
+    unpacked = unpack(plain, out_dir)
+    assert hash_tree(unpacked) == hash_tree(bundle)
+
+
+@pytest.mark.parametrize("name", ["bundle.zip", "bundle.gz", "archive"])
+def test_an_archive_name_without_a_known_ending_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ArchiveError, match=r"\.tar\.gz.*\.tar"):
+        pack(make_bundle(tmp_path), tmp_path / name)
+    assert not (tmp_path / name).exists()
 
 
 def test_pack_keeps_only_the_exec_bit_and_unpack_restores_it(tmp_path: Path, out_dir: Path) -> None:

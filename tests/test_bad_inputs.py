@@ -223,7 +223,7 @@ def test_full_disk_while_packing_or_unpacking_is_reported_and_leaves_nothing(tmp
     with pytest.raises(UsageError, match="No space left on device"):
         archive.unpack(good, tmp_path / "dest")
     assert not (tmp_path / "dest").exists()
-    monkeypatch.setattr(archive, "_write_tar_gz", disk_full)
+    monkeypatch.setattr(archive, "_write_tar", disk_full)
     with pytest.raises(UsageError, match="No space left on device"):
         archive.pack(bundle, old)
     assert old.read_bytes() == b"previous"

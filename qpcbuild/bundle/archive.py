@@ -1,6 +1,6 @@
 """Deterministic packing and safe unpacking of bundle folders.
 
-A bundle ships as a `.tar.gz` holding one top-level folder. Packing is byte-reproducible so
+A bundle ships as a `.tar.gz` (or an uncompressed `.tar`) holding one top-level folder. Packing is byte-reproducible so
 that two builds of the same bundle can be compared by archive digest alone; unpacking treats
 the archive as hostile input, because bundles are downloaded from shared stores.
 """
@@ -20,8 +20,10 @@ from ..tree import CHUNK_SIZE, ArchiveError, Entry, is_executable, walk
 
 __all__ = ["ArchiveError", "pack", "unpack"]
 
-# Any fixed level keeps archives reproducible; 6 is much faster than 9 on multi-GB weights.
-GZIP_LEVEL = 6
+# Any fixed level keeps archives reproducible. On float32 weights level 6 ran at 6.8 MB/s here
+# against 36.6 MB/s for level 1, for archives only 5% smaller (0.568 against 0.600 of the input).
+GZIP_LEVEL = 1
+COMPRESSED = {".tar.gz": True, ".tgz": True, ".tar": False}  # by the archive name's ending
 FILE_MODE = 0o644
 MAX_RATIO = 100  # expansion over the compressed size
 RATIO_FREE_BYTES = 64 << 20  # archives expanding to less than this are not ratio-checked
@@ -65,17 +67,25 @@ def _add_entry(tar: tarfile.TarFile, arcname: str, entry: Entry) -> None:
                              is_executable(entry.path)), f)
 
 
-def _write_tar_gz(raw: BinaryIO, top: str, entries: list[Entry]) -> None:
-    # filename="" and mtime=0 keep the gzip header free of the temp name and the clock.
-    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=GZIP_LEVEL) as gz:
-        with tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            tar.addfile(_tarinfo(top, True))
-            for entry in entries:
-                _add_entry(tar, f"{top}/{entry.rel}", entry)
+def _write_tar(raw: BinaryIO, top: str, entries: list[Entry]) -> None:
+    with tarfile.open(fileobj=raw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(_tarinfo(top, True))
+        for entry in entries:
+            _add_entry(tar, f"{top}/{entry.rel}", entry)
+
+
+def _compressed(out_file: Path) -> bool:
+    for ending, compressed in COMPRESSED.items():
+        if out_file.name.endswith(ending):
+            return compressed
+    raise ArchiveError(f"{out_file}: name the archive FILE.tar.gz (compressed) or FILE.tar "
+                       "(uncompressed, as fast as the disk)")
 
 
 def pack(bundle_dir: Path, out_file: Path) -> Path:
-    """Write bundle_dir as a reproducible .tar.gz at out_file, atomically; returns out_file."""
+    """Write bundle_dir as a reproducible .tar.gz (or .tar, by out_file's name) at out_file,
+    atomically; returns out_file."""
+    compressed = _compressed(Path(out_file))
     src = Path(os.path.abspath(bundle_dir))
     out = Path(os.path.abspath(out_file))
     if not src.name:
@@ -90,7 +100,12 @@ def pack(bundle_dir: Path, out_file: Path) -> Path:
         raise ArchiveError(f"{out_file}: cannot write here ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "wb") as raw:
-            _write_tar_gz(raw, src.name, entries)
+            if compressed:  # filename="" and mtime=0: no temp name or clock in the header
+                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
+                                   compresslevel=GZIP_LEVEL) as gz:
+                    _write_tar(gz, src.name, entries)
+            else:
+                _write_tar(raw, src.name, entries)
             raw.flush()
             # mkstemp creates 0600; archives are shared artifacts. fsync so replace is durable.
             os.fchmod(raw.fileno(), FILE_MODE)
@@ -187,7 +202,7 @@ class _Limits:
 def _extract_all(archive: Path, stage: Path, limits: _Limits) -> str:
     """Stream the archive into stage with every check; returns the single top-level name."""
     top: str | None = None
-    with tarfile.open(archive, mode="r|gz") as tar:
+    with tarfile.open(archive, mode="r|*") as tar:  # gzip or none, found from the bytes
         for member in tar:
             limits.admit(member)
             _check_kind(member)
@@ -219,7 +234,8 @@ def unpack(
     max_bytes: int = 512 * 2**30,
     max_members: int = 100_000,
 ) -> Path:
-    """Safely extract a bundle .tar.gz into dest (absent or empty); returns dest/<bundle>.
+    """Safely extract a bundle .tar.gz or .tar into dest (absent or empty); returns
+    dest/<bundle>.
 
     On any refusal or error nothing is left at dest (an existing empty dest stays empty).
     """

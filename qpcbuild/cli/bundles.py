@@ -107,8 +107,9 @@ def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
 @app.command()
 @handles_errors
 def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
-            out: Path = typer.Option(..., "-o", "--out", help="Archive path (.tar.gz).")):
-    """Deterministic .tar.gz of a bundle (sorted entries, fixed mtimes and owners)."""
+            out: Path = typer.Option(..., "-o", "--out", help="Archive path: .tar.gz, or .tar "
+                                     "for no compression (as fast as the disk).")):
+    """Deterministic .tar.gz or .tar of a bundle (sorted entries, fixed mtimes and owners)."""
     from ..bundle.archive import pack
     from ..bundle import read_manifest
 
@@ -119,7 +120,8 @@ def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
 
 @app.command()
 @handles_errors
-def unpack(archive: Path = typer.Argument(..., help="A .tar.gz made by `qpcbuild package`."),
+def unpack(archive: Path = typer.Argument(..., help="A .tar.gz or .tar made by `qpcbuild "
+                                          "package`."),
            dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into.")):
     """Safely unpack a bundle archive (refuses absolute paths, '..', links and devices)."""
     from ..bundle.archive import unpack as unpack_archive
