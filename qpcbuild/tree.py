@@ -6,6 +6,7 @@ wherever a tree is read.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -19,6 +20,9 @@ from .errors import UsageError
 
 CHUNK_SIZE = 1 << 20
 _FICLONE = 0x40049409  # Linux ioctl: share the source's blocks (btrfs, XFS, bcachefs)
+# copy_file_range not offered by this kernel, filesystem pair or sandbox
+_NO_KERNEL_COPY = {errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM,
+                   errno.EBADF}
 
 
 class ArchiveError(UsageError):
@@ -111,7 +115,9 @@ def copy_file(src: Path, dst: Path) -> None:
             while os.copy_file_range(fin.fileno(), fout.fileno(), 1 << 30):
                 pass
             return
-        except OSError:  # not offered by this kernel or filesystem pair
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:  # a real failure (disk full): no second try
+                raise
             fin.seek(0)
             fout.seek(0)
             fout.truncate()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import os
@@ -279,3 +280,30 @@ def test_unpack_accepts_dot_slash_prefixed_names(tmp_path: Path, out_dir: Path) 
 
 def test_archive_error_is_a_usage_error_with_exit_code_2() -> None:
     assert issubclass(ArchiveError, UsageError) and ArchiveError.exit_code == 2
+
+
+# --- copying ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["copies", "refuses", "disk-full"])
+def test_copy_file_uses_the_kernel_falls_back_when_refused_and_stops_on_a_real_error(
+        tmp_path: Path, monkeypatch, kernel: str) -> None:
+    from qpcbuild.tree import copy_file
+
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(3 << 20) + b"tail")
+    real, calls = os.copy_file_range, []
+
+    def kernel_copy(*args):
+        calls.append(args)
+        if kernel == "copies":
+            return real(*args)
+        code = errno.EXDEV if kernel == "refuses" else errno.ENOSPC
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "copy_file_range", kernel_copy)
+    if kernel == "disk-full":
+        with pytest.raises(OSError, match="No space"):
+            copy_file(src, tmp_path / "dst")
+        assert len(calls) == 1
+        return
+    copy_file(src, tmp_path / "dst")
+    assert calls and (tmp_path / "dst").read_bytes() == src.read_bytes()
