@@ -1,8 +1,9 @@
 """Deterministic packing and safe unpacking of bundle folders.
 
-A bundle ships as a `.tar.gz` (or an uncompressed `.tar`) holding one top-level folder. Packing is byte-reproducible so
-that two builds of the same bundle can be compared by archive digest alone; unpacking treats
-the archive as hostile input, because bundles are downloaded from shared stores.
+A bundle ships as a `.tar.gz` (or an uncompressed `.tar`) holding one top-level folder.
+Packing is byte-reproducible so that two builds of the same bundle can be compared by archive
+digest alone; unpacking treats the archive as hostile input, because bundles are downloaded
+from shared stores.
 """
 
 from __future__ import annotations
