@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-run test bench smollm2 smollm2-gguf clean
+.PHONY: demo demo-run test docs bench smollm2 smollm2-gguf clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,8 +49,14 @@ smollm2: $(VENV)/.dev
 smollm2-gguf: smollm2
 	$(BIN)/python scripts/get_smollm2.py --gguf-f32
 
+# The documentation site (docs/ + mkdocs.yml) into site/; strict: a broken link or a page missing
+# from the navigation fails the build.
+docs: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/decode.py
 
 clean:
-	rm -rf build .pytest_cache
+	rm -rf build site .pytest_cache

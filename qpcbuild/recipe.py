@@ -255,7 +255,7 @@ def static_problems(r: Recipe) -> list[Problem]:
     if s.prefill_seq_len > s.ctx_len:
         add("shapes.prefill_seq_len", f"{s.prefill_seq_len} is larger than ctx_len {s.ctx_len}")
     if s.ctx_len % CTX_LEN_MULTIPLE:
-        add("shapes.ctx_len", f"{s.ctx_len} is not a multiple of {CTX_LEN_MULTIPLE} (see README, "
+        add("shapes.ctx_len", f"{s.ctx_len} is not a multiple of {CTX_LEN_MULTIPLE} (see docs/recipe.md, "
             "'ctx_len rule')")
     if s.full_batch_size is not None and s.full_batch_size < s.batch_size:
         add("shapes.full_batch_size", f"{s.full_batch_size} is smaller than batch_size {s.batch_size}")

@@ -1,7 +1,7 @@
 """Tests for qpcbuild.export: the exported retained-state decoder graph computes what transformers
 computes, speaks the Cloud AI I/O contract, is deterministic, and refuses bad checkpoints cleanly.
 
-Reference for the contract: the README, "The exported graph" (interface, dialect, invalid indices).
+Reference for the contract: docs/graph.md (interface, dialect, invalid indices).
 """
 
 from __future__ import annotations

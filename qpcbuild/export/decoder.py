@@ -3,7 +3,7 @@
 Shapes in comments: B batch, S seq_len, C ctx_len, H hidden, nH/nKV heads, D head_dim,
 g = nH / nKV (query heads per KV head), V vocab, N num_logits_to_keep, P max positions.
 
-Contract (docs in README, "The exported graph"): KV buffers are fixed-size retained state written
+Contract (docs/graph.md): KV buffers are fixed-size retained state written
 at `position_ids`; the attention mask is derived from positions (key k is hidden from query q when
 k > position q), so stale entries past a row's position are invisible and nothing is ever rolled
 back; position -1 marks a padded slot. The card graph speaks the op vocabulary the Cloud AI
