@@ -1,0 +1,113 @@
+"""Folders of files as OCI artifacts: one layer per file, so a file two artifacts share (a
+target's graph in two bundles, an export in a bundle and the cache) is stored once.
+
+Each layer carries the file's relative path in `org.opencontainers.image.title`, which is how
+ORAS names files, so a stock `oras pull` restores the folder too. The config blob is the
+folder's own record (a bundle's manifest.json, a cache entry's record), under a media type of
+ours, and says what every layer must hash to before any byte is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..bundle.manifest import check_relative
+from .client import OCI_MANIFEST, RegistryClient, _sha256
+from .errors import RegistryError
+
+TITLE = "org.opencontainers.image.title"
+EXECUTABLE = "vnd.qpcbuild.file.executable"
+FILE_LAYER = "application/vnd.qpcbuild.file.v1"
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    digest: str  # the OCI manifest's digest, to pin
+    files: int
+    bytes: int
+    sent: int  # bytes that actually crossed the wire (the rest the registry had already)
+
+    def to_dict(self) -> dict:
+        return {"digest": self.digest, "files": self.files, "bytes": self.bytes,
+                "transferred_bytes": self.sent}
+
+
+def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
+                files: dict[str, dict], config: bytes, config_type: str, artifact_type: str,
+                annotations: dict[str, str], say: Say | None = None) -> Transfer:
+    """Upload `files` ({relative path: {size, sha256[, executable]}}) under `root` as layers,
+    then the config and the manifest under `tag`. The registry checks each blob against the
+    digest we name, so a file that changed since it was hashed is refused, not published."""
+    say = say or (lambda m: None)
+    layers, sent = [], 0
+    for rel in sorted(files):
+        meta = files[rel]
+        digest = f"sha256:{meta['sha256']}"
+        if client.push_blob(repo, digest, meta["size"], path=root / rel):
+            sent += meta["size"]
+            say(f"pushed {rel} ({meta['size']:,} bytes)")
+        else:
+            say(f"{rel}: already in the registry")
+        layers.append({"mediaType": FILE_LAYER, "digest": digest, "size": meta["size"],
+                       "annotations": {TITLE: rel, **({EXECUTABLE: "true"}
+                                                      if meta.get("executable") else {})}})
+    config_digest = _sha256(config)
+    client.push_blob(repo, config_digest, len(config), data=config)
+    manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
+                "config": {"mediaType": config_type, "digest": config_digest,
+                           "size": len(config)},
+                "layers": layers, "annotations": annotations}
+    digest = client.put_manifest(repo, tag, manifest)
+    return Transfer(digest, len(files), sum(m["size"] for m in files.values()), sent)
+
+
+def read_artifact(client: RegistryClient, repo: str, reference: str,
+                  artifact_type: str) -> tuple[dict, str, bytes]:
+    """(OCI manifest, its digest, config blob) of one of our artifacts; anything else is
+    refused before a layer is downloaded."""
+    manifest, digest = client.get_manifest(repo, reference)
+    config = manifest.get("config") if isinstance(manifest, dict) else None
+    if manifest.get("artifactType") != artifact_type or not isinstance(config, dict):
+        kind = manifest.get("artifactType") or (config or {}).get("mediaType") or "unknown"
+        raise RegistryError(f"{client.registry}/{repo}:{reference} is not a "
+                            f"{artifact_type} artifact (it is {kind})")
+    return manifest, digest, client.read_blob(repo, config["digest"])
+
+
+def layer_files(manifest: dict, where: str) -> dict[str, dict]:
+    """{relative path: {size, sha256, executable}} from the layers' titles, paths checked."""
+    files = {}
+    for n, layer in enumerate(manifest.get("layers") or []):
+        try:
+            rel = check_relative((layer.get("annotations") or {}).get(TITLE), f"layers[{n}]")
+            algorithm, _, hexdigest = layer["digest"].partition(":")
+            size = int(layer["size"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise RegistryError(f"{where}: layer {n} lacks a digest, size or title") from None
+        if algorithm != "sha256" or rel in files:
+            raise RegistryError(f"{where}: layer {n} ({rel}) is a duplicate or not sha256")
+        files[rel] = {"size": size, "sha256": hexdigest,
+                      "executable": layer["annotations"].get(EXECUTABLE) == "true"}
+    return files
+
+
+def download_folder(client: RegistryClient, repo: str, files: dict[str, dict], dest: Path,
+                    say: Say | None = None) -> int:
+    """Download every file into `dest` (which the caller discards on failure), each checked
+    against its digest as it arrives. Returns the bytes downloaded."""
+    say = say or (lambda m: None)
+    total = 0
+    for rel in sorted(files):
+        meta = files[rel]
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"], target, what=rel)
+        if meta.get("executable"):
+            os.chmod(target, 0o755)
+        total += meta["size"]
+        say(f"pulled {rel} ({meta['size']:,} bytes)")
+    return total

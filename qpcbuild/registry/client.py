@@ -1,0 +1,326 @@
+"""A small OCI distribution client on httpx: just what bundles and cache entries need.
+
+Why our own and not the `oras` SDK: oras-py reads credentials and speaks to the registry
+through `requests` with no way to resume a blob whose download broke off, and it checks
+nothing we can hook a bundle's own digests into. Here every blob streams in bounded pieces
+(memory stays flat for multi-GB layers), its SHA-256 is computed while the bytes arrive, a
+broken download continues from the last byte received (HTTP Range) and a broken upload from
+the last byte the registry confirms (the upload session's Range), and tokens, Basic auth and
+transport choice follow the distribution spec and Docker's conventions.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+from urllib.parse import urljoin
+
+import httpx
+
+from .credentials import Credentials, find_credentials
+from .errors import (RegistryAuthError, RegistryError, RegistryNotFound, RegistryUnavailable,
+                     transport_error)
+from .reference import is_loopback
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+UPLOAD_CHUNK = 128 << 20  # one PATCH per chunk: a broken upload repeats at most this much
+READ_PIECE = 4 << 20
+MAX_SMALL_BLOB = 64 << 20  # manifests and config blobs read into memory
+RETRIES = 3
+_CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            piece = f.read(min(READ_PIECE, length))
+            if not piece:
+                raise RegistryError(f"{path}: shorter than expected while uploading (changed?)")
+            length -= len(piece)
+            yield piece
+
+
+class RegistryClient:
+    """One registry (host[:port]); every call names its repository."""
+
+    def __init__(self, registry: str, insecure: bool = False,
+                 credentials: Credentials | None = None, timeout: float = 60.0):
+        self.registry = registry
+        scheme = "http" if insecure or is_loopback(registry) else "https"
+        self.base = f"{scheme}://{registry}"
+        self._credentials = credentials
+        self._looked_up = credentials is not None
+        self._tokens: dict[str, str] = {}  # scope -> bearer token
+        self._basic: str | None = None
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
+                                 follow_redirects=True)  # httpx drops Authorization off-origin
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "RegistryClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ authentication
+    @property
+    def credentials(self) -> Credentials | None:
+        if not self._looked_up:
+            self._credentials, self._looked_up = find_credentials(self.registry), True
+        return self._credentials
+
+    def _auth_header(self, scope: str) -> dict[str, str]:
+        if scope in self._tokens:
+            return {"Authorization": f"Bearer {self._tokens[scope]}"}
+        return {"Authorization": self._basic} if self._basic else {}
+
+    def _who(self) -> str:
+        c = self.credentials
+        if c is None:
+            return "without credentials (none found in the environment or Docker config)"
+        return f"as {c.username or 'an identity token'} (from {c.source})"
+
+    def _authenticate(self, challenge: str, scope: str) -> None:
+        """Answer a 401's WWW-Authenticate: Basic with the credentials, Bearer with a token."""
+        scheme = challenge.split(" ", 1)[0].lower()
+        params = dict(_CHALLENGE_PARAM.findall(challenge))
+        creds = self.credentials
+        if scheme == "basic":
+            if creds is None or creds.username is None:
+                raise RegistryAuthError(f"registry {self.registry} needs a user name and "
+                                        f"password; none were found ({self._who()})")
+            pair = f"{creds.username}:{creds.password}".encode()
+            self._basic = "Basic " + base64.b64encode(pair).decode()
+            return
+        if scheme != "bearer" or "realm" not in params:
+            raise RegistryError(f"registry {self.registry}: unsupported authentication "
+                                f"challenge '{scheme}'")
+        query = {"service": params.get("service", self.registry), "scope": scope}
+        try:
+            if creds and creds.identity_token:
+                resp = self.http.post(params["realm"], data={
+                    **query, "grant_type": "refresh_token", "client_id": "qpcbuild",
+                    "refresh_token": creds.identity_token})
+            else:
+                auth = (creds.username, creds.password) if creds and creds.username else None
+                resp = self.http.get(params["realm"], params=query, auth=auth)
+        except httpx.HTTPError as exc:
+            raise transport_error(self.registry, exc) from None
+        if resp.status_code in (401, 403):
+            raise RegistryAuthError(f"registry {self.registry} refused a token {self._who()}")
+        if resp.status_code != 200:
+            raise RegistryError(f"registry {self.registry}: token service answered "
+                                f"HTTP {resp.status_code}")
+        body = resp.json()
+        self._tokens[scope] = body.get("token") or body.get("access_token") or ""
+
+    # ------------------------------------------------------------ requests
+    def _send(self, method: str, url: str, repo: str, push: bool = False,
+              body: Callable[[], object] | None = None, headers: dict | None = None,
+              stream: bool = False) -> httpx.Response:
+        """One request, authenticated on demand (a 401 is answered once, then the request
+        repeats; `body` makes a fresh body for that repeat). Transport failures become
+        RegistryUnavailable; HTTP errors are the caller's to read."""
+        scope = f"repository:{repo}:{'pull,push' if push else 'pull'}"
+        url = urljoin(self.base + "/", url)
+        for attempt in (0, 1):
+            request = self.http.build_request(
+                method, url, headers={**(headers or {}), **self._auth_header(scope)},
+                content=body() if body else None)
+            try:
+                resp = self.http.send(request, stream=stream)
+            except httpx.HTTPError as exc:
+                raise transport_error(self.registry, exc) from None
+            if resp.status_code != 401:
+                return resp
+            resp.close()
+            if attempt == 1:
+                raise RegistryAuthError(f"registry {self.registry} refused access to {repo} "
+                                        f"{self._who()}")
+            self._authenticate(resp.headers.get("WWW-Authenticate", ""), scope)
+        raise AssertionError("unreachable")
+
+    def _fail(self, resp: httpx.Response, what: str) -> RegistryError:
+        """The registry's own error message, in an error of the right kind."""
+        if not resp.is_stream_consumed:
+            resp.read()
+        try:
+            errors = resp.json().get("errors") or []
+            detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+        except (ValueError, AttributeError):
+            detail = resp.text[:200]
+        message = f"{what}: registry {self.registry} answered HTTP {resp.status_code}" + \
+            (f" ({detail})" if detail else "")
+        if resp.status_code == 404:
+            return RegistryNotFound(message)
+        if resp.status_code == 403:
+            return RegistryAuthError(message + f"; access denied {self._who()}")
+        if resp.status_code >= 500 or resp.status_code == 429:
+            return RegistryUnavailable(message)
+        return RegistryError(message)
+
+    def ping(self) -> None:
+        """Is the registry there and does it speak the v2 API (credentials checked lazily)?"""
+        try:
+            resp = self.http.get(f"{self.base}/v2/")
+        except httpx.HTTPError as exc:
+            raise transport_error(self.registry, exc) from None
+        if resp.status_code not in (200, 401):
+            raise self._fail(resp, "GET /v2/")
+
+    # ------------------------------------------------------------ manifests
+    def get_manifest(self, repo: str, reference: str) -> tuple[dict, str]:
+        """(manifest, its digest). A manifest asked for by digest must hash to that digest."""
+        resp = self._send("GET", f"/v2/{repo}/manifests/{reference}", repo,
+                          headers={"Accept": OCI_MANIFEST})
+        if resp.status_code != 200:
+            raise self._fail(resp, f"{self.registry}/{repo}:{reference}")
+        data = resp.content
+        digest = _sha256(data)
+        if reference.startswith("sha256:") and digest != reference:
+            raise RegistryError(f"{self.registry}/{repo}@{reference}: the manifest the registry "
+                                f"sent hashes to {digest}; refusing it")
+        try:
+            return json.loads(data), digest
+        except ValueError:
+            raise RegistryError(f"{self.registry}/{repo}:{reference}: the manifest is not "
+                                "JSON") from None
+
+    def put_manifest(self, repo: str, tag: str, manifest: dict) -> str:
+        data = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        resp = self._send("PUT", f"/v2/{repo}/manifests/{tag}", repo, push=True,
+                          body=lambda: data, headers={"Content-Type": OCI_MANIFEST})
+        if resp.status_code != 201:
+            raise self._fail(resp, f"pushing the manifest of {self.registry}/{repo}:{tag}")
+        return _sha256(data)
+
+    # ------------------------------------------------------------ blobs
+    def has_blob(self, repo: str, digest: str) -> bool:
+        resp = self._send("HEAD", f"/v2/{repo}/blobs/{digest}", repo, push=True)
+        if resp.status_code == 200:
+            return True
+        if resp.status_code == 404:
+            return False
+        raise self._fail(resp, f"checking blob {digest}")
+
+    def push_blob(self, repo: str, digest: str, size: int, path: Path | None = None,
+                  data: bytes | None = None) -> bool:
+        """Upload a blob unless the repository has it already; True when bytes were sent.
+        Files go up in UPLOAD_CHUNK pieces; a piece cut off by a broken connection is resent
+        from the offset the registry confirms."""
+        if self.has_blob(repo, digest):
+            return False
+        resp = self._send("POST", f"/v2/{repo}/blobs/uploads/", repo, push=True)
+        if resp.status_code != 202:
+            raise self._fail(resp, f"starting the upload of {digest}")
+        location = resp.headers["Location"]
+        if data is not None:
+            return self._finish_upload(repo, location, digest, lambda: data, len(data))
+        if size <= UPLOAD_CHUNK:  # one request, streamed
+            return self._finish_upload(repo, location, digest,
+                                       lambda: _file_piece(path, 0, size), size)
+        offset, failures = 0, 0
+        while offset < size:
+            length = min(UPLOAD_CHUNK, size - offset)
+            try:
+                resp = self._send("PATCH", location, repo, push=True,
+                                  body=lambda o=offset, n=length: _file_piece(path, o, n),
+                                  headers={"Content-Type": "application/octet-stream",
+                                           "Content-Length": str(length),
+                                           "Content-Range": f"{offset}-{offset + length - 1}"})
+            except RegistryUnavailable:
+                failures += 1
+                if failures > RETRIES:
+                    raise
+                offset = self._confirmed_offset(repo, location)
+                continue
+            if resp.status_code != 202:
+                raise self._fail(resp, f"uploading {path}")
+            location = resp.headers["Location"]
+            offset = int(resp.headers["Range"].rsplit("-", 1)[1]) + 1
+        return self._finish_upload(repo, location, digest, lambda: b"", 0)
+
+    def _confirmed_offset(self, repo: str, location: str) -> int:
+        resp = self._send("GET", location, repo, push=True)
+        if resp.status_code != 204:
+            raise self._fail(resp, "resuming an upload")
+        return int(resp.headers.get("Range", "0--1").rsplit("-", 1)[1]) + 1
+
+    def _finish_upload(self, repo: str, location: str, digest: str,
+                       body: Callable[[], object], length: int) -> bool:
+        url = location + ("&" if "?" in location else "?") + f"digest={digest}"
+        resp = self._send("PUT", url, repo, push=True, body=body,
+                          headers={"Content-Type": "application/octet-stream",
+                                   "Content-Length": str(length)})
+        if resp.status_code != 201:
+            raise self._fail(resp, f"finishing the upload of {digest}")
+        return True
+
+    def read_blob(self, repo: str, digest: str, limit: int = MAX_SMALL_BLOB) -> bytes:
+        """A small blob (a config) in memory, its digest checked."""
+        resp = self._send("GET", f"/v2/{repo}/blobs/{digest}", repo, stream=True)
+        try:
+            if resp.status_code != 200:
+                raise self._fail(resp, f"blob {digest}")
+            data = b""
+            for piece in resp.iter_raw():
+                data += piece
+                if len(data) > limit:
+                    raise RegistryError(f"blob {digest} is larger than {limit} bytes")
+        except httpx.HTTPError as exc:
+            raise transport_error(self.registry, exc) from None
+        finally:
+            resp.close()
+        if _sha256(data) != digest:
+            raise RegistryError(f"blob {digest} from {self.registry}/{repo} does not match its "
+                                "digest (damaged in the registry or in transit); refusing it")
+        return data
+
+    def download_blob(self, repo: str, digest: str, size: int, dest: Path,
+                      what: str = "") -> None:
+        """Stream a blob into `dest`, hashing as it arrives; a broken transfer continues from
+        the last byte written. Raises when the bytes do not match `digest` and `size`."""
+        h, written, failures = hashlib.sha256(), 0, 0
+        with open(dest, "wb") as out:
+            while True:
+                headers = {"Range": f"bytes={written}-"} if written else {}
+                try:
+                    resp = self._send("GET", f"/v2/{repo}/blobs/{digest}", repo, stream=True,
+                                      headers=headers)
+                    try:
+                        if resp.status_code not in (200, 206):
+                            raise self._fail(resp, f"downloading {what or digest}")
+                        if written and resp.status_code == 200:  # no range support: restart
+                            out.seek(0)
+                            out.truncate()
+                            h, written = hashlib.sha256(), 0
+                        for piece in resp.iter_raw(READ_PIECE):
+                            out.write(piece)
+                            h.update(piece)
+                            written += len(piece)
+                            if written > size:
+                                break
+                    except httpx.HTTPError as exc:
+                        raise transport_error(self.registry, exc) from None
+                    finally:
+                        resp.close()
+                    break
+                except RegistryUnavailable:
+                    failures += 1
+                    if failures > RETRIES:
+                        raise
+        if written != size or "sha256:" + h.hexdigest() != digest:
+            raise RegistryError(f"{what or digest}: the bytes from {self.registry}/{repo} do not "
+                                f"match the layer's digest {digest} (got {written} bytes of "
+                                f"{size}); the blob is damaged in the registry or in transit")
