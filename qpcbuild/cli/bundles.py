@@ -10,11 +10,13 @@ import typer
 
 from ..render import console, err_console
 from .app import app, emit_json, handles_errors
+from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
 
 
 @app.command()
 @handles_errors
-def verify(bundle: Path = typer.Argument(..., help="Bundle folder."),
+def verify(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
+           insecure: bool = InsecureOpt,
            fast: bool = typer.Option(False, "--fast", help="Check presence and sizes only "
                                      "(for huge QPCs); skips SHA-256 and the seal."),
            json_out: bool = typer.Option(False, "--json", help="One JSON result (for CI).")):
@@ -22,6 +24,7 @@ def verify(bundle: Path = typer.Argument(..., help="Bundle folder."),
     from ..bundle import read_manifest, verify_bundle
     from ..errors import BundleError
 
+    bundle = bundle_folder(bundle, insecure, quiet=json_out)
     try:
         problems = verify_bundle(bundle, fast=fast)
         bundle_id = read_manifest(bundle)["bundle_id"]
@@ -61,13 +64,14 @@ def finish(bundle: Path = typer.Argument(..., help="Bundle folder built with --e
 
 @app.command()
 @handles_errors
-def inspect(bundle: Path = typer.Argument(..., help="Bundle folder."),
+def inspect(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
+            insecure: bool = InsecureOpt,
             json_out: bool = typer.Option(False, "--json", help="Print the manifest.")):
     """Summarize a bundle: roles, shapes, Ks, cores, backends, files."""
     from ..bundle import read_manifest
     from ..render import show_manifest
 
-    m = read_manifest(bundle)
+    m = read_manifest(bundle_folder(bundle, insecure, quiet=json_out))
     emit_json(m) if json_out else show_manifest(m)
 
 

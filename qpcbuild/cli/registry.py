@@ -9,10 +9,8 @@ import typer
 
 from ..render import console
 from .app import app, emit_json, handles_errors, progress_line
+from .refs import InsecureOpt
 
-InsecureOpt = typer.Option(False, "--insecure", envvar="QPCBUILD_REGISTRY_INSECURE",
-                           help="Plain HTTP to a registry that is not on this machine "
-                           "(loopback registries always use plain HTTP).")
 
 
 @app.command()

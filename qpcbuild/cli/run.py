@@ -10,6 +10,7 @@ import typer
 
 from ..render import console
 from .app import app, emit_json, handles_errors
+from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
 
 
 def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
@@ -27,7 +28,8 @@ def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> l
 
 @app.command()
 @handles_errors
-def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
+def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
+        insecure: bool = InsecureOpt,
         prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="Prompt text "
                                                    "(repeatable: one batch)."),
         prompt_file: Optional[Path] = typer.Option(None, help="One prompt per line ('\\n' for "
@@ -62,6 +64,7 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         raise UsageError("--max-new-tokens must be at least 1")
     if system is not None and not chat:
         raise UsageError("--system needs --chat")
+    bundle = bundle_folder(bundle, insecure, quiet=json_out)
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
                batch_size=batch_size)
     # Continuous batching takes every prompt at once and refills slots as requests finish.
@@ -111,7 +114,8 @@ def numerics_of(manifest: dict) -> dict:
 
 @app.command()
 @handles_errors
-def serve(bundle: Path = typer.Argument(..., help="Bundle folder."),
+def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
+          insecure: bool = InsecureOpt,
           host: str = typer.Option("127.0.0.1", help="Address to listen on."),
           port: int = typer.Option(8000, help="TCP port."),
           backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
@@ -126,7 +130,7 @@ def serve(bundle: Path = typer.Argument(..., help="Bundle folder."),
 
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
-    run_server(bundle, host, port, backend, verify, served_model_name, log_level)
+    run_server(bundle_folder(bundle, insecure), host, port, backend, verify, served_model_name, log_level)
 
 
 @app.command("serve-config")
