@@ -108,9 +108,10 @@ class Cache:
         found += [f"{p}: not part of the entry" for p in sorted(set(actual) - set(recorded))]
         return found
 
-    def get_or_build(self, kind: str, key: str,
-                     build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
-        """Return (entry folder, its metadata, reused?). `build(tmp)` fills a fresh folder."""
+    def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
+                     inputs: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:
+        """Return (entry folder, its metadata, reused?). `build(tmp)` fills a fresh folder;
+        `inputs` (what the key is a digest of) is kept in the entry's record."""
         final = self.entry(kind, key)
         with self._lock(kind, key):
             if final.exists():
@@ -127,7 +128,7 @@ class Cache:
             try:
                 meta = build(tmp)
                 record = {"format": ENTRY_FORMAT, "kind": kind, "key": key, "meta": meta,
-                          "files": hash_tree(tmp)}
+                          "files": hash_tree(tmp), **({"inputs": inputs} if inputs else {})}
                 (tmp / META).write_text(json.dumps(record, indent=1, default=str) + "\n")
                 _make_read_only(tmp)
                 os.replace(tmp, final)
@@ -135,6 +136,10 @@ class Cache:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return final, meta, False
+
+    def origin(self, kind: str, key: str, reused: bool) -> str:
+        """Where the last get_or_build of this entry got it: local | remote | built."""
+        return "local" if reused else "built"
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
         """Put an entry's files into a bundle: copies, so the bundle can never reach the cache."""
@@ -231,12 +236,15 @@ class ScratchCache:
     def remove_debris(self) -> list[str]:
         return []
 
-    def get_or_build(self, kind: str, key: str,
-                     build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
+    def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
+                     inputs: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:
         folder = self.root / kind / key
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         return folder, build(folder), False
+
+    def origin(self, kind: str, key: str, reused: bool) -> str:
+        return "built"
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
         copy_tree(entry, dst, skip=skip, move=True)

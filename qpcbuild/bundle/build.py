@@ -32,39 +32,54 @@ from ..vocab_subset import read_vocab_subset, subset_digest
 from .manifest import MANIFEST, MANIFEST_SCHEMA, write_manifest
 
 SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
-Progress = Callable[[str, str, float], None]  # (stage, "reused" | "built" | "written", seconds)
+# (stage, "reused" | "pulled" | "built", seconds); stages also say "from": local | remote | built
+Progress = Callable[[str, str, float], None]
+CACHE_KIND = {"export": "exports", "onnxruntime": "ort", "qaic": "qpc"}  # stage -> cache kind
 
 
 @dataclass
 class BuildResult:
-    bundle: Path
-    bundle_id: str
+    bundle: Path | None  # None: only build units were built (into the cache)
+    bundle_id: str | None
     seconds: float
     stages: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bundle": str(self.bundle), "bundle_id": self.bundle_id,
+        return {"bundle": self.bundle and str(self.bundle), "bundle_id": self.bundle_id,
                 "seconds": round(self.seconds, 2), "stages": self.stages}
 
 
 # ---------------------------------------------------------------- cache keys
-def _weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:
+def artifact_key_inputs(role: RolePlan, weights_digest: str,
+                        compiler: str | None) -> dict[str, dict[str, Any]]:
+    """What each artifact's cache key is the digest of: the plan's settings, the weights'
+    content and the tools' versions (kept with the entry, so two keys can be compared)."""
+    tools = artifact_versions()
+    export = {"settings": role.cache_keys["export"], "weights": weights_digest,
+              "qpcbuild": __version__, "exporter": EXPORTER_VERSION,
+              "onnx": tools["onnx"], "numpy": tools["numpy"]}
+    return {"export": export,
+            "onnxruntime": {"export": digest(export), "settings": role.cache_keys["onnxruntime"],
+                            "lowering": ORT_LOWERING_VERSION,
+                            "onnxruntime": tools["onnxruntime"], "onnx": tools["onnx"]},
+            "qaic": {"export": digest(export), "settings": role.cache_keys["qaic"],
+                     "sdk": tools["qaic_sdk"], "compiler": compiler_identity(compiler)}}
+
+
+def artifact_keys(role: RolePlan, weights_digest: str, compiler: str | None) -> dict[str, str]:
+    """Full cache keys: the digests of artifact_key_inputs."""
+    return {stage: digest(inputs)
+            for stage, inputs in artifact_key_inputs(role, weights_digest, compiler).items()}
+
+
+def weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:
     path = Path(role.source["path"])
     return [*safetensors_files(path, allow_pickle), path / "config.json"]
 
 
-def artifact_keys(role: RolePlan, weights_digest: str, compiler: str | None) -> dict[str, str]:
-    """Full cache keys: the plan's settings, the weights' content and the tools' versions."""
-    tools = artifact_versions()
-    export = digest({"settings": role.cache_keys["export"], "weights": weights_digest,
-                     "qpcbuild": __version__, "exporter": EXPORTER_VERSION,
-                     "onnx": tools["onnx"], "numpy": tools["numpy"]})
-    return {"export": export,
-            "onnxruntime": digest({"export": export, "settings": role.cache_keys["onnxruntime"],
-                                   "lowering": ORT_LOWERING_VERSION,
-                                   "onnxruntime": tools["onnxruntime"], "onnx": tools["onnx"]}),
-            "qaic": digest({"export": export, "settings": role.cache_keys["qaic"],
-                            "sdk": tools["qaic_sdk"], "compiler": compiler_identity(compiler)})}
+def unit_name(stage: str, role: str) -> str:
+    """A build unit: one stage (export | a backend) of one role, e.g. onnxruntime-draft."""
+    return f"{stage}-{role}"
 
 
 # ---------------------------------------------------------------- staging and publishing
@@ -229,18 +244,25 @@ def _subset_ids(role: RolePlan):
 def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = None,
                  emit_only: bool = False, compiler: str | None = None, jobs: int = 1,
                  progress: Progress | None = None,
-                 manifest_extra: dict[str, Any] | None = None) -> BuildResult:
+                 manifest_extra: dict[str, Any] | None = None,
+                 units: set[str] | None = None) -> BuildResult:
     """`cache=None`: build everything afresh and move it into the bundle (`--no-cache`).
-    `manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K)."""
+    `manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K).
+    `units`: build only these units (unit_name) into the cache, and no bundle."""
     start = time.perf_counter()
     r = plan.recipe
     out = Path(out) if out else r.output_dir()
     say = progress or (lambda *a: None)
     stages: list[dict[str, Any]] = []
 
-    def record(stage: str, reused: bool, t0: float) -> None:
-        stages.append({"stage": stage, "reused": reused, "seconds": round(time.perf_counter() - t0, 2)})
-        say(stage, "reused" if reused else "built", time.perf_counter() - t0)
+    def record(stage: str, reused: bool, t0: float, origin: str) -> None:
+        stages.append({"stage": stage, "reused": reused, "from": origin,
+                       "seconds": round(time.perf_counter() - t0, 2)})
+        say(stage, {"local": "reused", "remote": "pulled"}.get(origin, "built"),
+            time.perf_counter() - t0)
+
+    def wanted(stage: str, role: str) -> bool:
+        return units is None or unit_name(stage, role) in units
 
     backends = {name: get_backend(name) for name in r.backends}
     target = plan.role("target")
@@ -258,14 +280,18 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         ctx = BuildContext(plan, staging, emit_only, compiler)
         tool = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
         keys: dict[str, dict[str, str]] = {}
+        inputs: dict[str, dict[str, dict[str, Any]]] = {}
+        roles = [rp for rp in plan.roles
+                 if any(wanted(stage, rp.role) for stage in ("export", *backends))]
 
         def export(role: RolePlan):
             t0 = time.perf_counter()
             ref = r.target if role.role == "target" else r.draft
             allow_pickle = ref.allow_pickle
-            keys[role.role] = artifact_keys(
-                role, cache.weights_digest(_weight_files(role, allow_pickle)),
+            inputs[role.role] = artifact_key_inputs(
+                role, cache.weights_digest(weight_files(role, allow_pickle)),
                 find_compiler(compiler)[0] if "qaic" in backends and not emit_only else None)
+            keys[role.role] = {stage: digest(i) for stage, i in inputs[role.role].items()}
             src = resolve(role.source["path"], role.source["revision"], allow_known=False)
 
             def build(tmp: Path) -> dict[str, Any]:
@@ -276,22 +302,25 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                                    vocab_subset=_subset_ids(role))
                 return {"weights_digest": res.weights_digest, "metadata": res.metadata}
 
-            entry, meta, reused = cache.get_or_build("exports", keys[role.role]["export"], build)
-            record(f"export {role.role}", reused, t0)
+            key = keys[role.role]["export"]
+            entry, meta, reused = cache.get_or_build("exports", key, build,
+                                                     inputs[role.role]["export"])
+            record(f"export {role.role}", reused, t0, cache.origin("exports", key, reused))
             return role.role, (entry, meta)
 
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            exports = dict(pool.map(export, plan.roles))
+            exports = dict(pool.map(export, roles))
 
         built: dict[str, dict[str, Any]] = {name: {} for name in backends}
-        for rp in plan.roles:
+        for rp in roles:
             onnx_dir = exports[rp.role][0] / "onnx"
-            if "qaic" in backends:
+            todo = {name: b for name, b in backends.items() if wanted(name, rp.role)}
+            if "qaic" in todo:
                 cache.deliver(onnx_dir, staging / rp.role / "onnx")
                 onnx_dir = staging / rp.role / "onnx"
-            for name, backend in backends.items():
+            for name, backend in todo.items():
                 t0 = time.perf_counter()
-                key = keys[rp.role][name]
+                key, kind = keys[rp.role][name], CACHE_KIND[name]
                 if name == "qaic" and (emit_only or not cache.keeps):
                     # (without a cache the QPC stays where the compiler wrote it: no copy)
                     info, reused = backend.build(ctx, rp, onnx_dir), False
@@ -304,7 +333,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                             copy_tree(staging / rp.role / part, tmp / rp.role / part)
                         return result
 
-                    entry, info, reused = cache.get_or_build("qpc", key, keep_qpc)
+                    entry, info, reused = cache.get_or_build("qpc", key, keep_qpc,
+                                                             inputs[rp.role][name])
                     if reused:
                         backend.write_inputs(ctx, rp)
                         cache.deliver(entry, staging, skip=(META,))
@@ -313,11 +343,14 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                         return backend.build(BuildContext(plan, tmp, emit_only, compiler), rp,
                                              onnx_dir)
 
-                    entry, info, reused = cache.get_or_build("ort", key, build_ort)
+                    entry, info, reused = cache.get_or_build("ort", key, build_ort,
+                                                             inputs[rp.role][name])
                     cache.deliver(entry, staging, skip=(META,))
                 built[name][rp.role] = info
                 record(f"{name} {rp.role}" + (" (emit only)" if name == "qaic" and emit_only
-                                             else ""), reused, t0)
+                                             else ""), reused, t0, cache.origin(kind, key, reused))
+        if units is not None:  # the units are in the cache; no bundle is assembled
+            return BuildResult(None, None, time.perf_counter() - start, stages)
 
         shutil.rmtree(staging / SCRATCH, ignore_errors=True)
         tok_dir = staging / "tokenizer"

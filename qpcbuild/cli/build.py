@@ -10,6 +10,7 @@ import typer
 
 from ..render import console, err_console
 from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_line
+from .refs import InsecureOpt
 
 
 @app.command()
@@ -17,8 +18,13 @@ from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_lin
 def plan(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
          json_out: bool = typer.Option(False, "--json", help="One JSON document (for CI)."),
          resolved: bool = typer.Option(False, "--resolved",
-                                       help="Print the resolved recipe (defaults filled in).")):
-    """Validate a recipe and show exactly what `compile` will build. Reads configs, never weights."""
+                                       help="Print the resolved recipe (defaults filled in)."),
+         units: bool = typer.Option(False, "--units", help="List the independent build units "
+                                    "(each export, backend artifact and QPC) with their cache "
+                                    "keys and dependencies, for `compile --unit` on many "
+                                    "machines; this digests the weights.")):
+    """Validate a recipe and show exactly what `compile` will build. Reads configs, never weights
+    (except with --units)."""
     from ..plan import make_plan
     from ..recipe import load_recipe
     from ..render import show_plan
@@ -29,7 +35,18 @@ def plan(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
         sys.stdout.write(yaml.safe_dump(r.to_yaml_dict(), sort_keys=False))
         return
     p = make_plan(r)
-    if json_out:
+    if units:
+        from ..bundle.units import plan_units
+        from ..cache import Cache
+
+        found = plan_units(p, Cache())
+        if json_out:
+            emit_json({"recipe": str(recipe), "name": r.name,
+                       "units": [u.to_dict() for u in found]})
+        for n, u in enumerate([] if json_out else found):
+            console.print(f"{n:>2} {u.name:<20} {u.kind}-{u.key}  after: "
+                          f"{', '.join(u.deps) or '-'}", markup=False)
+    elif json_out:
         emit_json(p.to_dict())
     else:
         show_plan(p)
@@ -96,6 +113,18 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             tune_k: bool = typer.Option(False, "--tune", help="Pick K first from measured "
                                         "acceptance and costs (`qpcbuild tune` with its "
                                         "defaults) and record the evidence."),
+            remote_cache: Optional[str] = typer.Option(
+                None, "--remote-cache", envvar="QPCBUILD_REMOTE_CACHE", help="REGISTRY/REPO "
+                "shared by builders: each artifact missing locally is pulled from it, or built "
+                "and pushed to it (one tag per cache key)."),
+            remote_cache_required: bool = typer.Option(
+                False, "--remote-cache-required", envvar="QPCBUILD_REMOTE_CACHE_REQUIRED",
+                help="Fail when the remote cache is down or refuses (default: warn, build "
+                "locally)."),
+            insecure: bool = InsecureOpt,
+            unit: Optional[str] = typer.Option(None, "--unit", help="Build only this unit (name "
+                                               "or index from `plan --units`) into the cache; "
+                                               "no bundle."),
             json_out: bool = typer.Option(False, "--json", help="One JSON result at the end.")):
     """Build the bundle: export both models, compile for each backend, write the manifest."""
     import tempfile
@@ -103,13 +132,17 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     from contextlib import ExitStack
 
     from ..bundle import build_bundle
-    from ..cache import Cache
     from ..errors import UsageError
+    from ..registry.remote_cache import open_cache
     from ..plan import make_plan
     from ..recipe import load_recipe
 
-    if no_cache and cache_dir:
-        raise UsageError("--no-cache and --cache-dir contradict each other; pass one of them")
+    if no_cache and (cache_dir or remote_cache or unit):
+        raise UsageError("--no-cache contradicts --cache-dir, --remote-cache and --unit (they "
+                         "all need a cache); pass one or the other")
+    if unit is not None and (emit_only or tune_k):
+        raise UsageError("--unit builds one cached artifact; it cannot be combined with "
+                         "--emit-only or --tune")
     if no_cache and tune_k:
         raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
                          "built through the cache")
@@ -125,8 +158,9 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             show_tune(tuning)
         set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
     r = load_recipe(recipe, set_ or [])
-    cache = None if no_cache else \
-        Cache(cache_dir, say=lambda m: err_console.print(f"[yellow]warning:[/] {m}"))
+    cache = None if no_cache else open_cache(
+        cache_dir, remote_cache, remote_cache_required, insecure,
+        say=lambda m: err_console.print(f"[yellow]warning:[/] {m}", soft_wrap=True))
     with ExitStack() as scratch:
         if smoke_weights:
             from ..smoke import with_smoke_weights
@@ -140,19 +174,25 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
 
         def progress(stage: str, how: str, seconds: float) -> None:
             if not json_out:
-                mark = "[green]✓[/]" if how == "built" else "[cyan]↺[/]"
+                mark = {"built": "[green]✓[/]", "pulled": "[blue]⇣[/]"}.get(how, "[cyan]↺[/]")
                 console.print(f"{mark} {stage:<28} {how:<7} {seconds:6.1f} s   "
                               f"(elapsed {time.perf_counter() - started:.1f} s)")
 
         for w in plan_.warnings:
             err_console.print(f"[yellow]warning:[/] {w}")
+        units = None
+        if unit is not None:
+            from ..bundle.units import plan_units, select_unit
+            units = {select_unit(plan_units(plan_, cache, compiler), unit).name}
         result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only,
                               compiler=compiler, jobs=jobs, progress=progress,
-                              manifest_extra={"tuning": tuning} if tuning else None)
+                              manifest_extra={"tuning": tuning} if tuning else None, units=units)
     if json_out:
         emit_json({**result.to_dict(), **({"tuning": {
             "chosen_k": tuning["chosen_k"], "recommended_ks": tuning["recommended_ks"],
             "file": tuning.get("file", "manifest.json")}} if tuning else {})})
+    elif units:
+        console.print(f"unit {', '.join(units)} is in the cache ({result.seconds:.1f} s)")
     else:
         console.print(f"bundle [bold]{result.bundle}[/] id {result.bundle_id[:16]} built in "
                       f"{result.seconds:.1f} s")
