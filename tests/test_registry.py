@@ -1,0 +1,339 @@
+"""Bundles through a real OCI registry (Debian's docker-registry, started per module on a free
+loopback port): push/pull round trips, layers stored once, damaged blobs and killed pulls
+refused or cleaned up, credentials from the environment, Docker's config file and a credential
+helper, and references taken by run/inspect/verify. Built on the shipped demo pair."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from qpcbuild.bundle import read_manifest, verify_bundle
+from qpcbuild.bundle.manifest import MANIFEST, content_id, _field_digests
+from qpcbuild.cli import app
+from qpcbuild.registry.client import RegistryClient
+from qpcbuild.registry.credentials import Credentials
+from qpcbuild.tree import hash_tree
+from registry_server import RegistryServer, free_port, require_registry, start_registry
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+QPCBUILD = [sys.executable, "-m", "qpcbuild"]
+runner = CliRunner()
+
+
+def compile_demo(root: Path, out: Path, cache: Path, *extra: str) -> dict:
+    result = runner.invoke(app, ["compile", str(root / "recipes" / "demo.yaml"), "-o", str(out),
+                                 "--cache-dir", str(cache), "--json", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def checkout_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("checkout")
+    shutil.copytree(REPO / "models" / "demo", root / "models" / "demo")
+    shutil.copytree(REPO / "recipes", root / "recipes")
+    return root
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    server = start_registry(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_bundle(checkout_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundles") / "demo"
+    compile_demo(checkout_dir, out, out.parent / "cache")
+    return out
+
+
+def push(bundle: Path, ref: str, **env) -> str:
+    result = runner.invoke(app, ["push", str(bundle), ref, "--quiet"], env=env or None)
+    assert result.exit_code == 0, result.output
+    return result.stdout.strip()
+
+
+def oci_manifest(registry: RegistryServer, repo: str, ref: str) -> tuple[dict, int]:
+    resp = httpx.get(f"http://{registry.address}/v2/{repo}/manifests/{ref}",
+                     headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert resp.status_code == 200, resp.text
+    return resp.json(), len(resp.content)
+
+
+# ---------------------------------------------------------------- push and pull
+def test_push_pull_round_trip_is_byte_equal_by_tag_and_by_digest(registry, demo_bundle,
+                                                                  tmp_path):
+    ref = f"{registry.address}/team/demo:v1"
+    digest = push(demo_bundle, ref)
+    assert digest.startswith("sha256:") and len(digest) == 71
+    # The same bundle pushed again is the same manifest, and nothing is uploaded.
+    again = runner.invoke(app, ["push", str(demo_bundle), ref, "--json"])
+    assert json.loads(again.stdout)["digest"] == digest
+    assert json.loads(again.stdout)["transferred_bytes"] == 0
+    for source in (ref, f"{registry.address}/team/demo@{digest}"):
+        out = tmp_path / source.rsplit("/", 1)[-1].replace(":", "-").replace("@", "-")
+        result = runner.invoke(app, ["pull", source, "-d", str(out), "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["bundle_id"] == read_manifest(demo_bundle)["bundle_id"]
+        assert hash_tree(out) == hash_tree(demo_bundle)  # every file, byte for byte, and modes
+        assert verify_bundle(out) == []
+
+
+def test_the_artifact_is_what_stock_oras_expects(registry, demo_bundle):
+    push(demo_bundle, f"{registry.address}/team/oras:v1")
+    m, _ = oci_manifest(registry, "team/oras", "v1")
+    sealed = read_manifest(demo_bundle)
+    titles = {layer["annotations"]["org.opencontainers.image.title"]: layer
+              for layer in m["layers"]}
+    assert set(titles) == set(sealed["files"]) | {MANIFEST}  # one layer per file
+    for rel, layer in titles.items():
+        expected = hashlib.sha256((demo_bundle / rel).read_bytes()).hexdigest()
+        assert layer["digest"] == f"sha256:{expected}"
+    assert m["config"]["mediaType"] == "application/vnd.qpcbuild.bundle.manifest.v1+json"
+    assert m["config"]["digest"] == titles[MANIFEST]["digest"]
+    a = m["annotations"]
+    assert a["vnd.qpcbuild.bundle.id"] == sealed["bundle_id"]
+    assert a["vnd.qpcbuild.bundle.name"] == "demo"
+    assert a["vnd.qpcbuild.bundle.method"] == "draft_model"
+    assert a["vnd.qpcbuild.bundle.ks"] == "0,4"
+    assert json.loads(a["vnd.qpcbuild.bundle.toolchain"]) == sealed["toolchain"]
+
+
+def test_a_layer_shared_by_two_bundles_is_stored_once(checkout_dir, tmp_path_factory):
+    require_registry()
+    server = start_registry(tmp_path_factory.mktemp("registry-dedup"))
+    try:
+        root = tmp_path_factory.mktemp("dedup")
+        a, b = root / "a", root / "b"
+        cache = root / "cache"
+        compile_demo(checkout_dir, a, cache)
+        # B differs only in its draft (the target model drafting for itself).
+        compile_demo(checkout_dir, b, cache, "--set", "draft.model=../models/demo/target")
+        push(a, f"{server.address}/team/pair:a")
+        stored_a = server.blob_bytes()
+        push(b, f"{server.address}/team/pair:b")
+        files_a, files_b = read_manifest(a)["files"], read_manifest(b)["files"]
+        known = {f["sha256"] for f in files_a.values()}
+        new_in_b = {f["sha256"]: f["size"] for f in files_b.values() if f["sha256"] not in known}
+        _, manifest_size = oci_manifest(server, "team/pair", "b")
+        expected = sum(new_in_b.values()) + (b / MANIFEST).stat().st_size + manifest_size
+        assert server.blob_bytes() - stored_a == expected
+        target_graph = files_a["target/ort/model.onnx.data"]
+        assert files_b["target/ort/model.onnx.data"] == target_graph
+        assert target_graph["sha256"] not in new_in_b and target_graph["size"] > 1 << 20
+    finally:
+        server.stop()
+
+
+def test_a_tampered_blob_in_the_registry_is_refused_on_pull(registry, demo_bundle, tmp_path):
+    ref = f"{registry.address}/team/tampered:v1"
+    push(demo_bundle, ref)
+    digest = read_manifest(demo_bundle)["files"]["target/ort/model.onnx.data"]["sha256"]
+    blob = registry.blob_path(digest)
+    original = blob.read_bytes()
+    try:
+        with open(blob, "r+b") as f:  # one byte, same size: only the digest can tell
+            f.seek(len(original) // 2)
+            f.write(bytes([original[len(original) // 2] ^ 0xFF]))
+        out = tmp_path / "pulled"
+        result = runner.invoke(app, ["pull", ref, "-d", str(out)])
+        assert result.exit_code == 1
+        assert "target/ort/model.onnx.data" in result.output and "digest" in result.output
+        assert "Traceback" not in result.output
+        assert not out.exists() and list(tmp_path.iterdir()) == []
+    finally:
+        blob.write_bytes(original)
+
+
+def _resealed_with_big_file(bundle: Path, dest: Path, size: int) -> Path:
+    """The bundle plus a large file (sealed into its manifest), so a pull takes a while."""
+    shutil.copytree(bundle, dest)
+    big = dest / "aaa-big.bin"  # sorts first: it is downloaded first
+    with open(big, "wb") as f:
+        for _ in range(size >> 20):
+            f.write(os.urandom(1 << 20))
+    m = json.loads((dest / MANIFEST).read_text())
+    m["files"]["aaa-big.bin"] = {"size": big.stat().st_size,
+                                 "sha256": hashlib.sha256(big.read_bytes()).hexdigest()}
+    m["bundle_id"] = content_id(m)
+    m["seal"]["fields"] = _field_digests(m)
+    (dest / MANIFEST).write_text(json.dumps(m, indent=1))
+    assert verify_bundle(dest) == []
+    return dest
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_pull_killed_midway_leaves_nothing(registry, demo_bundle, tmp_path, how):
+    ref = f"{registry.address}/team/big:v1"
+    if how == signal.SIGTERM:  # pushed once for the three kills
+        push(_resealed_with_big_file(demo_bundle, tmp_path / "big", 384 << 20), ref)
+    dest_root = tmp_path / "dest"
+    dest_root.mkdir()
+    out = dest_root / "bundle"
+    proc = subprocess.Popen([*QPCBUILD, "pull", ref, "-d", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size for p in dest_root.glob(".bundle.building-*/aaa-big.bin")):
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "the pull never started downloading"
+        time.sleep(0.01)
+    proc.send_signal(how)
+    code = proc.wait(60)
+    assert code == {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -9}[how]
+    assert not out.exists()
+    if how == signal.SIGKILL:  # nothing can clean up after SIGKILL: the next pull does
+        assert list(dest_root.iterdir())
+        result = runner.invoke(app, ["pull", ref, "-d", str(out)])
+        assert result.exit_code == 0, result.output
+        assert sorted(p.name for p in dest_root.iterdir()) == [".bundle.lock", "bundle"]
+    else:
+        assert list(dest_root.iterdir()) == []
+
+
+def test_pull_refuses_to_replace_a_folder_that_is_not_a_bundle(registry, demo_bundle, tmp_path):
+    ref = f"{registry.address}/team/demo:v1"
+    push(demo_bundle, ref)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine\n")
+    result = runner.invoke(app, ["pull", ref, "-d", str(tmp_path / "notes")])
+    assert result.exit_code == 2 and "not a qpcbuild bundle" in result.output
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("ref,named", [
+    ("demo:v1", "registry host written out"),
+    ("localhost:5000/Team/demo:v1", "not a valid repository name"),
+    ("localhost:5000/team/demo:-v1", "not a valid registry tag"),
+    ("localhost:5000/team/demo@sha256:abc", "64 lowercase hex"),
+])
+def test_bad_references_are_named(ref, named, tmp_path):
+    result = runner.invoke(app, ["pull", ref, "-d", str(tmp_path / "x")])
+    assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output
+
+
+def test_unknown_tag_and_unreachable_registry(registry, tmp_path):
+    result = runner.invoke(app, ["pull", f"{registry.address}/team/demo:nosuchtag"])
+    assert result.exit_code == 2 and "404" in result.output
+    result = runner.invoke(app, ["pull", f"127.0.0.1:{free_port()}/team/demo:v1"])
+    assert result.exit_code == 1 and "not reachable" in result.output
+
+
+def test_push_refuses_a_bundle_that_does_not_verify(registry, demo_bundle, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_bundle, copy)
+    (copy / "recipe.yaml").write_text("changed\n")
+    result = runner.invoke(app, ["push", str(copy), f"{registry.address}/team/bad:v1"])
+    assert result.exit_code == 1 and "recipe.yaml" in result.output
+    assert httpx.get(f"http://{registry.address}/v2/team/bad/tags/list").status_code == 404
+
+
+# ---------------------------------------------------------------- references as bundles
+def test_run_inspect_verify_take_a_reference_and_reuse_the_store(registry, demo_bundle,
+                                                                  tmp_path, monkeypatch):
+    ref = f"{registry.address}/team/demo:v1"
+    digest = push(demo_bundle, ref)
+    monkeypatch.setenv("QPCBUILD_STORE", str(tmp_path / "store"))
+    result = runner.invoke(app, ["verify", ref])
+    assert result.exit_code == 0 and "pulling" in result.output, result.output
+    stored = tmp_path / "store" / digest.replace(":", "-")
+    assert hash_tree(stored) == hash_tree(demo_bundle)
+    inspected = runner.invoke(app, ["inspect", ref, "--json"])
+    assert json.loads(inspected.stdout)["bundle_id"] == read_manifest(demo_bundle)["bundle_id"]
+    ran = runner.invoke(app, ["run", f"{registry.address}/team/demo@{digest}", "--prompt",
+                              "w1 w2 w3", "--max-new-tokens", "4", "--json"])
+    assert ran.exit_code == 0, ran.output
+    assert "pulling" not in ran.output  # reused the store's copy
+    assert [p.name for p in (tmp_path / "store").iterdir() if not p.name.startswith(".")] \
+        == [stored.name]
+
+
+# ---------------------------------------------------------------- transport and credentials
+def test_https_unless_loopback_or_insecure():
+    assert RegistryClient("registry.example.com").base == "https://registry.example.com"
+    assert RegistryClient("10.0.0.5:5000").base == "https://10.0.0.5:5000"
+    assert RegistryClient("10.0.0.5:5000", insecure=True).base == "http://10.0.0.5:5000"
+    for host in ("localhost:5000", "127.0.0.1:5000", "[::1]:5000"):
+        assert RegistryClient(host).base.startswith("http://")
+
+
+def test_secrets_stay_out_of_reprs():
+    creds = Credentials("ci", "hunter2-secret", source="test")
+    assert "hunter2" not in repr(creds)
+
+
+@pytest.fixture(scope="module")
+def auth_registry(tmp_path_factory):
+    require_registry()
+    if not shutil.which("htpasswd"):
+        if os.environ.get("CI"):
+            pytest.fail("htpasswd missing; .ci/run installs apache2-utils")
+        pytest.skip("htpasswd (apache2-utils) is not installed")
+    root = tmp_path_factory.mktemp("auth-registry")
+    htpasswd = root / "htpasswd"
+    subprocess.run(["htpasswd", "-Bbc", str(htpasswd), "ci", "s3cret-pass"], check=True,
+                   capture_output=True)
+    server = RegistryServer(root, htpasswd).start()
+    yield server
+    server.stop()
+
+
+def test_wrong_credentials_are_a_clear_error(auth_registry, demo_bundle, tmp_path):
+    ref = f"{auth_registry.address}/team/demo:v1"
+    for env in ({"QPCBUILD_REGISTRY_USERNAME": "ci", "QPCBUILD_REGISTRY_PASSWORD": "wrong-pw"},
+                {"DOCKER_CONFIG": str(tmp_path / "none")}):
+        result = runner.invoke(app, ["push", str(demo_bundle), ref], env=env)
+        assert result.exit_code == 2, result.output
+        assert auth_registry.address in result.output and "Traceback" not in result.output
+        assert "wrong-pw" not in result.output
+    result = runner.invoke(app, ["pull", ref, "-d", str(tmp_path / "x")],
+                           env={"QPCBUILD_REGISTRY_USERNAME": "ci",
+                                "QPCBUILD_REGISTRY_PASSWORD": "wrong-pw"})
+    assert result.exit_code == 2 and "refused" in result.output and "as ci" in result.output
+
+
+def test_credentials_from_env_docker_config_and_a_helper(auth_registry, demo_bundle, tmp_path,
+                                                         monkeypatch):
+    ref = f"{auth_registry.address}/team/demo:v1"
+    env = {"QPCBUILD_REGISTRY_USERNAME": "ci", "QPCBUILD_REGISTRY_PASSWORD": "s3cret-pass"}
+    digest = push(demo_bundle, ref, **env)
+    # Docker's config file: base64 user:password under auths, keyed as `docker login` writes.
+    config = tmp_path / "docker"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({"auths": {
+        f"https://{auth_registry.address}": {"auth": base64.b64encode(
+            b"ci:s3cret-pass").decode()}}}))
+    result = runner.invoke(app, ["pull", ref, "-d", str(tmp_path / "a"), "--json"],
+                           env={"DOCKER_CONFIG": str(config)})
+    assert result.exit_code == 0 and json.loads(result.stdout)["digest"] == digest
+    # A credential helper: `docker-credential-NAME get`, host on stdin, JSON on stdout.
+    helper_dir = tmp_path / "bin"
+    helper_dir.mkdir()
+    helper = helper_dir / "docker-credential-qpctest"
+    helper.write_text("#!/bin/sh\nread host\n"
+                      f"[ \"$host\" = \"{auth_registry.address}\" ] || exit 1\n"
+                      "echo '{\"ServerURL\": \"'$host'\", \"Username\": \"ci\", "
+                      "\"Secret\": \"s3cret-pass\"}'\n")
+    helper.chmod(0o755)
+    (config / "config.json").write_text(json.dumps({"credHelpers": {
+        auth_registry.address: "qpctest"}}))
+    monkeypatch.setenv("PATH", f"{helper_dir}:{os.environ['PATH']}")
+    result = runner.invoke(app, ["pull", ref, "-d", str(tmp_path / "b")],
+                           env={"DOCKER_CONFIG": str(config)})
+    assert result.exit_code == 0, result.output
+    assert hash_tree(tmp_path / "b") == hash_tree(demo_bundle)
