@@ -94,6 +94,19 @@ class RegistryServer:
         return sum(p.stat().st_size for p in root.rglob("data")) if root.is_dir() else 0
 
 
-def start_registry(root: Path, htpasswd: Path | None = None) -> RegistryServer:
+def start_registry(root: Path, user: str | None = None,
+                   password: str | None = None) -> RegistryServer:
+    """A fresh registry; with `user`, one that asks for that user's password (Basic auth
+    from an htpasswd file made with bcrypt, as the server requires)."""
     require_registry()
+    htpasswd = None
+    if user:
+        if not shutil.which("htpasswd"):
+            if os.environ.get("CI"):
+                pytest.fail("htpasswd is not installed; .ci/run installs apache2-utils")
+            pytest.skip("htpasswd (apache2-utils) is not installed")
+        root.mkdir(parents=True, exist_ok=True)
+        htpasswd = root / "htpasswd"
+        subprocess.run(["htpasswd", "-Bbc", str(htpasswd), user, password], check=True,
+                       capture_output=True)
     return RegistryServer(root, htpasswd).start()

@@ -26,7 +26,7 @@ from qpcbuild.cli import app
 from qpcbuild.registry.client import RegistryClient
 from qpcbuild.registry.credentials import Credentials
 from qpcbuild.tree import hash_tree
-from registry_server import RegistryServer, free_port, require_registry, start_registry
+from registry_server import RegistryServer, free_port, start_registry
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +116,6 @@ def test_the_artifact_is_what_stock_oras_expects(registry, demo_bundle):
 
 
 def test_a_layer_shared_by_two_bundles_is_stored_once(checkout_dir, tmp_path_factory):
-    require_registry()
     server = start_registry(tmp_path_factory.mktemp("registry-dedup"))
     try:
         root = tmp_path_factory.mktemp("dedup")
@@ -279,16 +278,7 @@ def test_secrets_stay_out_of_reprs():
 
 @pytest.fixture(scope="module")
 def auth_registry(tmp_path_factory):
-    require_registry()
-    if not shutil.which("htpasswd"):
-        if os.environ.get("CI"):
-            pytest.fail("htpasswd missing; .ci/run installs apache2-utils")
-        pytest.skip("htpasswd (apache2-utils) is not installed")
-    root = tmp_path_factory.mktemp("auth-registry")
-    htpasswd = root / "htpasswd"
-    subprocess.run(["htpasswd", "-Bbc", str(htpasswd), "ci", "s3cret-pass"], check=True,
-                   capture_output=True)
-    server = RegistryServer(root, htpasswd).start()
+    server = start_registry(tmp_path_factory.mktemp("auth-registry"), "ci", "s3cret-pass")
     yield server
     server.stop()
 
