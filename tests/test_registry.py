@@ -9,10 +9,13 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -327,3 +330,84 @@ def test_credentials_from_env_docker_config_and_a_helper(auth_registry, demo_bun
                            env={"DOCKER_CONFIG": str(config)})
     assert result.exit_code == 0, result.output
     assert hash_tree(tmp_path / "b") == hash_tree(demo_bundle)
+
+
+# ---------------------------------------------------------------- broken connections
+class CuttingRelay:
+    """A TCP relay in front of the registry that breaks one connection, once, after it has
+    carried `cut_after` bytes in one direction ("down": responses, "up": requests); it keeps
+    every request's bytes so a test can see how the client resumed."""
+
+    def __init__(self, upstream: str, direction: str, cut_after: int):
+        self.upstream, self.direction, self.cut_after = upstream, direction, cut_after
+        self.cut = threading.Event()
+        self.requests = bytearray()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            host, port = self.upstream.split(":")
+            upstream = socket.create_connection((host, int(port)))
+            for src, dst, way in ((client, upstream, "up"), (upstream, client, "down")):
+                threading.Thread(target=self._pipe, args=(src, dst, way, (client, upstream)),
+                                 daemon=True).start()
+
+    def _pipe(self, src, dst, way, both) -> None:
+        carried = 0
+        try:
+            while data := src.recv(1 << 16):
+                if way == "up":
+                    self.requests += data
+                carried += len(data)
+                if way == self.direction and carried > self.cut_after and \
+                        not self.cut.is_set():
+                    self.cut.set()
+                    for s in both:
+                        s.shutdown(socket.SHUT_RDWR)
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in both:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_broken_download_resumes_from_the_last_byte(registry, demo_bundle, tmp_path):
+    push(demo_bundle, f"{registry.address}/team/resume:v1")
+    relay = CuttingRelay(registry.address, "down", 5 << 20)  # past the first 4 MiB piece
+    try:
+        result = runner.invoke(app, ["pull", f"{relay.address}/team/resume:v1", "-d",
+                                     str(tmp_path / "out")])
+    finally:
+        relay.close()
+    assert result.exit_code == 0, result.output
+    assert relay.cut.is_set()
+    resumed = re.findall(rb"[Rr]ange: bytes=(\d+)-", bytes(relay.requests))
+    assert resumed and int(resumed[0]) > 0  # continued, not restarted
+    assert hash_tree(tmp_path / "out") == hash_tree(demo_bundle)
+
+
+def test_a_broken_upload_is_sent_again(registry, demo_bundle, tmp_path):
+    relay = CuttingRelay(registry.address, "up", 3 << 20)
+    try:
+        result = runner.invoke(app, ["push", str(demo_bundle), f"{relay.address}/team/up:v1"])
+    finally:
+        relay.close()
+    assert result.exit_code == 0, result.output
+    assert relay.cut.is_set()
+    pulled = runner.invoke(app, ["pull", f"{registry.address}/team/up:v1", "-d",
+                                 str(tmp_path / "out")])
+    assert pulled.exit_code == 0 and hash_tree(tmp_path / "out") == hash_tree(demo_bundle)

@@ -217,19 +217,31 @@ class RegistryClient:
     def push_blob(self, repo: str, digest: str, size: int, path: Path | None = None,
                   data: bytes | None = None) -> bool:
         """Upload a blob unless the repository has it already; True when bytes were sent.
-        Files go up in UPLOAD_CHUNK pieces; a piece cut off by a broken connection is resent
-        from the offset the registry confirms."""
+        A blob up to UPLOAD_CHUNK goes in one streamed request, sent again whole if the
+        connection breaks; a larger one in UPLOAD_CHUNK pieces, a broken piece resent from the
+        offset the registry confirms."""
         if self.has_blob(repo, digest):
             return False
+        body = (lambda: data) if data is not None else (lambda: _file_piece(path, 0, size))
+        for failures in range(RETRIES + 1):
+            location = self._start_upload(repo, digest)
+            if data is None and size > UPLOAD_CHUNK:
+                return self._upload_chunks(repo, location, digest, size, path)
+            try:
+                return self._finish_upload(repo, location, digest, body, size)
+            except RegistryUnavailable:
+                if failures == RETRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_upload(self, repo: str, digest: str) -> str:
         resp = self._send("POST", f"/v2/{repo}/blobs/uploads/", repo, push=True)
         if resp.status_code != 202:
             raise self._fail(resp, f"starting the upload of {digest}")
-        location = resp.headers["Location"]
-        if data is not None:
-            return self._finish_upload(repo, location, digest, lambda: data, len(data))
-        if size <= UPLOAD_CHUNK:  # one request, streamed
-            return self._finish_upload(repo, location, digest,
-                                       lambda: _file_piece(path, 0, size), size)
+        return resp.headers["Location"]
+
+    def _upload_chunks(self, repo: str, location: str, digest: str, size: int,
+                       path: Path) -> bool:
         offset, failures = 0, 0
         while offset < size:
             length = min(UPLOAD_CHUNK, size - offset)

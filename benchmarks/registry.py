@@ -1,0 +1,183 @@
+"""The registry's three goals, measured side by side on one machine (docs/registry.md):
+
+1. a second runner with an empty local cache builds a recipe from the remote cache much faster
+   than a cold build, with the same bundle id (cold, seed and warm builds interleaved per round);
+2. push and pull of the bundle run at a good fraction of a plain file copy's speed on the same
+   disk (cp -r, push, pull interleaved per round, each push to an empty registry);
+3. two bundles that differ only in the draft store the target's graph once (registry storage).
+
+Usage: python benchmarks/registry.py [--recipe recipes/smollm2.yaml] [--rounds 2] [--work DIR]
+Needs Debian's docker-registry (apt-get install docker-registry), started here on a loopback port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from registry_server import RegistryServer, free_port  # noqa: E402
+
+from qpcbuild.bundle import read_manifest  # noqa: E402
+from qpcbuild.registry.bundles import pull_bundle, push_bundle  # noqa: E402
+from qpcbuild.registry.client import RegistryClient  # noqa: E402
+from qpcbuild.registry.reference import parse_reference  # noqa: E402
+
+QPCBUILD = [sys.executable, "-m", "qpcbuild"]
+
+
+def compile_(recipe: Path, out: Path, cache: Path, *extra: str) -> tuple[dict, float]:
+    """(compile --json result, wall seconds of the whole process)."""
+    t0 = time.perf_counter()
+    done = subprocess.run([*QPCBUILD, "compile", str(recipe), "-o", str(out), "--cache-dir",
+                           str(cache), "--json", *extra], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        sys.exit(f"compile failed: {done.stderr}")
+    return json.loads(done.stdout), wall
+
+
+def builds(recipe: Path, work: Path, server: RegistryServer, rounds: int) -> list[dict]:
+    rows = []
+    for r in range(rounds):
+        remote = f"{server.address}/bench/round{r}"
+        cold, cold_wall = compile_(recipe, work / f"cold{r}", work / f"cache-cold{r}")
+        seed, seed_wall = compile_(recipe, work / f"seed{r}", work / f"cache-seed{r}",
+                                   "--remote-cache", remote)
+        warm, warm_wall = compile_(recipe, work / f"warm{r}", work / f"cache-warm{r}",
+                                   "--remote-cache", remote)
+        assert {s["from"] for s in warm["stages"]} == {"remote"}, warm["stages"]
+        assert cold["bundle_id"] == seed["bundle_id"] == warm["bundle_id"]
+        rows.append({"round": r, "cold_build_s": cold["seconds"], "cold_wall_s": cold_wall,
+                     "seed_build_and_push_s": seed["seconds"], "seed_wall_s": seed_wall,
+                     "warm_build_s": warm["seconds"], "warm_wall_s": warm_wall,
+                     "speedup_build": cold["seconds"] / warm["seconds"],
+                     "speedup_wall": cold_wall / warm_wall, "bundle_id": warm["bundle_id"]})
+        print(json.dumps(rows[-1]), flush=True)
+        for name in (f"cache-cold{r}", f"cache-seed{r}", f"cache-warm{r}", f"seed{r}",
+                     f"warm{r}"):
+            shutil.rmtree(work / name)
+    return rows
+
+
+def transfers(bundle: Path, work: Path, rounds: int) -> list[dict]:
+    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    rows = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        subprocess.run(["cp", "-r", str(bundle), str(work / "copy")], check=True)
+        subprocess.run(["sync"], check=True)
+        cp_s = time.perf_counter() - t0
+        shutil.rmtree(work / "copy")
+        server = RegistryServer(work / f"xfer-registry{r}")
+        server.port = free_port()
+        server.start()
+        try:
+            ref = parse_reference(f"{server.address}/bench/bundle:v1")
+            with RegistryClient(ref.registry) as client:
+                t0 = time.perf_counter()
+                pushed = push_bundle(bundle, ref, client)
+                subprocess.run(["sync"], check=True)
+                push_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                pull_bundle(ref, work / "pulled", client)
+                subprocess.run(["sync"], check=True)
+                pull_s = time.perf_counter() - t0
+            assert pushed.sent == size, (pushed.sent, size)
+        finally:
+            server.stop()
+            shutil.rmtree(work / f"xfer-registry{r}", ignore_errors=True)
+        shutil.rmtree(work / "pulled")
+        mb = size / 1e6
+        rows.append({"round": r, "bytes": size, "cp_MBps": mb / cp_s, "push_MBps": mb / push_s,
+                     "pull_MBps": mb / pull_s, "push_vs_cp": cp_s / push_s,
+                     "pull_vs_cp": cp_s / pull_s})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def pull_memory(bundle: Path, work: Path) -> dict:
+    """Peak RSS of a `qpcbuild pull` process (its largest file must not be held in memory)."""
+    server = RegistryServer(work / "rss-registry")
+    server.port = free_port()
+    server.start()
+    try:
+        ref = parse_reference(f"{server.address}/bench/bundle:v1")
+        with RegistryClient(ref.registry) as client:
+            push_bundle(bundle, ref, client)
+        proc = subprocess.Popen([*QPCBUILD, "pull", str(ref), "-d", str(work / "rss-pulled")],
+                                env={**os.environ, "PYTHONPATH": str(REPO)},
+                                stdout=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        assert status == 0
+    finally:
+        server.stop()
+        shutil.rmtree(work / "rss-registry", ignore_errors=True)
+        shutil.rmtree(work / "rss-pulled", ignore_errors=True)
+    largest = max(f["size"] for f in read_manifest(bundle)["files"].values())
+    return {"pull_peak_rss_MB": usage.ru_maxrss / 1024, "largest_file_MB": largest / 1e6}
+
+
+def dedup(recipe: Path, bundle: Path, work: Path, cache: Path) -> dict:
+    """Push the bundle, then one differing only in its draft: what the second one adds."""
+    other, _ = compile_(recipe, work / "other", cache, "--set", "draft.vocab_subset=null")
+    server = RegistryServer(work / "dedup-registry")
+    server.port = free_port()
+    server.start()
+    try:
+        with RegistryClient(server.address) as client:
+            push_bundle(bundle, parse_reference(f"{server.address}/bench/pair:a"), client)
+            after_a = server.blob_bytes()
+            push_bundle(work / "other", parse_reference(f"{server.address}/bench/pair:b"), client)
+            after_b = server.blob_bytes()
+    finally:
+        server.stop()
+        shutil.rmtree(work / "dedup-registry", ignore_errors=True)
+    a, b = read_manifest(bundle)["files"], read_manifest(work / "other")["files"]
+    shared = sum(f["size"] for p, f in b.items() if a.get(p, {}).get("sha256") == f["sha256"])
+    return {"bundle_a_bytes": sum(f["size"] for f in a.values()),
+            "bundle_b_bytes": sum(f["size"] for f in b.values()),
+            "shared_bytes": shared, "stored_after_a": after_a, "stored_after_b": after_b,
+            "added_by_b": after_b - after_a,
+            "target_graph_bytes": sum(f["size"] for p, f in b.items()
+                                      if p.startswith("target/"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "smollm2.yaml")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="qpcbuild-registry-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    server = RegistryServer(work / "registry")
+    server.port = free_port()
+    server.start()
+    try:
+        report = {"recipe": str(args.recipe), "builds": builds(args.recipe, work, server,
+                                                               args.rounds)}
+    finally:
+        server.stop()
+    bundle = work / "cold0"
+    report["transfers"] = transfers(bundle, work, args.rounds)
+    report["memory"] = pull_memory(bundle, work)
+    print(json.dumps(report["memory"]), flush=True)
+    report["dedup"] = dedup(args.recipe, bundle, work, work / "cache-dedup")
+    print(json.dumps(report["dedup"]), flush=True)
+    out = REPO / "benchmarks" / "results" / "registry.json"
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}; scratch in {work}")
+
+
+if __name__ == "__main__":
+    main()
