@@ -54,6 +54,7 @@ def artifact_key_inputs(role: RolePlan, weights_digest: str,
                         compiler: str | None) -> dict[str, dict[str, Any]]:
     """What each artifact's cache key is the digest of: the plan's settings, the weights'
     content and the tools' versions (kept with the entry, so two keys can be compared)."""
+    # (the export's digest is its key; the backends' keys include it)
     tools = artifact_versions()
     export = {"settings": role.cache_keys["export"], "weights": weights_digest,
               "qpcbuild": __version__, "exporter": EXPORTER_VERSION,
@@ -64,12 +65,6 @@ def artifact_key_inputs(role: RolePlan, weights_digest: str,
                             "onnxruntime": tools["onnxruntime"], "onnx": tools["onnx"]},
             "qaic": {"export": digest(export), "settings": role.cache_keys["qaic"],
                      "sdk": tools["qaic_sdk"], "compiler": compiler_identity(compiler)}}
-
-
-def artifact_keys(role: RolePlan, weights_digest: str, compiler: str | None) -> dict[str, str]:
-    """Full cache keys: the digests of artifact_key_inputs."""
-    return {stage: digest(inputs)
-            for stage, inputs in artifact_key_inputs(role, weights_digest, compiler).items()}
 
 
 def weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..bundle.manifest import check_relative
-from .client import OCI_MANIFEST, RegistryClient, _sha256
+from .client import OCI_MANIFEST, RegistryClient, sha256_digest
 from .errors import RegistryError
 
 TITLE = "org.opencontainers.image.title"
@@ -55,7 +55,7 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
         layers.append({"mediaType": FILE_LAYER, "digest": digest, "size": meta["size"],
                        "annotations": {TITLE: rel, **({EXECUTABLE: "true"}
                                                       if meta.get("executable") else {})}})
-    config_digest = _sha256(config)
+    config_digest = sha256_digest(config)
     client.push_blob(repo, config_digest, len(config), data=config)
     manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
                 "config": {"mediaType": config_type, "digest": config_digest,

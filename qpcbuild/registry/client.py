@@ -34,7 +34,7 @@ RETRIES = 3
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
 
 
-def _sha256(data: bytes) -> str:
+def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
@@ -187,7 +187,7 @@ class RegistryClient:
         if resp.status_code != 200:
             raise self._fail(resp, f"{self.registry}/{repo}:{reference}")
         data = resp.content
-        digest = _sha256(data)
+        digest = sha256_digest(data)
         if reference.startswith("sha256:") and digest != reference:
             raise RegistryError(f"{self.registry}/{repo}@{reference}: the manifest the registry "
                                 f"sent hashes to {digest}; refusing it")
@@ -203,7 +203,7 @@ class RegistryClient:
                           body=lambda: data, headers={"Content-Type": OCI_MANIFEST})
         if resp.status_code != 201:
             raise self._fail(resp, f"pushing the manifest of {self.registry}/{repo}:{tag}")
-        return _sha256(data)
+        return sha256_digest(data)
 
     # ------------------------------------------------------------ blobs
     def has_blob(self, repo: str, digest: str) -> bool:
@@ -294,7 +294,7 @@ class RegistryClient:
             raise transport_error(self.registry, exc) from None
         finally:
             resp.close()
-        if _sha256(data) != digest:
+        if sha256_digest(data) != digest:
             raise RegistryError(f"blob {digest} from {self.registry}/{repo} does not match its "
                                 "digest (damaged in the registry or in transit); refusing it")
         return data
