@@ -128,7 +128,7 @@ class Cache:
             try:
                 meta = build(tmp)
                 record = {"format": ENTRY_FORMAT, "kind": kind, "key": key, "meta": meta,
-                          "files": hash_tree(tmp), **({"inputs": inputs} if inputs else {})}
+                          "files": self._files(tmp), **({"inputs": inputs} if inputs else {})}
                 (tmp / META).write_text(json.dumps(record, indent=1, default=str) + "\n")
                 _make_read_only(tmp)
                 os.replace(tmp, final)
@@ -137,9 +137,24 @@ class Cache:
                 raise
         return final, meta, False
 
+    def _files(self, tmp: Path) -> dict[str, dict]:
+        """The digests recorded for a freshly made entry."""
+        return hash_tree(tmp)
+
     def origin(self, kind: str, key: str, reused: bool) -> str:
         """Where the last get_or_build of this entry got it: local | remote | built."""
         return "local" if reused else "built"
+
+    def has(self, kind: str, key: str) -> bool:
+        """Is there a finished entry (not checked: get_or_build checks it on use)?"""
+        return (self.entry(kind, key) / META).is_file()
+
+    def record_meta(self, kind: str, key: str) -> dict[str, Any] | None:
+        """A finished entry's metadata without using its files, or None."""
+        try:
+            return json.loads((self.entry(kind, key) / META).read_text())["meta"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
         """Put an entry's files into a bundle: copies, so the bundle can never reach the cache."""
@@ -245,6 +260,9 @@ class ScratchCache:
 
     def origin(self, kind: str, key: str, reused: bool) -> str:
         return "built"
+
+    def has(self, kind: str, key: str) -> bool:
+        return False
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
         copy_tree(entry, dst, skip=skip, move=True)

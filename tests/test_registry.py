@@ -245,6 +245,18 @@ def test_push_refuses_a_bundle_that_does_not_verify(registry, demo_bundle, tmp_p
     assert httpx.get(f"http://{registry.address}/v2/team/bad/tags/list").status_code == 404
 
 
+def test_push_publishes_only_bytes_that_match_the_seal(registry, demo_bundle, tmp_path):
+    """A same-size edit passes the size check; the registry refuses its bytes."""
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_bundle, copy)
+    text = (copy / "recipe.yaml").read_bytes()
+    (copy / "recipe.yaml").write_bytes(text.replace(b"demo", b"dEmo", 1))
+    result = runner.invoke(app, ["push", str(copy), f"{registry.address}/team/flipped:v1"])
+    assert result.exit_code == 1 and "recipe.yaml" in result.output
+    assert "do not hash" in result.output and "Traceback" not in result.output
+    assert httpx.get(f"http://{registry.address}/v2/team/flipped/tags/list").status_code == 404
+
+
 # ---------------------------------------------------------------- references as bundles
 def test_run_inspect_verify_take_a_reference_and_reuse_the_store(registry, demo_bundle,
                                                                   tmp_path, monkeypatch):
@@ -411,3 +423,41 @@ def test_a_broken_upload_is_sent_again(registry, demo_bundle, tmp_path):
     pulled = runner.invoke(app, ["pull", f"{registry.address}/team/up:v1", "-d",
                                  str(tmp_path / "out")])
     assert pulled.exit_code == 0 and hash_tree(tmp_path / "out") == hash_tree(demo_bundle)
+
+
+def test_where_credentials_are_found_and_in_which_order(tmp_path, monkeypatch):
+    from qpcbuild.errors import UsageError
+    from qpcbuild.registry.credentials import find_credentials
+
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    monkeypatch.delenv("QPCBUILD_REGISTRY_USERNAME", raising=False)
+    monkeypatch.delenv("QPCBUILD_REGISTRY_PASSWORD", raising=False)
+    assert find_credentials("reg.example:5000") is None  # no config file: anonymous
+    helper = tmp_path / "docker-credential-tok"
+    helper.write_text("#!/bin/sh\nread host\necho '{\"Username\": \"<token>\", "
+                      "\"Secret\": \"refresh-for-'$host'\"}'\n")
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    config = {"auths": {"reg.example:5000": {"auth": base64.b64encode(b"u:p").decode()},
+                        "https://other.example/v1/": {"identitytoken": "idt"}},
+              "credHelpers": {"helped.example": "tok"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    found = find_credentials("reg.example:5000")
+    assert (found.username, found.password) == ("u", "p") and "auths" in found.source
+    assert find_credentials("other.example").identity_token == "idt"
+    helped = find_credentials("helped.example")
+    assert helped.identity_token == "refresh-for-helped.example" and helped.username is None
+    monkeypatch.setenv("QPCBUILD_REGISTRY_USERNAME", "env-user")
+    monkeypatch.setenv("QPCBUILD_REGISTRY_PASSWORD", "env-pass")
+    assert find_credentials("reg.example:5000").username == "env-user"  # the environment wins
+    monkeypatch.delenv("QPCBUILD_REGISTRY_PASSWORD")
+    with pytest.raises(UsageError, match="both"):
+        find_credentials("reg.example:5000")
+    monkeypatch.delenv("QPCBUILD_REGISTRY_USERNAME")
+    config["auths"]["reg.example:5000"]["auth"] = "not base64!"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="base64"):
+        find_credentials("reg.example:5000")
+    (tmp_path / "config.json").write_text(json.dumps({"credsStore": "missing-helper"}))
+    with pytest.raises(UsageError, match="docker-credential-missing-helper"):
+        find_credentials("reg.example:5000")

@@ -17,7 +17,7 @@ import onnx
 import pytest
 from typer.testing import CliRunner
 
-from qpcbuild.bundle import build_bundle, verify_bundle
+from qpcbuild.bundle import build_bundle, read_manifest, verify_bundle
 from qpcbuild.cli import app
 from qpcbuild.plan import make_plan
 from qpcbuild.recipe import load_recipe
@@ -67,10 +67,15 @@ def test_a_second_runner_builds_from_hits_and_tags_record_the_key_inputs(recipe,
     assert set(origins(second).values()) == {"remote"}
     assert all(s["reused"] for s in second["stages"])
     assert second["bundle_id"] == first["bundle_id"] and verify_bundle(tmp_path / "b") == []
-    # The remote copy landed in runner B's local cache: the next build there is local.
+    # Both ONNX Runtime artifacts were hits, so the graphs they were made from stayed remote.
+    entries = sorted(tmp_path.glob("cache-b/*/*/cache-entry.json"))
+    assert [p.parent.parent.name for p in entries] == ["ort", "ort"]
+    # The pulled artifacts landed in runner B's local cache: the next build there uses them
+    # (and again only the graphs' records from the registry).
     third, _ = compile_json(recipe, tmp_path / "c", tmp_path / "cache-b", "--remote-cache",
                             remote)
-    assert set(origins(third).values()) == {"local"}
+    assert origins(third) == {"export target": "remote", "export draft": "remote",
+                              "onnxruntime target": "local", "onnxruntime draft": "local"}
     # One tag per key; its annotations say what the key was made of.
     tags = httpx.get(f"http://{registry.address}/v2/ci/cache/tags/list").json()["tags"]
     assert len(tags) == 4 and sorted(t.split("-")[0] for t in tags) == ["exports", "exports",
@@ -151,15 +156,19 @@ def test_a_damaged_remote_entry_is_rebuilt_locally(recipe, registry, tmp_path):
     remote = f"{registry.address}/ci/cache"
     first, _ = compile_json(recipe, tmp_path / "a", tmp_path / "cache-a", "--remote-cache",
                             remote)
-    # Flip a byte in the biggest blob the registry stores (the target's ONNX Runtime weights).
-    blob = max(registry.storage.rglob("data"), key=lambda p: p.stat().st_size)
+    # Flip a byte of the target's ONNX Runtime weights where the registry stores them.
+    digest = read_manifest(tmp_path / "a")["files"]["target/ort/model.onnx.data"]["sha256"]
+    blob = registry.blob_path(digest)
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))
     second, stderr = compile_json(recipe, tmp_path / "b", tmp_path / "cache-b",
                                   "--remote-cache", remote)
     assert "unusable" in stderr and "digest" in stderr
-    assert sorted(origins(second).values()) == ["built", "remote", "remote", "remote"]
+    # the target's graph was fetched after all, to rebuild its ONNX Runtime artifact
+    assert origins(second) == {"export target": "remote", "export draft": "remote",
+                               "onnxruntime target": "built", "onnxruntime draft": "remote"}
+    assert (tmp_path / "cache-b" / "exports").is_dir()
     assert second["bundle_id"] == first["bundle_id"] and verify_bundle(tmp_path / "b") == []
 
 

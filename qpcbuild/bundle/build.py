@@ -298,21 +298,42 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                 return {"weights_digest": res.weights_digest, "metadata": res.metadata}
 
             key = keys[role.role]["export"]
-            entry, meta, reused = cache.get_or_build("exports", key, build,
-                                                     inputs[role.role]["export"])
-            record(f"export {role.role}", reused, t0, cache.origin("exports", key, reused))
-            return role.role, (entry, meta)
 
+            def graph(t0: float = t0) -> tuple[Path, dict[str, Any]]:
+                """The export entry, from the cache or built, on first use."""
+                if role.role not in graphs:
+                    entry, meta, reused = cache.get_or_build("exports", key, build,
+                                                             inputs[role.role]["export"])
+                    record(f"export {role.role}", reused, t0,
+                           cache.origin("exports", key, reused))
+                    graphs[role.role] = entry, meta
+                return graphs[role.role]
+
+            onnx_dirs[role.role] = lambda: graph(time.perf_counter())[0] / "onnx"
+            # When every artifact made from the graph is cached and the bundle does not carry
+            # the graph (no qaic), the entry's record is enough: a new runner does not fetch
+            # a graph it would not use. A backend that must rebuild after all fetches it then.
+            made = [(CACHE_KIND[b], keys[role.role][b]) for b in backends if wanted(b, role.role)]
+            meta = None
+            if made and "qaic" not in backends and all(cache.has(*m) for m in made):
+                meta = cache.record_meta("exports", key)
+            if meta is None:
+                return role.role, graph()[1]
+            record(f"export {role.role}", True, t0, cache.origin("exports", key, True))
+            return role.role, meta
+
+        graphs: dict[str, tuple[Path, dict[str, Any]]] = {}
+        onnx_dirs: dict[str, Callable[[], Path]] = {}
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             exports = dict(pool.map(export, roles))
 
         built: dict[str, dict[str, Any]] = {name: {} for name in backends}
         for rp in roles:
-            onnx_dir = exports[rp.role][0] / "onnx"
             todo = {name: b for name, b in backends.items() if wanted(name, rp.role)}
-            if "qaic" in todo:
-                cache.deliver(onnx_dir, staging / rp.role / "onnx")
-                onnx_dir = staging / rp.role / "onnx"
+            onnx_dir = staging / rp.role / "onnx"
+            if "qaic" in todo:  # the bundle carries the graph; every backend builds from it
+                cache.deliver(onnx_dirs[rp.role](), onnx_dir)
+                onnx_dirs[rp.role] = lambda onnx_dir=onnx_dir: onnx_dir
             for name, backend in todo.items():
                 t0 = time.perf_counter()
                 key, kind = keys[rp.role][name], CACHE_KIND[name]
@@ -336,7 +357,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                 else:
                     def build_ort(tmp: Path, rp=rp, backend=backend) -> dict[str, Any]:
                         return backend.build(BuildContext(plan, tmp, emit_only, compiler), rp,
-                                             onnx_dir)
+                                             onnx_dirs[rp.role]())
 
                     entry, info, reused = cache.get_or_build("ort", key, build_ort,
                                                              inputs[rp.role][name])
@@ -354,7 +375,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
         files = hash_tree(staging, exclude=[MANIFEST])
-        manifest = _manifest(plan, {k: v[1] for k, v in exports.items()}, built,
+        manifest = _manifest(plan, exports, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})
         manifest = write_manifest(staging, manifest)

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..bundle.manifest import check_relative
+from ..errors import BundleError
 from .client import OCI_MANIFEST, RegistryClient, sha256_digest
-from .errors import RegistryError
+from .errors import RegistryDigestMismatch, RegistryError
 
 TITLE = "org.opencontainers.image.title"
 EXECUTABLE = "vnd.qpcbuild.file.executable"
@@ -47,7 +48,13 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
     for rel in sorted(files):
         meta = files[rel]
         digest = f"sha256:{meta['sha256']}"
-        if client.push_blob(repo, digest, meta["size"], path=root / rel):
+        try:
+            sent_now = client.push_blob(repo, digest, meta["size"], path=root / rel)
+        except RegistryDigestMismatch:
+            raise BundleError(f"{root / rel}: its bytes do not hash to the recorded digest "
+                              f"{digest} (the registry refused them); nothing was tagged") \
+                from None
+        if sent_now:
             sent += meta["size"]
             say(f"pushed {rel} ({meta['size']:,} bytes)")
         else:

@@ -46,10 +46,14 @@ def bundle_annotations(m: dict) -> dict[str, str]:
 
 def push_bundle(bundle: Path, ref: Reference, client: RegistryClient,
                 say: Say | None = None) -> Transfer:
-    """Verify the bundle (every digest and the seal), then upload it under `ref`'s tag."""
+    """Upload a bundle under `ref`'s tag. Checked before any upload: the seal (the manifest
+    hashes to its bundle id), every file present with its sealed size, nothing extra; during
+    it: every uploaded file's bytes against its sealed digest, by the registry (a mismatch
+    is refused and nothing is tagged). Files the registry already holds are not read: the
+    artifact names the sealed digests, so what is published is the sealed content."""
     if ref.digest:
         raise UsageError(f"{ref}: push to a tag; the registry gives the digest")
-    problems = verify_bundle(bundle)
+    problems = changed_fields(read_manifest(bundle)) + verify_bundle(bundle, fast=True)
     if problems:
         raise BundleError(f"{bundle} does not match its manifest, so it is not pushed: "
                           + "; ".join(problems[:5]))

@@ -22,8 +22,8 @@ from urllib.parse import urljoin
 import httpx
 
 from .credentials import Credentials, find_credentials
-from .errors import (RegistryAuthError, RegistryError, RegistryNotFound, RegistryUnavailable,
-                     transport_error)
+from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, RegistryNotFound,
+                     RegistryUnavailable, transport_error)
 from .reference import is_loopback
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -276,7 +276,10 @@ class RegistryClient:
                           headers={"Content-Type": "application/octet-stream",
                                    "Content-Length": str(length)})
         if resp.status_code != 201:
-            raise self._fail(resp, f"finishing the upload of {digest}")
+            error = self._fail(resp, f"finishing the upload of {digest}")
+            if "DIGEST_INVALID" in str(error):
+                raise RegistryDigestMismatch(str(error))
+            raise error
         return True
 
     def read_blob(self, repo: str, digest: str, limit: int = MAX_SMALL_BLOB) -> bytes:

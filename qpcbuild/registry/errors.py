@@ -28,6 +28,10 @@ class RegistryNotFound(RegistryError):
     exit_code = 2
 
 
+class RegistryDigestMismatch(RegistryError):
+    """The registry refused an upload whose bytes do not hash to the digest we named."""
+
+
 def transport_error(registry: str, exc: httpx.HTTPError) -> RegistryUnavailable:
     reason = str(exc) or type(exc).__name__
     hint = "; is it running, and is it HTTPS (pass --insecure for a plain-HTTP registry " \

@@ -49,6 +49,7 @@ class RemoteCache(Cache):
         self.down: str | None = None  # why the remote tier is skipped for the rest of the build
         self.origins: dict[tuple[str, str], str] = {}
         self._warned = threading.Lock()
+        self._pulled: dict[Path, dict[str, dict]] = {}  # entry folder -> its checked digests
 
     def tag(self, kind: str, key: str) -> str:
         return f"{kind}-{key}"
@@ -58,6 +59,40 @@ class RemoteCache(Cache):
 
     def origin(self, kind: str, key: str, reused: bool) -> str:
         return self.origins.get((kind, key), "local" if reused else "built")
+
+    def has(self, kind: str, key: str) -> bool:
+        if super().has(kind, key):
+            return True
+        return self._remote_record(kind, key) is not None
+
+    def record_meta(self, kind: str, key: str) -> dict[str, Any] | None:
+        meta = super().record_meta(kind, key)
+        if meta is None:
+            record = self._remote_record(kind, key)
+            meta = record.get("meta") if isinstance(record, dict) else None
+            if meta is not None:
+                self.origins[(kind, key)] = "remote"
+        return meta
+
+    def _remote_record(self, kind: str, key: str) -> dict | None:
+        """The remote entry's record (its config blob: small), or None when there is none."""
+        if self.down:
+            return None
+        try:
+            _, _, raw = read_artifact(self.client, self.remote.repository, self.tag(kind, key),
+                                      CACHE_ARTIFACT)
+            return json.loads(raw)
+        except RegistryNotFound:
+            return None
+        except RegistryError as exc:
+            self._skip(exc, f"looking up {self.tag(kind, key)}")
+        except ValueError:
+            pass
+        return None
+
+    def _files(self, tmp: Path) -> dict[str, dict]:
+        # A pulled entry was hashed as it arrived; a built one is hashed now.
+        return self._pulled.pop(tmp, None) or super()._files(tmp)
 
     def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
                      inputs: dict[str, Any] | None = None
@@ -111,6 +146,9 @@ class RemoteCache(Cache):
             if record.get("kind") != kind or record.get("key") != key or recorded != files:
                 raise RegistryError("its record and layers do not describe this entry")
             download_folder(self.client, repo, files, tmp)
+            self._pulled[tmp] = {p: {"size": m["size"], "sha256": m["sha256"],
+                                     **({"executable": True} if m["executable"] else {})}
+                                 for p, m in files.items()}
             return record["meta"]
         except RegistryUnavailable as exc:
             self._skip(exc, f"pulling {tag}")
