@@ -24,6 +24,7 @@ import httpx
 from .credentials import Credentials, find_credentials
 from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, RegistryNotFound,
                      RegistryUnavailable, transport_error)
+from .rawget import open_blob, read_pieces
 from .reference import is_loopback
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -80,7 +81,7 @@ class RegistryClient:
             self._credentials, self._looked_up = find_credentials(self.registry), True
         return self._credentials
 
-    def _auth_header(self, scope: str) -> dict[str, str]:
+    def auth_header(self, scope: str) -> dict[str, str]:
         if scope in self._tokens:
             return {"Authorization": f"Bearer {self._tokens[scope]}"}
         return {"Authorization": self._basic} if self._basic else {}
@@ -91,7 +92,7 @@ class RegistryClient:
             return "without credentials (none found in the environment or Docker config)"
         return f"as {c.username or 'an identity token'} (from {c.source})"
 
-    def _authenticate(self, challenge: str, scope: str) -> None:
+    def authenticate(self, challenge: str, scope: str) -> None:
         """Answer a 401's WWW-Authenticate: Basic with the credentials, Bearer with a token."""
         scheme = challenge.split(" ", 1)[0].lower()
         params = dict(_CHALLENGE_PARAM.findall(challenge))
@@ -136,7 +137,7 @@ class RegistryClient:
         url = urljoin(self.base + "/", url)
         for attempt in (0, 1):
             request = self.http.build_request(
-                method, url, headers={**(headers or {}), **self._auth_header(scope)},
+                method, url, headers={**(headers or {}), **self.auth_header(scope)},
                 content=body() if body else None)
             try:
                 resp = self.http.send(request, stream=stream)
@@ -148,25 +149,28 @@ class RegistryClient:
             if attempt == 1:
                 raise RegistryAuthError(f"registry {self.registry} refused access to {repo} "
                                         f"{self._who()}")
-            self._authenticate(resp.headers.get("WWW-Authenticate", ""), scope)
+            self.authenticate(resp.headers.get("WWW-Authenticate", ""), scope)
         raise AssertionError("unreachable")
 
     def _fail(self, resp: httpx.Response, what: str) -> RegistryError:
-        """The registry's own error message, in an error of the right kind."""
         if not resp.is_stream_consumed:
             resp.read()
+        return self.error(resp.status_code, resp.content, what)
+
+    def error(self, status: int, body: bytes, what: str) -> RegistryError:
+        """The registry's own error message, in an error of the right kind."""
         try:
-            errors = resp.json().get("errors") or []
+            errors = json.loads(body).get("errors") or []
             detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
         except (ValueError, AttributeError):
-            detail = resp.text[:200]
-        message = f"{what}: registry {self.registry} answered HTTP {resp.status_code}" + \
+            detail = body[:200].decode(errors="replace")
+        message = f"{what}: registry {self.registry} answered HTTP {status}" + \
             (f" ({detail})" if detail else "")
-        if resp.status_code == 404:
+        if status == 404:
             return RegistryNotFound(message)
-        if resp.status_code == 403:
+        if status == 403:
             return RegistryAuthError(message + f"; access denied {self._who()}")
-        if resp.status_code >= 500 or resp.status_code == 429:
+        if status >= 500 or status == 429:
             return RegistryUnavailable(message)
         return RegistryError(message)
 
@@ -311,25 +315,17 @@ class RegistryClient:
             while True:
                 headers = {"Range": f"bytes={written}-"} if written else {}
                 try:
-                    resp = self._send("GET", f"/v2/{repo}/blobs/{digest}", repo, stream=True,
-                                      headers=headers)
-                    try:
-                        if resp.status_code not in (200, 206):
-                            raise self._fail(resp, f"downloading {what or digest}")
-                        if written and resp.status_code == 200:  # no range support: restart
+                    with open_blob(self, repo, digest, headers, what or digest) as resp:
+                        if written and resp.status == 200:  # no range support: restart
                             out.seek(0)
                             out.truncate()
                             h, written = hashlib.sha256(), 0
-                        for piece in resp.iter_raw(READ_PIECE):
+                        for piece in read_pieces(resp, self.registry):
                             out.write(piece)
                             h.update(piece)
                             written += len(piece)
                             if written > size:
                                 break
-                    except httpx.HTTPError as exc:
-                        raise transport_error(self.registry, exc) from None
-                    finally:
-                        resp.close()
                     break
                 except RegistryUnavailable:
                     failures += 1
