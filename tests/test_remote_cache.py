@@ -89,6 +89,20 @@ def test_a_second_runner_builds_from_hits_and_tags_record_the_key_inputs(recipe,
     assert len(a["vnd.qpcbuild.cache.input.weights"]) == 64
 
 
+def test_an_existing_local_cache_seeds_the_registry(recipe, registry, tmp_path):
+    remote = f"{registry.address}/ci/cache"
+    compile_json(recipe, tmp_path / "a", tmp_path / "cache-a")  # before the registry was used
+    seeding, _ = compile_json(recipe, tmp_path / "b", tmp_path / "cache-a", "--remote-cache",
+                              remote)
+    assert set(origins(seeding).values()) == {"local"}
+    fresh, _ = compile_json(recipe, tmp_path / "c", tmp_path / "cache-c", "--remote-cache",
+                            remote)
+    assert set(origins(fresh).values()) == {"remote"}
+    # the graphs were shared too, though the seeding build did not need to open them
+    tags = httpx.get(f"http://{registry.address}/v2/ci/cache/tags/list").json()["tags"]
+    assert sorted(t.split("-")[0] for t in tags) == ["exports", "exports", "ort", "ort"]
+
+
 def test_the_environment_variable_turns_the_remote_tier_on(recipe, registry, tmp_path):
     env = {"QPCBUILD_REMOTE_CACHE": f"{registry.address}/ci/cache"}
     runner.invoke(app, ["compile", str(recipe), "-o", str(tmp_path / "a"), "--cache-dir",

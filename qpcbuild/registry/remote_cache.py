@@ -67,7 +67,9 @@ class RemoteCache(Cache):
 
     def record_meta(self, kind: str, key: str) -> dict[str, Any] | None:
         meta = super().record_meta(kind, key)
-        if meta is None:
+        if meta is not None:  # a local entry the registry lacks is shared, as on a local hit
+            self._push(kind, key, self.entry(kind, key), only_if_missing=True)
+        else:
             record = self._remote_record(kind, key)
             meta = record.get("meta") if isinstance(record, dict) else None
             if meta is not None:
