@@ -450,6 +450,10 @@ def test_where_credentials_are_found_and_in_which_order(tmp_path, monkeypatch):
     monkeypatch.setenv("QPCBUILD_REGISTRY_USERNAME", "env-user")
     monkeypatch.setenv("QPCBUILD_REGISTRY_PASSWORD", "env-pass")
     assert find_credentials("reg.example:5000").username == "env-user"  # the environment wins
+    monkeypatch.setenv("QPCBUILD_REGISTRY_HOST", "ci.example")  # scoped: not for other hosts
+    assert find_credentials("reg.example:5000").username == "u"
+    assert find_credentials("ci.example").username == "env-user"
+    monkeypatch.delenv("QPCBUILD_REGISTRY_HOST")
     monkeypatch.delenv("QPCBUILD_REGISTRY_PASSWORD")
     with pytest.raises(UsageError, match="both"):
         find_credentials("reg.example:5000")

@@ -1,7 +1,7 @@
 """Registry credentials, found where registries' own tools keep them.
 
 In order: the environment (QPCBUILD_REGISTRY_USERNAME with QPCBUILD_REGISTRY_PASSWORD, for CI
-secrets), then the Docker config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json):
+secrets; with QPCBUILD_REGISTRY_HOST set, only for that host), then the Docker config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json):
 a credential helper named for the host in `credHelpers` or for all hosts in `credsStore`
 (`docker-credential-NAME get`, the host on stdin, JSON with Username and Secret on stdout), or
 the base64 `user:password` (or an `identitytoken`) under `auths`. Secrets are never accepted
@@ -22,6 +22,7 @@ from ..errors import UsageError
 
 USERNAME_ENV = "QPCBUILD_REGISTRY_USERNAME"
 PASSWORD_ENV = "QPCBUILD_REGISTRY_PASSWORD"
+HOST_ENV = "QPCBUILD_REGISTRY_HOST"  # optional: the one registry the variables are for
 IDENTITY_TOKEN_USER = "<token>"  # a credential helper's way of saying "Secret is a token"
 
 
@@ -86,7 +87,8 @@ def _from_auths(entry: dict, where: str) -> Credentials | None:
 def find_credentials(registry: str) -> Credentials | None:
     """The credentials for `registry` (host[:port]), or None to try anonymously."""
     user, password = os.environ.get(USERNAME_ENV), os.environ.get(PASSWORD_ENV)
-    if user or password:
+    scoped = os.environ.get(HOST_ENV)
+    if (user or password) and (not scoped or _host_key(scoped) == registry):
         if not (user and password):
             raise UsageError(f"set both {USERNAME_ENV} and {PASSWORD_ENV}, or neither")
         return Credentials(user, password, source=f"${USERNAME_ENV}")
