@@ -49,3 +49,98 @@ def test_reference_recipe_without_weights_json_error_on_stdout(tmp_path):
     error = json.loads(done.stdout)["error"]
     assert error["code"] == 2 and error["type"] == "UsageError"
     assert "--smoke-weights" in error["message"] and "Llama-3.1-8B-Instruct" in error["message"]
+
+
+# ---------------------------------------------------------------- 2: the README's SDK hand-off
+STAND_IN_COMPILER = """#!/usr/bin/env bash
+# Test fixture only: writes a placeholder where qaic-compile would write the program.
+set -e
+for a in "$@"; do case "$a" in -aic-binary-dir=*) out="${a#-aic-binary-dir=}";; esac; done
+mkdir -p "$out" && printf 'placeholder program for %s' "$out" > "$out/programqpc.bin"
+echo "stand-in compiled $out"
+"""
+
+
+def documented_block(first_line: str) -> str:
+    """The ```bash block of the docs whose first line is `first_line`."""
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in page.read_text().split("```bash\n")[1:]:
+            body = block.split("```")[0]
+            if body.startswith(first_line + "\n"):
+                return body
+    raise AssertionError(f"no documented block starts with {first_line!r}")
+
+
+def fake_hf_cache(root: Path, models: dict[str, Path]) -> Path:
+    """What `huggingface-cli download REF` leaves behind (refs/main -> one snapshot)."""
+    for ref, folder in models.items():
+        repo = root / f"models--{ref.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("0123abcd")
+        snapshot = repo / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True)
+        for f in folder.iterdir():
+            (snapshot / f.name).write_bytes(f.read_bytes())
+    return root
+
+
+@pytest.mark.slow
+def test_readme_sdk_hand_off_runs_as_written(tmp_path):
+    """The two documented blocks, line by line through bash, on two 'machines' (folders): the
+    reference recipe with the demo pair standing in for Llama in the HF cache, a stand-in
+    compiler on the SDK side and the `qpcbuild` command on PATH on both."""
+    here, sdk, tools = tmp_path / "here", tmp_path / "sdk", tmp_path / "bin"
+    for folder in (here, sdk, tools):
+        folder.mkdir()
+    (here / "recipes").mkdir()
+    (here / "recipes" / REFERENCE.name).write_text(REFERENCE.read_text())
+    hf = fake_hf_cache(tmp_path / "hf", {
+        "meta-llama/Llama-3.1-8B-Instruct": REPO / "models" / "demo" / "target",
+        "meta-llama/Llama-3.2-1B-Instruct": REPO / "models" / "demo" / "draft"})
+    (tools / "qpcbuild").write_text(f'#!/bin/sh\nexec {sys.executable} -m qpcbuild "$@"\n')
+    (tools / "qaic-compile").write_text(STAND_IN_COMPILER)
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(hf),
+           "HF_HUB_OFFLINE": "1", "QPCBUILD_CACHE": str(tmp_path / "cache"),
+           "QAIC_COMPILER": str(tools / "qaic-compile"),
+           "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+
+    def run_block(block: str, cwd: Path) -> str:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout + done.stderr
+
+    run_block(documented_block("# here (no SDK)"), here)
+    # Carry the archive over; the SDK machine's folder already holds other things.
+    (sdk / "llama8b-1b.tar").write_bytes((here / "llama8b-1b.tar").read_bytes())
+    (sdk / "notes.txt").write_text("unrelated")
+    shown = run_block(documented_block("# on the SDK machine, in the folder that holds "
+                                       "llama8b-1b.tar"), sdk)
+    assert "stand-in compiled target/qpc" in shown and "stand-in compiled draft/qpc" in shown
+    assert "matches its content and every file" in shown
+    bundle = sdk / "llama3.1-8b-instruct-spd-llama3.2-1b"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert {r: manifest["roles"][r]["backends"]["qaic"]["status"]
+            for r in ("target", "draft")} == {"target": "compiled", "draft": "compiled"}
+    # A second unpack refuses the existing bundle folder and leaves it as it was.
+    again = qpcbuild("unpack", "llama8b-1b.tar", "-d", ".", cwd=sdk)
+    assert again.returncode == 2 and "exists" in again.stderr, again.stderr
+    assert (bundle / "target" / "qpc" / "programqpc.bin").is_file()
+
+
+@pytest.mark.slow
+def test_same_bundle_from_differently_named_folders_packs_to_the_same_bytes(tmp_path):
+    demo = REPO / "recipes" / "demo.yaml"
+    archives = []
+    for folder in ("pa", "pb"):
+        built = qpcbuild("compile", demo, "-o", tmp_path / folder, cwd=tmp_path)
+        assert built.returncode == 0, built.stderr
+        packed = qpcbuild("package", tmp_path / folder, "-o", tmp_path / f"{folder}.tar",
+                          cwd=tmp_path)
+        assert packed.returncode == 0, packed.stderr
+        archives.append((tmp_path / f"{folder}.tar").read_bytes())
+    assert archives[0] == archives[1]
+    unpacked = qpcbuild("unpack", tmp_path / "pa.tar", "-d", tmp_path / "u", cwd=tmp_path)
+    assert unpacked.returncode == 0 and (tmp_path / "u" / "demo" / "manifest.json").is_file()

@@ -362,10 +362,10 @@ def test_emit_compile_sh_finish_closes_the_hand_off(emitted, tmp_path):
     runner.invoke(app, ["package", str(out), "-o", str(tmp_path / "card.tar.gz")])
     with tarfile.open(tmp_path / "card.tar.gz") as tar:
         modes = {m.name: m.mode for m in tar.getmembers()}
-    assert modes["card/target/qaic/compile.sh"] == 0o755 and modes["card/recipe.yaml"] == 0o644
+    assert modes["demo/target/qaic/compile.sh"] == 0o755 and modes["demo/recipe.yaml"] == 0o644
     runner.invoke(app, ["unpack", str(tmp_path / "card.tar.gz"), "-d", str(tmp_path / "u")])
-    assert os.access(tmp_path / "u" / "card" / "target" / "qaic" / "compile.sh", os.X_OK)
-    assert verify_bundle(tmp_path / "u" / "card") == []
+    assert os.access(tmp_path / "u" / "demo" / "target" / "qaic" / "compile.sh", os.X_OK)
+    assert verify_bundle(tmp_path / "u" / "demo") == []
 
 
 def test_finish_by_hand_when_qpcbuild_is_not_on_the_sdk_machines_path(emitted):

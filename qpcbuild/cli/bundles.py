@@ -109,12 +109,12 @@ def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
 def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
             out: Path = typer.Option(..., "-o", "--out", help="Archive path: .tar.gz, or .tar "
                                      "for no compression (as fast as the disk).")):
-    """Deterministic .tar.gz or .tar of a bundle (sorted entries, fixed mtimes and owners)."""
+    """Deterministic .tar.gz or .tar of a bundle (sorted entries, fixed mtimes and owners),
+    its top folder named after the bundle (the recipe's name), whatever the local folder."""
     from ..bundle.archive import pack
     from ..bundle import read_manifest
 
-    read_manifest(bundle)
-    pack(bundle, out)
+    pack(bundle, out, top=read_manifest(bundle)["name"])
     console.print(f"wrote {out} ({out.stat().st_size:,} bytes)")
 
 
@@ -122,8 +122,10 @@ def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
 @handles_errors
 def unpack(archive: Path = typer.Argument(..., help="A .tar.gz or .tar made by `qpcbuild "
                                           "package`."),
-           dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into.")):
-    """Safely unpack a bundle archive (refuses absolute paths, '..', links and devices)."""
+           dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into: "
+                                     "the bundle's own folder is created there.")):
+    """Safely unpack a bundle archive into DEST/<bundle name> (refuses absolute paths, '..',
+    links and devices, and an existing DEST/<bundle name>)."""
     from ..bundle.archive import unpack as unpack_archive
 
     path = unpack_archive(archive, dest)
