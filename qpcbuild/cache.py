@@ -27,6 +27,7 @@ from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 
 from .errors import UsageError
+from .progress import step
 from .tree import copy_tree, file_digest, hash_tree
 
 META = "cache-entry.json"
@@ -179,19 +180,22 @@ class Cache:
         `older_than_days`) entries not used for that long. Returns what was removed."""
         removed = self.remove_debris()
         cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else None
-        for entry in self.entries():
-            try:
-                with self._lock(entry.kind, entry.key, timeout=0):
-                    if self.problems(entry.kind, entry.key):
-                        reason = "damaged or unfinished"
-                    elif cutoff is not None and entry.path.stat().st_mtime < cutoff:
-                        reason = f"not used for {older_than_days:g} days"
-                    else:
-                        continue
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    removed.append(f"{entry.kind}/{entry.key} ({reason})")
-            except Timeout:  # a build is using this entry right now
-                continue
+        entries = self.entries()
+        with step(f"checking {self.root}", len(entries), "entries") as advance:
+            for entry in entries:
+                advance(1)
+                try:
+                    with self._lock(entry.kind, entry.key, timeout=0):
+                        if self.problems(entry.kind, entry.key):
+                            reason = "damaged or unfinished"
+                        elif cutoff is not None and entry.path.stat().st_mtime < cutoff:
+                            reason = f"not used for {older_than_days:g} days"
+                        else:
+                            continue
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                        removed.append(f"{entry.kind}/{entry.key} ({reason})")
+                except Timeout:  # a build is using this entry right now
+                    continue
         return removed
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,15 @@ def test_readme_sdk_hand_off_runs_as_written(tmp_path):
     assert "stand-in compiled target/qpc" in shown and "stand-in compiled draft/qpc" in shown
     assert "matches its content and every file" in shown
     bundle = sdk / "llama3.1-8b-instruct-spd-llama3.2-1b"
+    # `finish` (called by each compile.sh) hashes what compile.sh wrote and nothing else;
+    # `verify` hashes the whole bundle. Each says so in one line (the output is a pipe).
+    hashed = [line.split(" in ")[0] for line in shown.splitlines() if line.startswith("hashing")]
+    written = {f"{r}/{part}": sum(f.stat().st_size for f in (bundle / r / part).rglob("*"))
+               for r in ("target", "draft") for part in ("qpc", "logs")}
+    assert all(0 < size < 1000 for size in written.values())  # shown exactly, as "N bytes"
+    everything = sum(f.stat().st_size for f in bundle.rglob("*") if f.name != "manifest.json")
+    assert hashed == [*(f"hashing {folder}: {size} bytes" for folder, size in written.items()),
+                      f"hashing .: {everything / 1e6:.1f} MB"], shown
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert {r: manifest["roles"][r]["backends"]["qaic"]["status"]
             for r in ("target", "draft")} == {"target": "compiled", "draft": "compiled"}
@@ -144,3 +154,56 @@ def test_same_bundle_from_differently_named_folders_packs_to_the_same_bytes(tmp_
     assert archives[0] == archives[1]
     unpacked = qpcbuild("unpack", tmp_path / "pa.tar", "-d", tmp_path / "u", cwd=tmp_path)
     assert unpacked.returncode == 0 and (tmp_path / "u" / "demo" / "manifest.json").is_file()
+
+
+# ---------------------------------------------------------------- 3: progress
+def plain_step_lines(text: str) -> list[str]:
+    assert "\r" not in text and "\x1b[" not in text  # nothing that redraws or colours
+    return text.splitlines()
+
+
+@pytest.mark.slow
+def test_long_steps_say_one_plain_line_each_in_a_log(tmp_path):
+    """export, hash, package, cache prune and run, as a CI log sees them."""
+    steps = [(["compile", REPO / "recipes" / "demo.yaml", "-o", "b"],
+              [r"exporting target \S+/models/demo/target: 56 tensors in \d+\.\d s",
+               r"exporting draft \S+/models/demo/draft: 20 tensors in",
+               r"hashing b: \d+\.\d MB in"]),
+             (["verify", "b"], [r"hashing b: \d+\.\d MB in \d+\.\d s"]),
+             (["package", "b", "-o", "b.tar"], [r"packing b.tar: \d+\.\d MB in"]),
+             (["cache", "prune"], [rf"checking {tmp_path}/cache: 4 entries in"]),
+             (["run", "b", "--prompt", "w1 w2", "--prompt", "w3", "--max-new-tokens", "4",
+               "--verify", "none"], [r"decoding b: 2 prompts in \d+\.\d s"])]
+    for argv, expected in steps:
+        done = qpcbuild(*argv, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        lines = plain_step_lines(done.stderr)
+        for pattern in expected:
+            assert sum(bool(re.fullmatch(pattern + ".*", line)) for line in lines) == 1, \
+                (pattern, done.stderr)
+
+
+@pytest.mark.slow
+def test_progress_draws_bars_on_a_terminal(tmp_path):
+    built = qpcbuild("compile", REPO / "recipes" / "demo.yaml", "-o", "b", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    import pty
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"}
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command with a terminal for its output
+        os.chdir(tmp_path)
+        os.execve(sys.executable, [sys.executable, "-m", "qpcbuild", "verify", "b"], env)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "━" in text and "100%" in text and re.search(r"\d+\.\d MB of \d+\.\d MB", text)

@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
+from ..progress import Advance, step
 from ..tree import CHUNK_SIZE, ArchiveError, Entry, is_executable, walk
 
 __all__ = ["ArchiveError", "pack", "unpack"]
@@ -60,21 +61,33 @@ def _tarinfo(name: str, is_dir: bool, size: int = 0, executable: bool = False) -
     return info
 
 
-def _add_entry(tar: tarfile.TarFile, arcname: str, entry: Entry) -> None:
+class _Counted:
+    """A file read by tarfile, reporting the bytes read to the progress display."""
+
+    def __init__(self, f: BinaryIO, advance: Advance):
+        self.f, self.advance = f, advance
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.advance(len(data))
+        return data
+
+
+def _add_entry(tar: tarfile.TarFile, arcname: str, entry: Entry, advance: Advance) -> None:
     if entry.is_dir:
         tar.addfile(_tarinfo(arcname, True))
         return
     with open(entry.path, "rb") as f:
         # Size from the open handle, not the earlier walk, to narrow the window for a change.
         tar.addfile(_tarinfo(arcname, False, os.fstat(f.fileno()).st_size,
-                             is_executable(entry.path)), f)
+                             is_executable(entry.path)), _Counted(f, advance))
 
 
-def _write_tar(raw: BinaryIO, top: str, entries: list[Entry]) -> None:
+def _write_tar(raw: BinaryIO, top: str, entries: list[Entry], advance: Advance) -> None:
     with tarfile.open(fileobj=raw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         tar.addfile(_tarinfo(top, True))
         for entry in entries:
-            _add_entry(tar, f"{top}/{entry.rel}", entry)
+            _add_entry(tar, f"{top}/{entry.rel}", entry, advance)
 
 
 def _compressed(out_file: Path) -> bool:
@@ -108,13 +121,14 @@ def pack(bundle_dir: Path, out_file: Path, top: str | None = None) -> Path:
     except OSError as exc:
         raise ArchiveError(f"{out_file}: cannot write here ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, "wb") as raw:
+        total = sum(e.path.stat().st_size for e in entries if not e.is_dir)
+        with os.fdopen(fd, "wb") as raw, step(f"packing {out_file}", total, "bytes") as advance:
             if compressed:  # filename="" and mtime=0: no temp name or clock in the header
                 with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
                                    compresslevel=GZIP_LEVEL) as gz:
-                    _write_tar(gz, top, entries)
+                    _write_tar(gz, top, entries, advance)
             else:
-                _write_tar(raw, top, entries)
+                _write_tar(raw, top, entries, advance)
             raw.flush()
             # mkstemp creates 0600; archives are shared artifacts. fsync so replace is durable.
             os.fchmod(raw.fileno(), FILE_MODE)

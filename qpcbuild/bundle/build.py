@@ -338,7 +338,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        files = hash_tree(staging, exclude=[MANIFEST])
+        files = hash_tree(staging, exclude=[MANIFEST], what=f"hashing {out}")
         manifest = _manifest(plan, {k: v[1] for k, v in exports.items()}, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})

@@ -13,6 +13,7 @@ from typing import Callable
 import typer
 
 from ..errors import QpcbuildError, Terminated
+from ..progress import report_to
 from ..render import err_console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -35,6 +36,7 @@ def handles_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+        report_to(err_console)  # long steps: bars on a terminal, one line each in a log
         try:
             return fn(*args, **kwargs)
         except QpcbuildError as exc:

@@ -53,7 +53,10 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         system: Optional[str] = typer.Option(None, help="System message for --chat."),
         json_out: bool = typer.Option(False, "--json", help="Text, token ids and stats as JSON.")):
     """Run speculative decoding from a bundle (smoke test, with acceptance statistics)."""
+    from contextlib import nullcontext
+
     from ..errors import UsageError
+    from ..progress import step
     from ..render import show_run
     from ..runtime.loader import load
 
@@ -71,13 +74,18 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         on_token = lambda row, ids: console.print(  # noqa: E731
             gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False, highlight=False)
     results, baselines = [], []
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
-        results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
-                                    on_token, chat=chat, system=system))
-        if compare_baseline:
-            baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
-                                          seed, target_only=True, chat=chat, system=system))
+    # (not while streaming: the tokens are the progress, and a bar would cut through them)
+    with nullcontext(lambda n: None) if on_token else step(
+            f"decoding {bundle}" + (" (and target-only)" if compare_baseline else ""),
+            len(prompts), "prompts") as advance:
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start:start + batch]
+            results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
+                                        on_token, chat=chat, system=system))
+            if compare_baseline:
+                baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
+                                              seed, target_only=True, chat=chat, system=system))
+            advance(len(chunk))
     if stream and not json_out:
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
