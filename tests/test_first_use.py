@@ -207,3 +207,64 @@ def test_progress_draws_bars_on_a_terminal(tmp_path):
     text = out.decode(errors="replace")
     assert os.waitstatus_to_exitcode(status) == 0, text
     assert "━" in text and "100%" in text and re.search(r"\d+\.\d MB of \d+\.\d MB", text)
+
+
+# ---------------------------------------------------------------- 4: output in a log
+@pytest.fixture(scope="module")
+def demo_bundle(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("demo-bundle")
+    done = qpcbuild("compile", REPO / "recipes" / "demo.yaml", "-o", root / "b", cwd=root)
+    assert done.returncode == 0, done.stderr
+    return root / "b"
+
+
+def table_row(text: str, key: str) -> list[str]:
+    line = next(line for line in text.splitlines() if re.match(rf"[│┃] {key} ", line))
+    return [cell.strip() for cell in re.split("[│┃]", line.strip("│┃"))]
+
+
+@pytest.mark.slow
+def test_run_in_a_log_keeps_generated_text_whole_titles_prompts_and_totals_metrics(
+        demo_bundle, tmp_path):
+    prompts = ["w1 w2 w3 w4", "w9\tw8 w7"]
+    argv = ["run", demo_bundle, *(a for p in prompts for a in ("--prompt", p)),
+            "--max-new-tokens", "120", "--verify", "none"]
+    as_json = qpcbuild(*argv, "--json", cwd=tmp_path)
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    texts = [o["text"] for b in report["batches"] for o in b["outputs"]]
+    assert max(len(t) for t in texts) > 80  # long enough that an 80-column wrap would show
+    shown = qpcbuild(*argv, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    # Each prompt's text follows its title exactly as generated (greedy: the same as --json).
+    for n, (prompt, text) in enumerate(zip(prompts, texts)):
+        title = re.search(rf"^--- prompt {n}: {re.escape(' '.join(prompt.split()))} "
+                          rf"\(length, \d+ tokens\) ---\n", out, re.M)
+        assert title, out
+        assert out[title.end():].startswith(text + "\n"), (text, out[title.end():][:300])
+    # The metrics table: one column for all prompts, one listing each batch.
+    stats = [b["stats"] for b in report["batches"]]
+    assert table_row(out, "metric") == ["metric", "all prompts", "per batch"]
+    for key in ("requests", "new_tokens", "spec_decode_num_accepted_tokens",
+                "spec_decode_num_draft_tokens"):
+        assert table_row(out, key) == [key, str(sum(s[key] for s in stats)),
+                                       ", ".join(str(s[key]) for s in stats)]
+    accepted = sum(s["spec_decode_num_accepted_tokens"] for s in stats)
+    proposed = sum(s["spec_decode_num_draft_tokens"] for s in stats)
+    assert table_row(out, "acceptance_rate")[1] == str(round(accepted / proposed, 4))
+
+
+@pytest.mark.slow
+def test_verify_and_inspect_in_a_log_print_whole_lines(demo_bundle, tmp_path):
+    env = {"COLUMNS": ""}  # as a CI runner leaves it
+    verified = qpcbuild("verify", demo_bundle, cwd=tmp_path, env=env)
+    bundle_id = json.loads((demo_bundle / "manifest.json").read_text())["bundle_id"]
+    assert f"✓ {demo_bundle}: bundle id {bundle_id} matches its content and every file\n" \
+        in verified.stdout
+    shown = qpcbuild("inspect", demo_bundle, cwd=tmp_path, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "…" not in shown.stdout
+    assert table_row(shown.stdout, "target")[1:] == [
+        "../models/demo/target", "LlamaForCausalLM", "5,205,248",
+        "Prefill(32), Decode_0(1), Decode_1(5)", "10 x [0]", "onnxruntime: compiled"]

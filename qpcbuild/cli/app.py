@@ -14,7 +14,7 @@ import typer
 
 from ..errors import QpcbuildError, Terminated
 from ..progress import report_to
-from ..render import err_console
+from ..render import err_console, fit_to_output
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build and package speculative-decoding model pairs for Qualcomm Cloud AI "
@@ -36,6 +36,7 @@ def handles_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+        fit_to_output()  # whole lines in a log, fitted lines on a terminal
         report_to(err_console)  # long steps: bars on a terminal, one line each in a log
         try:
             return fn(*args, **kwargs)

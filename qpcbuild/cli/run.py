@@ -59,6 +59,7 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
     from ..progress import step
     from ..render import show_run
     from ..runtime.loader import load
+    from ..runtime.stats import combine
 
     prompts = _read_prompts(prompt, prompt_file)
     if max_new_tokens <= 0:
@@ -89,7 +90,8 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
     if stream and not json_out:
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
-              "batches": [r.to_dict() for r in results]}
+              "prompts": prompts, "batches": [r.to_dict() for r in results],
+              "total": combine([r.stats for r in results])}
     if backend == "onnxruntime":  # exact float32, or the card's formats emulated
         report["numerics"] = numerics_of(gen.manifest)
     if compare_baseline:
@@ -98,6 +100,7 @@ def run(bundle: Path = typer.Argument(..., help="Bundle folder."),
         same = all(a.rows[i].tokens == b.rows[i].tokens for a, b in zip(results, baselines)
                    for i in range(len(a.rows)))
         report["baseline"] = {"batches": [b.to_dict() for b in baselines],
+                              "total": combine([b.stats for b in baselines]),
                               "speedup_e2e": round(base / max(spd, 1e-9), 3),
                               "outputs_match": same if temperature == 0 else None}
     if json_out:
