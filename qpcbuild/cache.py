@@ -33,7 +33,14 @@ from .tree import copy_tree, file_digest, hash_tree
 META = "cache-entry.json"
 ENTRY_FORMAT = 2
 KINDS = ("exports", "ort", "qpc")
+SMOKE = "smoke"  # random checkpoints that versions before 0.2 kept in the cache
 Say = Callable[[str], None]
+
+
+def _size(path: Path) -> int:
+    if not path.is_dir():
+        return path.lstat().st_size
+    return sum(f.lstat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def default_cache_dir() -> Path:
@@ -149,17 +156,29 @@ class Cache:
 
     # ------------------------------------------------------------ maintenance
     def entries(self, check: bool = False) -> list[EntryInfo]:
+        """Every entry, and the random smoke checkpoints older versions kept here (kind
+        "smoke"; never reused, so `prune` removes them)."""
         found = []
-        for kind in KINDS:
+        for kind in (*KINDS, SMOKE):
             folder = self.root / kind
             if not folder.is_dir():
                 continue
             for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
-                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-                problems = tuple(self.problems(kind, path.name)) if check else ()
-                found.append(EntryInfo(kind, path.name, path, size, path.stat().st_mtime,
+                problems = tuple(self.problems(kind, path.name)) if check and kind != SMOKE \
+                    else ()
+                found.append(EntryInfo(kind, path.name, path, _size(path), path.stat().st_mtime,
                                        problems))
         return found
+
+    def other_items(self) -> list[tuple[str, int]]:
+        """What else the cache folder holds, with its size: the cache's bookkeeping (locks,
+        weight digests), interrupted builds' debris and anything not qpcbuild's."""
+        if not self.root.is_dir():
+            return []
+        return [(p.name, _size(p)) for p in sorted(self.root.iterdir())
+                if p.name not in (*KINDS, SMOKE) or not p.is_dir()] + \
+            [(f"{kind}/{p.name}", _size(p)) for kind in (*KINDS, SMOKE)
+             if (self.root / kind).is_dir() for p in sorted((self.root / kind).glob(".*"))]
 
     def remove_debris(self) -> list[str]:
         """Temp folders of builds that were killed (nobody holds their key's lock)."""
@@ -186,7 +205,9 @@ class Cache:
                 advance(1)
                 try:
                     with self._lock(entry.kind, entry.key, timeout=0):
-                        if self.problems(entry.kind, entry.key):
+                        if entry.kind == SMOKE:
+                            reason = "random smoke weights: a check, not an artifact"
+                        elif self.problems(entry.kind, entry.key):
                             reason = "damaged or unfinished"
                         elif cutoff is not None and entry.path.stat().st_mtime < cutoff:
                             reason = f"not used for {older_than_days:g} days"

@@ -268,3 +268,38 @@ def test_verify_and_inspect_in_a_log_print_whole_lines(demo_bundle, tmp_path):
     assert table_row(shown.stdout, "target")[1:] == [
         "../models/demo/target", "LlamaForCausalLM", "5,205,248",
         "Prefill(32), Decode_0(1), Decode_1(5)", "10 x [0]", "onnxruntime: compiled"]
+
+
+# ---------------------------------------------------------------- 5: smoke weights
+@pytest.mark.slow
+def test_smoke_weights_leave_nothing_in_the_cache_and_cache_ls_shows_everything(tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    done = qpcbuild("compile", REPO / "recipes" / "demo.yaml", "-o", "smoke", "--smoke-weights",
+                    cwd=tmp_path, env={"TMPDIR": str(temp)})
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "smoke" / "manifest.json").read_text()
+                      )["roles"]["target"]["source"]["smoke_weights"] is True
+    assert not (tmp_path / "cache").exists() and not list(temp.glob("*smoke*"))
+    refused = qpcbuild("compile", REPO / "recipes" / "demo.yaml", "-o", "s2", "--smoke-weights",
+                       "--cache-dir", "c", cwd=tmp_path)
+    assert refused.returncode == 2 and "--cache-dir" in refused.stderr
+    # A real build fills the cache; what older versions left there is listed and pruned too.
+    assert qpcbuild("compile", REPO / "recipes" / "demo.yaml", "-o", "real",
+                    cwd=tmp_path).returncode == 0
+    old_smoke = tmp_path / "cache" / "smoke" / "smoke-0123456789abcdef"
+    old_smoke.mkdir(parents=True)
+    (old_smoke / "model.safetensors").write_bytes(b"\0" * 3_000_000)
+    (tmp_path / "cache" / "notes.txt").write_text("mine")
+    listed = qpcbuild("cache", "ls", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert table_row(listed.stdout, "smoke")[1:3] == ["smoke-0123456789abcdef", "2.9"]  # MiB
+    others = [line.split("│")[2].strip() for line in listed.stdout.splitlines()
+              if line.startswith("│ other ")]
+    assert {"locks", "digests", "notes.txt"} <= set(others), listed.stdout
+    everything = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
+    assert f"{everything / 2**20:.1f} MiB in all under {tmp_path / 'cache'}" in listed.stdout
+    pruned = qpcbuild("cache", "prune", cwd=tmp_path)
+    assert pruned.returncode == 0 and "smoke/smoke-0123456789abcdef (random smoke weights" \
+        in pruned.stdout
+    assert not old_smoke.exists() and (tmp_path / "cache" / "notes.txt").exists()

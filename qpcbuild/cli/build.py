@@ -110,6 +110,9 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
 
     if no_cache and cache_dir:
         raise UsageError("--no-cache and --cache-dir contradict each other; pass one of them")
+    if smoke_weights and cache_dir:
+        raise UsageError("--smoke-weights builds without the cache (random weights are a check, "
+                         "not an artifact to keep); drop --cache-dir")
     if no_cache and tune_k:
         raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
                          "built through the cache")
@@ -125,13 +128,15 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             show_tune(tuning)
         set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
     r = load_recipe(recipe, set_ or [])
-    cache = None if no_cache else \
+    # Smoke weights are a check, not an artifact: their random checkpoints and graphs live
+    # only as long as this build (checkpoints in $TMPDIR, graphs moved into the bundle), never
+    # in the shared cache, so that an 8B check leaves the bundle behind and nothing else.
+    cache = None if no_cache or smoke_weights else \
         Cache(cache_dir, say=lambda m: err_console.print(f"[yellow]warning:[/] {m}"))
     with ExitStack() as scratch:
         if smoke_weights:
             from ..smoke import with_smoke_weights
-            # Without a cache the random checkpoints live only as long as this build.
-            smoke_dir = cache.root / "smoke" if cache else Path(scratch.enter_context(
+            smoke_dir = Path(scratch.enter_context(
                 tempfile.TemporaryDirectory(prefix="qpcbuild-smoke-")))
             r = with_smoke_weights(r, smoke_dir, smoke_layers or None,
                                    say=lambda m: err_console.print(m))

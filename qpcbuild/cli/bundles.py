@@ -148,15 +148,21 @@ def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
 
     from ..cache import Cache
 
-    entries = Cache(cache_dir).entries()
+    cache = Cache(cache_dir)
+    entries, others = cache.entries(), cache.other_items()
     if json_out:
-        emit_json([e.to_dict() for e in entries])
+        emit_json([e.to_dict() for e in entries]
+                  + [{"kind": "other", "key": name, "bytes": size} for name, size in others])
         return
-    t = Table("kind", "key", "MiB", "last used (UTC)", title=str(Cache(cache_dir).root),
+    t = Table("kind", "key", "MiB", "last used (UTC)", title=str(cache.root),
               title_justify="left")
     for e in entries:
         t.add_row(e.kind, e.key, f"{e.bytes / 2**20:.1f}", e.to_dict()["last_used"])
+    for name, size in others:
+        t.add_row("other", name, f"{size / 2**20:.1f}", "")
     console.print(t)
+    total = sum(e.bytes for e in entries) + sum(size for _, size in others)
+    console.print(f"{len(entries)} entries; {total / 2**20:.1f} MiB in all under {cache.root}")
 
 
 @cache_app.command("verify")
