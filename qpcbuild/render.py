@@ -113,9 +113,18 @@ def show_plan(plan: BuildPlan) -> None:
         console.print(f"[yellow]warning:[/] {w}")
 
 
+def smoke_roles(m: dict[str, Any]) -> list[str]:
+    return [role for role, info in m["roles"].items() if info["source"].get("smoke_weights")]
+
+
 def show_manifest(m: dict[str, Any]) -> None:
     spd = m["speculation"]
     console.print(f"[bold]{m['name']}[/]  bundle id {m['bundle_id']}")
+    smoke = smoke_roles(m)
+    if smoke:
+        console.print(f"[bold red]RANDOM SMOKE WEIGHTS[/] ({', '.join(smoke)}): built with "
+                      "--smoke-weights to check the toolchain; its outputs are noise, never "
+                      "serve it")
     console.print(f"method {spd['method']}  K={spd['num_speculative_tokens']}  "
                   f"shapes {m['shapes']}  backends {m['backends']}")
     console.print(f"tokenizer: {m['tokenizer']['verdict']} ({m['tokenizer']['detail']})")

@@ -303,3 +303,46 @@ def test_smoke_weights_leave_nothing_in_the_cache_and_cache_ls_shows_everything(
     assert pruned.returncode == 0 and "smoke/smoke-0123456789abcdef (random smoke weights" \
         in pruned.stdout
     assert not old_smoke.exists() and (tmp_path / "cache" / "notes.txt").exists()
+
+
+# ---------------------------------------------------------------- 6: no unearned all-clear
+@pytest.mark.slow
+def test_doctor_without_card_graphs_has_nothing_to_check(demo_bundle, tmp_path):
+    done = qpcbuild("doctor", demo_bundle, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "nothing to check: this bundle holds no card graph" in done.stdout
+    assert "QEfficient's vocabulary" not in done.stdout
+
+
+@pytest.mark.slow
+def test_smoke_bundle_is_flagged_by_inspect_and_refused_by_serve_config(tmp_path):
+    built = qpcbuild("compile", REPO / "recipes" / "demo.yaml", "-o", "smoke",
+                     "--smoke-weights", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    shown = qpcbuild("inspect", "smoke", cwd=tmp_path)
+    assert shown.returncode == 0 and "RANDOM SMOKE WEIGHTS (target, draft)" in shown.stdout
+    refused = qpcbuild("serve-config", "smoke", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "holds random smoke weights" in refused.stderr
+
+
+def test_plan_refuses_a_draft_whose_vocabulary_size_cannot_be_shown_to_match(tmp_path):
+    draft = tmp_path / "tiny-draft"
+    draft.mkdir()
+    config = json.loads((REPO / "models" / "demo" / "draft" / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("schema: 1\nname: mismatch\ntarget:\n  model: Qwen/Qwen2.5-7B-Instruct\n"
+                      "draft:\n  method: draft_model\n  model: ./tiny-draft\n"
+                      "shapes: {ctx_len: 256}\n")
+    done = qpcbuild("plan", recipe, cwd=tmp_path, env={"HF_HUB_CACHE": str(tmp_path / "hf"),
+                                                       "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "vocab_size differs in config.json (target 152064, draft 4096)" in \
+        " ".join(done.stderr.split())
+    # A padded target within one tokenizer family plans, with vLLM's rule said.
+    shipped = qpcbuild("plan", REPO / "recipes" / "qwen2.5-14b-1.5b.yaml", "--json", cwd=tmp_path,
+                       env={"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    assert shipped.returncode == 0, shipped.stderr
+    assert any("vocab_size: target 152064, draft 151936" in w and "use_heterogeneous_vocab" in w
+               for w in json.loads(shipped.stdout)["warnings"])

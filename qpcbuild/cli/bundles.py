@@ -98,8 +98,11 @@ def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
                           markup=False, soft_wrap=True)
             for finding in r["findings"]:
                 console.print(f"  FLAG {finding}", markup=False)
-        console.print("card graphs speak QEfficient's vocabulary" if report["clean"] else
-                      "some card graph uses what QEfficient does not emit (FLAG lines)")
+        if not report["checked"]:
+            console.print("nothing to check: this bundle holds no card graph")
+        else:
+            console.print("card graphs speak QEfficient's vocabulary" if report["clean"] else
+                          "some card graph uses what QEfficient does not emit (FLAG lines)")
     if not report["clean"]:
         raise typer.Exit(1)
 

@@ -149,6 +149,14 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                                            help="Cloud AI vLLM image for --format docker.")):
     """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
     from ..bundle import read_manifest
+    from ..errors import UsageError
+    from ..render import smoke_roles
     from ..serve_config import render
 
-    sys.stdout.write(render(read_manifest(bundle), bundle, format, image))
+    m = read_manifest(bundle)
+    if smoke_roles(m):
+        raise UsageError(f"{bundle}: holds random smoke weights ({', '.join(smoke_roles(m))}; "
+                         "built with --smoke-weights to check the toolchain); a server would "
+                         "answer with noise under the real model's name. Build it from the "
+                         "real checkpoints to serve it")
+    sys.stdout.write(render(m, bundle, format, image))
