@@ -346,3 +346,53 @@ def test_plan_refuses_a_draft_whose_vocabulary_size_cannot_be_shown_to_match(tmp
     assert shipped.returncode == 0, shipped.stderr
     assert any("vocab_size: target 152064, draft 151936" in w and "use_heterogeneous_vocab" in w
                for w in json.loads(shipped.stdout)["warnings"])
+
+
+# ---------------------------------------------------------------- 7: tune trusts only checked numbers
+CHECK_MEASURED_AS = """
+import sys
+import qpcbuild.tune as tuning
+measured_tune = tuning.tune
+def tune(*args, **kwargs):  # the check's measurements as a machine {factor}x slower would give
+    result = measured_tune(*args, **kwargs)
+    for check in result["model_check"]:
+        if check.get("predicted"):
+            check["measured"] = check["predicted"] / {factor}
+    return result
+tuning.tune = tune
+from qpcbuild.cli import app
+sys.argv[0] = "qpcbuild"
+app()
+"""
+
+
+@pytest.mark.slow
+def test_tune_does_not_write_k_its_own_check_contradicts(tmp_path):
+    import yaml
+
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text((REPO / "recipes" / "demo.yaml").read_text().replace(
+        "../models/demo", str(REPO / "models" / "demo")))
+    quick = ["tune", recipe, "--num-prompts", "2", "--max-new-tokens", "16", "--rounds", "3",
+             "--k-max", "3", "--write"]
+
+    def tune(factor: float, *argv):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "QPCBUILD_CACHE": str(tmp_path / "cache")}
+        return subprocess.run([sys.executable, "-c", CHECK_MEASURED_AS.format(factor=factor),
+                               *map(str, argv)], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    off = tune(33, *quick, "off.yaml")
+    assert off.returncode == 1, off.stdout + off.stderr
+    assert not (tmp_path / "off.yaml").exists()
+    said = " ".join((off.stdout + off.stderr).split())
+    assert "predicted" in said and "(33x; the tolerance is 2x either way)" in said
+    assert "recipe was not written" in said and "--force" in said
+    for factor, argv, name in ((33, ["--force"], "forced.yaml"), (1.25, [], "agreed.yaml")):
+        done = tune(factor, *quick, name, *argv)
+        assert done.returncode == 0, done.stdout + done.stderr
+        written = yaml.safe_load((tmp_path / name).read_text())["speculation"][
+            "num_speculative_tokens"]
+        # The summary shows exactly the value the file holds.
+        assert f"wrote {name}: speculation.num_speculative_tokens: {written}" in \
+            " ".join(done.stdout.split())

@@ -119,13 +119,18 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     tuning = None
     if tune_k:
         from ..tune import show_tune, tune as run_tune
+        from ..tune.report import disagreements
 
         if smoke_weights:
             raise UsageError("--tune measures the real models; it cannot be combined with "
                              "--smoke-weights")
         tuning = run_tune(recipe, set_ or [], cache_dir=cache_dir, say=progress_line)
+        tuning["model_check_disagrees"] = disagreements(tuning)
         if not json_out:
             show_tune(tuning)
+        for problem in tuning["model_check_disagrees"]:
+            err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
+                              f"own check contradicts: {problem}", soft_wrap=True)
         set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
     r = load_recipe(recipe, set_ or [])
     # Smoke weights are a check, not an artifact: their random checkpoints and graphs live
