@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .plan import BuildPlan
+if TYPE_CHECKING:  # the plan's imports (onnx, numpy) would slow every command's start
+    from .plan import BuildPlan
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)

@@ -396,3 +396,53 @@ def test_tune_does_not_write_k_its_own_check_contradicts(tmp_path):
         # The summary shows exactly the value the file holds.
         assert f"wrote {name}: speculation.num_speculative_tokens: {written}" in \
             " ".join(done.stdout.split())
+
+
+# ---------------------------------------------------------------- 8: start-up
+HEAVY = ("onnx", "onnxruntime", "numpy", "torch", "transformers", "ml_dtypes")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["compile", "--help"],
+                                  ["inspect", "{bundle}"], ["verify", "{bundle}"]],
+                         ids=["help", "version", "compile-help", "inspect", "verify"])
+def test_light_commands_import_no_heavy_module(tmp_path, argv):
+    bundle = tmp_path / "b"  # a folder that is not a bundle: the command fails after start-up
+    bundle.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "qpcbuild",
+                           *(a.format(bundle=bundle) for a in argv)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "qpcbuild.cli" in imported, done.stderr[-2000:]
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_version_flag_and_help_without_bool_types(tmp_path):
+    import tomllib
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    done = qpcbuild("--version", cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout == f"qpcbuild {version}\n"
+    for command in ("compile", "export", "run", "tune", "bench", "verify", "serve"):
+        shown = qpcbuild(command, "--help", cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        assert "<bool>" not in shown.stdout and "--help" in shown.stdout, command
+    assert "--emit-only " in qpcbuild("compile", "--help", cwd=tmp_path).stdout
+
+
+@pytest.mark.slow
+def test_smoke_layers_help_and_validation_agree(tmp_path):
+    shown = " ".join(qpcbuild("compile", "--help", cwd=tmp_path).stdout.replace("│", " ").split())
+    assert "layers per model (0 = all)" in shown and "[x>=0]" in shown
+    demo = REPO / "recipes" / "demo.yaml"
+    refused = qpcbuild("compile", demo, "-o", "b", "--smoke-weights", "--smoke-layers", "-1",
+                       cwd=tmp_path)
+    assert refused.returncode == 2 and "--smoke-layers" in refused.stderr
+    done = qpcbuild("compile", demo, "-o", "b", "--smoke-weights", "--smoke-layers", "0",
+                    "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    for role in ("target", "draft"):  # every layer of the real config
+        config = json.loads((REPO / "models" / "demo" / role / "config.json").read_text())
+        assert manifest["roles"][role]["arch"]["num_layers"] == config["num_hidden_layers"]

@@ -91,8 +91,8 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             smoke_weights: bool = typer.Option(False, "--smoke-weights", help="Use random weights "
                                                "of the recipe's exact shapes (for checking a "
                                                "recipe without the real checkpoint)."),
-            smoke_layers: Optional[int] = typer.Option(2, min=1, help="With --smoke-weights: "
-                                                       "layers per model (0 = all)."),
+            smoke_layers: int = typer.Option(2, min=0, help="With --smoke-weights: layers "
+                                             "per model (0 = all)."),
             tune_k: bool = typer.Option(False, "--tune", help="Pick K first from measured "
                                         "acceptance and costs (`qpcbuild tune` with its "
                                         "defaults) and record the evidence."),
