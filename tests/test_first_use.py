@@ -446,3 +446,45 @@ def test_smoke_layers_help_and_validation_agree(tmp_path):
     for role in ("target", "draft"):  # every layer of the real config
         config = json.loads((REPO / "models" / "demo" / role / "config.json").read_text())
         assert manifest["roles"][role]["arch"]["num_layers"] == config["num_hidden_layers"]
+
+
+# ---------------------------------------------------------------- 9: HTTP errors
+@pytest.mark.slow
+def test_http_errors_name_no_server_paths(demo_bundle, tmp_path):
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    server = subprocess.Popen([sys.executable, "-m", "qpcbuild", "serve", str(demo_bundle),
+                               "--port", str(port), "--verify", "none"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        body = json.dumps({"model": "demo", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "w1 w2"}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(request, timeout=30)
+                raise AssertionError("a bundle without a chat template answered a chat request")
+            except urllib.error.HTTPError as exc:
+                status, text = exc.code, exc.read().decode()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert server.poll() is None and time.monotonic() < deadline, \
+                    server.stdout.read().decode() if server.poll() is not None else "timeout"
+                time.sleep(0.5)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert status == 400
+    message = json.loads(text)["error"]["message"]
+    assert "has no chat template" in message
+    assert str(demo_bundle) not in text and str(demo_bundle.resolve()) not in text
+    assert "/tmp" not in text and str(Path.home()) not in text
