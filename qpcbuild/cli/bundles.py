@@ -127,8 +127,8 @@ def unpack(archive: Path = typer.Argument(..., help="A .tar.gz or .tar made by `
                                           "package`."),
            dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into: "
                                      "the bundle's own folder is created there.")):
-    """Safely unpack a bundle archive into DEST/<bundle name> (refuses absolute paths, '..',
-    links and devices, and an existing DEST/<bundle name>)."""
+    """Safely unpack a bundle archive into a folder named after the bundle inside DEST
+    (refuses absolute paths, '..', links and devices, and a bundle folder that exists)."""
     from ..bundle.archive import unpack as unpack_archive
 
     path = unpack_archive(archive, dest)
