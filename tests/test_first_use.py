@@ -488,3 +488,21 @@ def test_http_errors_name_no_server_paths(demo_bundle, tmp_path):
     assert "has no chat template" in message
     assert str(demo_bundle) not in text and str(demo_bundle.resolve()) not in text
     assert "/tmp" not in text and str(Path.home()) not in text
+
+
+# ---------------------------------------------------------------- 10: make demo
+def test_make_demo_installs_only_what_the_demo_needs_and_quietly(tmp_path):
+    """`make -n` lists every command `make demo` would run (sub-makes included) without
+    running any of them."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    done = subprocess.run(["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    installs = [line for line in done.stdout.splitlines() if "pip install" in line]
+    assert installs and all(" -qq " in line for line in installs), installs
+    installed = " ".join(installs)
+    assert "'.[smollm2]'" in installed and "torch==2.13.0" in installed
+    assert "'.[dev]'" not in installed and "pytest" not in installed
