@@ -33,7 +33,7 @@ from .tree import copy_tree, file_digest, hash_tree
 META = "cache-entry.json"
 ENTRY_FORMAT = 2
 KINDS = ("exports", "ort", "qpc")
-SMOKE = "smoke"  # random checkpoints that versions before 0.2 kept in the cache
+SMOKE = "smoke"  # random checkpoints that earlier qpcbuild builds kept in the cache
 Say = Callable[[str], None]
 
 

@@ -348,7 +348,7 @@ def test_plan_refuses_a_draft_whose_vocabulary_size_cannot_be_shown_to_match(tmp
                for w in json.loads(shipped.stdout)["warnings"])
 
 
-# ---------------------------------------------------------------- 7: tune trusts only checked numbers
+# ---------------------------------------------------------------- 7: tune trusts checked numbers
 CHECK_MEASURED_AS = """
 import sys
 import qpcbuild.tune as tuning

@@ -21,7 +21,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                        "100 (qaic) and ONNX Runtime, and run them.")
 
 
-
 def _show_version(value: bool) -> None:
     if value:
         from .. import __version__
