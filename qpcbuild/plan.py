@@ -340,6 +340,13 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                           f"tokenizers are incompatible: {tok['detail']}", r.line_of("draft.model"))])
     if tok["verdict"] in ("unverified", "same-family"):
         warnings.append(f"tokenizers: {tok['detail']}")
+    vocab = {role: src.config.get("vocab_size") for role, src in sources.items()}
+    if "draft" in vocab and vocab["target"] != vocab["draft"]:
+        # vllm/config/speculative.py, verify_equal_vocab_size_if_draft_model (vLLM 0.32)
+        warnings.append(f"vocab_size: target {vocab['target']}, draft {vocab['draft']} (the "
+                        "target's padded); qpcbuild runs this pair, but vLLM's draft_model "
+                        "method requires equal sizes unless use_heterogeneous_vocab is set "
+                        "(greedy drafting only)")
 
     cores = resolved_cores(r)
     compiler = compiler or find_compiler()[0] or "qaic-compile"

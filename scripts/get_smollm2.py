@@ -175,7 +175,10 @@ it as float32 safetensors. Expect slightly different outputs from the original c
 def convert(gguf: Path, wheel: Path, out: Path, tmp: Path, sanity: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    if not sys.stderr.isatty():  # a log file gets this script's lines, not redrawn bars
+        hf_logging.disable_progress_bar()
     t0 = time.time()
     log(f"loading {gguf.name} with transformers (dequantizing)")
     try:

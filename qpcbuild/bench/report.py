@@ -240,12 +240,8 @@ def _short(x: float) -> str:
 def show_report(report: dict[str, Any], console=None) -> None:
     from rich.table import Table
 
-    from rich.console import Console
-
     from ..render import console as default_console
     console = console or default_console
-    if not console.is_terminal:  # a file or a pipe: rich would wrap at 80 columns
-        console = Console(width=170, highlight=False)
     s = report["settings"]
     m = report["machine"]
     title = (f"{report['name']}: {s['prompts']} prompts ({s['prompt_set']}), {s['max_new_tokens']} "

@@ -25,7 +25,9 @@ from ..errors import UsageError
 from ..export import export_model
 from ..plan import (EXPORTER_VERSION, ORT_LOWERING_VERSION, BuildPlan, RolePlan, digest,
                     find_compiler)
-from ..source import resolve, safetensors_files, tokenizer_files
+from ..recipe import recipe_relative
+from ..source import (resolve, safetensors_files, tokenizer_files,
+                      weights_missing_message)
 from ..toolchain import artifact_versions, compiler_identity
 from ..tree import copy_tree, hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
@@ -224,6 +226,16 @@ def _bundle_recipe(plan: BuildPlan) -> str:
 
 
 # ---------------------------------------------------------------- the build
+def _require_weights(plan: BuildPlan) -> None:
+    """A plan may stand on a known config alone; a build needs each model's files."""
+    for rp in plan.roles:
+        if rp.source["path"] is None:
+            ref = getattr(plan.recipe, rp.role).model
+            raise UsageError(f"{rp.role}.model: " + weights_missing_message(
+                ref, rp.source["revision"], recipe_relative(plan.recipe, ref),
+                plan.recipe.source))
+
+
 def _subset_ids(role: RolePlan):
     """The plan's vocabulary subset, read again and checked to be the set the plan saw."""
     if not role.vocab_subset:
@@ -259,6 +271,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
     def wanted(stage: str, role: str) -> bool:
         return units is None or unit_name(stage, role) in units
 
+    _require_weights(plan)
     backends = {name: get_backend(name) for name in r.backends}
     target = plan.role("target")
     target_dir = Path(target.source["path"])
@@ -374,7 +387,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        files = hash_tree(staging, exclude=[MANIFEST])
+        files = hash_tree(staging, exclude=[MANIFEST], what=f"hashing {out}")
         manifest = _manifest(plan, exports, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})

@@ -9,9 +9,9 @@ from ..tree import hash_tree, walk
 from .manifest import MANIFEST, changed_fields, read_manifest
 
 
-def _actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
+def actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
     if not fast:
-        return hash_tree(bundle, exclude=[MANIFEST])
+        return hash_tree(bundle, exclude=[MANIFEST], what=f"hashing {bundle}")
     found = {}
     for entry in walk(bundle, frozenset([MANIFEST])):
         if not entry.is_dir:
@@ -50,7 +50,7 @@ def verify_bundle(bundle: Path, fast: bool = False) -> list[str]:
     manifest = read_manifest(bundle)
     problems = [] if fast else changed_fields(manifest)
     try:
-        actual = _actual_files(bundle, fast)
+        actual = actual_files(bundle, fast)
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
         return problems + [str(exc)]
     return problems + compare_files(manifest["files"], actual, fast)

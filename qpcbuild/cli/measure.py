@@ -133,11 +133,15 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                                      "(default: the card's published figure)."),
          per_batch: Optional[str] = typer.Option(None, "--per-batch", help="Batch sizes (1,2,4 "
                                                  "or 1-4): the best K for each too, recorded "
-                                                 "in the evidence.")):
+                                                 "in the evidence."),
+         force: bool = typer.Option(False, "--force", help="Write the recipe even when the "
+                                    "model check disagrees with the prediction.")):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
-    from ..errors import UsageError
+    from ..errors import QpcbuildError, UsageError
     from ..bench import parse_ks
+    from ..recipe import load_recipe
     from ..tune import show_tune, tune as run_tune, write_tuned_recipe
+    from ..tune.report import disagreements
 
     if write is not None and in_place:
         raise UsageError("give --write FILE or --in-place, not both")
@@ -147,17 +151,20 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                       say=progress_line, cost_model=cost_model,
                       card_bandwidth_gbs=card_bandwidth_gbs, card_tflops=card_tflops,
                       per_batch=parse_ks(per_batch))
-    written = None
-    if write is not None or in_place:
+    result["model_check_disagrees"] = disagreements(result)
+    refused = bool(result["model_check_disagrees"]) and not force and (write or in_place)
+    if (write is not None or in_place) and not refused:
         written = write_tuned_recipe(recipe, result, None if in_place else write)
         result["written"] = str(written)
+        result["written_value"] = load_recipe(written).speculation.num_speculative_tokens
         if set_:
             err_console.print("[yellow]note:[/] only num_speculative_tokens was written; the "
                               f"--set overrides used while measuring ({', '.join(set_)}) were "
                               "not")
     if json_out:
         emit_json(result)
-        return
-    show_tune(result)
-    if written:
-        console.print(f"wrote {written}")
+    else:
+        show_tune(result)
+    if refused:
+        raise QpcbuildError("the model check disagrees with the prediction, so the recipe was not "
+                            "written (measure on a quieter machine, or pass --force)")

@@ -55,9 +55,13 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         system: Optional[str] = typer.Option(None, help="System message for --chat."),
         json_out: bool = typer.Option(False, "--json", help="Text, token ids and stats as JSON.")):
     """Run speculative decoding from a bundle (smoke test, with acceptance statistics)."""
+    from contextlib import nullcontext
+
     from ..errors import UsageError
+    from ..progress import step
     from ..render import show_run
     from ..runtime.loader import load
+    from ..runtime.stats import combine
 
     prompts = _read_prompts(prompt, prompt_file)
     if max_new_tokens <= 0:
@@ -74,17 +78,23 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         on_token = lambda row, ids: console.print(  # noqa: E731
             gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False, highlight=False)
     results, baselines = [], []
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
-        results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
-                                    on_token, chat=chat, system=system))
-        if compare_baseline:
-            baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
-                                          seed, target_only=True, chat=chat, system=system))
+    # (not while streaming: the tokens are the progress, and a bar would cut through them)
+    with nullcontext(lambda n: None) if on_token else step(
+            f"decoding {bundle}" + (" (and target-only)" if compare_baseline else ""),
+            len(prompts), "prompts") as advance:
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start:start + batch]
+            results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
+                                        on_token, chat=chat, system=system))
+            if compare_baseline:
+                baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
+                                              seed, target_only=True, chat=chat, system=system))
+            advance(len(chunk))
     if stream and not json_out:
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
-              "batches": [r.to_dict() for r in results]}
+              "prompts": prompts, "batches": [r.to_dict() for r in results],
+              "total": combine([r.stats for r in results])}
     if backend == "onnxruntime":  # exact float32, or the card's formats emulated
         report["numerics"] = numerics_of(gen.manifest)
     if compare_baseline:
@@ -93,6 +103,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         same = all(a.rows[i].tokens == b.rows[i].tokens for a, b in zip(results, baselines)
                    for i in range(len(a.rows)))
         report["baseline"] = {"batches": [b.to_dict() for b in baselines],
+                              "total": combine([b.stats for b in baselines]),
                               "speedup_e2e": round(base / max(spd, 1e-9), 3),
                               "outputs_match": same if temperature == 0 else None}
     if json_out:
@@ -142,6 +153,14 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                                            help="Cloud AI vLLM image for --format docker.")):
     """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
     from ..bundle import read_manifest
+    from ..errors import UsageError
+    from ..render import smoke_roles
     from ..serve_config import render
 
-    sys.stdout.write(render(read_manifest(bundle), bundle, format, image))
+    m = read_manifest(bundle)
+    if smoke_roles(m):
+        raise UsageError(f"{bundle}: holds random smoke weights ({', '.join(smoke_roles(m))}; "
+                         "built with --smoke-weights to check the toolchain); a server would "
+                         "answer with noise under the real model's name. Build it from the "
+                         "real checkpoints to serve it")
+    sys.stdout.write(render(m, bundle, format, image))

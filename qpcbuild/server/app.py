@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -33,9 +34,14 @@ log = logging.getLogger("qpcbuild.server")
 MAX_BODY = 4 << 20
 
 
+# An absolute path (not part of a URL): clients are not told where the server keeps its files.
+_SERVER_PATH = re.compile(r"(?<![\w:/.~-])/[^\s'\":;,()]+")
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
+        message = _SERVER_PATH.sub("<server path>", message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code

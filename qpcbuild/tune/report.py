@@ -57,19 +57,21 @@ def evidence_comment(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+# A prediction off its own check by more than this factor (either way) is not trusted (under
+# load, checks of the demo pair were off by 4.2x here, and by 33x in the issue that set this).
+CHECK_FACTOR = 2.0
+
+
 def _by_k(cal: dict[str, Any], k: int) -> dict[str, Any] | None:
     by_k = cal.get("by_k") or {}
     return by_k.get(k) or by_k.get(str(k))
 
 
 def show_tune(result: dict[str, Any], console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from ..render import console as default_console
     console = console or default_console
-    if not console.is_terminal:
-        console = Console(width=150, highlight=False)
     cal, costs = result["calibration"], result["costs"]
     k_max = result["k_max"]
     console.print(f"[bold]tune {result['name']}[/]  method {result['method']}; "
@@ -137,7 +139,25 @@ def show_tune(result: dict[str, Any], console=None) -> None:
     for n in result.get("notes") or []:
         console.print(f"note: {n}", soft_wrap=True)
     console.print(f"[bold]K = {result['chosen_k']}[/] (recipe has {result['recipe_k']}); compile "
-                  f"Ks {result['recommended_ks']} (num_speculative_tokens: {result['chosen_k']})")
+                  f"Ks {result['recommended_ks']}" + (
+                      f"; wrote {result['written']}: speculation.num_speculative_tokens: "
+                      f"{result['written_value']}" if result.get("written") else ""),
+                  soft_wrap=True)
+    for problem in result.get("model_check_disagrees") or []:
+        console.print(f"[red]model check:[/] {problem}", soft_wrap=True)
+
+
+def disagreements(result: dict[str, Any], factor: float = CHECK_FACTOR) -> list[str]:
+    """The model check's rows whose prediction is off the measurement by more than `factor`
+    either way: then the choice of K rests on costs the run itself contradicts."""
+    out = []
+    for c in result["model_check"]:
+        if c.get("predicted") and c.get("measured") and not \
+                1 / factor <= c["predicted"] / c["measured"] <= factor:
+            out.append(f"{c['config']} predicted {c['predicted']:,.0f} tokens/s, measured "
+                       f"{c['measured']:,.0f} ({c['predicted'] / c['measured']:.2g}x; the "
+                       f"tolerance is {factor:g}x either way)")
+    return out
 
 
 def write_json(result: dict[str, Any], path: Path) -> Path:
