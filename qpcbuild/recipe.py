@@ -80,7 +80,8 @@ class Draft(_Strict):
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0, le=1)
 
 
-NGRAM_DEFAULTS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+# vLLM's: both 5 when neither is given, one given -> the other takes its value (method_options)
+NGRAM_DEFAULTS = {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
                    "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
@@ -165,7 +166,11 @@ class Recipe(_Strict):
 
     @property
     def method_options(self) -> dict[str, Any]:
-        defaults = {"ngram": NGRAM_DEFAULTS, "suffix": SUFFIX_DEFAULTS}.get(self.draft.method, {})
+        if self.draft.method == "ngram":
+            from .runtime.proposers import vllm_lookup_range
+            lo, hi = vllm_lookup_range(self.draft.prompt_lookup_min, self.draft.prompt_lookup_max)
+            return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}
+        defaults = {"suffix": SUFFIX_DEFAULTS}.get(self.draft.method, {})
         return {key: getattr(self.draft, key) if getattr(self.draft, key) is not None else value
                 for key, value in defaults.items()}
 

@@ -228,10 +228,11 @@ class SpecDecoder:
                     self._prefill(self.draft, group_rows, times, "draft", slot)
                     for r in group_rows:
                         r.draft_len = len(r.prompt)
-                if self._proposing:
+                if self._proposing:  # as vLLM: the prompt, then the first sampled token
                     for s, r in group:
                         self.proposer.finish(s)
-                        self.proposer.start(s, r.tokens)
+                        self.proposer.start(s, r.prompt)
+                        self.proposer.extend(s, r.tokens[len(r.prompt):])
             times.prefill_s += time.perf_counter() - t0
 
         admit([(s, waiting.pop()) for s in range(min(self.batch, len(waiting)))])
