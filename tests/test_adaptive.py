@@ -230,3 +230,92 @@ def test_k_follows_the_number_of_live_rows():
     times = mixed.run_rows([r1, r2])
     assert times.windows.get(1, 0) >= 3 and times.windows.get(4, 0) >= 3
     assert r2.tokens == counting_prompt(20, 5 + 60)
+
+
+# ---------------------------------------------------------------- sampled output stays exact
+class Markov:
+    """A model whose next-token distribution depends on the last token only: logits log T[a].
+    The joint law of the tokens it generates is then known exactly."""
+
+    ctx_len, specializations = 64, []
+
+    def __init__(self, role, table, batch):
+        self.role, self.table, self.batch_size = role, np.log(table), batch
+        self.vocab_size = table.shape[0]
+
+    def run(self, input_ids, position_ids, batch_index=None):
+        logits = self.table[input_ids].astype(np.float32)
+        if input_ids.shape[1] == PREFILL:
+            last = np.maximum((position_ids >= 0).sum(axis=1) - 1, 0)
+            return logits[np.arange(len(last)), last][:, None]
+        return logits
+
+
+def markov_pair(seed=0, n=5):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(n), size=n)
+    # the draft: confident (one token at 0.8) after even tokens, flat after odd ones, and
+    # different from the target everywhere
+    q = rng.dirichlet(np.ones(n) * 0.5, size=n)
+    for a in range(0, n, 2):
+        q[a] = 0.2 / (n - 1)
+        q[a, (a + 1) % n] = 0.8
+    return p, q
+
+
+def joint_counts(p, q, p_min, calls=120, batch=64):
+    """Counts of (t1, t2, t3) over calls x batch samples: t1 from the prefill, t2 and t3
+    through draft proposals and the acceptance rule."""
+    n = p.shape[0]
+    dec = SpecDecoder(Markov("target", p, batch), Markov("draft", q, batch), None, (1, 2, 3),
+                      PREFILL, {999}, "draft_model", draft_p_min=p_min)
+    counts = np.zeros((n, n, n))
+    drafted = steps = 0
+    for seed in range(calls):
+        rows, _ = dec.generate([[0]] * batch, 3, SamplingParams(1.0, seed=seed))
+        for r in rows:
+            counts[tuple(r.tokens[1:4])] += 1
+            drafted += r.stats.num_draft_tokens
+            steps += r.stats.target_calls
+    joint_counts.proposed_per_step = drafted / steps
+    return counts
+
+
+def exact_joint(p):
+    """P(t1, t2, t3) after the prompt [0]: the target's chain, computed outside the loop."""
+    return np.einsum("a,ab,bc->abc", p[0], p, p)
+
+
+def chi_square_p(counts, probs):
+    from scipy import stats as scipy_stats
+
+    counts, probs = counts.ravel(), probs.ravel()
+    big = probs * counts.sum() >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(probs[big], probs[~big].sum()) * counts.sum()
+    keep = exp > 0
+    return scipy_stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+def test_confidence_stopped_sampling_keeps_the_target_distribution():
+    p, q = markov_pair()
+    counts = joint_counts(p, q, p_min=0.5)
+    assert 0.3 < joint_counts.proposed_per_step < 1.5  # the stop ended many proposals early
+    assert chi_square_p(counts, exact_joint(p)) > 1e-3
+
+
+def test_the_distribution_test_rejects_a_stop_that_looks_at_the_sampled_token(monkeypatch):
+    """Broken variant: drafting only tokens the draft is confident of (sampling from q cut to
+    q(x) >= p_min) while accepting with the full q. The test must see the bias."""
+    from qpcbuild.runtime import drafting
+
+    def confident_only(probs, rng):
+        cut = np.where(probs >= 0.5, probs, 0.0)
+        if cut.sum() == 0:
+            cut = probs
+        return int(rng.choice(len(probs), p=cut / cut.sum()))
+
+    p, q = markov_pair()
+    monkeypatch.setattr(drafting, "sample", confident_only)
+    counts = joint_counts(p, q, p_min=0.0)
+    assert chi_square_p(counts, exact_joint(p)) < 1e-3
