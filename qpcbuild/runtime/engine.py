@@ -36,6 +36,7 @@ class RowStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    accepted_histogram: list[int] = field(default_factory=list)  # drafted steps by accepted
     target_calls: int = 0
     spec_steps: int = 0  # verify steps this row took with speculation on (goodput gate)
     plain_steps: int = 0  # ... and with it off
@@ -297,14 +298,14 @@ class SpecDecoder:
                          for i in range(len(slots))]
             q = None
         before = [len(r.tokens) for r in live]
-        self._verify(slots, proposals, q, times, on_token)
-        if gate is None:
-            return
-        for r in live:
+        for r in live if gate is not None else ():  # counted before a caller sees rows end
             if mode == "spec":
                 r.stats.spec_steps += 1
             else:
                 r.stats.plain_steps += 1
+        self._verify(slots, proposals, q, times, on_token)
+        if gate is None:
+            return
         # the draft catching up after plain steps is a one-off cost of switching, not per step
         seconds = time.perf_counter() - t0 - (times.catch_up_s - catch_up0)
         gate.record(mode, seconds, [(r.rate, len(r.tokens) - n) for r, n in zip(live, before)])
@@ -366,6 +367,9 @@ class SpecDecoder:
         st.num_drafts += 1
         st.num_draft_tokens += drafted
         st.num_accepted_tokens += accepted
+        if len(st.accepted_histogram) <= accepted:
+            st.accepted_histogram += [0] * (accepted + 1 - len(st.accepted_histogram))
+        st.accepted_histogram[accepted] += 1
         if len(st.accepted_per_pos) < drafted:
             st.accepted_per_pos += [0] * (drafted - len(st.accepted_per_pos))
         for j in range(accepted):
