@@ -203,7 +203,8 @@ class SpecDecoder:
         k_max = max(self.ks) if k is None else k
         if k is not None and k not in self.ks:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
-        gate = None if target_only else self.gate(policy, k)
+        can_speculate = self.draft is not None or self.proposer is not None
+        gate = self.gate(policy, k) if can_speculate and not target_only else None
         gate_mark = (dict(gate.steps_by_mode), len(gate.switches)) if gate else None
         times = LoopTimes()
         start = time.perf_counter()
