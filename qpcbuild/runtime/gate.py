@@ -24,10 +24,16 @@ EMA = 0.3  # weight of the newest step in the running estimates
 WARM_STEPS = 4  # speculative steps before the first plain probe
 PROBE_STEPS = {"spec": 4, "plain": 2}  # a probe's length per mode (acceptance needs a few)
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # steps between probes of the losing mode
+MARGIN = 0.05  # the other mode must be this much faster to switch (noise is not a reason)
+SPIKE = 2.0  # a step slower than this x the estimate counts as this x (a busy machine's stall)
 
 
 def ema(old: float | None, new: float) -> float:
     return new if old is None else old + EMA * (new - old)
+
+
+def ema_clipped(old: float | None, new: float) -> float:
+    return ema(old, new if old is None else min(new, SPIKE * old))
 
 
 @dataclass
@@ -79,7 +85,7 @@ class SpecGate:
         each live row's new tokens."""
         self.steps += 1
         self.steps_by_mode[mode] += 1
-        self.step_s[mode] = ema(self.step_s[mode], seconds)
+        self.step_s[mode] = ema_clipped(self.step_s[mode], seconds)
         if mode == "spec":
             for rate, n in row_tokens:
                 rate.tokens_per_step = ema(rate.tokens_per_step, n)
@@ -110,7 +116,11 @@ class SpecGate:
                    (self.pooled_tokens or 1.0) for r in rates]
         spec_rate = sum(per_row) / spec_s
         plain_rate = len(rates) / plain_s
-        best = "spec" if spec_rate >= plain_rate else "plain"
+        # the current mode stays unless the other is faster by MARGIN
+        if self.mode == "spec":
+            best = "spec" if spec_rate * (1 + MARGIN) >= plain_rate else "plain"
+        else:
+            best = "plain" if plain_rate * (1 + MARGIN) >= spec_rate else "spec"
         why = (f"speculating {spec_rate:.1f} new tokens/s ({sum(per_row) / len(rates):.2f} per "
                f"row-step, {spec_s * 1e3:.2f} ms/step) vs plain {plain_rate:.1f} "
                f"({plain_s * 1e3:.2f} ms/step)")
