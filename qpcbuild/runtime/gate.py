@@ -103,8 +103,10 @@ class SpecGate:
             self._switch(best, why)
 
     def _switch(self, mode: str, why: str) -> None:
+        # The gap to the next probe is kept, not reset: a gate that keeps changing its mind
+        # (two modes about as fast, a noisy machine) probes ever more rarely all the same.
         self.switches.append({"step": self.steps, "to": mode, "reason": why})
-        self.mode, self._backoff = mode, FIRST_BACKOFF
+        self.mode = mode
         self._next_probe = self.steps + self._backoff
 
     def compare(self, rates: list[RowRate]) -> tuple[str, str]:
