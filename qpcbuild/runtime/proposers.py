@@ -212,8 +212,10 @@ class SuffixProposer:
             return []
         context = req.tokens[-self.max_tree_depth:]
         args = (max_tokens, self.max_spec_factor, 0.0, self.min_token_prob)
-        own = req.local.speculate(context, *args)
-        cached = self._global.speculate(context, *args)
+        own = req.local.speculate(context, *args, known=req.local.suffix_nodes(0))
+        cached = self._global.speculate(
+            context, *args, known=() if req.seq_id is None else
+            self._global.suffix_nodes(req.seq_id))
         return list((own if own.score >= cached.score else cached).token_ids)
 
     def finish(self, request_id: int) -> None:

@@ -20,6 +20,7 @@ trie (one node per token; path compression changes memory, never counts or order
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -126,15 +127,23 @@ class SuffixTree:
                 return None
         return node
 
+    def suffix_nodes(self, seq_id: int) -> Sequence[_Node]:
+        """The nodes of a sequence's last suffixes, longest first (the one of length m is
+        [-m]): where a context that ends that sequence matches, without walking from the root."""
+        return self._active.get(seq_id, ())
+
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
-                  max_spec_offset: float, min_token_prob: float) -> Draft:
+                  max_spec_offset: float, min_token_prob: float,
+                  known: Sequence[_Node] = ()) -> Draft:
+        """`known`: `suffix_nodes` of a sequence the context ends with (a shortcut only)."""
         best = Draft(score=F32(0.0))
         min_p = F32(min_token_prob)
         for match_len in range(1, len(context)):
-            node = self._match(context[len(context) - match_len:])
+            node = known[-match_len] if match_len <= len(known) else \
+                self._match(context[len(context) - match_len:])
             if node is None:
                 break
-            cap = int(float(F32(match_len) * F32(max_spec_factor) + F32(max_spec_offset)) + 1e-6)
+            cap = _cap(match_len, max_spec_factor, max_spec_offset)
             draft = self._walk(node, max(0, min(max_spec_tokens, cap)), min_p)
             if draft.score >= best.score:
                 best = draft
@@ -157,3 +166,9 @@ class SuffixTree:
             draft.score = F32(draft.score + prob)
             node = child
         return draft
+
+
+@functools.lru_cache(maxsize=4096)
+def _cap(match_len: int, factor: float, offset: float) -> int:
+    """int(match_len * factor + offset + 1e-6), the products in float32 as the C++ has them."""
+    return int(float(F32(match_len) * F32(factor) + F32(offset)) + 1e-6)
