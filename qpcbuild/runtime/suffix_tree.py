@@ -93,10 +93,15 @@ class SuffixTree:
             seq.append(tok)
             for i, node in enumerate(active):
                 child = node.children.get(tok)
+                # The root's child order is never walked (a match is at least one token), so
+                # it is not kept: it is the one list as long as the vocabulary.
                 if child is None:
                     child = node.children[tok] = _Node(tok)
                     child.count = 1
-                    node.order.append(child)
+                    if node is not root:
+                        node.order.append(child)
+                elif node is root:
+                    child.count += 1
                 else:
                     _grow(node, child)
                 active[i] = child
@@ -112,9 +117,13 @@ class SuffixTree:
                 if child is None:
                     break
                 if child.count > 1:
-                    _shrink(node, child)
+                    if node is self.root:
+                        child.count -= 1
+                    else:
+                        _shrink(node, child)
                 else:  # this sequence was its only occurrence: the whole branch goes
-                    node.order.remove(child)
+                    if node is not self.root:
+                        node.order.remove(child)
                     del node.children[tok]
                     break
                 node = child
