@@ -350,7 +350,8 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
 
     cores = resolved_cores(r)
     compiler = compiler or find_compiler()[0] or "qaic-compile"
-    roles = [_role_plan("target", r, sources["target"], r.ks, cores["target"], compiler)]
+    roles = [_role_plan("target", r, sources["target"], r.compiled_ks, cores["target"],
+                        compiler)]
     if "draft" in sources:
         roles.append(_role_plan("draft", r, sources["draft"], (), cores["draft"], compiler,
                                 subset))
@@ -377,6 +378,6 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
             warnings.append(f"QID {q}: estimated {mem['total']:.1f} GiB of weights and KV cache "
                             f"exceed its {card['dram_gib_per_qid']} GiB of on-board memory")
     return BuildPlan(recipe=r, roles=tuple(roles), method=r.draft.method,
-                     method_options=r.method_options, ks=r.ks, tokenizer=tok,
+                     method_options=r.method_options, ks=r.compiled_ks, tokenizer=tok,
                      cores_per_qid=core_rows, memory_per_qid=mem_rows,
                      dram_gib_per_qid=card["dram_gib_per_qid"], warnings=warnings)

@@ -219,8 +219,6 @@ BAD = [
     Bad("ngram-min-above-max", edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_min: 5\n"
                                                              "  prompt_lookup_max: 2")),
         "draft.prompt_lookup_min", L_DRAFT_MODEL, "5 is larger than prompt_lookup_max 2"),
-    Bad("ngram-min-above-default-max", edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_min: 6")),
-        "draft.prompt_lookup_min", L_DRAFT_MODEL, "6 is larger than prompt_lookup_max 4"),
     Bad("suffix-option-with-ngram", edit(NGRAM, (DRAFT_MODEL_LINE,
                                                  "  suffix_decoding_max_tree_depth: 8")),
         "draft.suffix_decoding_max_tree_depth", L_DRAFT_MODEL, "another method than 'ngram'"),
@@ -398,7 +396,12 @@ def test_valid_variants_are_accepted():
     ngram = edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_max: 6"))
     r = recipe_from_text(ngram)
     assert r.ks == (0, 3)
-    assert r.method_options == {"prompt_lookup_min": 1, "prompt_lookup_max": 6}
+    # vLLM's rule: one of the two given -> the other takes its value; neither -> 5 and 5
+    assert r.method_options == {"prompt_lookup_min": 6, "prompt_lookup_max": 6}
+    only_min = recipe_from_text(edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_min: 2")))
+    assert only_min.method_options == {"prompt_lookup_min": 2, "prompt_lookup_max": 2}
+    assert recipe_from_text(edit(NGRAM, (DRAFT_MODEL_LINE, "#"))).method_options == \
+        {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
     separate = edit((D_DEVICES, "  draft:\n    device_group: [1]"), ("    num_cores: 6", "#"),
                     ("    num_cores: 10", "    num_cores: 16"))
     assert recipe_from_text(separate).hardware.target.num_cores == 16

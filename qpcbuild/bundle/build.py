@@ -207,13 +207,28 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
     return {
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
-                        "num_speculative_tokens": list(plan.ks)},
+                        "num_speculative_tokens": list(plan.ks), **runtime_speculation(r)},
         "shapes": r.shapes.model_dump(), "hardware": r.hardware.model_dump(mode="json"),
         "backends": list(r.backends), "roles": roles,
         "tokenizer": {"files": "tokenizer/", **plan.tokenizer},
         "toolchain": tools,
         "files": files,
     }
+
+
+def runtime_speculation(r) -> dict:
+    """How the runtime speculates (docs/adaptive.md), where the recipe departs from the
+    defaults (so bundles that do not keep their ids)."""
+    sp = r.speculation
+    out: dict = {}
+    if sp.policy != "fixed":
+        out["policy"] = sp.policy
+    if sp.draft_p_min:
+        out["draft_p_min"] = sp.draft_p_min
+    if sp.num_speculative_tokens_per_batch_size:
+        out["k_schedule"] = {str(b): k for b, k in
+                             sorted(sp.num_speculative_tokens_per_batch_size.items())}
+    return out
 
 
 def _bundle_recipe(plan: BuildPlan) -> str:

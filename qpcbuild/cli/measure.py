@@ -66,13 +66,22 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                         "fp32 against the card's mxfp6 weights + mxint8 KV "
                                         "emulated on the CPU, side by side: acceptance, tau, the "
                                         "K tune would pick, greedy agreement, logit drift "
-                                        "(--ks: the K to run, default the recipe's largest).")):
+                                        "(--ks: the K to run, default the recipe's largest)."),
+          spec_policy: str = typer.Option("fixed", "--spec-policy", help="Comma list of "
+                                          "speculation policies to measure per method and K: "
+                                          "fixed, auto (goodput-gated), off."),
+          draft_p_min: Optional[float] = typer.Option(None, "--draft-p-min", help="Confidence "
+                                                      "stop for the draft_model rows of "
+                                                      "non-fixed policies (0..1)."),
+          temperature: float = typer.Option(0.0, help="Sampling temperature of our runs (seeded "
+                                            "per prompt batch; > 0: outputs are not compared).")):
+
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
     from ..bench import bench as run_bench, parse_ks, show_report
+    from ..errors import UsageError
 
     if numerics:
         from ..bench import bench_numerics, show_numerics
-        from ..errors import UsageError
 
         chosen = parse_ks(ks)
         if chosen is not None and len(chosen) != 1:
@@ -85,19 +94,37 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         _print_report(report, show_numerics, json_path, png, json_stdout)
         return
     peer_list = tuple(p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none")
+    policies = _policies(spec_policy)
+    if draft_p_min is not None and not 0 <= draft_p_min <= 1:
+        raise UsageError(f"--draft-p-min must be in 0..1, got {draft_p_min}")
+    if not (temperature >= 0 and temperature < float("inf")):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
     report, json_path, png = run_bench(
         target, overrides=set_ or [], prompt_file=prompts, prompt_set=prompt_set,
         num_prompts=num_prompts, ks=parse_ks(ks),
         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
         max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
         peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
-        json_out=json_out, plot=False if no_plot else plot, say=progress_line)
+        json_out=json_out, plot=False if no_plot else plot, say=progress_line,
+        policies=policies, draft_p_min=draft_p_min, temperature=temperature)
     _print_report(report, show_report, json_path, png, json_stdout)
     if not report["all_greedy_outputs_match"]:
         bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
         err_console.print(f"[red]error:[/] greedy outputs differ from target-only for: "
                           f"{', '.join(bad)} (see {json_path})")
         raise typer.Exit(1)
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    from ..errors import UsageError
+    from ..runtime.gate import POLICIES
+
+    chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [p for p in chosen if p not in POLICIES]
+    if bad or not chosen:
+        raise UsageError(f"--spec-policy: {', '.join(bad) or 'nothing'} given; use a comma list "
+                         f"of {', '.join(POLICIES)}")
+    return chosen
 
 
 @app.command()

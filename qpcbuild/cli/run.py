@@ -13,6 +13,10 @@ from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
 
 
+SpecPolicyOpt = typer.Option(None, "--spec-policy", help="auto (speculate only while faster "
+                             "than without) | fixed | off (default: the bundle's).")
+
+
 def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
     from ..errors import UsageError
     from ..prompts import read_prompt_file
@@ -41,6 +45,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         method: Optional[str] = typer.Option(None, help="draft_model | ngram | suffix "
                                              "(default: the bundle's)."),
         k: Optional[int] = typer.Option(None, "--k", help="One of the compiled Ks."),
+        spec_policy: Optional[str] = SpecPolicyOpt,
         backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
         ctx_len: Optional[int] = typer.Option(None, help="Refuse a bundle not compiled for this "
                                               "ctx_len."),
@@ -70,7 +75,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         raise UsageError("--system needs --chat")
     bundle = bundle_folder(bundle, insecure, quiet=json_out)
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
-               batch_size=batch_size)
+               batch_size=batch_size, spec_policy=spec_policy)
     # Continuous batching takes every prompt at once and refills slots as requests finish.
     batch = len(prompts) if gen.decoder.cb else gen.target.batch_size
     on_token = None
@@ -133,6 +138,7 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
           verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
           served_model_name: Optional[str] = typer.Option(
               None, help="Model id clients ask for (default: the bundle's name)."),
+          spec_policy: Optional[str] = SpecPolicyOpt,
           log_level: str = typer.Option("info", help="uvicorn log level.")):
     """OpenAI-compatible server on the bundle (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics with vLLM's metric names)."""
@@ -141,7 +147,8 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
 
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
-    run_server(bundle_folder(bundle, insecure), host, port, backend, verify, served_model_name, log_level)
+    run_server(bundle_folder(bundle, insecure), host, port, backend, verify, served_model_name,
+               log_level, spec_policy)
 
 
 @app.command("serve-config")

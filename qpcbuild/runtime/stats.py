@@ -37,6 +37,10 @@ def summarize(rows: list[Row], times: LoopTimes, method: str) -> dict[str, Any]:
         "spec_decode_num_accepted_tokens_per_pos": per_pos,
         "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
         "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+        # the goodput gate (docs/adaptive.md): steps with and without speculation, switches
+        **({"speculation": times.gate} if times.gate else {}),
+        "verify_windows": {str(k): n for k, n in sorted(times.windows.items())},
+        "draft_catch_up_calls": times.catch_up_calls,
         "per_request": [{"prompt_tokens": r.stats.prompt_tokens, "new_tokens": r.stats.new_tokens,
                          "finish_reason": r.finish_reason, "ttft_s": round(r.stats.ttft_s, 4),
                          "e2e_s": round(r.stats.e2e_s, 4),
@@ -44,7 +48,9 @@ def summarize(rows: list[Row], times: LoopTimes, method: str) -> dict[str, Any]:
                          "spec_decode_num_draft_tokens": r.stats.num_draft_tokens,
                          "spec_decode_num_accepted_tokens": r.stats.num_accepted_tokens,
                          "acceptance_rate": round(r.stats.acceptance_rate, 4),
-                         "mean_acceptance_length": round(r.stats.mean_acceptance_length, 4)}
+                         "mean_acceptance_length": round(r.stats.mean_acceptance_length, 4),
+                         "steps_with_speculation": r.stats.spec_steps,
+                         "steps_without_speculation": r.stats.plain_steps}
                         for r in rows],
     }
 

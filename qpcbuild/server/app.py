@@ -105,6 +105,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
     def on_finish(job: Job) -> None:
         if metrics is not None and job.error is None:
             metrics.record(job.row)
+            metrics.record_switches(gen.decoder.gate().switches)
 
     worker = EngineWorker(gen, on_finish)
     metrics = ServerMetrics(model_name, lambda: worker.running, lambda: worker.waiting)
@@ -186,7 +187,8 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                        for i, (t, r) in enumerate(zip(texts, reasons))]
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else
                              "text_completion", "created": created, "model": model_name,
-                             "choices": choices, "usage": usage})
+                             "choices": choices, "usage": usage,
+                             "metrics": request_metrics(jobs, max(gen.ks))})
 
     async def collect(request: Request, job: Job, stream: _Stream, stops: list[str]):
         detok, parts = Detokenizer(gen, stops), []
@@ -304,6 +306,25 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def request_metrics(jobs: list[Job], k_max: int) -> dict[str, Any] | None:
+    """vLLM's per-request `metrics.speculative_decoding` (one sequence per request, else null,
+    as vLLM), with the per-position counts and the gate's steps beside it."""
+    if len(jobs) != 1:
+        return None
+    st = jobs[0].row.stats
+    hist = (st.accepted_histogram + [0] * (k_max + 1))[:max(k_max + 1,
+                                                            len(st.accepted_histogram))]
+    return {"speculative_decoding": {
+        "mean_acceptance_length": st.mean_acceptance_length,
+        "draft_acceptance_rate": st.acceptance_rate,
+        "acceptance_histogram": hist, "num_spec_steps": st.num_drafts,
+        "num_accepted_draft_tokens": st.num_accepted_tokens,
+        "num_draft_tokens": st.num_draft_tokens, "num_spec_tokens": k_max,
+        "num_accepted_tokens_per_pos": list(st.accepted_per_pos),
+        "steps_with_speculation": st.spec_steps,
+        "steps_without_speculation": st.plain_steps}}
 
 
 def _usage(jobs: list[Job]) -> dict[str, int]:

@@ -54,6 +54,13 @@ def evidence_comment(result: dict[str, Any]) -> list[str]:
     if result.get("per_batch"):
         lines.append(f"{TUNE_MARK} best K per batch size: " + ", ".join(
             f"{p['batch_size']}:{p['chosen_k']}" for p in result["per_batch"]))
+    stop = result.get("confidence_stop")
+    if stop:
+        lines.append(f"{TUNE_MARK} confidence stop at K={stop['k_max']}: best draft_p_min "
+                     f"{stop['draft_p_min']:g}, Ks {stop['ks']}, predicted "
+                     f"{stop['predicted_tokens_per_s']:,.0f} tokens/s ("
+                     + ("beats" if stop["beats_best_fixed_k"] else "does not beat")
+                     + " the best fixed K)")
     return lines
 
 
