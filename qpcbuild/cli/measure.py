@@ -64,7 +64,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                            "of the tables."),
           numerics: bool = typer.Option(False, "--numerics", help="Numerics preview (a recipe): "
                                         "fp32 against the card's mxfp6 weights + mxint8 KV "
-                                        "emulated on the CPU, side by side: acceptance, tau, the "
+                                        "emulated on the CPU, or against the recipe's "
+                                        "onnxruntime.target_weights (int8/int4), side by side: acceptance, tau, the "
                                         "K tune would pick, greedy agreement, logit drift "
                                         "(--ks: the K to run, default the recipe's largest).")):
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
