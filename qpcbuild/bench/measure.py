@@ -14,7 +14,8 @@ from ..runtime.engine import prefill_calls
 from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
                      is_bundle, load_prompts, machine_info)
 
-DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup")
+DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",
+                 "llama-speculative")
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 
 
