@@ -15,7 +15,7 @@ from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_
                      is_bundle, load_prompts, machine_info)
 
 DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",
-                 "llama-speculative")
+                 "llama-speculative", "vllm")
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 
 

@@ -47,7 +47,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),
           peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup,"
-                                    "llama-speculative",
+                                    "llama-speculative,vllm",
                                     help="Peers to run when installed (comma list), or 'none'."),
           peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
                                                 "speculative decoding (default: --ks)."),
