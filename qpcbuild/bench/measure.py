@@ -81,9 +81,10 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
               repeats: int = 3, peers: tuple[str, ...] = DEFAULT_PEERS,
               peer_ks: list[int] | None = None, cache_dir: Path | None = None,
               say: Say | None = None,
-              model_paths: dict[str, Path] | None = None) -> dict[str, Any]:
+              model_paths: dict[str, Path] | None = None, chat: bool = False) -> dict[str, Any]:
     """Measure and return the report (a JSON-able dict). `model_paths`: each role's local
-    checkpoint for the peers (a bundle records models by reference only, not by path)."""
+    checkpoint for the peers (a bundle records models by reference only, not by path). `chat`:
+    each prompt is a user message, rendered with the bundle's chat template."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .bandwidth import make_probe, target_only_bandwidth
@@ -130,13 +131,13 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
     prompt_ids, truncated = [], 0
     for p in prompts:
-        ids = gen.encode(p)
+        ids = gen.chat_prompt(p) if chat else gen.encode(p)
         if not ids:
             raise UsageError(f"prompt '{p[:30]}' encodes to no tokens")
         if len(ids) > room:  # keep the end of the prompt: the continuation depends on it
             ids, truncated = ids[-room:], truncated + 1
         prompt_ids.append(ids)
-    notes = []
+    notes = ["prompts rendered as chat turns with the bundle's chat template"] if chat else []
     if truncated:
         notes.append(f"{truncated} prompt(s) cut to their last {room} tokens so that prompt + "
                      f"{max_new_tokens} new tokens fit ctx_len {ctx_len}")
@@ -245,7 +246,8 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
           peers: tuple[str, ...] = DEFAULT_PEERS,
           peer_ks: list[int] | None = None, cache_dir: Path | None = None,
           bundle_out: Path | None = None, json_out: Path | None = None,
-          plot: Path | None | bool = None, say: Say | None = None) -> tuple[dict[str, Any], Path, Path | None]:
+          plot: Path | None | bool = None, say: Say | None = None,
+          chat: bool = False) -> tuple[dict[str, Any], Path, Path | None]:
     """Bundle or recipe -> (report, JSON path, PNG path or None)."""
     say = say or (lambda m: None)
     target = Path(target)
@@ -264,7 +266,7 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
     report = run_bench(bundle, prompts, prompt_label=label, ks=ks, methods=methods,
                        max_new_tokens=max_new_tokens, repeats=repeats, peers=peers,
                        peer_ks=peer_ks, cache_dir=cache_dir, say=say,
-                       model_paths=_local_models(target, overrides, bundle))
+                       model_paths=_local_models(target, overrides, bundle), chat=chat)
     from .plot import plot_report
     from .report import default_json_path, write_outputs
 

@@ -63,6 +63,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
           json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
                                            "of the tables."),
+          chat: bool = typer.Option(False, "--chat", help="Each prompt is a user message, "
+                                    "rendered with the bundle's chat template."),
           numerics: bool = typer.Option(False, "--numerics", help="Numerics preview (a recipe): "
                                         "fp32 against the card's mxfp6 weights + mxint8 KV "
                                         "emulated on the CPU, or against the recipe's "
@@ -93,7 +95,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
         max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
         peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
-        json_out=json_out, plot=False if no_plot else plot, say=progress_line)
+        json_out=json_out, plot=False if no_plot else plot, say=progress_line, chat=chat)
     _print_report(report, show_report, json_path, png, json_stdout)
     if not report["all_greedy_outputs_match"]:
         bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
