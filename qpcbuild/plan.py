@@ -240,7 +240,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
            "kv_dtype": "float32",
            "graph": ort_graph(r),
-           "weights": r.onnxruntime.draft_weights if role == "draft" else "float32",
+           "weights": getattr(r.onnxruntime, f"{role}_weights"),
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
            "intra_op_threads": r.onnxruntime.intra_op_threads, **ort_numerics(r)}
     # The settings part of each artifact's cache key; the build adds the weights' content

@@ -134,12 +134,19 @@ class Hardware(_Strict):
     specializations_format: Literal["named", "flat"] = "named"
 
 
+WeightFormat = Literal["float32", "int8", "int4"]
+
+
 class OrtOptions(_Strict):
     graph: Literal["fused", "portable"] = "fused"  # fused: ORT's GQA kernels; portable: as exported
     intra_op_threads: int | None = Field(default=None, ge=1)  # None: from the core split
-    # int8: the draft's matmul weights as 8-bit blocks (MatMulNBits). A draft's numerics change
-    # only which tokens it proposes, never the output, so this trades acceptance for speed.
-    draft_weights: Literal["float32", "int8"] = "float32"
+    # Each role's matmul weights on ONNX Runtime: float32, or 8-/4-bit blocks of 32 along K
+    # (com.microsoft.MatMulNBits, int8 activations). A draft's numerics change only which tokens
+    # it proposes, never the output, so a smaller draft trades acceptance for speed; a quantized
+    # *target* changes the output itself: opt-in, labelled in run/bench/manifest output, and
+    # measured against the float32 target by `bench --numerics`.
+    draft_weights: WeightFormat = "float32"
+    target_weights: WeightFormat = "float32"
 
 
 class Recipe(_Strict):
@@ -326,14 +333,20 @@ def static_problems(r: Recipe) -> list[Problem]:
             f"{h.aic_hw_version}", "warning")
     if len(r.backends) != len(set(r.backends)):
         add("backends", f"duplicate backends in {r.backends}")
-    if r.onnxruntime.draft_weights == "int8":
-        if d.method != "draft_model":
-            add("onnxruntime.draft_weights", f"method '{d.method}' has no draft model")
+    for role in ("draft", "target"):
+        key, fmt = f"onnxruntime.{role}_weights", getattr(r.onnxruntime, f"{role}_weights")
+        if fmt == "float32":
+            continue
+        if role == "draft" and d.method != "draft_model":
+            add(key, f"method '{d.method}' has no draft model")
         elif r.shapes.batch_size > 1 or r.shapes.full_batch_size is not None:
-            add("onnxruntime.draft_weights", "int8 draft weights exist in the fused graph only, "
-                "which serves batch_size 1 without full_batch_size")
+            add(key, f"{fmt} {role} weights exist in the fused graph only, which serves "
+                "batch_size 1 without full_batch_size")
         elif r.onnxruntime.graph != "fused":
-            add("onnxruntime.draft_weights", "int8 draft weights need onnxruntime.graph: fused")
+            add(key, f"{fmt} {role} weights need onnxruntime.graph: fused")
+        elif fmt == "int4" and p.quantization == "mxfp6":
+            add(key, "int4 blocks cannot hold the MXFP6 values precision.quantization: mxfp6 "
+                "emulates; use int8 (exact) or float32")
 
     card = CARDS[h.card]
     n_qids = card["qids"] * h.num_cards

@@ -190,11 +190,19 @@ def show_run(report: dict[str, Any], show_text: bool = True) -> None:
     for role, n in (report.get("numerics") or {}).items():
         console.print(f"{role} numerics: {n['numerics']}" + (
             f" (weights {n['weights']}, KV {n['kv']}; emulated on the CPU)"
-            if n["numerics"] == "emulated" else " (float32)") + (
-            "; matmul weights in int8 blocks with int8 activations (changes proposals only)"
-            if n.get("int8_weights") else ""))
+            if n["numerics"] == "emulated" else " (float32)") + weights_note(role, n))
     if "baseline" in report:
         b = report["baseline"]
         base_tps = (b.get("total") or b["batches"][0]["stats"])["e2e_tokens_per_s"]
         console.print(f"target-only: {base_tps} tokens/s; speedup {b['speedup_e2e']}x; greedy "
                       f"outputs match: {b['outputs_match']}")
+
+
+def weights_note(role: str, numerics: dict) -> str:
+    """What a role's quantized matmul weights mean for the output (empty for float32)."""
+    fmt = numerics.get("matmul_weights", "float32")
+    if fmt == "float32":
+        return ""
+    effect = "changes proposals only" if role == "draft" else \
+        "the OUTPUT differs from the float32 target; see bench --numerics"
+    return f"; matmul weights in {fmt} blocks with int8 activations ({effect})"

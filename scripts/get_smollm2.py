@@ -80,8 +80,13 @@ def is_complete(out: Path) -> tuple[bool, str]:
     for name in REQUIRED:
         if name not in files:
             return False, f"{name} not recorded in conversion.json"
+    return check_recorded_files(out, files)
+
+
+def check_recorded_files(folder: Path, files: dict) -> tuple[bool, str]:
+    """Every file conversion.json records ({name: {"bytes", "sha256"}}) is there, unchanged."""
     for name, meta in files.items():
-        path = out / name
+        path = folder / name
         if not path.is_file():
             return False, f"{name} missing"
         if path.stat().st_size != meta["bytes"]:

@@ -283,6 +283,14 @@ BAD = [
     Bad("int8-draft-weights-without-a-draft", BASE, "onnxruntime.draft_weights", None,
         "has no draft model", ("onnxruntime.draft_weights=int8", "draft.method=ngram",
                                "draft.model=null")),
+    Bad("int4-target-weights-in-the-batched-graph", BASE, "onnxruntime.target_weights", None,
+        "int4 target weights exist in the fused graph only",
+        ("onnxruntime.target_weights=int4", "shapes.batch_size=2")),
+    Bad("int4-weights-cannot-hold-mxfp6", BASE, "onnxruntime.draft_weights", None,
+        "cannot hold the MXFP6", ("onnxruntime.draft_weights=int4",
+                                  "precision.quantization=mxfp6")),
+    Bad("weights-format-unknown", BASE, "onnxruntime.target_weights", None, "int4",
+        ("onnxruntime.target_weights=int3",)),
     # ---- --set overrides
     Bad("override-missing-equals", BASE, "shapes.ctx_len", None, "KEY.PATH=VALUE",
         ("shapes.ctx_len",)),
@@ -552,7 +560,7 @@ def test_cli_resolved_prints_yaml_with_defaults():
     assert doc["hardware"]["specializations_format"] == "named"
     assert doc["hardware"]["compiler_options"]["mos"] is None
     assert doc["onnxruntime"] == {"graph": "fused", "intra_op_threads": None,
-                                  "draft_weights": "float32"}
+                                  "draft_weights": "float32", "target_weights": "float32"}
     assert doc["draft"]["trust_remote_code"] is False
     # What --resolved prints is itself a valid recipe that resolves to the same thing.
     assert recipe_from_text(result.stdout).to_yaml_dict() == doc

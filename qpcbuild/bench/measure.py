@@ -14,7 +14,8 @@ from ..runtime.engine import prefill_calls
 from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
                      is_bundle, load_prompts, machine_info)
 
-DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup")
+DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",
+                 "llama-speculative", "vllm")
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 
 
@@ -89,9 +90,10 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
               say: Say | None = None,
               model_paths: dict[str, Path] | None = None,
               policies: tuple[str, ...] = ("fixed",), draft_p_min: float | None = None,
-              temperature: float = 0.0) -> dict[str, Any]:
+              temperature: float = 0.0, chat: bool = False) -> dict[str, Any]:
     """Measure and return the report (a JSON-able dict). `model_paths`: each role's local
-    checkpoint for the peers (a bundle records models by reference only, not by path)."""
+    checkpoint for the peers (a bundle records models by reference only, not by path). `chat`:
+    each prompt is a user message, rendered with the bundle's chat template."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .bandwidth import make_probe, target_only_bandwidth
@@ -138,13 +140,13 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
     prompt_ids, truncated = [], 0
     for p in prompts:
-        ids = gen.encode(p)
+        ids = gen.chat_prompt(p) if chat else gen.encode(p)
         if not ids:
             raise UsageError(f"prompt '{p[:30]}' encodes to no tokens")
         if len(ids) > room:  # keep the end of the prompt: the continuation depends on it
             ids, truncated = ids[-room:], truncated + 1
         prompt_ids.append(ids)
-    notes = []
+    notes = ["prompts rendered as chat turns with the bundle's chat template"] if chat else []
     if truncated:
         notes.append(f"{truncated} prompt(s) cut to their last {room} tokens so that prompt + "
                      f"{max_new_tokens} new tokens fit ctx_len {ctx_len}")
@@ -284,7 +286,8 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
           bundle_out: Path | None = None, json_out: Path | None = None,
           plot: Path | None | bool = None, say: Say | None = None,
           policies: tuple[str, ...] = ("fixed",), draft_p_min: float | None = None,
-          temperature: float = 0.0) -> tuple[dict[str, Any], Path, Path | None]:
+          temperature: float = 0.0,
+          chat: bool = False) -> tuple[dict[str, Any], Path, Path | None]:
     """Bundle or recipe -> (report, JSON path, PNG path or None)."""
     say = say or (lambda m: None)
     target = Path(target)
@@ -304,7 +307,8 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
                        max_new_tokens=max_new_tokens, repeats=repeats, peers=peers,
                        peer_ks=peer_ks, cache_dir=cache_dir, say=say,
                        model_paths=_local_models(target, overrides, bundle),
-                       policies=policies, draft_p_min=draft_p_min, temperature=temperature)
+                       policies=policies, draft_p_min=draft_p_min, temperature=temperature,
+                       chat=chat)
     from .plot import plot_report
     from .report import default_json_path, write_outputs
 

@@ -46,7 +46,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           max_new_tokens: int = MaxNewTokensOpt,
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),
-          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup",
+          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup,"
+                                    "llama-speculative,vllm",
                                     help="Peers to run when installed (comma list), or 'none'."),
           peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
                                                 "speculative decoding (default: --ks)."),
@@ -62,9 +63,12 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
           json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
                                            "of the tables."),
+          chat: bool = typer.Option(False, "--chat", help="Each prompt is a user message, "
+                                    "rendered with the bundle's chat template."),
           numerics: bool = typer.Option(False, "--numerics", help="Numerics preview (a recipe): "
                                         "fp32 against the card's mxfp6 weights + mxint8 KV "
-                                        "emulated on the CPU, side by side: acceptance, tau, the "
+                                        "emulated on the CPU, or against the recipe's "
+                                        "onnxruntime.target_weights (int8/int4), side by side: acceptance, tau, the "
                                         "K tune would pick, greedy agreement, logit drift "
                                         "(--ks: the K to run, default the recipe's largest)."),
           spec_policy: str = typer.Option("fixed", "--spec-policy", help="Comma list of "
@@ -106,7 +110,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
         peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
         json_out=json_out, plot=False if no_plot else plot, say=progress_line,
-        policies=policies, draft_p_min=draft_p_min, temperature=temperature)
+        policies=policies, draft_p_min=draft_p_min, temperature=temperature, chat=chat)
     _print_report(report, show_report, json_path, png, json_stdout)
     if not report["all_greedy_outputs_match"]:
         bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]

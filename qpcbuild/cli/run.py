@@ -124,7 +124,7 @@ def numerics_of(manifest: dict) -> dict:
         o = info["backends"].get("onnxruntime") or {}
         out[role] = {"numerics": o.get("numerics", "exact"),
                      **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"}),
-                     "int8_weights": o.get("weights") == "int8"}
+                     "matmul_weights": o.get("weights", "float32")}
     return out
 
 
