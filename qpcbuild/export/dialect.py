@@ -46,23 +46,23 @@ class _Body:
         return self.op("Constant", value=helper.make_tensor(f"c{self.count}", TensorProto.INT64,
                                                             [len(values)], list(values)))
 
-    def scalar(self, value: int) -> str:
-        return self.op("Constant", value=helper.make_tensor(f"c{self.count}", TensorProto.INT64,
-                                                            [], [value]))
-
     def dim(self, tensor: str, axis: int) -> str:
-        """[1]-shaped int64 size of `tensor` along `axis`."""
-        return self.op("Shape", tensor, start=axis, end=axis + 1)
+        """[1]-shaped int64 size of `tensor` along `axis`: Gather(Shape(x), [axis]), the form of
+        QEfficient's bodies (no Shape start/end)."""
+        return self.op("Gather", self.op("Shape", tensor), self.ints(axis))
 
     def arange(self, size_1d: str) -> str:
-        limit = self.op("Squeeze", size_1d, self.ints(0))
-        return self.op("Range", self.scalar(0), limit, self.scalar(1))
+        """Range(0, n, 1) over a [1]-shaped n, as QEfficient's bodies call it (ONNX Runtime and
+        the compiler take one-element tensors for Range's scalars)."""
+        return self.op("Range", self.ints(0), size_1d, self.ints(1))
 
 
-def _scatter_indices(b: _Body, rows: str, heads: str, positions: str) -> str:
-    """ScatterND indices [B, nKV, S, 3] = (row, head, slot) for updates [B, nKV, S, D]."""
-    shape = b.op("Concat", b.dim(rows, 0), heads, b.dim(positions, 1), b.ints(1), axis=0)
-    parts = [b.op("Expand", b.op("Unsqueeze", rows, b.ints(2, 3)), shape),
+def _scatter_indices(b: _Body, rows: str, rows_axes: list[int], size: str, heads: str,
+                     positions: str) -> str:
+    """ScatterND indices [B, nKV, S, 3] = (row, head, slot) for updates [B, nKV, S, D]; `rows`
+    is unsqueezed along `rows_axes` to [B, 1, 1, 1]."""
+    shape = b.op("Concat", size, heads, b.dim(positions, 1), b.ints(1), axis=0)
+    parts = [b.op("Expand", b.op("Unsqueeze", rows, b.ints(*rows_axes)), shape),
              b.op("Expand", b.op("Unsqueeze", b.arange(heads), b.ints(0, 2, 3)), shape),
              b.op("Expand", b.op("Unsqueeze", positions, b.ints(1, 3)), shape)]
     return b.op("Concat", *parts, axis=3)
@@ -70,19 +70,21 @@ def _scatter_indices(b: _Body, rows: str, heads: str, positions: str) -> str:
 
 def ctx_scatter() -> onnx.FunctionProto:
     """CtxScatter(data [B,nKV,C,D], position_ids [B,S], updates [B,nKV,S,D]) -> data with each
-    update written at its position."""
+    update written at its position (a padded token's -1 writes slot C-1)."""
     b = _Body("cs")
-    rows = b.op("Unsqueeze", b.arange(b.dim("data", 0)), b.ints(1))  # [B,1]
-    idx = _scatter_indices(b, rows, b.dim("data", 1), "position_ids")
+    size = b.dim("data", 0)
+    idx = _scatter_indices(b, b.arange(size), [1, 2, 3], size, b.dim("data", 1), "position_ids")
     b.op("ScatterND", "data", idx, "updates", out="output")
     return _function("CtxScatter", ["data", "position_ids", "updates"], b)
 
 
 def ctx_scatter_cb() -> onnx.FunctionProto:
     """CtxScatterCB(data [FBS,nKV,C,D], batch_index [B,1], position_ids [B,S], updates): row b
-    of the updates goes to KV slot batch_index[b]."""
+    of the updates goes to KV slot batch_index[b]. Padded tokens come with INT32_MAX (see the
+    module docstring)."""
     b = _Body("csb")
-    idx = _scatter_indices(b, "batch_index", b.dim("data", 1), "position_ids")
+    idx = _scatter_indices(b, "batch_index", [2, 3], b.dim("batch_index", 0), b.dim("data", 1),
+                           "position_ids")
     b.op("ScatterND", "data", idx, "updates", out="output")
     return _function("CtxScatterCB", ["data", "batch_index", "position_ids", "updates"], b)
 
@@ -90,8 +92,9 @@ def ctx_scatter_cb() -> onnx.FunctionProto:
 def ctx_gather() -> onnx.FunctionProto:
     """CtxGather(data [B,nKV,C,D], ctx_indices [B,1,L], comp_ctx_len [] = L) -> [B,nKV,L,D]."""
     b = _Body("cg")
-    shape = b.op("Concat", b.op("Shape", "data", start=0, end=2),
-                 b.op("Reshape", "comp_ctx_len", b.ints(1)), axis=0)
+    first_two = b.op("Slice", b.op("Shape", "data"), b.ints(0), b.ints(2), b.ints(0),
+                     b.ints(1))
+    shape = b.op("Concat", first_two, b.op("Reshape", "comp_ctx_len", b.ints(1)), axis=0)
     idx = b.op("Unsqueeze", b.op("Expand", "ctx_indices", shape), b.ints(-1))
     b.op("GatherND", "data", idx, batch_dims=2, out="output")
     return _function("CtxGather", ["data", "ctx_indices", "comp_ctx_len"], b)
@@ -99,12 +102,15 @@ def ctx_gather() -> onnx.FunctionProto:
 
 def ctx_gather_cb() -> onnx.FunctionProto:
     """CtxGatherCB(data [FBS,nKV,C,D], batch_index [B,1], ctx_indices [B,1,L], comp_ctx_len)
-    -> [B,nKV,L,D], the rows of the KV pool this batch uses."""
+    -> [B,nKV,L,D], the rows of the KV pool this batch uses. L is taken from the shape of
+    ctx_indices, not from comp_ctx_len (QEfficient's current form: a shape-derived size keeps
+    the compiler's Expand away from its "non-constant repeats" error); comp_ctx_len stays an
+    input for the call's signature."""
     b = _Body("cgb")
-    rows = b.dim("batch_index", 0)
     heads = b.dim("data", 1)
-    shape = b.op("Concat", rows, heads, b.op("Reshape", "comp_ctx_len", b.ints(1)), b.ints(1),
-                 axis=0)
+    shape = b.op("Concat", b.op("Reshape", b.dim("batch_index", 0), b.ints(1)),
+                 b.op("Reshape", heads, b.ints(1)),
+                 b.op("Reshape", b.dim("ctx_indices", 2), b.ints(1)), b.ints(1), axis=0)
     parts = [b.op("Expand", b.op("Unsqueeze", "batch_index", b.ints(2, 3)), shape),
              b.op("Expand", b.op("Unsqueeze", b.arange(heads), b.ints(0, 2, 3)), shape),
              b.op("Expand", b.op("Unsqueeze", "ctx_indices", b.ints(3)), shape)]
