@@ -7,26 +7,33 @@ A model-local function carries its own body of standard ops, so ONNX Runtime run
 by inlining it. Names, domains, input order and attributes follow QEfficient; the bodies here are
 written from the ONNX operator spec.
 
-Invalid indices. QEfficient's TorchScript export marks KV slots past a row's last position with
-INT32_MAX, which the compiler accepts and ONNX Runtime rejects (its runner patches them to 0).
-This graph uses what both accept:
-- reads (`CtxGather`): invalid slots gather slot 0 (QEfficient's own function-export choice); the
-  values read there are zeroed and the keys masked, so what slot 0 holds never matters;
-- writes (`CtxScatter*`): padded tokens (position -1) are written at index -1, i.e. slot
-  ctx_len-1, where they stay masked until a real token overwrites them. QEfficient passes -1 the
-  same way in its non-batched scatter; its continuous-batching scatter uses INT32_MAX instead,
-  which ONNX Runtime would refuse, so both variants use -1 here.
+Invalid indices, as QEfficient's TorchScript export writes them: INT32_MAX.
+- reads (`CtxGather*`): KV slots past a row's last position gather at INT32_MAX (QEfficient's
+  comment: index 0 can cost performance on the card); the values read there are zeroed and the
+  keys masked, so what is read never matters;
+- writes: the plain `CtxScatter` takes a padded token's position -1 (slot ctx_len-1, masked
+  until a real token overwrites it), as QEfficient passes it; `CtxScatterCB` takes INT32_MAX for
+  a padded token, as QEfficient passes it, so the card never sees a negative index there.
+ONNX Runtime refuses out-of-range indices, so its copies of the graph (the portable ORT artifact,
+tests running the card graph) replace the two INT32_MAX initializers through
+`onnxruntime_indices`: 0 for reads (what QEfficient's ORT runner substitutes) and -1 for the
+continuous-batching writes (slot ctx_len-1, the plain scatter's own convention).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
-from onnx import AttributeProto, TensorProto, helper
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 CLOUD = "com.qualcomm.cloud"
 AISW = "com.qti.aisw.onnx"
 DOMAINS = (CLOUD, AISW)
 OPSET = 17
+INT32_MAX = 2**31 - 1
+# The card graph's invalid indices, each its own initializer, and what ONNX Runtime gets instead
+INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX = "invalid_gather_index", "invalid_scatter_index"
+ONNXRUNTIME_INDICES = {INVALID_GATHER_INDEX: 0, INVALID_SCATTER_INDEX: -1}
 
 
 class _Body:
@@ -139,6 +146,22 @@ def _function(name: str, inputs: list[str], body: _Body, attributes: list[str] =
               domain: str = CLOUD) -> onnx.FunctionProto:
     return helper.make_function(domain, name, inputs, ["output"], body.nodes,
                                 [helper.make_opsetid("", OPSET)], list(attributes))
+
+
+def onnxruntime_indices(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The invalid-index initializers of a card graph with the values ONNX Runtime accepts
+    (module docstring), for SessionOptions.add_initializer or to rewrite the graph."""
+    names = {t.name for t in model.graph.initializer}
+    return {name: np.array(value, np.int64) for name, value in ONNXRUNTIME_INDICES.items()
+            if name in names}
+
+
+def use_onnxruntime_indices(model: onnx.ModelProto) -> None:
+    """Rewrite the invalid-index initializers of `model` in place (see onnxruntime_indices)."""
+    values = onnxruntime_indices(model)
+    for t in model.graph.initializer:
+        if t.name in values:
+            t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
 
 
 FUNCTIONS = {"CtxScatter": ctx_scatter, "CtxScatterCB": ctx_scatter_cb, "CtxGather": ctx_gather,
