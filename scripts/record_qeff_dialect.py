@@ -61,11 +61,32 @@ def export(model_factory, variant: str, out: Path) -> Path:
     return Path(qeff.export(export_dir=str(out)))
 
 
+def without_weights(model):
+    """The graph with every initializer over 16 elements pointing at an absent external file:
+    what `doctor` reads (it never loads weights), a few kB instead of the weights' size."""
+    from onnx import TensorProto
+
+    for t in model.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        if n > 16 and t.data_location != TensorProto.EXTERNAL:
+            t.ClearField("raw_data")
+            for field in ("float_data", "int32_data", "int64_data", "double_data"):
+                t.ClearField(field)
+            t.data_location = TensorProto.EXTERNAL
+            entry = t.external_data.add()
+            entry.key, entry.value = "location", "weights-not-kept"
+    return model
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smollm2", type=Path, help="SmolLM2-135M checkpoint folder")
     ap.add_argument("--keep", type=Path, help="copy each exported model.onnx (no weights) here")
     ap.add_argument("--out", type=Path, default=FIXTURE)
+    ap.add_argument("--only", nargs="*", help="record these families only, keeping the file's "
+                    "other entries (SmolLM2's export needs ~5 GiB: run it on its own)")
     args = ap.parse_args()
 
     import onnx
@@ -86,22 +107,36 @@ def main() -> int:
             args.smollm2, dtype=torch.float32).eval()
 
     graphs: dict[str, dict] = {}
+    unsupported: dict[str, str] = {}
+    if args.only:
+        old = json.loads(args.out.read_text())
+        graphs = {k: v for k, v in old["graphs"].items() if k.split("/")[0] not in args.only}
+        unsupported = {k: v for k, v in old.get("unsupported", {}).items()
+                       if k.split("/")[0] not in args.only}
+        factories = {k: v for k, v in factories.items() if k in args.only}
     with tempfile.TemporaryDirectory() as tmp:
         for family, factory in factories.items():
             for variant in VARIANTS:
-                path = export(factory, variant, Path(tmp) / family / variant)
+                try:
+                    path = export(factory, variant, Path(tmp) / family / variant)
+                except NotImplementedError as exc:  # Mistral: no TLM in QEfficient
+                    unsupported[f"{family}/{variant}"] = str(exc)
+                    print(f"{family}/{variant}: {exc}", file=sys.stderr)
+                    continue
                 model = onnx.load(str(path), load_external_data=False)
                 graphs[f"{family}/{variant}"] = graph_form(model)
                 if args.keep:
                     dest = args.keep / family / variant
                     dest.mkdir(parents=True, exist_ok=True)
-                    (dest / "model.onnx").write_bytes(model.SerializeToString())
-                print(f"{family}/{variant}: {sum(sum(c.values()) for c in graphs[f'{family}/{variant}']['top_level'].values())} nodes", file=sys.stderr)
+                    (dest / "model.onnx").write_bytes(without_weights(model).SerializeToString())
+                nodes = sum(sum(c.values()) for c in graphs[f"{family}/{variant}"]["top_level"]
+                            .values())
+                print(f"{family}/{variant}: {nodes} nodes", file=sys.stderr)
     record = {"source": {"qefficient": QEfficient.__version__, "transformers":
                          transformers.__version__, "onnx": onnx.__version__,
                          "torch": torch.__version__, "export": "QEFFAutoModelForCausalLM.export"
                          " (TorchScript), TLM targets via qaic_config speculative_model_type"},
-              "graphs": graphs}
+              "graphs": dict(sorted(graphs.items())), "unsupported": dict(sorted(unsupported.items()))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

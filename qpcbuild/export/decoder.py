@@ -95,8 +95,8 @@ class Decoder:
         nlk_input = g.input("num_logits_to_keep", INT64, ["num_logits_to_keep", 1]) \
             if role == "target" else None
 
-        ctx = dim(g, past[0][0], 2)  # [1] = C
-        ctx_len = g.op("Squeeze", ctx, g.const([0]))  # [] = C
+        ctx_len = g.op("Gather", g.op("Shape", past[0][0]), g.const(2))  # [] = C
+        ctx = g.op("Unsqueeze", ctx_len, g.const([0]))  # [1] = C
 
         # RoPE from tables of the model's max positions (as QEfficient: one graph serves every
         # ctx_len); position -1 reads the last row, harmless for a pad.
@@ -145,7 +145,8 @@ class Decoder:
         if a.qk_norm:
             q = self.rms_norm(q, self.load(f"{p}.self_attn.q_norm.weight", (d,), False))
             k = self.rms_norm(k, self.load(f"{p}.self_attn.k_norm.weight", (d,), False))
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)  # [B,n,S,D]
+        # RoPE's result Cast to the model's dtype, as QEfficient writes it (a no-op here)
+        q, k = (g.op("Cast", self.rope(x, cos, sin), to=FLOAT) for x in (q, k))  # [B,n,S,D]
 
         k_all = kv.write(past[0], k, f"past_key.{i}_RetainedState")
         v_all = kv.write(past[1], v, f"past_value.{i}_RetainedState")

@@ -156,12 +156,29 @@ def onnxruntime_indices(model: onnx.ModelProto) -> dict[str, np.ndarray]:
             if name in names}
 
 
-def use_onnxruntime_indices(model: onnx.ModelProto) -> None:
-    """Rewrite the invalid-index initializers of `model` in place (see onnxruntime_indices)."""
+def for_onnxruntime(model: onnx.ModelProto) -> None:
+    """Make a copy of a card graph what ONNX Runtime accepts with fixed dims, in place: the
+    invalid-index initializers as `onnxruntime_indices` gives them, and each Range in a function
+    body fed scalars (QEfficient's bodies hand Range one-element tensors, which ORT's shape
+    inference refuses once the dims are known)."""
     values = onnxruntime_indices(model)
     for t in model.graph.initializer:
         if t.name in values:
             t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
+    for f in model.functions:
+        nodes = []
+        for n in f.node:
+            if n.op_type == "Range":
+                axes = f"{n.output[0]}_scalar_axes"
+                nodes.append(helper.make_node("Constant", [], [axes], value=helper.make_tensor(
+                    "axes", TensorProto.INT64, [1], [0])))
+                for i, name in enumerate(list(n.input)):
+                    nodes.append(helper.make_node("Squeeze", [name, axes],
+                                                  [f"{n.output[0]}_scalar_{i}"]))
+                    n.input[i] = f"{n.output[0]}_scalar_{i}"
+            nodes.append(n)
+        del f.node[:]
+        f.node.extend(nodes)
 
 
 FUNCTIONS = {"CtxScatter": ctx_scatter, "CtxScatterCB": ctx_scatter_cb, "CtxGather": ctx_gather,

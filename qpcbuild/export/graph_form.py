@@ -20,19 +20,36 @@ import onnx
 from onnx import AttributeProto, numpy_helper
 
 INT32_MAX = 2**31 - 1
+OPSET = 17  # the schemas whose attribute defaults are read
 
 
 def op_key(node: onnx.NodeProto) -> str:
     return f"{node.domain}::{node.op_type}" if node.domain else node.op_type
 
 
+def _default(node: onnx.NodeProto, name: str):
+    """The schema's default of an attribute (None if it has none): an attribute written with
+    its default value is the same form as one left out (torch writes Reshape's allowzero=0)."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, OPSET, node.domain or "")
+    except onnx.defs.SchemaError:
+        return None
+    attr = schema.attributes.get(name)
+    if attr is None or not attr.default_value.name:
+        return None
+    return onnx.helper.get_attribute_value(attr.default_value)
+
+
 def op_form(node: onnx.NodeProto) -> str:
     """`Op[attr=value,...]`: integer attributes with their values (axes, perm, start/end,
-    keepdims, Cast's `to`), any other attribute by name only; a reference to a function
-    attribute as `@name`. Constant nodes keep their attribute's name only (value_ints,
-    value_float, value): their values are data, not form."""
+    keepdims, Cast's `to`) unless the value is the schema's default, any other attribute by
+    name only; a reference to a function attribute as `@name`. Constant nodes keep their
+    attribute's name only (value_ints, value_float, value): their values are data, not form."""
     parts = []
     for a in sorted(node.attribute, key=lambda a: a.name):
+        if a.type in (AttributeProto.INT, AttributeProto.INTS) and not a.ref_attr_name and \
+                onnx.helper.get_attribute_value(a) == _default(node, a.name):
+            continue
         if a.ref_attr_name:
             parts.append(f"{a.name}=@{a.ref_attr_name}")
         elif node.op_type != "Constant" and a.type == AttributeProto.INT:
