@@ -1,4 +1,4 @@
-"""Record the form of QEfficient's own card graphs into tests/fixtures/qefficient_dialect.json.
+"""Record the form of QEfficient's own card graphs into qpcbuild/data/qefficient_dialect.json.
 
 `qpcbuild doctor` is calibrated on this file: what QEfficient exports for each family and role
 is what the Cloud AI compiler is proven on. CI reads only the fixture; this script regenerates it
@@ -6,7 +6,8 @@ and needs QEfficient, which is not a qpcbuild dependency. Run it in a private en
 
     python3 -m venv /work/qeff-venv    # QEfficient's pins: transformers 5.5.4, onnx 1.18.0,
     ...                                # onnxruntime 1.22.0, onnxscript 0.2.5, numpy 1.26.4, torch
-    /work/qeff-venv/bin/python scripts/record_qeff_dialect.py [--smollm2 models/smollm2-135m-instruct]
+    /work/qeff-venv/bin/python scripts/record_qeff_dialect.py
+        [--smollm2 models/smollm2-135m-instruct --only smollm2]   # ~5 GiB: on its own
         [--keep DIR]    # also keep the exported graphs (without weights) there
 
 It exports small random Llama / Qwen2 / Qwen3 / Mistral models (and SmolLM2-135M when given) as a
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO / "tests" / "fixtures" / "qefficient_dialect.json"
+FIXTURE = REPO / "qpcbuild" / "data" / "qefficient_dialect.json"
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, intermediate_size=128, max_position_embeddings=512)
 
@@ -85,6 +86,8 @@ def main() -> int:
     ap.add_argument("--smollm2", type=Path, help="SmolLM2-135M checkpoint folder")
     ap.add_argument("--keep", type=Path, help="copy each exported model.onnx (no weights) here")
     ap.add_argument("--out", type=Path, default=FIXTURE)
+    ap.add_argument("--snapshot", default="unknown",
+                    help="the efficient-transformers commit installed (it has no version file)")
     ap.add_argument("--only", nargs="*", help="record these families only, keeping the file's "
                     "other entries (SmolLM2's export needs ~5 GiB: run it on its own)")
     args = ap.parse_args()
@@ -132,11 +135,13 @@ def main() -> int:
                 nodes = sum(sum(c.values()) for c in graphs[f"{family}/{variant}"]["top_level"]
                             .values())
                 print(f"{family}/{variant}: {nodes} nodes", file=sys.stderr)
-    record = {"source": {"qefficient": QEfficient.__version__, "transformers":
+    record = {"source": {"qefficient": QEfficient.__version__, "snapshot": args.snapshot,
+                         "transformers":
                          transformers.__version__, "onnx": onnx.__version__,
                          "torch": torch.__version__, "export": "QEFFAutoModelForCausalLM.export"
                          " (TorchScript), TLM targets via qaic_config speculative_model_type"},
-              "graphs": dict(sorted(graphs.items())), "unsupported": dict(sorted(unsupported.items()))}
+              "graphs": dict(sorted(graphs.items())),
+              "unsupported": dict(sorted(unsupported.items()))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

@@ -34,7 +34,7 @@ def ours(tiny_models, tmp_path_factory):
     cache = {}
 
     def get(variant: str, role: str, cb: bool = False, **kw) -> onnx.ModelProto:
-        key = (variant, role, cb, tuple(sorted(kw.items())))
+        key = (variant, role, cb, repr(sorted((k, np.asarray(v).tolist()) for k, v in kw.items())))
         if key not in cache:
             out = root / f"{len(cache)}"
             path = export_model(resolve(str(tiny_models[variant])), role, out,

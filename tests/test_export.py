@@ -24,6 +24,7 @@ import torch
 import qpcbuild
 from qpcbuild.errors import QpcbuildError, UsageError
 from qpcbuild.export import DATA_FILE, GRAPH_FILE, ExportResult, export_model
+from qpcbuild.bundle.doctor import check_model
 from qpcbuild.export.builder import GraphBuilder
 from qpcbuild.export.dialect import onnxruntime_indices
 from qpcbuild.source import resolve, safetensors_files
@@ -311,8 +312,6 @@ def test_card_graph_speaks_qefficients_dialect(variant, cb, exported):
     """QEfficient's vocabulary (shared facts in dialect.py): its functions with their domains,
     input order and attributes; RoPE gathered from tables (no Cos/Sin); the lm_head a MatMul
     weight of its own even for a tied model; and nothing the card has not seen from QEfficient."""
-    from qpcbuild.export import dialect
-
     result = exported(variant, "target", cb)
     model = onnx.load(str(result.onnx_path), load_external_data=False)
     arch = result.arch
@@ -341,7 +340,7 @@ def test_card_graph_speaks_qefficients_dialect(variant, cb, exported):
     assert scatter_outs == {o.name for o in model.graph.output if o.name.endswith("_RetainedState")}
     ops = {n.op_type for n in nodes if not n.domain}
     assert not ops & {"Cos", "Sin"}
-    assert ops <= dialect.STANDARD_OPS, ops - dialect.STANDARD_OPS
+    assert check_model(model)[1] == []  # QEfficient's forms (tests/test_doctor.py)
     inits = {t.name: list(t.dims) for t in model.graph.initializer}
     cos = [n for n in nodes if n.op_type == "Gather" and n.input[0] == "rope.cos_cached"]
     assert cos and inits["rope.cos_cached"] == [arch.max_position_embeddings, arch.head_dim]
@@ -509,6 +508,13 @@ def test_float16_weight_export_stays_close_to_transformers(tiny_models, exported
               if t.data_location == onnx.TensorProto.EXTERNAL}
     assert {n for n, t in stored.items() if t != onnx.TensorProto.FLOAT16} == \
         {"rope.cos_cached", "rope.sin_cached"}
+    # the plan and manifest describe the graph's I/O as the graph has it
+    from qpcbuild.plan import io_signature
+
+    graph_io = {v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+                for v in [*model.graph.input, *model.graph.output]}
+    planned = io_signature("target", result.arch, False)
+    assert {e["name"]: e["dtype"] for e in planned["inputs"] + planned["outputs"]} == graph_io
 
 
 # ------------------------------------------------------------------ 7. bad input

@@ -26,7 +26,7 @@ from .builder import GraphBuilder
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 VOCAB_SUBSET = "lm_head.vocab_subset"  # [Vs, 1] int64: a draft's kept token ids (ORT lowering)
-SUBSET_COLUMN = "lm_head.vocab_subset.column"  # [V] int64: each token's column in the subset
+SUBSET_COLUMN = "lm_head.vocab_subset.column"  # [1, V] int64: each token's column in the subset
 SUBSET_KEPT = "lm_head.vocab_subset.kept"  # [V] bool: whether the subset keeps the token
 MASKED = -10000.0  # finite so fully masked pad rows stay finite, and representable in fp16
 
@@ -64,10 +64,13 @@ class Decoder:
         rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
         return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
 
-    def heads(self, x: str, n: int) -> str:
-        """[B,S,n*D] -> [B,n,S,D]"""
+    def heads(self, x: str, n: int, norm: str | None = None) -> str:
+        """[B,S,n*D] -> [B,n,S,D]; `norm`: a per-head RMSNorm weight (Qwen3's q/k norm),
+        applied before the Transpose as QEfficient's export does."""
         g = self.g
         x = g.op("Reshape", x, g.const([0, 0, n, self.a.head_dim]))
+        if norm is not None:
+            x = self.rms_norm(x, self.load(norm, (self.a.head_dim,), False))
         return g.op("Transpose", x, perm=[0, 2, 1, 3])
 
     def repeat_kv(self, kv: str, ctx: str) -> str:
@@ -139,12 +142,11 @@ class Decoder:
         p = f"model.layers.{i}"
         h, d, nh, nkv = a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads
         n = self.rms_norm(x, self.load(f"{p}.input_layernorm.weight", (h,), False))
-        q = self.heads(self.linear(n, f"{p}.self_attn.q_proj", h, nh * d, a.qkv_bias), nh)
-        k = self.heads(self.linear(n, f"{p}.self_attn.k_proj", h, nkv * d, a.qkv_bias), nkv)
+        q = self.heads(self.linear(n, f"{p}.self_attn.q_proj", h, nh * d, a.qkv_bias), nh,
+                       f"{p}.self_attn.q_norm.weight" if a.qk_norm else None)
+        k = self.heads(self.linear(n, f"{p}.self_attn.k_proj", h, nkv * d, a.qkv_bias), nkv,
+                       f"{p}.self_attn.k_norm.weight" if a.qk_norm else None)
         v = self.heads(self.linear(n, f"{p}.self_attn.v_proj", h, nkv * d, a.qkv_bias), nkv)
-        if a.qk_norm:
-            q = self.rms_norm(q, self.load(f"{p}.self_attn.q_norm.weight", (d,), False))
-            k = self.rms_norm(k, self.load(f"{p}.self_attn.k_norm.weight", (d,), False))
         # RoPE's result Cast to the model's dtype, as QEfficient writes it (a no-op here)
         q, k = (g.op("Cast", self.rope(x, cos, sin), to=FLOAT) for x in (q, k))  # [B,n,S,D]
 
@@ -179,7 +181,8 @@ class Decoder:
             column[self.vocab_subset] = np.arange(len(self.vocab_subset))
             kept = np.zeros(a.vocab_size, np.bool_)
             kept[self.vocab_subset] = True
-            subset = (self.g.weight(SUBSET_COLUMN, column), self.g.weight(SUBSET_KEPT, kept))
+            subset = (self.g.weight(SUBSET_COLUMN, column.reshape(1, -1)),
+                      self.g.weight(SUBSET_KEPT, kept))
         logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size", subset_columns=subset)
 
 
@@ -231,10 +234,10 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
     seq_len >= num_logits_to_keep), so no row needs a clamp.
     `matmul(x, out)` replaces the plain MatMul by `lm` (a lowering's quantized kernel).
     A draft's vocabulary subset: `lm` holds the kept rows only, and their logits are spread
-    back over the whole vocabulary, MASKED for every other token, either by a Gather of each
-    token's column and a Where on the kept mask (`subset_columns`, the card graph's form) or by
-    a ScatterND of the kept token ids `vocab_subset` ([Vs, 1]) into a MASKED buffer (ONNX
-    Runtime's fused lowering, where it is 5x faster than a Gather over the vocabulary)."""
+    back over the whole vocabulary, MASKED for every other token, either by a GatherElements
+    of each token's column and a Where on the kept mask (`subset_columns`, the card graph's
+    form) or by a ScatterND of the kept token ids `vocab_subset` ([Vs, 1]) into a MASKED buffer
+    (ONNX Runtime's fused lowering, where it is 5x faster than a Gather over the vocabulary)."""
     last = g.op("ArgMax", pos, axis=1, keepdims=1)  # [B,1] index of the largest position
     if nlk_input is None:
         rows = last
@@ -252,10 +255,14 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
         g.op("MatMul", picked, lm, out=out)
     else:
         matmul(picked, out)
-    if subset_columns is not None:
+    if subset_columns is not None:  # the ops and attributes of QEfficient's TLM row pick
         column, kept = subset_columns
-        g.op("Where", kept, g.op("Gather", out, column, axis=2), g.const(MASKED, np.float32),
-             out="logits")  # [B,1,V]
+        rows = g.op("Reshape", out, g.const([0, -1]))  # [B,Vs]
+        index = g.op("Expand", column, g.op("Concat", dim(g, rows, 0),
+                                            g.const([a.vocab_size]), axis=0))  # [B,V]
+        full = g.op("Where", kept, g.op("GatherElements", rows, index, axis=1),
+                    g.const(MASKED, np.float32))  # [B,V]
+        g.op("Unsqueeze", full, g.const([1]), out="logits")  # [B,1,V]
     elif vocab_subset is not None:
         # rows are tokens, so [B,1,Vs] goes through [Vs,B] and back
         cols = g.op("Transpose", g.op("Reshape", out, g.const([0, -1])), perm=[1, 0])

@@ -185,12 +185,3 @@ FUNCTIONS = {"CtxScatter": ctx_scatter, "CtxScatterCB": ctx_scatter_cb, "CtxGath
              "CtxGatherCB": ctx_gather_cb, "CustomRMSNorm": custom_rms_norm}
 FUNCTION_DOMAINS = {"CtxScatter": CLOUD, "CtxScatterCB": CLOUD, "CtxGather": CLOUD,
                     "CtxGatherCB": CLOUD, "CustomRMSNorm": AISW}
-
-# Standard ops in QEfficient's export of a Llama-family causal LM (its TLM graph included):
-# what the compiler is known to see from it. Used by `qpcbuild doctor`.
-STANDARD_OPS = frozenset({
-    "Add", "ArgMax", "Cast", "Concat", "Constant", "ConstantOfShape", "Div", "Equal", "Expand",
-    "Gather", "GatherElements", "GatherND", "Greater", "Less", "MatMul", "Max", "Min", "Mul",
-    "Neg", "Pow", "Range", "Reciprocal", "ReduceMax", "ReduceMean", "Reshape", "ScatterND",
-    "Shape", "Sigmoid", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Transpose",
-    "Unsqueeze", "Where"})
