@@ -4,8 +4,8 @@ The Cloud AI compiler recognises a few function names that Qualcomm's QEfficient
 causal LM it exports: `com.qualcomm.cloud::CtxScatter` / `CtxGather` (KV cache write and read,
 with `CB` variants that route rows through `batch_index`) and `com.qti.aisw.onnx::CustomRMSNorm`.
 A model-local function carries its own body of standard ops, so ONNX Runtime runs the same graph
-by inlining it. Names, domains, input order and attributes follow QEfficient; the bodies here are
-written from the ONNX operator spec.
+by inlining it. Names, domains, input order, attributes and the bodies' op forms follow
+QEfficient's exports (`qpcbuild doctor` checks them against its recorded graphs).
 
 Invalid indices, as QEfficient's TorchScript export writes them: INT32_MAX.
 - reads (`CtxGather*`): KV slots past a row's last position gather at INT32_MAX (QEfficient's
