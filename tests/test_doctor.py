@@ -158,6 +158,13 @@ def _shape_start_end(model):
     _node(model, "Shape", ["position_ids"], start=1, end=2)
 
 
+def _scatter_not_the_retained_state(model):
+    node = next(n for n in model.graph.node if n.op_type == "CtxScatterCB")
+    retained = node.output[0]
+    node.output[0] = "scattered"
+    model.graph.node.append(helper.make_node("Identity", ["scattered"], [retained]))
+
+
 MUTATIONS = {
     "ctx_gather_cb_old_body": (_old_ctx_gather_cb, "function CtxGatherCB: body differs"),
     "cb_pads_at_minus_one": (_pads_at_minus_one,
@@ -166,6 +173,9 @@ MUTATIONS = {
                                   "CtxGatherCB is called with ctx_indices from Where(0)"),
     "top_level_scatternd": (_top_level_scatter,
                             "op ScatterND (1x) at top level: QEfficient uses it only inside"),
+    "scatter_output_not_retained_state": (_scatter_not_the_retained_state,
+                                          "function CtxScatterCB: a call's output is not a "
+                                          "graph output"),
     "split": (_split, "op Split (1x) is not in QEfficient's exports"),
     "min": (_min, "op Min (1x) is not in QEfficient's exports"),
     "shape_start_end": (_shape_start_end, "op Shape[end=2,start=1] (1x): QEfficient writes "

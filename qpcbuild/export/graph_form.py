@@ -19,7 +19,6 @@ from typing import Any
 import onnx
 from onnx import AttributeProto, numpy_helper
 
-INT32_MAX = 2**31 - 1
 OPSET = 17  # the schemas whose attribute defaults are read
 
 
