@@ -2,7 +2,7 @@
 
 No card is needed to know whether a graph is one the compiler has seen before: QEfficient's own
 exports are what it is proven on. Their form, recorded from QEfficient's exports of small
-Llama / Qwen2 / Qwen3 / Mistral models (and SmolLM2-135M) as TLM targets, drafts and
+Llama / Qwen2 / Qwen3 / Mistral models (SmolLM2-135M too when recorded) as TLM targets, drafts and
 continuous-batching variants by scripts/record_qeff_dialect.py, is shipped as
 qpcbuild/data/qefficient_dialect.json. The doctor compares a graph's form
 (qpcbuild/export/graph_form.py) with the union of those recordings and flags each departure:
