@@ -22,8 +22,8 @@ from .source import ModelSource, resolve
 from .tokenizer_check import alignment
 from .vocab_subset import read_vocab_subset, subset_digest
 
-EXPORTER_VERSION = "3"  # bump when the exported graph changes for the same inputs
-ORT_LOWERING_VERSION = "1"  # bump when the onnxruntime artifact changes for the same graph
+EXPORTER_VERSION = "4"  # bump when the exported graph changes for the same inputs
+ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the same graph
 QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 KV_BYTES = {"float16": 2.0, "mxint8": 33 / 32}  # mxint8: 8-bit values + one scale per 32
 WEIGHT_BYTES = {"none": 2.0, "mxfp6": 25 / 32}  # the card runs fp16; mxfp6: 6 bits + scale/32
@@ -128,7 +128,11 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[dict[str,
             for n, e in zip(names, entries)]
 
 
-def io_signature(role: str, arch: ArchSpec, continuous_batching: bool, dtype: str) -> dict:
+def io_signature(role: str, arch: ArchSpec, continuous_batching: bool) -> dict:
+    """The card graph's inputs and outputs. The graph computes in float32 whatever the stored
+    weights' dtype (float16 weights are Cast up), so its KV I/O is float32; on the card
+    custom_io.yaml sets the KV buffers' precision."""
+    dtype = "float32"
     kv_batch = "full_batch_size" if continuous_batching else "batch_size"
     kv_shape = [kv_batch, arch.num_kv_heads, "ctx_len", arch.head_dim]
     inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]},
@@ -257,7 +261,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                                   "custom_io": kv_prec, "fmt": r.hardware.specializations_format})}
     return RolePlan(
         role=role, source=source, arch=arch, ks=ks if role == "target" else (),
-        specializations=specs, io=io_signature(role, arch, cb, r.precision.export_dtype),
+        specializations=specs, io=io_signature(role, arch, cb),
         custom_io=[{"IOName": n, "Precision": kv_prec} for n in names],
         mdp_partition=mdp_partition(hw.device_group, cores), device_group=list(hw.device_group),
         num_cores=cores, compiler_argv=argv, ort=ort, memory=memory, cache_keys=cache_keys,
@@ -327,6 +331,11 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
             r.precision.quantization != "none" or r.precision.kv_cache_dtype != "float16"):
         warnings.append("onnxruntime: the portable graph runs exact float32; the mxfp6/mxint8 "
                         "numerics preview exists in the fused graph only (batch_size 1)")
+    if "qaic" in r.backends and r.precision.export_dtype == "float16":
+        warnings.append("qaic: export_dtype float16 Casts each stored weight up to float32 in "
+                        "front of its MatMul, a form QEfficient's graphs never have (`qpcbuild "
+                        "doctor` flags it; whether -mxfp6-matmul compresses such weights is "
+                        "unknown): prefer float32 for a card bundle")
     if "qaic" in r.backends and r.hardware.aic_hw_version == "ai200":
         for role, src in sources.items():
             if (src.config.get("torch_dtype") or src.config.get("dtype")) == "bfloat16":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
@@ -23,7 +24,9 @@ import torch
 import qpcbuild
 from qpcbuild.errors import QpcbuildError, UsageError
 from qpcbuild.export import DATA_FILE, GRAPH_FILE, ExportResult, export_model
+from qpcbuild.bundle.doctor import check_model
 from qpcbuild.export.builder import GraphBuilder
+from qpcbuild.export.dialect import onnxruntime_indices
 from qpcbuild.source import resolve, safetensors_files
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
@@ -43,6 +46,12 @@ class GraphDriver:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
+        # the INT32_MAX invalid indices as ONNX Runtime takes them (export/dialect.py)
+        self._indices = {name: ort.OrtValue.ortvalue_from_numpy(v) for name, v in
+                         onnxruntime_indices(onnx.load(str(onnx_path),
+                                                       load_external_data=False)).items()}
+        for name, value in self._indices.items():  # OrtValues must outlive the session
+            opts.add_initializer(name, value)
         self.sess = ort.InferenceSession(str(onnx_path), opts,
                                          providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.sess.get_inputs()]
@@ -303,8 +312,6 @@ def test_card_graph_speaks_qefficients_dialect(variant, cb, exported):
     """QEfficient's vocabulary (shared facts in dialect.py): its functions with their domains,
     input order and attributes; RoPE gathered from tables (no Cos/Sin); the lm_head a MatMul
     weight of its own even for a tied model; and nothing the card has not seen from QEfficient."""
-    from qpcbuild.export import dialect
-
     result = exported(variant, "target", cb)
     model = onnx.load(str(result.onnx_path), load_external_data=False)
     arch = result.arch
@@ -333,7 +340,7 @@ def test_card_graph_speaks_qefficients_dialect(variant, cb, exported):
     assert scatter_outs == {o.name for o in model.graph.output if o.name.endswith("_RetainedState")}
     ops = {n.op_type for n in nodes if not n.domain}
     assert not ops & {"Cos", "Sin"}
-    assert ops <= dialect.STANDARD_OPS, ops - dialect.STANDARD_OPS
+    assert check_model(model)[1] == []  # QEfficient's forms (tests/test_doctor.py)
     inits = {t.name: list(t.dims) for t in model.graph.initializer}
     cos = [n for n in nodes if n.op_type == "Gather" and n.input[0] == "rope.cos_cached"]
     assert cos and inits["rope.cos_cached"] == [arch.max_position_embeddings, arch.head_dim]
@@ -342,11 +349,30 @@ def test_card_graph_speaks_qefficients_dialect(variant, cb, exported):
                                                                      arch.vocab_size]
 
 
-def test_dialect_functions_run_unpatched_on_onnxruntime(exported):
-    """Every index the graph feeds its gathers and scatters is one ONNX Runtime accepts: no
-    INT32_MAX to patch. Run a prefill whose pads sit at -1 and check slot ctx_len-1 took them."""
-    drv = GraphDriver(exported("llama", "target").onnx_path, 1, 32)
-    prefill(drv, list(range(5, 10)), 8)  # 5 tokens + 3 pads at position -1
+@pytest.mark.parametrize("cb", [False, True], ids=["plain", "continuous-batching"])
+def test_invalid_indices_are_int32_max_on_the_card_and_patched_for_onnxruntime(exported, cb):
+    """The card graph gathers invalid KV slots at INT32_MAX and hands continuous batching's
+    scatter INT32_MAX for a pad, as QEfficient's export does; ONNX Runtime refuses both, and
+    the patched values (0 for reads, -1 for writes) put a prefill's pads in slot ctx_len-1."""
+    path = exported("llama", "target", cb).onnx_path
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+             if t.data_location != onnx.TensorProto.EXTERNAL}
+    assert inits["invalid_gather_index"] == 2**31 - 1
+    assert ("invalid_scatter_index" in inits) == cb
+    if cb:
+        assert inits["invalid_scatter_index"] == 2**31 - 1
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([[5, 6, 0]]), "position_ids": np.array([[0, 1, -1]]),
+             "num_logits_to_keep": np.zeros((1, 1), np.int64),
+             **({"batch_index": np.array([[0]])} if cb else {}),
+             **{i.name: np.zeros((1, i.shape[1], 8, i.shape[3]), np.float32)
+                for i in sess.get_inputs() if i.name.startswith("past_")}}
+    with pytest.raises(Exception, match="2147483647"):
+        sess.run(None, feeds)
+    drv = GraphDriver(path, 1, 32)
+    prefill(lambda ids, pos, nlk: drv(ids, pos, nlk, batch_index=[0] if cb else None),
+            list(range(5, 10)), 8)  # 5 tokens + 3 pads at position -1
     key = drv.kv["past_key.0"][0]  # [nKV, C, D]
     assert np.abs(key[:, :5]).sum() > 0 and np.abs(key[:, 5:-1]).sum() == 0
     assert np.abs(key[:, -1]).sum() > 0  # the pads' slot
@@ -482,6 +508,13 @@ def test_float16_weight_export_stays_close_to_transformers(tiny_models, exported
               if t.data_location == onnx.TensorProto.EXTERNAL}
     assert {n for n, t in stored.items() if t != onnx.TensorProto.FLOAT16} == \
         {"rope.cos_cached", "rope.sin_cached"}
+    # the plan and manifest describe the graph's I/O as the graph has it
+    from qpcbuild.plan import io_signature
+
+    graph_io = {v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+                for v in [*model.graph.input, *model.graph.output]}
+    planned = io_signature("target", result.arch, False)
+    assert {e["name"]: e["dtype"] for e in planned["inputs"] + planned["outputs"]} == graph_io
 
 
 # ------------------------------------------------------------------ 7. bad input

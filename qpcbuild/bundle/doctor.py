@@ -1,73 +1,194 @@
-"""`qpcbuild doctor`: what each role's card graph asks of the Cloud AI compiler.
+"""`qpcbuild doctor`: does a card graph look like the graphs the Cloud AI compiler is proven on?
 
-No card is needed to know whether a graph is one the compiler has seen before: QEfficient's
-exports are what it is proven on. The doctor lists the ops, domains and model-local functions of
-each card graph (role/onnx/model.onnx) and flags anything outside that vocabulary: an unknown
-op, a function with another name, domain, input order or attribute set, an opset other than 17.
+No card is needed to know whether a graph is one the compiler has seen before: QEfficient's own
+exports are what it is proven on. Their form, recorded from QEfficient's exports of small
+Llama / Qwen2 / Qwen3 / Mistral models (SmolLM2-135M too when recorded) as TLM targets, drafts and
+continuous-batching variants by scripts/record_qeff_dialect.py, is shipped as
+qpcbuild/data/qefficient_dialect.json. The doctor compares a graph's form
+(qpcbuild/export/graph_form.py) with the union of those recordings and flags each departure:
+
+- an opset or IR version QEfficient does not export;
+- a top-level op QEfficient never emits, or emits only inside its functions (ScatterND, say);
+- an op whose attributes QEfficient never writes that way (`Shape` with `start`/`end`);
+- a function with another name, domain, input order, attribute set or body;
+- a function called differently: an input produced by something QEfficient never feeds it
+  (a pad position reaching `CtxScatterCB` without the INT32_MAX substitution, an invalid gather
+  index other than INT32_MAX), a scatter whose output is not the retained-state graph output;
+- a Cast of a stored weight in front of a MatMul (the compiler compresses constant MatMul
+  weights; QEfficient's MatMuls take their weights directly);
+- in a bundle, KV I/O dtypes in the manifest that differ from the graph's.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import BundleError
-from ..export import dialect
+from ..errors import BundleError, UsageError
+from ..export.graph_form import graph_form
 
-# name -> (domain, inputs, attributes), as dialect.py builds them
-SIGNATURES = {name: (f.domain, list(f.input), list(f.attribute))
-              for name, f in ((n, build()) for n, build in dialect.FUNCTIONS.items())}
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "qefficient_dialect.json"
 
 
-def check_graph(path: Path) -> dict[str, Any]:
+@lru_cache(maxsize=None)
+def reference(path: Path = REFERENCE) -> dict[str, Any]:
+    """The union of QEfficient's recorded graph forms."""
+    graphs = json.loads(path.read_text())["graphs"]
+    top: dict[str, set[str]] = {}
+    inside: dict[str, set[str]] = {}
+    functions: dict[str, dict[str, Any]] = {}
+    for form in graphs.values():
+        for op, forms in form["top_level"].items():
+            top.setdefault(op, set()).update(forms)
+        for name, f in form["functions"].items():
+            for body_op in f["body_ops"]:
+                inside.setdefault(body_op, set()).add(name)
+            ref = functions.setdefault(name, {
+                "signature": (f["domain"], f["inputs"], f["attributes"]), "bodies": [],
+                "called_with": [set() for _ in f["inputs"]], "output_is_graph_output": set()})
+            if f["body"] not in ref["bodies"]:
+                ref["bodies"].append(f["body"])
+            for seen, sources in zip(ref["called_with"], f["called_with"]):
+                seen.update(sources)
+            ref["output_is_graph_output"].update(f["output_is_graph_output"])
+    return {"opsets": {json.dumps(g["opsets"], sort_keys=True) for g in graphs.values()},
+            "ir_versions": {g["ir_version"] for g in graphs.values()},
+            "top": top, "inside": inside, "functions": functions,
+            "weight_casts": max(g["casts_of_weights_into_matmul"] for g in graphs.values()),
+            "recorded": sorted(graphs)}
+
+
+def _body_difference(ours: list[str], theirs: list[list[str]]) -> str:
+    best = min(theirs, key=lambda t: len(set(t) ^ set(ours)))
+    extra = sorted(set(ours) - set(best))
+    missing = sorted(set(best) - set(ours))
+    counts = [f for f in sorted(set(ours) & set(best)) if ours.count(f) != best.count(f)]
+    return "; ".join(part for part in (
+        f"not in QEfficient's: {', '.join(extra)}" if extra else "",
+        f"QEfficient's has: {', '.join(missing)}" if missing else "",
+        f"other counts of: {', '.join(counts)}" if counts else "") if part)
+
+
+def _function_findings(form: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    findings = []
+    for name, f in form["functions"].items():
+        want = ref["functions"].get(name)
+        if want is None:
+            findings.append(f"function {f['domain']}::{name} is not in QEfficient's vocabulary")
+            continue
+        domain, inputs, attributes = want["signature"]
+        if (f["domain"], f["inputs"], f["attributes"]) != (domain, inputs, attributes):
+            findings.append(f"function {name}: {f['domain']}({', '.join(f['inputs'])}; "
+                            f"{', '.join(f['attributes'])}) differs from QEfficient's "
+                            f"{domain}({', '.join(inputs)}; {', '.join(attributes)})")
+            continue
+        if f["body"] not in want["bodies"]:
+            findings.append(f"function {name}: body differs from QEfficient's "
+                            f"({_body_difference(f['body'], want['bodies'])})")
+        for arg, ours, theirs in zip(inputs, f["called_with"], want["called_with"]):
+            odd = sorted(set(ours) - theirs)
+            if odd:
+                findings.append(f"function {name} is called with {arg} from "
+                                f"{', '.join(odd)}; QEfficient passes it from "
+                                f"{', '.join(sorted(theirs))}")
+        for odd in sorted(set(f["output_is_graph_output"]) - want["output_is_graph_output"]):
+            findings.append(f"function {name}: a call's output is {'' if odd else 'not '}a "
+                            "graph output, unlike in QEfficient's graphs")
+    return findings
+
+
+def _top_level_findings(form: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    findings = []
+    for op, forms in form["top_level"].items():
+        count = sum(forms.values())
+        if "::" in op:
+            domain, name = op.split("::")
+            if form["functions"].get(name, {}).get("domain") != domain:
+                findings.append(f"{op} ({count}x) is neither a standard op nor a function "
+                                "defined in the model")
+        elif op not in ref["top"]:
+            where = ref["inside"].get(op)
+            findings.append(f"op {op} ({count}x) at top level: QEfficient uses it only inside "
+                            f"{', '.join(sorted(where))}" if where else
+                            f"op {op} ({count}x) is not in QEfficient's exports")
+        else:
+            for variant, n in forms.items():
+                if variant not in ref["top"][op]:
+                    findings.append(f"op {variant} ({n}x): QEfficient writes {op} only as "
+                                    f"{', '.join(sorted(ref['top'][op]))}")
+    return findings
+
+
+def check_model(model, ref: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The graph's form and the findings against QEfficient's recorded forms."""
+    ref = ref or reference()
+    form = graph_form(model)
+    findings = []
+    if json.dumps(form["opsets"], sort_keys=True) not in ref["opsets"]:
+        findings.append(f"opsets {form['opsets']} (QEfficient exports "
+                        f"{' or '.join(sorted(ref['opsets']))})")
+    if form["ir_version"] not in ref["ir_versions"]:
+        findings.append(f"IR version {form['ir_version']} (QEfficient's: "
+                        f"{', '.join(map(str, sorted(ref['ir_versions'])))})")
+    findings += _top_level_findings(form, ref)
+    findings += _function_findings(form, ref)
+    if form["casts_of_weights_into_matmul"] > ref["weight_casts"]:
+        findings.append(f"{form['casts_of_weights_into_matmul']} MatMul weights reach their "
+                        "MatMul through a Cast; QEfficient's MatMuls take stored weights "
+                        "directly (what -mxfp6-matmul compresses)")
+    return form, findings
+
+
+def check_graph(path: Path, io: dict | None = None) -> dict[str, Any]:
+    """One ONNX file; `io`: the manifest's I/O signature of its role, checked against it."""
+    import numpy as np
     import onnx
 
     try:
         model = onnx.load(str(path), load_external_data=False)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
     except Exception as exc:  # onnx raises DecodeError and friends
         raise BundleError(f"{path}: not a readable ONNX model ({exc})") from None
-    findings: list[str] = []
-    opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
-    if opsets.get("ai.onnx") != dialect.OPSET:
-        findings.append(f"opset {opsets.get('ai.onnx')} (QEfficient exports opset "
-                        f"{dialect.OPSET})")
-    functions = {}
-    for f in model.functions:
-        functions[f.name] = {"domain": f.domain, "inputs": list(f.input),
-                             "attributes": list(f.attribute),
-                             "body_ops": sorted({n.op_type for n in f.node})}
-        want = SIGNATURES.get(f.name)
-        if want is None:
-            findings.append(f"function {f.domain}::{f.name} is not in QEfficient's vocabulary")
-        elif want != (f.domain, list(f.input), list(f.attribute)):
-            findings.append(f"function {f.name}: {f.domain}({', '.join(f.input)}; "
-                            f"{', '.join(f.attribute)}) differs from QEfficient's "
-                            f"{want[0]}({', '.join(want[1])}; {', '.join(want[2])})")
-        findings += [f"function {f.name} uses op {n.op_type}" for n in f.node
-                     if n.domain or n.op_type not in dialect.STANDARD_OPS]
-    ops = Counter((n.domain or "ai.onnx", n.op_type) for n in model.graph.node)
-    for (domain, op), count in sorted(ops.items()):
-        if domain == "ai.onnx" and op not in dialect.STANDARD_OPS:
-            findings.append(f"op {op} ({count}x) is not in QEfficient's export of this family")
-        elif domain != "ai.onnx" and (op not in functions or functions[op]["domain"] != domain):
-            findings.append(f"{domain}::{op} ({count}x) is neither a standard op nor a function "
-                            "defined in the model")
-    return {"graph": str(path), "opsets": opsets, "functions": functions,
-            "ops": {f"{d}::{o}" if d != "ai.onnx" else o: c for (d, o), c in sorted(ops.items())},
+    form, findings = check_model(model)
+    if io is not None:
+        dtypes = form["io_dtypes"]
+        for entry in [*io.get("inputs", []), *io.get("outputs", [])]:
+            have = dtypes.get(entry["name"])
+            want = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(entry["dtype"]))
+            if have is None:
+                findings.append(f"the manifest lists I/O {entry['name']}, the graph has none")
+            elif have != want:
+                findings.append(f"I/O {entry['name']}: the manifest says {entry['dtype']}, the "
+                                f"graph {onnx.helper.tensor_dtype_to_np_dtype(have)}")
+    return {"graph": str(path), "opsets": form["opsets"],
+            "functions": {name: {k: f[k] for k in ("domain", "inputs", "attributes",
+                                                   "body_ops")}
+                          for name, f in form["functions"].items()},
+            "ops": {op: sum(c.values()) for op, c in form["top_level"].items()},
             "findings": findings}
 
 
-def doctor(bundle: Path, manifest: dict) -> dict[str, Any]:
+def doctor(target: Path, manifest: dict | None) -> dict[str, Any]:
+    """A bundle (with its manifest) or, with `manifest` None, one loose .onnx file."""
+    if manifest is None:
+        try:
+            report = check_graph(target)
+        except BundleError as exc:  # a file the user named: bad input, not a damaged bundle
+            raise UsageError(str(exc)) from None
+        return {"graph": str(target), "roles": {"graph": report}, "checked": 1,
+                "clean": not report["findings"]}
     roles = {}
-    for role in manifest["roles"]:
-        graph = bundle / role / "onnx" / "model.onnx"
+    for role, entry in manifest["roles"].items():
+        graph = target / role / "onnx" / "model.onnx"
         if graph.is_file():
-            roles[role] = check_graph(graph)
+            roles[role] = check_graph(graph, entry.get("io"))
         else:
             roles[role] = {"graph": None, "findings": [], "note": "no card graph: the bundle was "
                            "built without the qaic backend (add qaic to backends, or "
                            "--emit-only where no SDK is installed)"}
-    return {"bundle": str(bundle), "roles": roles,
+    return {"bundle": str(target), "roles": roles,
             "checked": sum(r["graph"] is not None for r in roles.values()),
             "clean": all(not r["findings"] for r in roles.values())}

@@ -77,14 +77,15 @@ def inspect(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
 
 @app.command()
 @handles_errors
-def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
+def doctor(bundle: Path = typer.Argument(..., help="Bundle folder, or one .onnx file."),
            json_out: bool = typer.Option(False, "--json", help="The report as JSON.")):
-    """List the ops, domains and functions of each role's card graph and flag what the Cloud AI
-    compiler has not seen from QEfficient. Exit 1 when something is flagged."""
+    """Compare each role's card graph (or one ONNX file) with QEfficient's own exports: ops and
+    their attributes, function bodies and call sites. Flag each departure; exit 1 if any."""
     from ..bundle import read_manifest
     from ..bundle.doctor import doctor as run_doctor
 
-    report = run_doctor(bundle, read_manifest(bundle))
+    loose = bundle.suffix == ".onnx" and not bundle.is_dir()
+    report = run_doctor(bundle, None if loose else read_manifest(bundle))
     if json_out:
         emit_json(report)
     else:

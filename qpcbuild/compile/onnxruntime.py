@@ -17,6 +17,7 @@ import onnx
 
 from ..errors import ToolchainError
 from ..export import DATA_FILE, GRAPH_FILE
+from ..export.dialect import for_onnxruntime
 from ..plan import RolePlan
 from ..toolchain import _pkg
 from . import BuildContext
@@ -26,8 +27,10 @@ ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; n
 
 
 def fix_dims(model_path: Path, fixed: dict[str, int], out_path: Path) -> None:
-    """Replace symbolic dims (batch_size, ctx_len, ...) by the plan's values."""
+    """Replace symbolic dims (batch_size, ctx_len, ...) by the plan's values, and the card
+    graph's dialect by what ONNX Runtime accepts (export/dialect.py, for_onnxruntime)."""
     model = onnx.load(str(model_path), load_external_data=False)
+    for_onnxruntime(model)
     for value in list(model.graph.input) + list(model.graph.output):
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in fixed:

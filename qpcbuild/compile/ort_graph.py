@@ -32,7 +32,7 @@ from onnx import TensorProto, helper
 
 from ..arch import ArchSpec
 from ..export.builder import GraphBuilder
-from ..export.decoder import FLOAT, INT64, VOCAB_SUBSET, logits_head
+from ..export.decoder import FLOAT, INT64, SUBSET_KEPT, VOCAB_SUBSET, logits_head
 from ..numerics import BLOCK as MX_BLOCK
 from ..numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 
@@ -303,7 +303,8 @@ class _Lowered:
         name = next(n + suffix for suffix in ("[subset]", "") for n in
                     ("lm_head.weight^T", "model.embed_tokens.weight^T") if self.w.has(n + suffix))
         lm = self.w.get(name)
-        ids = self.weight(VOCAB_SUBSET) if name.endswith("[subset]") else None
+        ids = None if not name.endswith("[subset]") else self.g.weight(
+            VOCAB_SUBSET, np.flatnonzero(self.w.get(SUBSET_KEPT)).astype(np.int64).reshape(-1, 1))
         logits_head(self.g, x, pos, nlk, None, self.a, self.batch,
                     matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out),
                     vocab_subset=ids)

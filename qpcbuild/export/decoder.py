@@ -17,14 +17,17 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..arch import ArchSpec
 from . import dialect
+from .dialect import INT32_MAX, INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX
 from .builder import GraphBuilder
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
-VOCAB_SUBSET = "lm_head.vocab_subset"  # [Vs, 1] int64: a draft's kept token ids
+VOCAB_SUBSET = "lm_head.vocab_subset"  # [Vs, 1] int64: a draft's kept token ids (ORT lowering)
+SUBSET_COLUMN = "lm_head.vocab_subset.column"  # [1, V] int64: each token's column in the subset
+SUBSET_KEPT = "lm_head.vocab_subset.kept"  # [V] bool: whether the subset keeps the token
 MASKED = -10000.0  # finite so fully masked pad rows stay finite, and representable in fp16
 
 # load(name, shape, transpose[, rows]) -> graph tensor name of that weight (float32 or
@@ -54,15 +57,20 @@ class Decoder:
         return self.g.op("Add", y, self.load(f"{prefix}.bias", (n_out,), False)) if bias else y
 
     def rope(self, x: str, cos: str, sin: str) -> str:
-        g, half = self.g, self.a.head_dim // 2
-        x1, x2 = g.op("Split", x, g.const([half, half]), axis=-1, n_out=2)
+        g, half, d = self.g, self.a.head_dim // 2, self.a.head_dim
+        # rotate_half's two halves as Slices, the form of QEfficient's export
+        x1 = g.op("Slice", x, g.const([0]), g.const([half]), g.const([-1]))
+        x2 = g.op("Slice", x, g.const([half]), g.const([d]), g.const([-1]))
         rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
         return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
 
-    def heads(self, x: str, n: int) -> str:
-        """[B,S,n*D] -> [B,n,S,D]"""
+    def heads(self, x: str, n: int, norm: str | None = None) -> str:
+        """[B,S,n*D] -> [B,n,S,D]; `norm`: a per-head RMSNorm weight (Qwen3's q/k norm),
+        applied before the Transpose as QEfficient's export does."""
         g = self.g
         x = g.op("Reshape", x, g.const([0, 0, n, self.a.head_dim]))
+        if norm is not None:
+            x = self.rms_norm(x, self.load(norm, (self.a.head_dim,), False))
         return g.op("Transpose", x, perm=[0, 2, 1, 3])
 
     def repeat_kv(self, kv: str, ctx: str) -> str:
@@ -71,8 +79,8 @@ class Decoder:
         groups = a.num_heads // a.num_kv_heads
         if groups == 1:
             return kv
-        shape = g.op("Concat", g.op("Shape", kv, start=0, end=1),
-                     g.const([a.num_kv_heads, groups]), ctx, g.const([a.head_dim]), axis=0)
+        shape = g.op("Concat", dim(g, kv, 0), g.const([a.num_kv_heads, groups]), ctx,
+                     g.const([a.head_dim]), axis=0)
         x = g.op("Expand", g.op("Unsqueeze", kv, g.const([2])), shape)  # [B,nKV,g,C,D]
         return g.op("Reshape", x, g.const([0, a.num_heads, -1, a.head_dim]))
 
@@ -90,8 +98,8 @@ class Decoder:
         nlk_input = g.input("num_logits_to_keep", INT64, ["num_logits_to_keep", 1]) \
             if role == "target" else None
 
-        ctx = g.op("Shape", past[0][0], start=2, end=3)  # [1] = C
-        ctx_len = g.op("Squeeze", ctx, g.const([0]))  # [] = C
+        ctx_len = g.op("Gather", g.op("Shape", past[0][0]), g.const(2))  # [] = C
+        ctx = g.op("Unsqueeze", ctx_len, g.const([0]))  # [1] = C
 
         # RoPE from tables of the model's max positions (as QEfficient: one graph serves every
         # ctx_len); position -1 reads the last row, harmless for a pad.
@@ -105,13 +113,18 @@ class Decoder:
         # Mask [B,1,S,C]: key k hidden from query q when k > position of q.
         mask = g.op("Unsqueeze", g.op("Greater", keys, g.op("Unsqueeze", pos, g.const([-1]))),
                     g.const([1]))
-        # Slots past a row's last position are invalid: they gather slot 0, their values are
-        # zeroed and their keys masked (dialect.py says why 0).
+        # Slots past a row's last position are invalid: they gather at INT32_MAX, their values
+        # are zeroed and their keys masked (dialect.py says why INT32_MAX).
         limit = g.op("Unsqueeze", g.op("ReduceMax", pos, axes=[1], keepdims=1), g.const([1]))
         invalid = g.op("Greater", g.op("Unsqueeze", keys, g.const([0, 1])), limit)  # [B,1,C]
-        ctx_indices = g.op("Where", invalid, g.const(0), g.op("Unsqueeze", keys, g.const([0, 1])))
+        ctx_indices = g.op("Where", invalid, invalid_index(g, INVALID_GATHER_INDEX),
+                           g.op("Unsqueeze", keys, g.const([0, 1])))
         invalid_v = g.op("Unsqueeze", invalid, g.const([-1]))  # [B,1,C,1]
-        kv = _KvAccess(g, pos, batch_index, ctx_indices, ctx_len, invalid_v)
+        # Continuous batching hands the scatter INT32_MAX for a padded token (position -1),
+        # as QEfficient does; the plain scatter takes -1 (slot C-1) as QEfficient's does.
+        write_pos = pos if batch_index is None else g.op(
+            "Where", g.op("Less", pos, g.const(0)), invalid_index(g, INVALID_SCATTER_INDEX), pos)
+        kv = _KvAccess(g, write_pos, batch_index, ctx_indices, ctx_len, invalid_v)
 
         x = g.op("Gather", self.load("model.embed_tokens.weight",
                                      (a.vocab_size, a.hidden_size), False), ids)  # [B,S,H]
@@ -129,13 +142,13 @@ class Decoder:
         p = f"model.layers.{i}"
         h, d, nh, nkv = a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads
         n = self.rms_norm(x, self.load(f"{p}.input_layernorm.weight", (h,), False))
-        q = self.heads(self.linear(n, f"{p}.self_attn.q_proj", h, nh * d, a.qkv_bias), nh)
-        k = self.heads(self.linear(n, f"{p}.self_attn.k_proj", h, nkv * d, a.qkv_bias), nkv)
+        q = self.heads(self.linear(n, f"{p}.self_attn.q_proj", h, nh * d, a.qkv_bias), nh,
+                       f"{p}.self_attn.q_norm.weight" if a.qk_norm else None)
+        k = self.heads(self.linear(n, f"{p}.self_attn.k_proj", h, nkv * d, a.qkv_bias), nkv,
+                       f"{p}.self_attn.k_norm.weight" if a.qk_norm else None)
         v = self.heads(self.linear(n, f"{p}.self_attn.v_proj", h, nkv * d, a.qkv_bias), nkv)
-        if a.qk_norm:
-            q = self.rms_norm(q, self.load(f"{p}.self_attn.q_norm.weight", (d,), False))
-            k = self.rms_norm(k, self.load(f"{p}.self_attn.k_norm.weight", (d,), False))
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)  # [B,n,S,D]
+        # RoPE's result Cast to the model's dtype, as QEfficient writes it (a no-op here)
+        q, k = (g.op("Cast", self.rope(x, cos, sin), to=FLOAT) for x in (q, k))  # [B,n,S,D]
 
         k_all = kv.write(past[0], k, f"past_key.{i}_RetainedState")
         v_all = kv.write(past[1], v, f"past_value.{i}_RetainedState")
@@ -162,9 +175,27 @@ class Decoder:
         # the compiler compresses constant MatMul weights, not a Transpose of the embedding.
         source = "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
         lm = self.load(source, (a.vocab_size, a.hidden_size), True, rows=self.vocab_subset)
-        ids = None if self.vocab_subset is None else \
-            self.g.weight(VOCAB_SUBSET, self.vocab_subset.reshape(-1, 1))
-        logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size", vocab_subset=ids)
+        subset = None
+        if self.vocab_subset is not None:
+            column = np.zeros(a.vocab_size, np.int64)
+            column[self.vocab_subset] = np.arange(len(self.vocab_subset))
+            kept = np.zeros(a.vocab_size, np.bool_)
+            kept[self.vocab_subset] = True
+            subset = (self.g.weight(SUBSET_COLUMN, column.reshape(1, -1)),
+                      self.g.weight(SUBSET_KEPT, kept))
+        logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size", subset_columns=subset)
+
+
+def dim(g: GraphBuilder, x: str, axis: int) -> str:
+    """[1] = size of `x` along `axis`, as Gather(Shape(x), [axis]): QEfficient's graphs use
+    Shape without start/end."""
+    return g.op("Gather", g.op("Shape", x), g.const([axis]))
+
+
+def invalid_index(g: GraphBuilder, name: str) -> str:
+    if all(t.name != name for t in g.initializers):
+        g.initializers.append(numpy_helper.from_array(np.array(INT32_MAX, np.int64), name))
+    return name
 
 
 class _KvAccess:
@@ -195,35 +226,47 @@ class _KvAccess:
 
 
 def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str | None,
-                a: ArchSpec, batch_dim, matmul=None, vocab_subset: str | None = None) -> None:
-    """Logits for the last real token (draft) or the N tokens ending there (target).
+                a: ArchSpec, batch_dim, matmul=None, vocab_subset: str | None = None,
+                subset_columns: tuple[str, str] | None = None) -> None:
+    """Logits for the last real token (draft) or the N tokens ending there (target), picked as
+    QEfficient picks them: first row max(last + 1 - N, 0) written as a Where, rows Tiled over
+    the hidden size for GatherElements. N never exceeds seq_len (every specialization has
+    seq_len >= num_logits_to_keep), so no row needs a clamp.
     `matmul(x, out)` replaces the plain MatMul by `lm` (a lowering's quantized kernel).
-    `vocab_subset` ([Vs, 1] token ids; drafts, N = 1): `lm` holds those rows only, and their
-    logits are scattered back over the whole vocabulary, MASKED for every other token."""
+    A draft's vocabulary subset: `lm` holds the kept rows only, and their logits are spread
+    back over the whole vocabulary, MASKED for every other token, either by a GatherElements
+    of each token's column and a Where on the kept mask (`subset_columns`, the card graph's
+    form) or by a ScatterND of the kept token ids `vocab_subset` ([Vs, 1]) into a MASKED buffer
+    (ONNX Runtime's fused lowering, where it is 5x faster than a Gather over the vocabulary)."""
     last = g.op("ArgMax", pos, axis=1, keepdims=1)  # [B,1] index of the largest position
     if nlk_input is None:
         rows = last
     else:
-        n = g.op("Shape", nlk_input, start=0, end=1)
-        first = g.op("Max", g.op("Add", g.op("Sub", last, n), g.const([[1]])), g.const([[0]]))
-        span = g.op("Range", g.const(0), g.op("Squeeze", n, g.const([0])), g.const(1))
-        seq_last = g.op("Sub", g.op("Shape", pos, start=1, end=2), g.const([1]))
-        rows = g.op("Min", g.op("Add", first, g.op("Unsqueeze", span, g.const([0]))),
-                    seq_last)  # [B,N]
-    shape = g.op("Concat", g.op("Shape", rows), g.const([a.hidden_size]), axis=0)
-    picked = g.op("GatherElements", x, g.op("Expand", g.op("Unsqueeze", rows, g.const([-1])),
-                                             shape), axis=1)  # [B,N,H]
-    out = "logits" if vocab_subset is None else g._name("subset_logits")
+        n = g.op("Gather", g.op("Shape", nlk_input), g.const(0))  # [] = N
+        first = g.op("Where", g.op("Less", last, n), g.const(0),
+                     g.op("Sub", g.op("Add", last, g.const(1)), n))  # [B,1]
+        span = g.op("Range", g.const(0), n, g.const(1))  # [N]
+        rows = g.op("Add", first, g.op("Unsqueeze", span, g.const([0])))  # [B,N]
+    picked = g.op("GatherElements", x, g.op("Tile", g.op("Unsqueeze", rows, g.const([-1])),
+                                             g.const([1, 1, a.hidden_size])), axis=1)  # [B,N,H]
+    subset = vocab_subset is not None or subset_columns is not None
+    out = g._name("subset_logits") if subset else "logits"
     if matmul is None:
         g.op("MatMul", picked, lm, out=out)
     else:
         matmul(picked, out)
-    if vocab_subset is not None:
-        # ScatterND writes one row per kept token (a Gather over all V would copy V elements,
-        # 5x slower here); rows are tokens, so [B,1,Vs] goes through [Vs,B] and back.
+    if subset_columns is not None:  # the ops and attributes of QEfficient's TLM row pick
+        column, kept = subset_columns
+        rows = g.op("Reshape", out, g.const([0, -1]))  # [B,Vs]
+        index = g.op("Expand", column, g.op("Concat", dim(g, rows, 0),
+                                            g.const([a.vocab_size]), axis=0))  # [B,V]
+        full = g.op("Where", kept, g.op("GatherElements", rows, index, axis=1),
+                    g.const(MASKED, np.float32))  # [B,V]
+        g.op("Unsqueeze", full, g.const([1]), out="logits")  # [B,1,V]
+    elif vocab_subset is not None:
+        # rows are tokens, so [B,1,Vs] goes through [Vs,B] and back
         cols = g.op("Transpose", g.op("Reshape", out, g.const([0, -1])), perm=[1, 0])
-        shape = g.op("Concat", g.const([a.vocab_size]), g.op("Shape", cols, start=1, end=2),
-                     axis=0)
+        shape = g.op("Concat", g.const([a.vocab_size]), dim(g, cols, 1), axis=0)
         full = g.op("ScatterND", g.op("ConstantOfShape", shape, value=helper.make_tensor(
             "value", FLOAT, [1], [MASKED])), vocab_subset, cols)  # [V, B]
         g.op("Unsqueeze", g.op("Transpose", full, perm=[1, 0]), g.const([1]), out="logits")
