@@ -1,0 +1,169 @@
+"""The runtime re-checks what it loads. The seal is an unkeyed digest: anyone who can write a
+bundle can edit its manifest and seal it again. Such a bundle must fail with a clear error naming
+what is wrong (exit 1 or 2), never a traceback or a hang; a corrupt tokenizer is an error, not
+an absent one."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+import qpcbuild
+from qpcbuild.bundle.manifest import leaves, read_manifest, write_manifest
+from qpcbuild.cli import app
+from qpcbuild.errors import QpcbuildError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "demo"
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("manifest-checks")
+    result = runner.invoke(app, ["compile", str(ROOT / "recipes" / "demo.yaml"), "-o",
+                                 str(tmp / "bundle"), "--cache-dir", str(tmp / "cache")])
+    assert result.exit_code == 0, result.output
+    return tmp / "bundle"
+
+
+def resealed(pristine: Path, tmp: Path, edit) -> Path:
+    out = tmp / "edited"
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(pristine, out)
+    m = read_manifest(out)
+    edit(m)
+    write_manifest(out, m)  # a valid seal over the edited content
+    return out
+
+
+def swap_artifacts(m):
+    t, d = m["roles"]["target"], m["roles"]["draft"]
+    ta, da = t["ort"]["artifact"], d["ort"]["artifact"]
+    for role, path in ((t, da), (d, ta)):
+        role["ort"]["artifact"] = role["backends"]["onnxruntime"]["artifact"] = path
+
+
+def everywhere_ctx_len(n):
+    def edit(m):
+        m["shapes"]["ctx_len"] = n
+        for role in m["roles"].values():
+            role["ort"]["ctx_len"] = n
+            role["backends"]["onnxruntime"]["fixed_dims"]["ctx_len"] = n
+            for spec in role["specializations"]:
+                spec["symbols"]["ctx_len"] = str(n)
+    return edit
+
+
+def setter(*path_and_value):
+    *path, value = path_and_value
+
+    def edit(m):
+        node = m
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return edit
+
+
+EDITS = {
+    "swapped artifacts": (swap_artifacts, "graph does not match"),
+    "ctx_len 1024 everywhere": (everywhere_ctx_len(1024), "graph does not match"),
+    "ctx_len 1024 in shapes only": (setter("shapes", "ctx_len", 1024), "ctx_len"),
+    "batch_size 0": (setter("shapes", "batch_size", 0), "shapes.batch_size"),
+    "ctx_len as a string": (setter("shapes", "ctx_len", "512"), "shapes.ctx_len"),
+    "num_layers 3": (setter("roles", "target", "arch", "num_layers", 3), "num_layers"),
+    "compiled_ks []": (setter("roles", "target", "compiled_ks", []), "compiled_ks"),
+    "draft role removed": (lambda m: m["roles"].pop("draft"), "draft"),
+    "intra_op_threads 1000000": (setter("roles", "target", "ort", "intra_op_threads", 1000000),
+                                 "intra_op_threads"),
+    "vocab_size 100": (setter("roles", "target", "arch", "vocab_size", 100), "vocab"),
+    "a K never compiled": (lambda m: [setter("speculation", "num_speculative_tokens", [0, 9])(m),
+                                      setter("roles", "target", "compiled_ks", [0, 9])(m)],
+                           "K=9"),
+    "head_dim 64": (setter("roles", "draft", "arch", "head_dim", 64), "graph does not match"),
+    "unknown method": (setter("speculation", "method", "oracle"), "speculation.method"),
+    "specializations []": (setter("roles", "draft", "specializations", []), "specializations"),
+}
+
+
+@pytest.mark.parametrize("name", EDITS)
+def test_a_resealed_edit_is_a_clear_error_not_a_traceback(pristine, tmp_path, name):
+    edit, says = EDITS[name]
+    bundle = resealed(pristine, tmp_path, edit)
+    result = runner.invoke(app, ["run", str(bundle), "--prompt", "def f", "--max-new-tokens", "2"])
+    assert result.exit_code in (1, 2), result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert says in result.output, result.output
+
+
+def test_the_pristine_bundle_still_runs(pristine):
+    result = runner.invoke(app, ["run", str(pristine), "--prompt", "def f", "--max-new-tokens",
+                                 "2"])
+    assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------- fuzz over manifest edits
+def editable_leaves(m) -> list[str]:
+    return [p for p, _ in leaves({k: v for k, v in m.items() if k not in ("files", "seal",
+                                                                         "bundle_id")})]
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40)
+                     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=5), inner, max_size=2), max_leaves=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_manifest_edits_load_or_fail_cleanly(pristine, tmp_path_factory, data):
+    m = read_manifest(pristine)
+    paths = editable_leaves(m)
+    path = data.draw(st.sampled_from(paths), label="field")
+    value = data.draw(st.one_of(_json, st.integers(-3, 5000)), label="value")
+    tmp = tmp_path_factory.mktemp("fuzz")
+
+    def edit(man):
+        node, keys = man, path.split(".")
+        for key in keys[:-1]:
+            node = node[key]
+        if isinstance(node, dict):
+            node[keys[-1]] = value
+
+    try:
+        bundle = resealed(pristine, tmp, edit)
+    except QpcbuildError:
+        return  # refused when sealing: fine
+    try:
+        gen = qpcbuild.load(bundle, verify="full")
+        gen.generate(["def f"], max_new_tokens=2)
+    except QpcbuildError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- corrupt tokenizers
+@pytest.mark.parametrize("content", ["{not json", '{"model": {"vocab": {"a": "1"}}}',
+                                     '{"model": {"vocab": {"a": NaN}}}', "[1, 2]"])
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_corrupt_tokenizer_is_an_error_not_absent(tmp_path, role, content):
+    models = tmp_path / "models"
+    shutil.copytree(DEMO / "target", models / "target")
+    shutil.copytree(DEMO / "draft", models / "draft")
+    (models / role / "tokenizer.json").write_text(content)
+    result = runner.invoke(app, ["compile", str(ROOT / "recipes" / "demo.yaml"), "-o",
+                                 str(tmp_path / "bundle"), "--cache-dir", str(tmp_path / "cache"),
+                                 "--set", f"target.model={models / 'target'}",
+                                 "--set", f"draft.model={models / 'draft'}"])
+    assert result.exit_code == 2, result.output
+    assert f"{role}.model" in result.output and "tokenizer.json" in result.output
+    assert not (tmp_path / "bundle").exists()
