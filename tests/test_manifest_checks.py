@@ -167,3 +167,32 @@ def test_a_corrupt_tokenizer_is_an_error_not_absent(tmp_path, role, content):
     assert result.exit_code == 2, result.output
     assert f"{role}.model" in result.output and "tokenizer.json" in result.output
     assert not (tmp_path / "bundle").exists()
+
+
+# ---------------------------------------------------------------- bench and tune verify fully
+def flipped(pristine: Path, tmp: Path) -> Path:
+    """A copy with one byte of the target's weights changed, size unchanged."""
+    out = tmp / "flipped"
+    shutil.copytree(pristine, out)
+    data = next(p for p in (out / "target" / "ort").iterdir() if p.suffix == ".data")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    return out
+
+
+def test_bench_refuses_a_same_size_flipped_byte(pristine, tmp_path):
+    bundle = flipped(pristine, tmp_path)
+    result = runner.invoke(app, ["bench", str(bundle), "--peers", "none", "--max-new-tokens",
+                                 "2", "--repeats", "1", "--num-prompts", "1", "--json-out",
+                                 str(tmp_path / "r.json"), "--no-plot"])
+    assert result.exit_code == 1 and "does not match" in result.output, result.output
+
+
+def test_tune_calibration_refuses_a_same_size_flipped_byte(pristine, tmp_path):
+    from qpcbuild.errors import BundleError
+    from qpcbuild.tune.calibrate import calibrate
+
+    bundle = flipped(pristine, tmp_path)
+    with pytest.raises(BundleError, match="does not match"):
+        calibrate(bundle, "draft_model", 4, ["def f"], 2, costs=None, batches=[1])

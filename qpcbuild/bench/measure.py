@@ -80,9 +80,11 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
               repeats: int = 3, peers: tuple[str, ...] = DEFAULT_PEERS,
               peer_ks: list[int] | None = None, cache_dir: Path | None = None,
               say: Say | None = None,
-              model_paths: dict[str, Path] | None = None) -> dict[str, Any]:
+              model_paths: dict[str, Path] | None = None,
+              verify: str = "full") -> dict[str, Any]:
     """Measure and return the report (a JSON-able dict). `model_paths`: each role's local
-    checkpoint for the peers (a bundle records models by reference only, not by path)."""
+    checkpoint for the peers (a bundle records models by reference only, not by path).
+    verify: as `load`'s; a bundle is measured only once every byte is checked, by default."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .bandwidth import make_probe, target_only_bandwidth
@@ -119,7 +121,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     machine = machine_info()  # the load average now, before this run adds to it
     # One Generator per method, all over the same sessions (one target, one draft): a method
     # is only a different proposer in front of them.
-    base = load(bundle, method=methods[0], verify="fast")
+    base = load(bundle, method=methods[0], verify=verify)
     gens = {m: base if m == methods[0] else base.sibling(m) for m in methods}
     gen = base
     batch = gen.target.batch_size
@@ -244,7 +246,8 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
           peers: tuple[str, ...] = DEFAULT_PEERS,
           peer_ks: list[int] | None = None, cache_dir: Path | None = None,
           bundle_out: Path | None = None, json_out: Path | None = None,
-          plot: Path | None | bool = None, say: Say | None = None) -> tuple[dict[str, Any], Path, Path | None]:
+          plot: Path | None | bool = None, say: Say | None = None,
+          verify: str = "full") -> tuple[dict[str, Any], Path, Path | None]:
     """Bundle or recipe -> (report, JSON path, PNG path or None)."""
     say = say or (lambda m: None)
     target = Path(target)
@@ -263,7 +266,7 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
     report = run_bench(bundle, prompts, prompt_label=label, ks=ks, methods=methods,
                        max_new_tokens=max_new_tokens, repeats=repeats, peers=peers,
                        peer_ks=peer_ks, cache_dir=cache_dir, say=say,
-                       model_paths=_local_models(target, overrides, bundle))
+                       model_paths=_local_models(target, overrides, bundle), verify=verify)
     from .plot import plot_report
     from .report import default_json_path, write_outputs
 

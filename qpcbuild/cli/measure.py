@@ -18,6 +18,8 @@ PromptSetOpt = typer.Option(None, "--prompt-set", help="Shipped prompts: code | 
                             "(default: code).")
 NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use the first N prompts only.")
 MaxNewTokensOpt = typer.Option(128, help="New tokens per prompt.")
+VerifyOpt = typer.Option("full", "--verify", help="Check the bundle before measuring: full "
+                         "(SHA-256 of every file) | fast (sizes only) | none.")
 
 
 def _print_report(report: dict, show, json_path: Path, png: Optional[Path],
@@ -66,7 +68,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                         "fp32 against the card's mxfp6 weights + mxint8 KV "
                                         "emulated on the CPU, side by side: acceptance, tau, the "
                                         "K tune would pick, greedy agreement, logit drift "
-                                        "(--ks: the K to run, default the recipe's largest).")):
+                                        "(--ks: the K to run, default the recipe's largest)."),
+          verify: str = VerifyOpt):
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
     from ..bench import bench as run_bench, parse_ks, show_report
 
@@ -91,7 +94,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
         max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
         peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
-        json_out=json_out, plot=False if no_plot else plot, say=progress_line)
+        json_out=json_out, plot=False if no_plot else plot, say=progress_line, verify=verify)
     _print_report(report, show_report, json_path, png, json_stdout)
     if not report["all_greedy_outputs_match"]:
         bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
@@ -133,7 +136,8 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                                      "(default: the card's published figure)."),
          per_batch: Optional[str] = typer.Option(None, "--per-batch", help="Batch sizes (1,2,4 "
                                                  "or 1-4): the best K for each too, recorded "
-                                                 "in the evidence.")):
+                                                 "in the evidence."),
+         verify: str = VerifyOpt):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
     from ..errors import UsageError
     from ..bench import parse_ks
@@ -146,7 +150,7 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                       max_new_tokens=max_new_tokens, rounds=rounds, cache_dir=cache_dir,
                       say=progress_line, cost_model=cost_model,
                       card_bandwidth_gbs=card_bandwidth_gbs, card_tflops=card_tflops,
-                      per_batch=parse_ks(per_batch))
+                      per_batch=parse_ks(per_batch), verify=verify)
     written = None
     if write is not None or in_place:
         written = write_tuned_recipe(recipe, result, None if in_place else write)
