@@ -29,7 +29,7 @@ from ..source import resolve, safetensors_files, tokenizer_files
 from ..toolchain import artifact_versions, compiler_identity
 from ..tree import copy_tree, hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
-from .manifest import MANIFEST, MANIFEST_SCHEMA, write_manifest
+from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, write_manifest
 
 SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 # (stage, "reused" | "pulled" | "built", seconds); stages also say "from": local | remote | built
@@ -374,7 +374,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        files = hash_tree(staging, exclude=[MANIFEST])
+        files = hash_tree(staging, exclude=UNSEALED_FILES)
         manifest = _manifest(plan, exports, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})

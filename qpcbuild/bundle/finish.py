@@ -19,7 +19,7 @@ from ..compile.qaic import QPC_FILE
 from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import hash_tree
-from .manifest import MANIFEST, changed_fields, read_manifest, write_manifest
+from .manifest import UNSEALED_FILES, changed_fields, read_manifest, write_manifest
 from .verify import compare_files
 
 ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
@@ -70,7 +70,7 @@ def _finish(bundle: Path, roles: list[str] | None,
     # One pass over the bundle: it checks the sealed files and lists the new ones. A QPC
     # compiled again replaces the one recorded before; everything else must be intact.
     try:
-        found = hash_tree(bundle, exclude=[MANIFEST])
+        found = hash_tree(bundle, exclude=UNSEALED_FILES)
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
         raise BundleError(f"{bundle} cannot be finished: {exc}") from None
     problems = [p for p in changed_fields(m) + compare_files(m["files"], found,

@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import BundleError, UsageError
 
 MANIFEST = "manifest.json"
+SIGNATURES = "signatures.json"  # beside the manifest, outside what it seals (signature.py)
+UNSEALED_FILES = (MANIFEST, SIGNATURES)  # the bundle's files its file list leaves out
 MANIFEST_SCHEMA = 2
 SEAL_ALGORITHM = "sha256-canonical-json"
 UNSEALED = ("bundle_id", "seal")

@@ -6,14 +6,14 @@ from pathlib import Path
 
 from ..errors import BundleError, QpcbuildError
 from ..tree import hash_tree, walk
-from .manifest import MANIFEST, Manifest, changed_fields, read_manifest
+from .manifest import MANIFEST, UNSEALED_FILES, Manifest, changed_fields, read_manifest
 
 
 def _actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
     if not fast:
-        return hash_tree(bundle, exclude=[MANIFEST])
+        return hash_tree(bundle, exclude=UNSEALED_FILES)
     found = {}
-    for entry in walk(bundle, frozenset([MANIFEST])):
+    for entry in walk(bundle, frozenset(UNSEALED_FILES)):
         if not entry.is_dir:
             found[entry.rel] = {"size": entry.path.stat().st_size}
     return found
