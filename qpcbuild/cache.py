@@ -89,6 +89,10 @@ class Cache:
     def problems(self, kind: str, key: str) -> list[str]:
         """Why the entry cannot be used as it is (empty: intact)."""
         final = self.entry(kind, key)
+        if final.is_symlink():  # its content would live outside the cache, unchecked
+            return ["a link, not a folder of the cache"]
+        if not final.is_dir():
+            return ["not a folder"]
         try:
             record = json.loads((final / META).read_text())
             recorded = record["files"]
@@ -114,7 +118,7 @@ class Cache:
         `inputs` (what the key is a digest of) is kept in the entry's record."""
         final = self.entry(kind, key)
         with self._lock(kind, key):
-            if final.exists():
+            if os.path.lexists(final):
                 problems = self.problems(kind, key)
                 if not problems:
                     os.utime(final)  # last use, for `cache prune --days`
@@ -122,7 +126,9 @@ class Cache:
                 if (final / META).exists():  # an unfinished entry is silently replaced
                     self.say(f"cache entry {kind}/{key} is damaged ({'; '.join(problems[:3])}); "
                              "rebuilding it")
-                shutil.rmtree(final)
+                if not _remove(final):
+                    raise UsageError(f"cache entry {final} is damaged and cannot be removed; "
+                                     "remove it by hand or use another --cache-dir")
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
             try:
@@ -174,9 +180,11 @@ class Cache:
             if not folder.is_dir():
                 continue
             for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
-                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                plain = path.is_dir() and not path.is_symlink()
+                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if plain \
+                    else path.lstat().st_size
                 problems = tuple(self.problems(kind, path.name)) if check else ()
-                found.append(EntryInfo(kind, path.name, path, size, path.stat().st_mtime,
+                found.append(EntryInfo(kind, path.name, path, size, path.lstat().st_mtime,
                                        problems))
         return found
 
@@ -204,15 +212,29 @@ class Cache:
                 with self._lock(entry.kind, entry.key, timeout=0):
                     if self.problems(entry.kind, entry.key):
                         reason = "damaged or unfinished"
-                    elif cutoff is not None and entry.path.stat().st_mtime < cutoff:
+                    elif cutoff is not None and entry.path.lstat().st_mtime < cutoff:
                         reason = f"not used for {older_than_days:g} days"
                     else:
                         continue
-                    shutil.rmtree(entry.path, ignore_errors=True)
+                    if not _remove(entry.path):
+                        continue
                     removed.append(f"{entry.kind}/{entry.key} ({reason})")
             except Timeout:  # a build is using this entry right now
                 continue
         return removed
+
+
+def _remove(path: Path) -> bool:
+    """Remove an entry whatever it has become: a folder, a file, or a link (never its target).
+    Returns whether it is gone."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path)
+    except OSError:
+        pass
+    return not os.path.lexists(path)
 
 
 def weights_digest(files: list[Path], memo_dir: Path | None = None) -> str:

@@ -177,6 +177,13 @@ def _check_output(out: Path) -> None:
             from None
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise UsageError(f"-o {out}: {out.parent} is not writable")
+    try:  # root passes access() everywhere; /proc and read-only mounts still refuse files
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"-o {out}: cannot write files in {out.parent} "
+                         f"({exc.strerror or exc})") from None
 
 
 # ---------------------------------------------------------------- the manifest

@@ -176,6 +176,18 @@ CacheDirOpt = typer.Option(None, "--cache-dir", help="Build cache (default: the 
                            "dir, or $QPCBUILD_CACHE).")
 
 
+def _existing_cache(cache_dir: Optional[Path]):
+    """The cache to list, check or clean: a --cache-dir that does not exist is a typo, not an
+    empty cache."""
+    from ..cache import Cache
+    from ..errors import UsageError
+
+    if cache_dir is not None and not cache_dir.is_dir():
+        raise UsageError(f"--cache-dir {cache_dir}: " + ("not a folder" if cache_dir.exists()
+                                                          else "no such folder"))
+    return Cache(cache_dir)
+
+
 @cache_app.command("ls")
 @handles_errors
 def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
@@ -183,13 +195,12 @@ def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
     """Entries with their size and last use."""
     from rich.table import Table
 
-    from ..cache import Cache
-
-    entries = Cache(cache_dir).entries()
+    cache = _existing_cache(cache_dir)
+    entries = cache.entries()
     if json_out:
         emit_json([e.to_dict() for e in entries])
         return
-    t = Table("kind", "key", "MiB", "last used (UTC)", title=str(Cache(cache_dir).root),
+    t = Table("kind", "key", "MiB", "last used (UTC)", title=str(cache.root),
               title_justify="left")
     for e in entries:
         t.add_row(e.kind, e.key, f"{e.bytes / 2**20:.1f}", e.to_dict()["last_used"])
@@ -201,9 +212,7 @@ def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
 def cache_verify(cache_dir: Optional[Path] = CacheDirOpt,
                  json_out: bool = typer.Option(False, "--json", help="One JSON list.")):
     """Recompute every entry's file digests against its record. Exit 1 if any entry changed."""
-    from ..cache import Cache
-
-    entries = Cache(cache_dir).entries(check=True)
+    entries = _existing_cache(cache_dir).entries(check=True)
     if json_out:
         emit_json([e.to_dict() for e in entries])
     else:
@@ -224,9 +233,7 @@ def cache_prune(cache_dir: Optional[Path] = CacheDirOpt,
                 days: Optional[float] = typer.Option(None, "--days", min=0, help="Also remove "
                                                      "entries not used for this many days.")):
     """Remove debris of killed builds, damaged entries and (with --days) unused ones."""
-    from ..cache import Cache
-
-    removed = Cache(cache_dir).prune(days)
+    removed = _existing_cache(cache_dir).prune(days)
     for r in removed:
         console.print(f"removed {r}")
     console.print(f"{len(removed)} removed")
