@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
+from ..prompts import check_output_file
 from ..runtime.engine import prefill_calls
 from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
                      is_bundle, load_prompts, machine_info)
@@ -251,6 +252,8 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
     """Bundle or recipe -> (report, JSON path, PNG path or None)."""
     say = say or (lambda m: None)
     target = Path(target)
+    check_output_file(json_out, "--json-out")
+    check_output_file(plot if isinstance(plot, Path) else None, "--plot")
     if is_bundle(target):
         if overrides:
             raise UsageError("--set applies to a recipe; this is a built bundle")

@@ -141,10 +141,12 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
     from ..errors import UsageError
     from ..bench import parse_ks
+    from ..prompts import check_output_file
     from ..tune import show_tune, tune as run_tune, write_tuned_recipe
 
     if write is not None and in_place:
         raise UsageError("give --write FILE or --in-place, not both")
+    check_output_file(write, "--write")
     result = run_tune(recipe, set_ or [], k_max=k_max, prompt_file=prompts,
                       prompt_set=prompt_set, num_prompts=num_prompts,
                       max_new_tokens=max_new_tokens, rounds=rounds, cache_dir=cache_dir,

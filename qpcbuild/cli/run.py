@@ -19,7 +19,7 @@ RequireSignatureOpt = typer.Option(None, "--require-signature", metavar="PUBLIC_
 
 def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
     from ..errors import UsageError
-    from ..prompts import read_prompt_file
+    from ..prompts import check_prompt_text, read_prompt_file
 
     prompts = list(prompt or []) + (read_prompt_file(prompt_file) if prompt_file else [])
     if not prompts:
@@ -27,6 +27,7 @@ def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> l
     for n, p in enumerate(prompts):
         if not p:
             raise UsageError(f"prompt {n} is empty")
+        check_prompt_text(p, f"prompt {n}")
     return prompts
 
 

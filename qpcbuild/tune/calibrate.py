@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import statistics
 import tempfile
@@ -173,6 +174,10 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
         raise UsageError(f"--k-max must be in 1..32, got {k_max}")
     if (card_bandwidth_gbs is not None or card_tflops is not None) and not cost_model:
         raise UsageError("--card-bandwidth-gbs / --card-tflops go with --cost-model")
+    for option, value in (("--card-bandwidth-gbs", card_bandwidth_gbs),
+                          ("--card-tflops", card_tflops)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{option} must be a positive number, got {value}")
     recipe_path = Path(recipe_path)
     r = load_recipe(recipe_path, list(overrides))
     method = r.draft.method
