@@ -29,11 +29,8 @@ def compile_demo(out: Path, cache: Path):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("crash")
-    result = compile_demo(tmp / "bundle", tmp / "cache")
-    assert result.exit_code == 0, result.output
-    return tmp / "bundle", tmp / "cache"
+def built(demo_build):
+    return demo_build
 
 
 def entries_of(cache: Path) -> list[Path]:

@@ -20,12 +20,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("inputs")
-    result = runner.invoke(app, ["compile", str(DEMO_RECIPE), "-o", str(tmp / "bundle"),
-                                 "--cache-dir", str(tmp / "cache")])
-    assert result.exit_code == 0, result.output
-    return tmp / "bundle"
+def bundle(demo_build) -> Path:
+    return demo_build[0]
 
 
 def clean_exit(result, code: int, says: str) -> None:

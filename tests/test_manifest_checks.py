@@ -25,12 +25,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("manifest-checks")
-    result = runner.invoke(app, ["compile", str(ROOT / "recipes" / "demo.yaml"), "-o",
-                                 str(tmp / "bundle"), "--cache-dir", str(tmp / "cache")])
-    assert result.exit_code == 0, result.output
-    return tmp / "bundle"
+def pristine(demo_build) -> Path:
+    return demo_build[0]
 
 
 def resealed(pristine: Path, tmp: Path, edit) -> Path:

@@ -81,12 +81,8 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("hardening")
-    result = runner.invoke(app, ["compile", str(ROOT / "recipes" / "demo.yaml"), "-o",
-                                 str(tmp / "bundle"), "--cache-dir", str(tmp / "cache")])
-    assert result.exit_code == 0, result.output
-    return tmp / "bundle"
+def bundle(demo_build) -> Path:
+    return demo_build[0]
 
 
 @pytest.fixture(scope="module")
