@@ -152,11 +152,15 @@ class Cache:
         return "local" if reused else "built"
 
     def has(self, kind: str, key: str) -> bool:
-        """Is there a finished entry (not checked: get_or_build checks it on use)?"""
-        return (self.entry(kind, key) / META).is_file()
+        """Is there a finished entry (not checked: get_or_build checks it on use)? An entry
+        that is a link is not one: its record would come from outside the cache."""
+        entry = self.entry(kind, key)
+        return not entry.is_symlink() and (entry / META).is_file()
 
     def record_meta(self, kind: str, key: str) -> dict[str, Any] | None:
         """A finished entry's metadata without using its files, or None."""
+        if not self.has(kind, key):
+            return None
         try:
             return json.loads((self.entry(kind, key) / META).read_text())["meta"]
         except (OSError, ValueError, KeyError, TypeError):
