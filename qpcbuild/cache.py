@@ -27,12 +27,20 @@ from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 
 from .errors import UsageError
+from .progress import step
 from .tree import copy_tree, file_digest, hash_tree
 
 META = "cache-entry.json"
 ENTRY_FORMAT = 2
 KINDS = ("exports", "ort", "qpc")
+SMOKE = "smoke"  # random checkpoints that earlier qpcbuild builds kept in the cache
 Say = Callable[[str], None]
+
+
+def _size(path: Path) -> int:
+    if path.is_symlink() or not path.is_dir():  # an entry that became a link: not its target
+        return path.lstat().st_size
+    return sum(f.lstat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def default_cache_dir() -> Path:
@@ -178,19 +186,29 @@ class Cache:
 
     # ------------------------------------------------------------ maintenance
     def entries(self, check: bool = False) -> list[EntryInfo]:
+        """Every entry, and the random smoke checkpoints older versions kept here (kind
+        "smoke"; never reused, so `prune` removes them)."""
         found = []
-        for kind in KINDS:
+        for kind in (*KINDS, SMOKE):
             folder = self.root / kind
             if not folder.is_dir():
                 continue
             for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
-                plain = path.is_dir() and not path.is_symlink()
-                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if plain \
-                    else path.lstat().st_size
-                problems = tuple(self.problems(kind, path.name)) if check else ()
-                found.append(EntryInfo(kind, path.name, path, size, path.lstat().st_mtime,
+                problems = tuple(self.problems(kind, path.name)) if check and kind != SMOKE \
+                    else ()
+                found.append(EntryInfo(kind, path.name, path, _size(path), path.lstat().st_mtime,
                                        problems))
         return found
+
+    def other_items(self) -> list[tuple[str, int]]:
+        """What else the cache folder holds, with its size: the cache's bookkeeping (locks,
+        weight digests), interrupted builds' debris and anything not qpcbuild's."""
+        if not self.root.is_dir():
+            return []
+        return [(p.name, _size(p)) for p in sorted(self.root.iterdir())
+                if p.name not in (*KINDS, SMOKE) or not p.is_dir()] + \
+            [(f"{kind}/{p.name}", _size(p)) for kind in (*KINDS, SMOKE)
+             if (self.root / kind).is_dir() for p in sorted((self.root / kind).glob(".*"))]
 
     def remove_debris(self) -> list[str]:
         """Temp folders of builds that were killed (nobody holds their key's lock)."""
@@ -211,20 +229,25 @@ class Cache:
         `older_than_days`) entries not used for that long. Returns what was removed."""
         removed = self.remove_debris()
         cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else None
-        for entry in self.entries():
-            try:
-                with self._lock(entry.kind, entry.key, timeout=0):
-                    if self.problems(entry.kind, entry.key):
-                        reason = "damaged or unfinished"
-                    elif cutoff is not None and entry.path.lstat().st_mtime < cutoff:
-                        reason = f"not used for {older_than_days:g} days"
-                    else:
-                        continue
-                    if not _remove(entry.path):
-                        continue
-                    removed.append(f"{entry.kind}/{entry.key} ({reason})")
-            except Timeout:  # a build is using this entry right now
-                continue
+        entries = self.entries()
+        with step(f"checking {self.root}", len(entries), "entries") as advance:
+            for entry in entries:
+                advance(1)
+                try:
+                    with self._lock(entry.kind, entry.key, timeout=0):
+                        if entry.kind == SMOKE:
+                            reason = "random smoke weights: a check, not an artifact"
+                        elif self.problems(entry.kind, entry.key):
+                            reason = "damaged or unfinished"
+                        elif cutoff is not None and entry.path.lstat().st_mtime < cutoff:
+                            reason = f"not used for {older_than_days:g} days"
+                        else:
+                            continue
+                        if not _remove(entry.path):
+                            continue
+                        removed.append(f"{entry.kind}/{entry.key} ({reason})")
+                except Timeout:  # a build is using this entry right now
+                    continue
         return removed
 
 

@@ -244,7 +244,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
            "kv_dtype": "float32",
            "graph": ort_graph(r),
-           "weights": r.onnxruntime.draft_weights if role == "draft" else "float32",
+           "weights": getattr(r.onnxruntime, f"{role}_weights"),
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
            "intra_op_threads": r.onnxruntime.intra_op_threads, **ort_numerics(r)}
     # The settings part of each artifact's cache key; the build adds the weights' content
@@ -344,10 +344,18 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                           f"tokenizers are incompatible: {tok['detail']}", r.line_of("draft.model"))])
     if tok["verdict"] in ("unverified", "same-family"):
         warnings.append(f"tokenizers: {tok['detail']}")
+    vocab = {role: src.config.get("vocab_size") for role, src in sources.items()}
+    if "draft" in vocab and vocab["target"] != vocab["draft"]:
+        # vllm/config/speculative.py, verify_equal_vocab_size_if_draft_model (vLLM 0.32)
+        warnings.append(f"vocab_size: target {vocab['target']}, draft {vocab['draft']} (the "
+                        "target's padded); qpcbuild runs this pair, but vLLM's draft_model "
+                        "method requires equal sizes unless use_heterogeneous_vocab is set "
+                        "(greedy drafting only)")
 
     cores = resolved_cores(r)
     compiler = compiler or find_compiler()[0] or "qaic-compile"
-    roles = [_role_plan("target", r, sources["target"], r.ks, cores["target"], compiler)]
+    roles = [_role_plan("target", r, sources["target"], r.compiled_ks, cores["target"],
+                        compiler)]
     if "draft" in sources:
         roles.append(_role_plan("draft", r, sources["draft"], (), cores["draft"], compiler,
                                 subset))
@@ -374,6 +382,6 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
             warnings.append(f"QID {q}: estimated {mem['total']:.1f} GiB of weights and KV cache "
                             f"exceed its {card['dram_gib_per_qid']} GiB of on-board memory")
     return BuildPlan(recipe=r, roles=tuple(roles), method=r.draft.method,
-                     method_options=r.method_options, ks=r.ks, tokenizer=tok,
+                     method_options=r.method_options, ks=r.compiled_ks, tokenizer=tok,
                      cores_per_qid=core_rows, memory_per_qid=mem_rows,
                      dram_gib_per_qid=card["dram_gib_per_qid"], warnings=warnings)

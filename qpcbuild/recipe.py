@@ -80,13 +80,22 @@ class Draft(_Strict):
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0, le=1)
 
 
-NGRAM_DEFAULTS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+# vLLM's: both 5 when neither is given, one given -> the other takes its value (method_options)
+NGRAM_DEFAULTS = {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
                    "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
 
 class Speculation(_Strict):
     num_speculative_tokens: Union[int, list[int]] = 3
+    # auto: speculate only while it is faster than decoding without (docs/adaptive.md; the
+    # plan compiles K=0 for it); fixed: always; off: never
+    policy: Literal["auto", "fixed", "off"] = "fixed"
+    # draft_model: a row stops proposing when the draft's top probability is below this
+    # (llama.cpp's --draft-p-min); 0 = never
+    draft_p_min: float = Field(default=0.0, ge=0, le=1)
+    # K per number of live rows, {batch size: K} (`tune --per-batch`); compiled with the Ks
+    num_speculative_tokens_per_batch_size: dict[int, int] | None = None
 
 
 class Shapes(_Strict):
@@ -125,12 +134,19 @@ class Hardware(_Strict):
     specializations_format: Literal["named", "flat"] = "named"
 
 
+WeightFormat = Literal["float32", "int8", "int4"]
+
+
 class OrtOptions(_Strict):
     graph: Literal["fused", "portable"] = "fused"  # fused: ORT's GQA kernels; portable: as exported
     intra_op_threads: int | None = Field(default=None, ge=1)  # None: from the core split
-    # int8: the draft's matmul weights as 8-bit blocks (MatMulNBits). A draft's numerics change
-    # only which tokens it proposes, never the output, so this trades acceptance for speed.
-    draft_weights: Literal["float32", "int8"] = "float32"
+    # Each role's matmul weights on ONNX Runtime: float32, or 8-/4-bit blocks of 32 along K
+    # (com.microsoft.MatMulNBits, int8 activations). A draft's numerics change only which tokens
+    # it proposes, never the output, so a smaller draft trades acceptance for speed; a quantized
+    # *target* changes the output itself: opt-in, labelled in run/bench/manifest output, and
+    # measured against the float32 target by `bench --numerics`.
+    draft_weights: WeightFormat = "float32"
+    target_weights: WeightFormat = "float32"
 
 
 class Recipe(_Strict):
@@ -164,8 +180,21 @@ class Recipe(_Strict):
         return (k,)
 
     @property
+    def compiled_ks(self) -> tuple[int, ...]:
+        """What the target is compiled for: `ks`, plus K=0 for policy auto and the Ks of the
+        per-batch-size schedule."""
+        sp = self.speculation
+        extra = {0} if sp.policy == "auto" else set()
+        extra |= set((sp.num_speculative_tokens_per_batch_size or {}).values())
+        return tuple(sorted(set(self.ks) | extra))
+
+    @property
     def method_options(self) -> dict[str, Any]:
-        defaults = {"ngram": NGRAM_DEFAULTS, "suffix": SUFFIX_DEFAULTS}.get(self.draft.method, {})
+        if self.draft.method == "ngram":
+            from .runtime.proposers import vllm_lookup_range
+            lo, hi = vllm_lookup_range(self.draft.prompt_lookup_min, self.draft.prompt_lookup_max)
+            return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}
+        defaults = {"suffix": SUFFIX_DEFAULTS}.get(self.draft.method, {})
         return {key: getattr(self.draft, key) if getattr(self.draft, key) is not None else value
                 for key, value in defaults.items()}
 
@@ -247,8 +276,16 @@ def static_problems(r: Recipe) -> list[Problem]:
         add("speculation.num_speculative_tokens", f"duplicate values in {k}")
     if r.draft.method == "draft_model" and ks and max(ks) == 0:
         add("speculation.num_speculative_tokens", "draft_model needs K >= 1")
+    for b, kb in (r.speculation.num_speculative_tokens_per_batch_size or {}).items():
+        if b < 1 or not 0 <= kb <= MAX_K:
+            add("speculation.num_speculative_tokens_per_batch_size", f"{b}: {kb}: batch sizes "
+                f"must be >= 1 and Ks in 0..{MAX_K}")
+    if r.speculation.draft_p_min and r.draft.method != "draft_model":
+        add("speculation.draft_p_min", f"method '{r.draft.method}' has no draft model to be "
+            "confident; remove this key")
     s = r.shapes
-    kmax = max(ks) if ks else 0
+    kmax = max(ks + list((r.speculation.num_speculative_tokens_per_batch_size or {}).values())
+               or [0])
     if s.prefill_seq_len < kmax + 1:
         add("shapes.prefill_seq_len", f"{s.prefill_seq_len} is less than K+1 = {kmax + 1}; the "
             "target's prefill specialization must hold a whole verify window")
@@ -296,14 +333,20 @@ def static_problems(r: Recipe) -> list[Problem]:
             f"{h.aic_hw_version}", "warning")
     if len(r.backends) != len(set(r.backends)):
         add("backends", f"duplicate backends in {r.backends}")
-    if r.onnxruntime.draft_weights == "int8":
-        if d.method != "draft_model":
-            add("onnxruntime.draft_weights", f"method '{d.method}' has no draft model")
+    for role in ("draft", "target"):
+        key, fmt = f"onnxruntime.{role}_weights", getattr(r.onnxruntime, f"{role}_weights")
+        if fmt == "float32":
+            continue
+        if role == "draft" and d.method != "draft_model":
+            add(key, f"method '{d.method}' has no draft model")
         elif r.shapes.batch_size > 1 or r.shapes.full_batch_size is not None:
-            add("onnxruntime.draft_weights", "int8 draft weights exist in the fused graph only, "
-                "which serves batch_size 1 without full_batch_size")
+            add(key, f"{fmt} {role} weights exist in the fused graph only, which serves "
+                "batch_size 1 without full_batch_size")
         elif r.onnxruntime.graph != "fused":
-            add("onnxruntime.draft_weights", "int8 draft weights need onnxruntime.graph: fused")
+            add(key, f"{fmt} {role} weights need onnxruntime.graph: fused")
+        elif fmt == "int4" and p.quantization == "mxfp6":
+            add(key, "int4 blocks cannot hold the MXFP6 values precision.quantization: mxfp6 "
+                "emulates; use int8 (exact) or float32")
 
     card = CARDS[h.card]
     n_qids = card["qids"] * h.num_cards

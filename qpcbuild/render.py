@@ -4,15 +4,35 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from .plan import BuildPlan
+if TYPE_CHECKING:  # the plan's imports (onnx, numpy) would slow every command's start
+    from .plan import BuildPlan
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+LOG_WIDTH = 10_000  # outside a terminal: wide enough that no table cell is ever cut
+
+
+def fit_to_output() -> None:
+    """On a terminal rich fits lines to its width; in a file or a CI log every line stays
+    whole (no wrapped ids or paths, no cells cut to '…')."""
+    for c in (console, err_console):
+        if not c.is_terminal:
+            c.soft_wrap = True
+            c.width = LOG_WIDTH
+
+
+def heading(title: str) -> None:
+    """A rule across a terminal; a plain title line in a log."""
+    if console.is_terminal:
+        console.rule(title)
+    else:
+        console.print(f"--- {title} ---")
 
 
 def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
@@ -34,7 +54,7 @@ def show_plan(plan: BuildPlan) -> None:
                   f"({plan.tokenizer['detail']})")
     for rp in plan.roles:
         a = rp.arch
-        console.rule(f"[bold]{rp.role}[/]: {rp.source['ref']} ({rp.source['origin']})")
+        heading(f"[bold]{rp.role}[/]: {rp.source['ref']} ({rp.source['origin']})")
         console.print(_kv_table("", [
             ("architecture", f"{a.architecture} ({a.family})"),
             ("parameters", f"{a.param_count:,}"),
@@ -77,7 +97,7 @@ def show_plan(plan: BuildPlan) -> None:
                              if o.get("numerics") == "emulated" else ""))
         console.print(f"cache keys: export {rp.cache_keys['export']}, onnxruntime "
                       f"{rp.cache_keys['onnxruntime']}, qaic {rp.cache_keys['qaic']}")
-    console.rule("[bold]cores and memory per QID[/]")
+    heading("[bold]cores and memory per QID[/]")
     roles = [rp.role for rp in plan.roles]
     cores = Table("QID", *roles, "free", title="NSP cores", title_justify="left")
     for row in plan.cores_per_qid:
@@ -94,9 +114,18 @@ def show_plan(plan: BuildPlan) -> None:
         console.print(f"[yellow]warning:[/] {w}")
 
 
+def smoke_roles(m: dict[str, Any]) -> list[str]:
+    return [role for role, info in m["roles"].items() if info["source"].get("smoke_weights")]
+
+
 def show_manifest(m: dict[str, Any]) -> None:
     spd = m["speculation"]
     console.print(f"[bold]{m['name']}[/]  bundle id {m['bundle_id']}")
+    smoke = smoke_roles(m)
+    if smoke:
+        console.print(f"[bold red]RANDOM SMOKE WEIGHTS[/] ({', '.join(smoke)}): built with "
+                      "--smoke-weights to check the toolchain; its outputs are noise, never "
+                      "serve it")
     console.print(f"method {spd['method']}  K={spd['num_speculative_tokens']}  "
                   f"shapes {m['shapes']}  backends {m['backends']}")
     console.print(f"tokenizer: {m['tokenizer']['verdict']} ({m['tokenizer']['detail']})")
@@ -125,31 +154,55 @@ def show_manifest(m: dict[str, Any]) -> None:
                               if isinstance(v, str)))
 
 
+def _prompt_title(n: int, prompt: str | None) -> str:
+    if prompt is None:
+        return f"prompt {n}"
+    line = " ".join(prompt.split())
+    return f"prompt {n}: {line[:48] + '…' if len(line) > 48 else line}"
+
+
 def show_run(report: dict[str, Any], show_text: bool = True) -> None:
+    prompts = report.get("prompts") or []
+    n = 0
     for batch in report["batches"]:
-        if show_text:
-            for n, out in enumerate(batch["outputs"]):
-                console.rule(f"output {n} ({out['finish_reason']}, {len(out['token_ids'])} tokens)")
-                console.print(out["text"], markup=False, highlight=False)
-    t = Table("metric", "value", title=f"{report['method']} on {report['backend']}",
-              title_justify="left")
+        for out in batch["outputs"]:
+            if show_text:
+                heading(f"{escape(_prompt_title(n, prompts[n] if n < len(prompts) else None))} "
+                        f"({out['finish_reason']}, {len(out['token_ids'])} tokens)")
+                if console.is_terminal:
+                    console.print(out["text"], markup=False, highlight=False)
+                else:  # a log gets the text exactly as generated
+                    console.file.write(out["text"] + "\n")
+            n += 1
+    several = len(report["batches"]) > 1
+    t = Table("metric", "all prompts" if several else "value", *(["per batch"] if several else []),
+              title=f"{report['method']} on {report['backend']}", title_justify="left")
     keys = ("requests", "new_tokens", "ttft_s", "decode_tokens_per_s", "e2e_tokens_per_s",
             "draft_time_s", "target_time_s", "host_overhead_fraction", "target_calls",
             "draft_calls", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
             "spec_decode_num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
             "spec_decode_num_accepted_tokens_per_pos")
+    total = report.get("total") or report["batches"][0]["stats"]
     for key in keys:
-        values = [b["stats"][key] for b in report["batches"]]
-        t.add_row(key, ", ".join(str(v) for v in values))
+        values = [str(b["stats"][key]) for b in report["batches"]]
+        t.add_row(key, str(total[key]), *([", ".join(values)] if several else []))
     console.print(t)
     for role, n in (report.get("numerics") or {}).items():
         console.print(f"{role} numerics: {n['numerics']}" + (
             f" (weights {n['weights']}, KV {n['kv']}; emulated on the CPU)"
-            if n["numerics"] == "emulated" else " (float32)") + (
-            "; matmul weights in int8 blocks with int8 activations (changes proposals only)"
-            if n.get("int8_weights") else ""))
+            if n["numerics"] == "emulated" else " (float32)") + weights_note(role, n))
     if "baseline" in report:
         b = report["baseline"]
-        base_tps = ", ".join(str(x["stats"]["e2e_tokens_per_s"]) for x in b["batches"])
+        base_tps = (b.get("total") or b["batches"][0]["stats"])["e2e_tokens_per_s"]
         console.print(f"target-only: {base_tps} tokens/s; speedup {b['speedup_e2e']}x; greedy "
                       f"outputs match: {b['outputs_match']}")
+
+
+def weights_note(role: str, numerics: dict) -> str:
+    """What a role's quantized matmul weights mean for the output (empty for float32)."""
+    fmt = numerics.get("matmul_weights", "float32")
+    if fmt == "float32":
+        return ""
+    effect = "changes proposals only" if role == "draft" else \
+        "the OUTPUT differs from the float32 target; see bench --numerics"
+    return f"; matmul weights in {fmt} blocks with int8 activations ({effect})"

@@ -21,12 +21,30 @@ HF_CACHE = "${HF_HOME:-$HOME/.cache/huggingface}"
 def _speculative_config(m: dict[str, Any]) -> dict[str, Any] | None:
     spd = m["speculation"]
     k = max(spd["num_speculative_tokens"])
+    schedule = vllm_k_schedule(m)
+    extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule else {}
     if spd["method"] == "draft_model":
         return {"method": "draft_model", "model": served_model(m["roles"]["draft"]),
-                "num_speculative_tokens": k}
+                "num_speculative_tokens": k, **extra}
     if k == 0:
         return None
-    return {"method": spd["method"], "num_speculative_tokens": k, **spd["options"]}
+    return {"method": spd["method"], "num_speculative_tokens": k, **spd["options"], **extra}
+
+
+def vllm_k_schedule(m: dict[str, Any]) -> list[list[int]] | None:
+    """The bundle's K per live batch size as vLLM's num_speculative_tokens_per_batch_size:
+    inclusive [first, last, K] ranges from batch size 1 to the compiled batch (fewer live rows
+    than the first scheduled size use the largest compiled K, as qpcbuild's engine does)."""
+    points = {int(b): k for b, k in (m["speculation"].get("k_schedule") or {}).items()}
+    if not points:
+        return None
+    shapes = m["shapes"]
+    top = max(shapes.get("full_batch_size") or shapes["batch_size"], max(points))
+    if min(points) > 1:
+        points[1] = max(m["speculation"]["num_speculative_tokens"])
+    starts = sorted(points)
+    return [[b, (starts[i + 1] - 1) if i + 1 < len(starts) else top, points[b]]
+            for i, b in enumerate(starts)]
 
 
 def served_model(role: dict[str, Any]) -> str:
@@ -61,6 +79,14 @@ def host_setup(m: dict[str, Any]) -> list[str]:
     if max(m["speculation"]["num_speculative_tokens"]) > 0:
         lines.append("# sampling (temperature > 0): AOT-mode rejection sampling needs the "
                      "Triton-CPU backend installed")
+    spd = m["speculation"]
+    if spd.get("k_schedule"):
+        lines.append("# K per live batch size: passed as num_speculative_tokens_per_batch_size "
+                     "(upstream vLLM >= 0.32 switches K by batch size in its GPU model runner; "
+                     "check that your Cloud AI vLLM build honours it, else it runs the largest K)")
+    if spd.get("policy") == "auto" or spd.get("draft_p_min"):
+        lines.append("# speculation.policy auto / draft_p_min: vLLM has no option for a goodput "
+                     "gate or a draft confidence stop; under vLLM every step speculates")
     per_batch = (m.get("tuning") or {}).get("per_batch")
     if per_batch:  # recorded by `tune --per-batch`; no vLLM flag takes a K per batch size
         lines.append("# tune --per-batch: best K by batch size " + ", ".join(

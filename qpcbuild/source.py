@@ -45,13 +45,21 @@ def known_models() -> dict[str, Any]:
     return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
 
 
-def weights_missing_message(ref: str, revision: str | None) -> str:
+def weights_missing_message(ref: str, revision: str | None, local: Path | None = None,
+                            recipe: str | None = None) -> str:
+    """Where the weights were looked for and the ways forward. `recipe`: the recipe file that
+    named the model, so the message can offer `--smoke-weights` for it."""
     rev = f" --revision {revision}" if revision else ""
-    return (f"model '{ref}' is not on this machine (not a local folder, not in the Hugging Face "
-            f"cache at {hf_cache_dir()}). Get it on a machine with network access with "
+    folder = f"no folder {local}" if local is not None else "not a local folder"
+    ways = (f"Download it into the Hugging Face cache on a machine with network access with "
             f"`huggingface-cli download {ref}{rev}` (gated models need `HF_TOKEN` and an accepted "
-            "licence), copy the cache or folder here, and keep `HF_HUB_OFFLINE=1` for offline "
-            "builds; or point the recipe at a local folder.")
+            "licence) and copy the cache here (keep `HF_HUB_OFFLINE=1` for offline builds), or "
+            "point the recipe at a local folder")
+    if recipe:
+        ways += (f"; or check the recipe without the weights: `qpcbuild compile {recipe} "
+                 "--smoke-weights` (random weights of the same shapes)")
+    return (f"model '{ref}' is not on this machine: {folder}, and not in the Hugging Face "
+            f"cache at {hf_cache_dir()} (revision {revision or 'main'}). {ways}.")
 
 
 def hf_cache_dir() -> str:

@@ -70,6 +70,11 @@ def alignment(target: ModelSource, draft: ModelSource | None) -> dict[str, Any]:
         if tf and df:
             return {**out, "verdict": "incompatible", "detail": f"target uses the '{tf}' "
                     f"tokenizer, draft the '{df}' tokenizer"}
+        if t_vocab != d_vocab:  # a padded target is accepted only where tokens are known
+            return {**out, "verdict": "incompatible", "detail": f"vocab_size differs in "
+                    f"config.json (target {t_vocab}, draft {d_vocab}) and the tokenizer files "
+                    "that would show the draft's ids to be the target's tokens are not present "
+                    "for both models"}
         return {**out, "verdict": "unverified", "detail": "tokenizer files not present for both "
                 "models; they are compared when the weights are"}
     diff = [i for i in d_map if t_map.get(i) != d_map[i]]

@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -37,7 +38,7 @@ class Entry:
 
 
 
-def _digest_and_size(path: Path) -> tuple[str, int]:
+def _digest_and_size(path: Path, advance=None) -> tuple[str, int]:
     # Size is counted from the bytes hashed so the two can never disagree if the file changes.
     h = hashlib.sha256()
     size = 0
@@ -45,6 +46,8 @@ def _digest_and_size(path: Path) -> tuple[str, int]:
         while chunk := f.read(CHUNK_SIZE):
             h.update(chunk)
             size += len(chunk)
+            if advance:
+                advance(len(chunk))
     return h.hexdigest(), size
 
 
@@ -87,15 +90,20 @@ def is_executable(path: Path) -> bool:
     return bool(path.stat().st_mode & stat.S_IXUSR)
 
 
-def hash_tree(root: Path, exclude: Iterable[str] = ()) -> dict[str, dict]:
+def hash_tree(root: Path, exclude: Iterable[str] = (),
+              what: str | None = None) -> dict[str, dict]:
     """{relative POSIX path: {"size", "sha256"[, "executable": True]}} for every regular file
     under root, sorted. `exclude` names relative paths (files or whole folders) that are
-    skipped unexamined."""
+    skipped unexamined. `what` names the step in the progress display (bytes hashed)."""
+    from .progress import step
+
     skip = frozenset(str(PurePosixPath(e)) for e in exclude)
+    files = [entry for entry in walk(Path(root), skip) if not entry.is_dir]
     result: dict[str, dict] = {}
-    for entry in walk(Path(root), skip):
-        if not entry.is_dir:
-            digest, size = _digest_and_size(entry.path)
+    with (step(what, sum(e.path.stat().st_size for e in files), "bytes") if what
+          else nullcontext(None)) as advance:
+        for entry in files:
+            digest, size = _digest_and_size(entry.path, advance)
             result[entry.rel] = {"size": size, "sha256": digest}
             if is_executable(entry.path):
                 result[entry.rel]["executable"] = True

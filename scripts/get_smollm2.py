@@ -80,8 +80,13 @@ def is_complete(out: Path) -> tuple[bool, str]:
     for name in REQUIRED:
         if name not in files:
             return False, f"{name} not recorded in conversion.json"
+    return check_recorded_files(out, files)
+
+
+def check_recorded_files(folder: Path, files: dict) -> tuple[bool, str]:
+    """Every file conversion.json records ({name: {"bytes", "sha256"}}) is there, unchanged."""
     for name, meta in files.items():
-        path = out / name
+        path = folder / name
         if not path.is_file():
             return False, f"{name} missing"
         if path.stat().st_size != meta["bytes"]:
@@ -175,7 +180,10 @@ it as float32 safetensors. Expect slightly different outputs from the original c
 def convert(gguf: Path, wheel: Path, out: Path, tmp: Path, sanity: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    if not sys.stderr.isatty():  # a log file gets this script's lines, not redrawn bars
+        hf_logging.disable_progress_bar()
     t0 = time.time()
     log(f"loading {gguf.name} with transformers (dequantizing)")
     try:

@@ -203,12 +203,32 @@ def test_unpack_into_existing_empty_dir(tmp_path: Path, out_dir: Path) -> None:
     assert hash_tree(extracted) == hash_tree(tmp_path / "bundle")
 
 
-def test_unpack_refuses_non_empty_dest(tmp_path: Path, out_dir: Path) -> None:
-    packed = pack(make_bundle(tmp_path), tmp_path / "b.tar.gz")
+def test_unpack_creates_the_bundle_folder_beside_other_files(tmp_path: Path,
+                                                             out_dir: Path) -> None:
+    """As `tar -C dest` does: the archive may sit in dest itself; only dest/<bundle> is refused."""
+    packed = pack(make_bundle(tmp_path), out_dir / "b.tar.gz")
     (out_dir / "keep").write_text("x")
-    with pytest.raises(ArchiveError, match="not an empty folder"):
+    extracted = unpack(packed, out_dir)
+    assert extracted == out_dir / "bundle"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["b.tar.gz", "bundle", "keep"]
+    assert hash_tree(extracted) == hash_tree(tmp_path / "bundle")
+    before = hash_tree(extracted)
+    with pytest.raises(ArchiveError, match="bundle: exists"):
         unpack(packed, out_dir)
-    assert [p.name for p in out_dir.iterdir()] == ["keep"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["b.tar.gz", "bundle", "keep"]
+    assert hash_tree(extracted) == before  # the existing folder is untouched
+
+
+def test_pack_names_the_top_folder_as_asked(tmp_path: Path, out_dir: Path) -> None:
+    bundle = make_bundle(tmp_path)
+    a = pack(bundle, tmp_path / "a.tar", top="my-bundle")
+    renamed = bundle.rename(tmp_path / "elsewhere")
+    b = pack(renamed, tmp_path / "b.tar", top="my-bundle")
+    assert a.read_bytes() == b.read_bytes()
+    assert unpack(a, out_dir) == out_dir / "my-bundle"
+    for bad in ("../x", "a/b", "", ".hidden"):
+        with pytest.raises(ArchiveError, match="top folder"):
+            pack(renamed, tmp_path / "c.tar", top=bad)
 
 
 GOOD = [info("b", tarfile.DIRTYPE), info("b/ok.bin", data=b"fine")]

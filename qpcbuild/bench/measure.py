@@ -15,7 +15,8 @@ from ..runtime.engine import prefill_calls
 from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
                      is_bundle, load_prompts, machine_info)
 
-DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup")
+DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",
+                 "llama-speculative", "vllm")
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 
 
@@ -46,6 +47,11 @@ SUM_KEYS = ("new_tokens", "target_calls", "draft_calls", "target_time_s", "draft
 def _add_stats(acc: dict[str, Any], st: dict[str, Any]) -> None:
     for key in SUM_KEYS:
         acc[key] = acc.get(key, 0) + (st.get(key) or 0)
+    gate = st.get("speculation")
+    if gate:  # a gated row: how often it speculated, and how often it changed its mind
+        for key in ("steps_with_speculation", "steps_without_speculation"):
+            acc[key] = acc.get(key, 0) + gate[key]
+        acc["policy_switches"] = acc.get("policy_switches", 0) + len(gate["policy_switches"])
     per_pos = acc.setdefault("per_pos", [])
     for j, v in enumerate(st.get("spec_decode_num_accepted_tokens_per_pos") or []):
         if j >= len(per_pos):
@@ -53,7 +59,8 @@ def _add_stats(acc: dict[str, Any], st: dict[str, Any]) -> None:
         per_pos[j] += v
 
 
-def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int) -> Callable:
+def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int,
+                policy: str | None = None, temperature: float = 0.0) -> Callable:
     target_only = method == "target_only"
     prefill, ctx_len = gen.manifest["shapes"]["prefill_seq_len"], gen.target.ctx_len
 
@@ -62,8 +69,9 @@ def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int) -> Ca
         for start in range(0, len(prompt_ids), batch):
             chunk = prompt_ids[start:start + batch]
             t0 = time.perf_counter()
-            res = gen.generate(chunk, max_new, temperature=0.0, target_only=target_only,
-                               k=None if target_only else k)
+            res = gen.generate(chunk, max_new, temperature=temperature, target_only=target_only,
+                               k=None if target_only else k, seed=start if temperature else None,
+                               policy=None if target_only else policy)
             seconds += time.perf_counter() - t0
             for row in res.rows:
                 outs.append(row.tokens[len(row.prompt):])
@@ -82,10 +90,13 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
               peer_ks: list[int] | None = None, cache_dir: Path | None = None,
               say: Say | None = None,
               model_paths: dict[str, Path] | None = None,
+              policies: tuple[str, ...] = ("fixed",), draft_p_min: float | None = None,
+              temperature: float = 0.0, chat: bool = False,
               verify: str = "full") -> dict[str, Any]:
     """Measure and return the report (a JSON-able dict). `model_paths`: each role's local
-    checkpoint for the peers (a bundle records models by reference only, not by path).
-    verify: as `load`'s; a bundle is measured only once every byte is checked, by default."""
+    checkpoint for the peers (a bundle records models by reference only, not by path). `chat`:
+    each prompt is a user message, rendered with the bundle's chat template. verify: as
+    `load`'s; a bundle is measured only once every byte is checked, by default."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .bandwidth import make_probe, target_only_bandwidth
@@ -132,13 +143,13 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
     prompt_ids, truncated = [], 0
     for p in prompts:
-        ids = gen.encode(p)
+        ids = gen.chat_prompt(p) if chat else gen.encode(p)
         if not ids:
             raise UsageError(f"prompt '{p[:30]}' encodes to no tokens")
         if len(ids) > room:  # keep the end of the prompt: the continuation depends on it
             ids, truncated = ids[-room:], truncated + 1
         prompt_ids.append(ids)
-    notes = []
+    notes = ["prompts rendered as chat turns with the bundle's chat template"] if chat else []
     if truncated:
         notes.append(f"{truncated} prompt(s) cut to their last {room} tokens so that prompt + "
                      f"{max_new_tokens} new tokens fit ctx_len {ctx_len}")
@@ -149,11 +160,17 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                      "window) because K=0 is not compiled: the baseline is slower than it could be")
     ours: list[tuple[Measure, Callable]] = [
         (Measure("qpcbuild", "target_only", base_k, "target-only"),
-         _our_runner(gen.sibling(target_only=True), "target_only", None, batch, max_new_tokens))]
+         _our_runner(gen.sibling(target_only=True), "target_only", None, batch, max_new_tokens,
+                     temperature=temperature))]
+    gated = _gated_generators(gens, policies, draft_p_min)
     for m in methods:
-        for k in ks:
-            ours.append((Measure("qpcbuild", m, k, f"{m} K={k}"),
-                         _our_runner(gens[m], m, k, batch, max_new_tokens)))
+        for policy in policies:
+            for k in ks:
+                g, label = (gens[m], f"{m} K={k}") if policy == "fixed" else gated[(m, policy)]
+                if policy != "fixed":
+                    label = label.format(k=k)
+                ours.append((Measure("qpcbuild", m, k, label),
+                             _our_runner(g, m, k, batch, max_new_tokens, policy, temperature)))
 
     peer_objs: list = []
     eos_ids = set(gen.eos_ids)
@@ -184,7 +201,9 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
             if meas.system == "qpcbuild" and meas.method in ("ngram", "suffix"):
                 # Its own proposer, fresh each repeat: suffix decoding's cross-request cache
                 # holds only the earlier prompts of this pass, never this very continuation.
-                gens[meas.method].fresh_proposer()
+                for g in [gens[meas.method]] + [g for (m, _), (g, _) in gated.items()
+                                                if m == meas.method]:
+                    g.fresh_proposer()
             # As timeit does: no cyclic garbage collection inside a timed pass (its pauses would
             # land on whichever configuration happens to run); it runs between passes.
             gc.collect()
@@ -236,8 +255,29 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     bandwidth = target_only_bandwidth(gen, ours[0][0].stats, [len(p) for p in prompt_ids],
                                       base_decode and base_decode["tokens_per_s"], probe)
     del probe
-    return build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens, repeats,
-                        ks, methods, ours, peer_objs, notes, gen, machine, bandwidth)
+    report = build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens,
+                          repeats, ks, methods, ours, peer_objs, notes, gen, machine, bandwidth,
+                          sampled=temperature > 0)
+    report["settings"].update({"spec_policies": list(policies), "draft_p_min": draft_p_min,
+                               "temperature": temperature})
+    return report
+
+
+def _gated_generators(gens: dict, policies, draft_p_min: float | None) -> dict:
+    """(method, policy) -> (a sibling generator for it, its row label with {k}): its own
+    decoder, so the gate's estimates are its own; draft_p_min applies to these rows."""
+    out = {}
+    for m, g in gens.items():
+        for policy in policies:
+            if policy == "fixed":
+                continue
+            sib = g.sibling(m)
+            label = f"{m} K={{k}} {policy}"
+            if draft_p_min is not None and m == "draft_model":
+                sib.decoder.draft_p_min = draft_p_min
+                label += f" p_min={draft_p_min:g}"
+            out[(m, policy)] = (sib, label)
+    return out
 
 
 def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None = None,
@@ -248,6 +288,8 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
           peer_ks: list[int] | None = None, cache_dir: Path | None = None,
           bundle_out: Path | None = None, json_out: Path | None = None,
           plot: Path | None | bool = None, say: Say | None = None,
+          policies: tuple[str, ...] = ("fixed",), draft_p_min: float | None = None,
+          temperature: float = 0.0, chat: bool = False,
           verify: str = "full") -> tuple[dict[str, Any], Path, Path | None]:
     """Bundle or recipe -> (report, JSON path, PNG path or None)."""
     say = say or (lambda m: None)
@@ -269,7 +311,9 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
     report = run_bench(bundle, prompts, prompt_label=label, ks=ks, methods=methods,
                        max_new_tokens=max_new_tokens, repeats=repeats, peers=peers,
                        peer_ks=peer_ks, cache_dir=cache_dir, say=say,
-                       model_paths=_local_models(target, overrides, bundle), verify=verify)
+                       model_paths=_local_models(target, overrides, bundle),
+                       policies=policies, draft_p_min=draft_p_min, temperature=temperature,
+                       chat=chat, verify=verify)
     from .plot import plot_report
     from .report import default_json_path, write_outputs
 

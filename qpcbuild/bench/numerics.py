@@ -1,6 +1,8 @@
-"""`qpcbuild bench --numerics`: fp32 against the card's mxfp6 weights + mxint8 KV emulated on
-ONNX Runtime, side by side: acceptance, tau, the K tune would pick, greedy agreement and logit
-drift (both targets teacher-forced over the fp32 target's greedy output)."""
+"""`qpcbuild bench --numerics`: the fp32 target against a lower-precision one, side by side on
+ONNX Runtime: the card's mxfp6 weights + mxint8 KV emulated, or (a recipe with
+`onnxruntime.target_weights: int8 | int4`) the target's own quantized ORT weights. Acceptance,
+tau, the K tune would pick, greedy agreement (first divergence) and logit drift with top-1
+agreement (both targets teacher-forced over the fp32 target's greedy output)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,13 @@ def _numerics_overrides(r) -> tuple[list[str], list[str], list[str]]:
     recipe's card formats, or mxfp6 + mxint8 when the recipe asks for none."""
     common = ["backends=[onnxruntime]", "onnxruntime.graph=fused", "shapes.batch_size=1",
               "shapes.full_batch_size=null", "onnxruntime.draft_weights=float32"]
-    fp32 = ["precision.quantization=none", "precision.kv_cache_dtype=float16"]
-    p = r.precision
-    if p.quantization == "none" and p.kv_cache_dtype == "float16":
+    fp32 = ["precision.quantization=none", "precision.kv_cache_dtype=float16",
+            "onnxruntime.target_weights=float32"]
+    p, tw = r.precision, r.onnxruntime.target_weights
+    if tw != "float32":  # the recipe's quantized ORT target (and its card formats, if any)
+        emu = [f"precision.quantization={p.quantization}",
+               f"precision.kv_cache_dtype={p.kv_cache_dtype}", f"onnxruntime.target_weights={tw}"]
+    elif p.quantization == "none" and p.kv_cache_dtype == "float16":
         emu = list(CARD_FORMATS)
     else:
         emu = [f"precision.quantization={p.quantization}",
@@ -88,6 +94,7 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     steps = acc.get("target_calls", 0) - acc.get("prefill_calls", 0)
     col = {"label": label, "numerics": info.get("numerics", "exact"),
            "formats": info.get("numerics_formats") or {"weights": "float32", "kv": "float32"},
+           "target_weights": info.get("weights", "float32"),
            "bundle_id": gen.manifest["bundle_id"], "k": k, "method": method,
            "acceptance_rate": _r(accepted / dtoks) if dtoks else None,
            "acceptance_per_position": [_r(a / drafts) for a in acc.get("per_pos", [])]
@@ -226,23 +233,17 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
 
 
 def show_numerics(report: dict[str, Any], console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from ..render import console as default_console
     console = console or default_console
-    if not console.is_terminal:
-        console = Console(width=170, highlight=False)
     s = report["settings"]
     fp, emu = report["columns"]
     t = Table("", fp["label"], emu["label"], title=f"{report['name']}: numerics preview, "
               f"{s['prompts']} prompts ({Path(str(s['prompt_set'])).name}), "
               f"{s['max_new_tokens']} new tokens, {s['method']} K={s['k']}, greedy",
               title_justify="left")
-    for col in (fp, emu):
-        col["_fmt"] = "exact float32" if col["numerics"] == "exact" else \
-            f"emulated: weights {col['formats']['weights']}, KV {col['formats']['kv']}"
-    t.add_row("numerics", fp["_fmt"], emu["_fmt"])
+    t.add_row("numerics", column_label(fp), column_label(emu))
     for key, name in (("acceptance_rate", "acceptance rate"),
                       ("mean_acceptance_length", "mean acceptance length"),
                       ("tau", "tau (tokens per target call)")):
@@ -257,11 +258,19 @@ def show_numerics(report: dict[str, Any], console=None) -> None:
               + ", ".join("-" if f is None else str(f) for f in g["first_divergence"]))
     t.add_row("logit drift vs fp32 (max / mean)", "-", f"{d['max']} / {d['mean']}")
     t.add_row("top-1 agreement, teacher-forced", "-", str(d["teacher_forced_top1_agreement"]))
-    for col in (fp, emu):
-        col.pop("_fmt")
     console.print(t)
     for n in report["notes"]:
         console.print(f"note: {n}")
+
+
+def column_label(col: dict[str, Any]) -> str:
+    """What a column's target computes with, in words."""
+    parts = [] if col["numerics"] == "exact" else [
+        f"emulated: weights {col['formats']['weights']}, KV {col['formats']['kv']}"]
+    tw = col.get("target_weights", "float32")
+    if tw != "float32":
+        parts.append(f"ORT target weights {tw} blocks")
+    return "; ".join(parts) or "exact float32"
 
 
 def numerics_markdown(report: dict[str, Any]) -> str:
@@ -279,7 +288,7 @@ def numerics_markdown(report: dict[str, Any]) -> str:
                   "-" if f is None else str(f) for f in g["first_divergence"]) + ")"),
              ("logit drift, max / mean", "-", f"{d['max']} / {d['mean']}"),
              ("top-1 agreement (teacher-forced)", "-", d["teacher_forced_top1_agreement"])]
-    lines = ["| | fp32 | mxfp6 + mxint8 (emulated) |", "|---|---|---|"]
+    lines = [f"| | fp32 | {column_label(emu)} |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
 
@@ -299,7 +308,7 @@ def plot_numerics(report: dict[str, Any], path: Path) -> Path:
             color="#1f77b4")
     ax1.bar([x + 0.2 for x in xs[:len(emu["acceptance_per_position"])]],
             emu["acceptance_per_position"], width=0.4, color="#d62728",
-            label=f"mxfp6 + mxint8 emulated (tau {emu['tau']})")
+            label=f"{column_label(emu)} (tau {emu['tau']})")
     ax1.set_xticks(xs)
     ax1.set_ylim(0, 1.05)
     ax1.set_xlabel("draft position")

@@ -246,9 +246,12 @@ def ort_genai_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int
     return peer
 
 # Defined after Peer and _local_source, which it uses.
-from .llama_cpp import llama_cpp_peer, llama_lookup_peer  # noqa: E402
+from .llama_cpp import llama_cpp_peer, llama_lookup_peer, llama_speculative_peer  # noqa: E402
+from .vllm_peer import vllm_peer  # noqa: E402
 
 PEERS: dict[str, Callable[..., Peer]] = {"transformers": transformers_peer,
                                          "onnxruntime-genai": ort_genai_peer,
                                          "llama.cpp": llama_cpp_peer,
-                                         "llama-lookup": llama_lookup_peer}
+                                         "llama-lookup": llama_lookup_peer,
+                                         "llama-speculative": llama_speculative_peer,
+                                         "vllm": vllm_peer}

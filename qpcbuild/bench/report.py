@@ -70,12 +70,16 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
             "host_overhead_fraction": _r(st["host_overhead_s"] / st["e2e_s"])
             if st.get("e2e_s") else None,
         })
+        if "steps_with_speculation" in st:  # a gated row (docs/adaptive.md)
+            row["gate"] = {k: st[k] for k in ("steps_with_speculation",
+                                              "steps_without_speculation", "policy_switches")}
         bst = base.stats
         dec, bdec = decode_figures(st), decode_figures(bst)
         if dec and bdec:
             row["decode_tokens_per_s"] = _r(dec["tokens_per_s"], 2)
             row["decode_speedup"] = _r(dec["tokens_per_s"] / bdec["tokens_per_s"], 3)
-        if meas.method == "draft_model" and dec and bdec and st.get("draft_calls"):
+        if meas.method == "draft_model" and dec and bdec and st.get("draft_calls") and \
+                meas.label.endswith(f"K={meas.k}"):  # a fixed K: gated rows have no one ideal
             # Over decode steps only (prefill is the same for every configuration and not part
             # of the speculation's economics). The draft's per-call time includes its prefill
             # chunks, so the ideal is slightly pessimistic for the draft.
@@ -93,6 +97,11 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
         if st.get("draft_tokens_proposed"):
             row["acceptance_rate"] = _r(st["draft_tokens_accepted"] / st["draft_tokens_proposed"])
     return row
+
+
+def _decoding(settings: dict) -> str:
+    t = settings.get("temperature") or 0.0
+    return f"sampled at temperature {t:g}" if t else "greedy"
 
 
 def decode_figures(st: dict[str, Any]) -> dict[str, float] | None:
@@ -114,11 +123,12 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
 
 
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
-            ours, peer_objs, notes, gen, machine, bandwidth=None) -> dict[str, Any]:
+            ours, peer_objs, notes, gen, machine, bandwidth=None,
+            sampled: bool = False) -> dict[str, Any]:
     from .. import __version__
 
     base = ours[0][0]
-    ref = base.outputs
+    ref = None if sampled else base.outputs  # sampled outputs differ from run to run
     rows = [_row(m, base, ref) for m, _ in ours]
     peers_out = {}
     all_peer_rows = []
@@ -186,7 +196,8 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                                       "measured_over_ideal = decode_speedup / ideal_speedup"},
         "baseline": rows[0],
         "rows": rows,
-        "all_greedy_outputs_match": all(r["greedy_matches_target_only"] for r in rows),
+        "all_greedy_outputs_match": all(r["greedy_matches_target_only"] is not False
+                                        for r in rows),
         "noisy": noisy, "target_only_spread": round(spread, 4),
         "target_only_bandwidth": bandwidth,
         "peers": peers_out,
@@ -244,22 +255,21 @@ def _short(x: float) -> str:
 def show_report(report: dict[str, Any], console=None) -> None:
     from rich.table import Table
 
-    from rich.console import Console
-
     from ..render import console as default_console
     console = console or default_console
-    if not console.is_terminal:  # a file or a pipe: rich would wrap at 80 columns
-        console = Console(width=170, highlight=False)
     s = report["settings"]
     m = report["machine"]
     title = (f"{report['name']}: {s['prompts']} prompts ({s['prompt_set']}), {s['max_new_tokens']} "
-             f"new tokens, greedy, {s['repeats']} repeats  |  {m['cpu']} x{m['cpu_count']}")
+             f"new tokens, {_decoding(s)}, {s['repeats']} repeats  |  {m['cpu']} "
+             f"x{m['cpu_count']}")
     t = Table("method", "K", "tokens/s", "speedup", "decode x", "accept", "mean len",
               "per-position acceptance", "ideal", "meas/ideal", "host", "= target", title=title,
               title_justify="left")
     for r in report["rows"]:
         pp = r.get("acceptance_per_position") or []
-        t.add_row(r["method"], str(r["k"]),
+        tag = f"K={r['k']} "  # gated rows: "draft_model K=4 auto p_min=0.5"
+        gated = r["label"].split(tag, 1)[1] if tag in r["label"] else ""
+        t.add_row(f"{r['method']} {gated}".strip(), str(r["k"]),
                   _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),
                   _fmt(r["speedup"]["mean"], r["speedup"]["std"], 2, "x"),
                   "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x",

@@ -1,10 +1,18 @@
 """Bundles: build (build.py), the sealed manifest (manifest.py), verify (verify.py), the SDK
-hand-off (finish.py) and archives (archive.py)."""
+hand-off (finish.py) and archives (archive.py).
 
-from .build import BuildResult, build_bundle
-from .finish import finish_bundle
-from .manifest import MANIFEST, read_manifest
-from .verify import verify_bundle
+Names are imported when first used: building pulls in the exporter (onnx, numpy), which
+`inspect` or `verify` should not pay for at start-up."""
 
-__all__ = ["MANIFEST", "BuildResult", "build_bundle", "finish_bundle", "read_manifest",
-           "verify_bundle"]
+from importlib import import_module
+
+_WHERE = {"BuildResult": "build", "build_bundle": "build", "finish_bundle": "finish",
+          "MANIFEST": "manifest", "read_manifest": "manifest", "verify_bundle": "verify"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_WHERE[name]}", __name__), name)

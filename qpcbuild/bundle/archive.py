@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import gzip
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -18,6 +19,7 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
+from ..progress import Advance, step
 from ..tree import CHUNK_SIZE, ArchiveError, Entry, is_executable, walk
 
 __all__ = ["ArchiveError", "pack", "unpack"]
@@ -27,6 +29,7 @@ __all__ = ["ArchiveError", "pack", "unpack"]
 GZIP_LEVEL = 1
 COMPRESSED = {".tar.gz": True, ".tgz": True, ".tar": False}  # by the archive name's ending
 FILE_MODE = 0o644
+TOP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a recipe's name is one
 MAX_RATIO = 100  # expansion over the compressed size
 RATIO_FREE_BYTES = 64 << 20  # archives expanding to less than this are not ratio-checked
 EXEC_MODE = DIR_MODE = 0o755  # the only other mode kept: compile.sh must stay runnable
@@ -59,21 +62,33 @@ def _tarinfo(name: str, is_dir: bool, size: int = 0, executable: bool = False) -
     return info
 
 
-def _add_entry(tar: tarfile.TarFile, arcname: str, entry: Entry) -> None:
+class _Counted:
+    """A file read by tarfile, reporting the bytes read to the progress display."""
+
+    def __init__(self, f: BinaryIO, advance: Advance):
+        self.f, self.advance = f, advance
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.advance(len(data))
+        return data
+
+
+def _add_entry(tar: tarfile.TarFile, arcname: str, entry: Entry, advance: Advance) -> None:
     if entry.is_dir:
         tar.addfile(_tarinfo(arcname, True))
         return
     with open(entry.path, "rb") as f:
         # Size from the open handle, not the earlier walk, to narrow the window for a change.
         tar.addfile(_tarinfo(arcname, False, os.fstat(f.fileno()).st_size,
-                             is_executable(entry.path)), f)
+                             is_executable(entry.path)), _Counted(f, advance))
 
 
-def _write_tar(raw: BinaryIO, top: str, entries: list[Entry]) -> None:
+def _write_tar(raw: BinaryIO, top: str, entries: list[Entry], advance: Advance) -> None:
     with tarfile.open(fileobj=raw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         tar.addfile(_tarinfo(top, True))
         for entry in entries:
-            _add_entry(tar, f"{top}/{entry.rel}", entry)
+            _add_entry(tar, f"{top}/{entry.rel}", entry, advance)
 
 
 def _compressed(out_file: Path) -> bool:
@@ -84,14 +99,20 @@ def _compressed(out_file: Path) -> bool:
                        "(uncompressed, as fast as the disk)")
 
 
-def pack(bundle_dir: Path, out_file: Path) -> Path:
+def pack(bundle_dir: Path, out_file: Path, top: str | None = None) -> Path:
     """Write bundle_dir as a reproducible .tar.gz (or .tar, by out_file's name) at out_file,
-    atomically; returns out_file."""
+    atomically; returns out_file. `top` names the archive's one top-level folder (a bundle's
+    own name, so that the local folder's name does not change the archive's bytes); by
+    default bundle_dir's name."""
     compressed = _compressed(Path(out_file))
     src = Path(os.path.abspath(bundle_dir))
     out = Path(os.path.abspath(out_file))
     if not src.name:
         raise ArchiveError(f"{bundle_dir}: cannot pack a filesystem root")
+    top = src.name if top is None else top
+    if not TOP_NAME.fullmatch(top):
+        raise ArchiveError(f"{bundle_dir}: {top!r} cannot name the archive's top folder (letters, "
+                           "digits, '.', '_' and '-' only)")
     if src == out or src in out.parents:
         raise ArchiveError(f"{out_file}: the archive must not be written inside {bundle_dir}")
     entries = walk(src)
@@ -103,13 +124,14 @@ def pack(bundle_dir: Path, out_file: Path) -> Path:
     except OSError as exc:
         raise ArchiveError(f"{out_file}: cannot write here ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, "wb") as raw:
+        total = sum(e.path.stat().st_size for e in entries if not e.is_dir)
+        with os.fdopen(fd, "wb") as raw, step(f"packing {out_file}", total, "bytes") as advance:
             if compressed:  # filename="" and mtime=0: no temp name or clock in the header
                 with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
                                    compresslevel=GZIP_LEVEL) as gz:
-                    _write_tar(gz, src.name, entries)
+                    _write_tar(gz, top, entries, advance)
             else:
-                _write_tar(raw, src.name, entries)
+                _write_tar(raw, top, entries, advance)
             raw.flush()
             # mkstemp creates 0600; archives are shared artifacts. fsync so replace is durable.
             os.fchmod(raw.fileno(), FILE_MODE)
@@ -219,15 +241,18 @@ class _Limits:
                                f"({size} bytes needed)")
 
 
-def _extract_all(archive: Path, stage: Path, limits: _Limits) -> str:
-    """Stream the archive into stage with every check; returns the single top-level name."""
+def _extract_all(archive: Path, dest: Path, stage: Path, limits: _Limits) -> str:
+    """Stream the archive into stage with every check; returns the single top-level name,
+    refused before anything is written when dest already holds a folder of that name."""
     top: str | None = None
     with tarfile.open(archive, mode="r|*") as tar:  # gzip or none, found from the bytes
         for member in tar:
             limits.admit(member)
             _check_kind(member)
             parts = _member_parts(member)
-            if top is not None and parts[0] != top:
+            if top is None:
+                _refuse_existing(dest / parts[0])
+            elif parts[0] != top:
                 raise ArchiveError(f"{member.name}: second top-level entry besides {top!r}")
             top = parts[0]
             if len(parts) == 1 and not member.isdir():
@@ -238,14 +263,10 @@ def _extract_all(archive: Path, stage: Path, limits: _Limits) -> str:
     return top
 
 
-def _prepare_dest(dest: Path) -> Path:
-    """Staging directory on dest's filesystem, so the final rename is atomic."""
-    if dest.exists() or dest.is_symlink():
-        if dest.is_symlink() or not dest.is_dir() or any(dest.iterdir()):
-            raise ArchiveError(f"{dest}: destination exists and is not an empty folder")
-        return Path(tempfile.mkdtemp(dir=dest, prefix=".unpack-"))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.unpack-"))
+def _refuse_existing(path: Path) -> None:
+    if path.exists() or path.is_symlink():
+        raise ArchiveError(f"{path}: exists; the archive's bundle unpacks into a folder of this "
+                           "name (move it away, or unpack with -d elsewhere)")
 
 
 def unpack(
@@ -254,35 +275,44 @@ def unpack(
     max_bytes: int = 512 * 2**30,
     max_members: int = 100_000,
 ) -> Path:
-    """Safely extract a bundle .tar.gz or .tar into dest (absent or empty); returns
-    dest/<bundle>.
+    """Safely extract a bundle .tar.gz or .tar into dest/<bundle> (as `tar -C dest` would) and
+    return that folder. dest may hold anything else and is created when absent; only an
+    existing dest/<bundle> is refused.
 
-    On any refusal or error nothing is left at dest (an existing empty dest stays empty).
+    On any refusal or error nothing is left behind (a dest this call created is removed).
     """
     dest = Path(os.path.abspath(dest))
     if not Path(archive).is_file():
         raise ArchiveError(f"{archive}: archive not found")
-    existed = dest.is_dir()
+    if dest.exists() and not dest.is_dir():
+        raise ArchiveError(f"{dest}: exists and is not a folder")
+    created = not dest.exists()
     try:
-        stage = _prepare_dest(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        # The staging folder is on dest's filesystem, so the final rename is atomic.
+        stage = Path(tempfile.mkdtemp(dir=dest, prefix=".unpack-"))
     except OSError as exc:
         raise ArchiveError(f"{dest}: cannot unpack here ({exc.strerror or exc})") from None
+
+    def clean_up() -> None:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+
     try:
         limits = _Limits(max_bytes, max_members, Path(archive).stat().st_size, stage)
-        top = _extract_all(Path(archive), stage, limits)
-        if existed:
-            os.rename(stage / top, dest / top)
-            stage.rmdir()
-        else:
-            os.rename(stage, dest)
+        top = _extract_all(Path(archive), dest, stage, limits)
+        _refuse_existing(dest / top)  # again: something may have appeared there meanwhile
+        os.rename(stage / top, dest / top)
+        stage.rmdir()
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
-        shutil.rmtree(stage, ignore_errors=True)
+        clean_up()
         raise ArchiveError(f"{archive}: corrupt or unreadable archive ({exc})") from exc
     except OSError as exc:  # disk full, permissions: nothing is left behind
-        shutil.rmtree(stage, ignore_errors=True)
+        clean_up()
         raise ArchiveError(f"unpacking {archive} into {dest} failed: "
                            f"{exc.strerror or exc}") from None
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        clean_up()
         raise
     return dest / top

@@ -25,7 +25,9 @@ from ..errors import UsageError
 from ..export import export_model
 from ..plan import (EXPORTER_VERSION, ORT_LOWERING_VERSION, BuildPlan, RolePlan, digest,
                     find_compiler)
-from ..source import resolve, safetensors_files, tokenizer_files
+from ..recipe import recipe_relative
+from ..source import (resolve, safetensors_files, tokenizer_files,
+                      weights_missing_message)
 from ..toolchain import artifact_versions, compiler_identity
 from ..tree import copy_tree, hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
@@ -212,13 +214,28 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
     return {
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
-                        "num_speculative_tokens": list(plan.ks)},
+                        "num_speculative_tokens": list(plan.ks), **runtime_speculation(r)},
         "shapes": r.shapes.model_dump(), "hardware": r.hardware.model_dump(mode="json"),
         "backends": list(r.backends), "roles": roles,
         "tokenizer": {"files": "tokenizer/", **plan.tokenizer},
         "toolchain": tools,
         "files": files,
     }
+
+
+def runtime_speculation(r) -> dict:
+    """How the runtime speculates (docs/adaptive.md), where the recipe departs from the
+    defaults (so bundles that do not keep their ids)."""
+    sp = r.speculation
+    out: dict = {}
+    if sp.policy != "fixed":
+        out["policy"] = sp.policy
+    if sp.draft_p_min:
+        out["draft_p_min"] = sp.draft_p_min
+    if sp.num_speculative_tokens_per_batch_size:
+        out["k_schedule"] = {str(b): k for b, k in
+                             sorted(sp.num_speculative_tokens_per_batch_size.items())}
+    return out
 
 
 def _bundle_recipe(plan: BuildPlan) -> str:
@@ -231,6 +248,16 @@ def _bundle_recipe(plan: BuildPlan) -> str:
 
 
 # ---------------------------------------------------------------- the build
+def _require_weights(plan: BuildPlan) -> None:
+    """A plan may stand on a known config alone; a build needs each model's files."""
+    for rp in plan.roles:
+        if rp.source["path"] is None:
+            ref = getattr(plan.recipe, rp.role).model
+            raise UsageError(f"{rp.role}.model: " + weights_missing_message(
+                ref, rp.source["revision"], recipe_relative(plan.recipe, ref),
+                plan.recipe.source))
+
+
 def _subset_ids(role: RolePlan):
     """The plan's vocabulary subset, read again and checked to be the set the plan saw."""
     if not role.vocab_subset:
@@ -266,6 +293,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
     def wanted(stage: str, role: str) -> bool:
         return units is None or unit_name(stage, role) in units
 
+    _require_weights(plan)
     backends = {name: get_backend(name) for name in r.backends}
     target = plan.role("target")
     target_dir = Path(target.source["path"])
@@ -381,7 +409,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        files = hash_tree(staging, exclude=UNSEALED_FILES)
+        files = hash_tree(staging, exclude=UNSEALED_FILES, what=f"hashing {out}")
         manifest = _manifest(plan, exports, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})

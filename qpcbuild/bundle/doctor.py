@@ -69,4 +69,5 @@ def doctor(bundle: Path, manifest: dict) -> dict[str, Any]:
                            "built without the qaic backend (add qaic to backends, or "
                            "--emit-only where no SDK is installed)"}
     return {"bundle": str(bundle), "roles": roles,
+            "checked": sum(r["graph"] is not None for r in roles.values()),
             "clean": all(not r["findings"] for r in roles.values())}

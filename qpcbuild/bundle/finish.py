@@ -11,18 +11,30 @@ import fcntl
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
-from typing import Any
+from typing import Any, Iterator
 
 from .. import __version__
 from ..compile.qaic import QPC_FILE
 from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import hash_tree
-from .manifest import UNSEALED_FILES, changed_fields, read_manifest, write_manifest
-from .verify import compare_files
+from .manifest import changed_fields, read_manifest, write_manifest
+from .verify import actual_files, compare_files
 
 ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
+
+
+def _under(path: str, folders: tuple[str, ...]) -> bool:
+    return any(path.startswith(f"{folder}/") for folder in folders)
+
+
+def _hash_folders(bundle: Path, folders: tuple[str, ...]) -> dict[str, dict]:
+    found = {}
+    for folder in folders:
+        if (bundle / folder).is_dir():
+            found.update({f"{folder}/{rel}": meta for rel, meta in
+                          hash_tree(bundle / folder, what=f"hashing {folder}").items()})
+    return found
 
 
 def finish_bundle(bundle: Path, roles: list[str] | None = None,
@@ -67,13 +79,14 @@ def _finish(bundle: Path, roles: list[str] | None,
     pending = tuple(f"{role}/{part}" for role in qaic_roles if role not in roles
                     and m["roles"][role]["backends"]["qaic"].get("status") != "compiled"
                     for part in ADOPTED)
-    # One pass over the bundle: it checks the sealed files and lists the new ones. A QPC
-    # compiled again replaces the one recorded before; everything else must be intact.
+    # Only what compile.sh wrote is hashed (the QPCs and logs: the rest of the bundle is
+    # sealed and may be tens of GB); the rest must be present with its sealed sizes (`verify`
+    # checks its digests). A QPC compiled again replaces the one recorded before.
     try:
-        found = hash_tree(bundle, exclude=UNSEALED_FILES)
+        found = {**actual_files(bundle, fast=True), **_hash_folders(bundle, adopting)}
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
         raise BundleError(f"{bundle} cannot be finished: {exc}") from None
-    problems = [p for p in changed_fields(m) + compare_files(m["files"], found,
+    problems = [p for p in changed_fields(m) + compare_files(m["files"], found, fast=True,
                                                               adopting=adopting + pending)
                 if not any(f": {folder}/" in p for folder in adopting)]
     if problems:
@@ -86,8 +99,8 @@ def _finish(bundle: Path, roles: list[str] | None,
             raise BundleError(f"the {role} QPC {state} ({role}/qpc/{QPC_FILE}); run "
                               f"`bash {role}/qaic/compile.sh` in the bundle on a machine with the "
                               "Cloud AI SDK first")
-    files = {p: meta for p, meta in found.items()
-             if not any(p.startswith(f"{folder}/") for folder in pending)}
+    files = {p: meta if _under(p, adopting) else m["files"][p] for p, meta in found.items()
+             if not _under(p, pending)}
     sdk = qaic_sdk_versions()
     for role in roles:
         entry = m["roles"][role]["backends"]["qaic"]

@@ -9,9 +9,9 @@ from ..tree import hash_tree, walk
 from .manifest import MANIFEST, UNSEALED_FILES, Manifest, changed_fields, read_manifest
 
 
-def _actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
+def actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
     if not fast:
-        return hash_tree(bundle, exclude=UNSEALED_FILES)
+        return hash_tree(bundle, exclude=UNSEALED_FILES, what=f"hashing {bundle}")
     found = {}
     for entry in walk(bundle, frozenset(UNSEALED_FILES)):
         if not entry.is_dir:
@@ -55,7 +55,7 @@ def verify_bundle(bundle: Path, fast: bool = False) -> list[str]:
         except BundleError as exc:
             problems.append(str(exc))
     try:
-        actual = _actual_files(bundle, fast)
+        actual = actual_files(bundle, fast)
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
         return problems + [str(exc)]
     return problems + compare_files(manifest["files"], actual, fast)

@@ -13,11 +13,42 @@ from typing import Callable
 import typer
 
 from ..errors import QpcbuildError, Terminated
-from ..render import err_console
+from ..progress import report_to
+from ..render import err_console, fit_to_output
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build and package speculative-decoding model pairs for Qualcomm Cloud AI "
                        "100 (qaic) and ONNX Runtime, and run them.")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+        sys.stdout.write(f"qpcbuild {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True,
+                                          callback=_show_version,
+                                          help="Print qpcbuild's version and exit.")) -> None:
+    pass  # the options of `qpcbuild` itself; the app's help text says what it does
+
+
+def _flag_types_hidden() -> None:
+    """Typer's help prints a type for every option, `<bool>` for flags that take no value;
+    a flag's type says nothing, so it is left out."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flag_types_hidden()
 
 RecipeArg = typer.Argument(..., help="Recipe YAML file (see recipes/).", show_default=False)
 SetOpt = typer.Option(None, "--set", help="Override a recipe key: --set shapes.ctx_len=4096 "
@@ -36,6 +67,8 @@ def handles_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+        fit_to_output()  # whole lines in a log, fitted lines on a terminal
+        report_to(err_console)  # long steps: bars on a terminal, one line each in a log
         try:
             return fn(*args, **kwargs)
         except QpcbuildError as exc:

@@ -108,8 +108,8 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             smoke_weights: bool = typer.Option(False, "--smoke-weights", help="Use random weights "
                                                "of the recipe's exact shapes (for checking a "
                                                "recipe without the real checkpoint)."),
-            smoke_layers: Optional[int] = typer.Option(2, min=1, help="With --smoke-weights: "
-                                                       "layers per model (0 = all)."),
+            smoke_layers: int = typer.Option(2, min=0, help="With --smoke-weights: layers "
+                                             "per model (0 = all)."),
             tune_k: bool = typer.Option(False, "--tune", help="Pick K first from measured "
                                         "acceptance and costs (`qpcbuild tune` with its "
                                         "defaults) and record the evidence."),
@@ -143,29 +143,39 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     if unit is not None and (emit_only or tune_k):
         raise UsageError("--unit builds one cached artifact; it cannot be combined with "
                          "--emit-only or --tune")
+    if smoke_weights and (cache_dir or remote_cache or unit):
+        raise UsageError("--smoke-weights builds without the cache (random weights are a check, "
+                         "not an artifact to keep); drop --cache-dir, --remote-cache and --unit")
     if no_cache and tune_k:
         raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
                          "built through the cache")
     tuning = None
     if tune_k:
         from ..tune import show_tune, tune as run_tune
+        from ..tune.report import disagreements
 
         if smoke_weights:
             raise UsageError("--tune measures the real models; it cannot be combined with "
                              "--smoke-weights")
         tuning = run_tune(recipe, set_ or [], cache_dir=cache_dir, say=progress_line)
+        tuning["model_check_disagrees"] = disagreements(tuning)
         if not json_out:
             show_tune(tuning)
+        for problem in tuning["model_check_disagrees"]:
+            err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
+                              f"own check contradicts: {problem}", soft_wrap=True)
         set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
     r = load_recipe(recipe, set_ or [])
-    cache = None if no_cache else open_cache(
+    # Smoke weights are a check, not an artifact: their random checkpoints and graphs live
+    # only as long as this build (checkpoints in $TMPDIR, graphs moved into the bundle), never
+    # in the shared cache, so that an 8B check leaves the bundle behind and nothing else.
+    cache = None if no_cache or smoke_weights else open_cache(
         cache_dir, remote_cache, remote_cache_required, insecure,
         say=lambda m: err_console.print(f"[yellow]warning:[/] {m}", soft_wrap=True))
     with ExitStack() as scratch:
         if smoke_weights:
             from ..smoke import with_smoke_weights
-            # Without a cache the random checkpoints live only as long as this build.
-            smoke_dir = cache.root / "smoke" if cache else Path(scratch.enter_context(
+            smoke_dir = Path(scratch.enter_context(
                 tempfile.TemporaryDirectory(prefix="qpcbuild-smoke-")))
             r = with_smoke_weights(r, smoke_dir, smoke_layers or None,
                                    say=lambda m: err_console.print(m))

@@ -137,8 +137,11 @@ def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
                           markup=False, soft_wrap=True)
             for finding in r["findings"]:
                 console.print(f"  FLAG {finding}", markup=False)
-        console.print("card graphs speak QEfficient's vocabulary" if report["clean"] else
-                      "some card graph uses what QEfficient does not emit (FLAG lines)")
+        if not report["checked"]:
+            console.print("nothing to check: this bundle holds no card graph")
+        else:
+            console.print("card graphs speak QEfficient's vocabulary" if report["clean"] else
+                          "some card graph uses what QEfficient does not emit (FLAG lines)")
     if not report["clean"]:
         raise typer.Exit(1)
 
@@ -148,12 +151,12 @@ def doctor(bundle: Path = typer.Argument(..., help="Bundle folder."),
 def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
             out: Path = typer.Option(..., "-o", "--out", help="Archive path: .tar.gz, or .tar "
                                      "for no compression (as fast as the disk).")):
-    """Deterministic .tar.gz or .tar of a bundle (sorted entries, fixed mtimes and owners)."""
+    """Deterministic .tar.gz or .tar of a bundle (sorted entries, fixed mtimes and owners),
+    its top folder named after the bundle (the recipe's name), whatever the local folder."""
     from ..bundle.archive import pack
     from ..bundle import read_manifest
 
-    read_manifest(bundle)
-    pack(bundle, out)
+    pack(bundle, out, top=read_manifest(bundle)["name"])
     console.print(f"wrote {out} ({out.stat().st_size:,} bytes)")
 
 
@@ -161,8 +164,10 @@ def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
 @handles_errors
 def unpack(archive: Path = typer.Argument(..., help="A .tar.gz or .tar made by `qpcbuild "
                                           "package`."),
-           dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into.")):
-    """Safely unpack a bundle archive (refuses absolute paths, '..', links and devices)."""
+           dest: Path = typer.Option(Path("."), "-d", "--dest", help="Folder to unpack into: "
+                                     "the bundle's own folder is created there.")):
+    """Safely unpack a bundle archive into a folder named after the bundle inside DEST
+    (refuses absolute paths, '..', links and devices, and a bundle folder that exists)."""
     from ..bundle.archive import unpack as unpack_archive
 
     path = unpack_archive(archive, dest)
@@ -196,15 +201,20 @@ def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
     from rich.table import Table
 
     cache = _existing_cache(cache_dir)
-    entries = cache.entries()
+    entries, others = cache.entries(), cache.other_items()
     if json_out:
-        emit_json([e.to_dict() for e in entries])
+        emit_json([e.to_dict() for e in entries]
+                  + [{"kind": "other", "key": name, "bytes": size} for name, size in others])
         return
     t = Table("kind", "key", "MiB", "last used (UTC)", title=str(cache.root),
               title_justify="left")
     for e in entries:
         t.add_row(e.kind, e.key, f"{e.bytes / 2**20:.1f}", e.to_dict()["last_used"])
+    for name, size in others:
+        t.add_row("other", name, f"{size / 2**20:.1f}", "")
     console.print(t)
+    total = sum(e.bytes for e in entries) + sum(size for _, size in others)
+    console.print(f"{len(entries)} entries; {total / 2**20:.1f} MiB in all under {cache.root}")
 
 
 @cache_app.command("verify")

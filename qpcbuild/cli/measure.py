@@ -48,7 +48,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           max_new_tokens: int = MaxNewTokensOpt,
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),
-          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup",
+          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup,"
+                                    "llama-speculative,vllm",
                                     help="Peers to run when installed (comma list), or 'none'."),
           peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
                                                 "speculative decoding (default: --ks)."),
@@ -64,18 +65,29 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
           json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
                                            "of the tables."),
+          chat: bool = typer.Option(False, "--chat", help="Each prompt is a user message, "
+                                    "rendered with the bundle's chat template."),
           numerics: bool = typer.Option(False, "--numerics", help="Numerics preview (a recipe): "
                                         "fp32 against the card's mxfp6 weights + mxint8 KV "
-                                        "emulated on the CPU, side by side: acceptance, tau, the "
+                                        "emulated on the CPU, or against the recipe's "
+                                        "onnxruntime.target_weights (int8/int4), side by side: acceptance, tau, the "
                                         "K tune would pick, greedy agreement, logit drift "
                                         "(--ks: the K to run, default the recipe's largest)."),
+          spec_policy: str = typer.Option("fixed", "--spec-policy", help="Comma list of "
+                                          "speculation policies to measure per method and K: "
+                                          "fixed, auto (goodput-gated), off."),
+          draft_p_min: Optional[float] = typer.Option(None, "--draft-p-min", help="Confidence "
+                                                      "stop for the draft_model rows of "
+                                                      "non-fixed policies (0..1)."),
+          temperature: float = typer.Option(0.0, help="Sampling temperature of our runs (seeded "
+                                            "per prompt batch; > 0: outputs are not compared)."),
           verify: str = VerifyOpt):
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
     from ..bench import bench as run_bench, parse_ks, show_report
+    from ..errors import UsageError
 
     if numerics:
         from ..bench import bench_numerics, show_numerics
-        from ..errors import UsageError
 
         chosen = parse_ks(ks)
         if chosen is not None and len(chosen) != 1:
@@ -88,19 +100,38 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         _print_report(report, show_numerics, json_path, png, json_stdout)
         return
     peer_list = tuple(p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none")
+    policies = _policies(spec_policy)
+    if draft_p_min is not None and not 0 <= draft_p_min <= 1:
+        raise UsageError(f"--draft-p-min must be in 0..1, got {draft_p_min}")
+    if not (temperature >= 0 and temperature < float("inf")):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
     report, json_path, png = run_bench(
         target, overrides=set_ or [], prompt_file=prompts, prompt_set=prompt_set,
         num_prompts=num_prompts, ks=parse_ks(ks),
         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
         max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
         peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
-        json_out=json_out, plot=False if no_plot else plot, say=progress_line, verify=verify)
+        json_out=json_out, plot=False if no_plot else plot, say=progress_line,
+        policies=policies, draft_p_min=draft_p_min, temperature=temperature, chat=chat,
+        verify=verify)
     _print_report(report, show_report, json_path, png, json_stdout)
     if not report["all_greedy_outputs_match"]:
         bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
         err_console.print(f"[red]error:[/] greedy outputs differ from target-only for: "
                           f"{', '.join(bad)} (see {json_path})")
         raise typer.Exit(1)
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    from ..errors import UsageError
+    from ..runtime.gate import POLICIES
+
+    chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [p for p in chosen if p not in POLICIES]
+    if bad or not chosen:
+        raise UsageError(f"--spec-policy: {', '.join(bad) or 'nothing'} given; use a comma list "
+                         f"of {', '.join(POLICIES)}")
+    return chosen
 
 
 @app.command()
@@ -137,12 +168,16 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
          per_batch: Optional[str] = typer.Option(None, "--per-batch", help="Batch sizes (1,2,4 "
                                                  "or 1-4): the best K for each too, recorded "
                                                  "in the evidence."),
+         force: bool = typer.Option(False, "--force", help="Write the recipe even when the "
+                                    "model check disagrees with the prediction."),
          verify: str = VerifyOpt):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
-    from ..errors import UsageError
+    from ..errors import QpcbuildError, UsageError
     from ..bench import parse_ks
     from ..prompts import check_output_file
+    from ..recipe import load_recipe
     from ..tune import show_tune, tune as run_tune, write_tuned_recipe
+    from ..tune.report import disagreements
 
     if write is not None and in_place:
         raise UsageError("give --write FILE or --in-place, not both")
@@ -154,16 +189,20 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                       card_bandwidth_gbs=card_bandwidth_gbs, card_tflops=card_tflops,
                       per_batch=parse_ks(per_batch), verify=verify)
     written = None
-    if write is not None or in_place:
+    result["model_check_disagrees"] = disagreements(result)
+    refused = bool(result["model_check_disagrees"]) and not force and (write or in_place)
+    if (write is not None or in_place) and not refused:
         written = write_tuned_recipe(recipe, result, None if in_place else write)
         result["written"] = str(written)
+        result["written_value"] = load_recipe(written).speculation.num_speculative_tokens
         if set_:
             err_console.print("[yellow]note:[/] only num_speculative_tokens was written; the "
                               f"--set overrides used while measuring ({', '.join(set_)}) were "
                               "not")
     if json_out:
         emit_json(result)
-        return
-    show_tune(result)
-    if written:
-        console.print(f"wrote {written}")
+    else:
+        show_tune(result)
+    if refused:
+        raise QpcbuildError("the model check disagrees with the prediction, so the recipe was not "
+                            "written (measure on a quieter machine, or pass --force)")

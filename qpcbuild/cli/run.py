@@ -17,6 +17,10 @@ RequireSignatureOpt = typer.Option(None, "--require-signature", metavar="PUBLIC_
                                    "by this Ed25519 public key (PEM); see `qpcbuild sign`.")
 
 
+SpecPolicyOpt = typer.Option(None, "--spec-policy", help="auto (speculate only while faster "
+                             "than without) | fixed | off (default: the bundle's).")
+
+
 def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
     from ..errors import UsageError
     from ..prompts import check_prompt_text, read_prompt_file
@@ -46,6 +50,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         method: Optional[str] = typer.Option(None, help="draft_model | ngram | suffix "
                                              "(default: the bundle's)."),
         k: Optional[int] = typer.Option(None, "--k", help="One of the compiled Ks."),
+        spec_policy: Optional[str] = SpecPolicyOpt,
         backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
         ctx_len: Optional[int] = typer.Option(None, help="Refuse a bundle not compiled for this "
                                               "ctx_len."),
@@ -61,9 +66,13 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         system: Optional[str] = typer.Option(None, help="System message for --chat."),
         json_out: bool = typer.Option(False, "--json", help="Text, token ids and stats as JSON.")):
     """Run speculative decoding from a bundle (smoke test, with acceptance statistics)."""
+    from contextlib import nullcontext
+
     from ..errors import UsageError
+    from ..progress import step
     from ..render import show_run
     from ..runtime.loader import load
+    from ..runtime.stats import combine
 
     prompts = _read_prompts(prompt, prompt_file)
     if max_new_tokens <= 0:
@@ -72,7 +81,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         raise UsageError("--system needs --chat")
     bundle = bundle_folder(bundle, insecure, quiet=json_out)
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
-               batch_size=batch_size, signed_by=require_signature)
+               batch_size=batch_size, signed_by=require_signature, spec_policy=spec_policy)
     # Continuous batching takes every prompt at once and refills slots as requests finish.
     batch = len(prompts) if gen.decoder.cb else gen.target.batch_size
     on_token = None
@@ -80,17 +89,23 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         on_token = lambda row, ids: console.print(  # noqa: E731
             gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False, highlight=False)
     results, baselines = [], []
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
-        results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
-                                    on_token, chat=chat, system=system))
-        if compare_baseline:
-            baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
-                                          seed, target_only=True, chat=chat, system=system))
+    # (not while streaming: the tokens are the progress, and a bar would cut through them)
+    with nullcontext(lambda n: None) if on_token else step(
+            f"decoding {bundle}" + (" (and target-only)" if compare_baseline else ""),
+            len(prompts), "prompts") as advance:
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start:start + batch]
+            results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
+                                        on_token, chat=chat, system=system))
+            if compare_baseline:
+                baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
+                                              seed, target_only=True, chat=chat, system=system))
+            advance(len(chunk))
     if stream and not json_out:
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
-              "batches": [r.to_dict() for r in results]}
+              "prompts": prompts, "batches": [r.to_dict() for r in results],
+              "total": combine([r.stats for r in results])}
     if backend == "onnxruntime":  # exact float32, or the card's formats emulated
         report["numerics"] = numerics_of(gen.manifest)
     if compare_baseline:
@@ -99,6 +114,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         same = all(a.rows[i].tokens == b.rows[i].tokens for a, b in zip(results, baselines)
                    for i in range(len(a.rows)))
         report["baseline"] = {"batches": [b.to_dict() for b in baselines],
+                              "total": combine([b.stats for b in baselines]),
                               "speedup_e2e": round(base / max(spd, 1e-9), 3),
                               "outputs_match": same if temperature == 0 else None}
     if json_out:
@@ -114,7 +130,7 @@ def numerics_of(manifest: dict) -> dict:
         o = info["backends"].get("onnxruntime") or {}
         out[role] = {"numerics": o.get("numerics", "exact"),
                      **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"}),
-                     "int8_weights": o.get("weights") == "int8"}
+                     "matmul_weights": o.get("weights", "float32")}
     return out
 
 
@@ -129,6 +145,7 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
           require_signature: Optional[Path] = RequireSignatureOpt,
           served_model_name: Optional[str] = typer.Option(
               None, help="Model id clients ask for (default: the bundle's name)."),
+          spec_policy: Optional[str] = SpecPolicyOpt,
           log_level: str = typer.Option("info", help="uvicorn log level.")):
     """OpenAI-compatible server on the bundle (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics with vLLM's metric names)."""
@@ -138,7 +155,7 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
     run_server(bundle_folder(bundle, insecure), host, port, backend, verify, served_model_name,
-               log_level, signed_by=require_signature)
+               log_level, signed_by=require_signature, spec_policy=spec_policy)
 
 
 @app.command("serve-config")
@@ -150,6 +167,14 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                                            help="Cloud AI vLLM image for --format docker.")):
     """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
     from ..bundle import read_manifest
+    from ..errors import UsageError
+    from ..render import smoke_roles
     from ..serve_config import render
 
-    sys.stdout.write(render(read_manifest(bundle), bundle, format, image))
+    m = read_manifest(bundle)
+    if smoke_roles(m):
+        raise UsageError(f"{bundle}: holds random smoke weights ({', '.join(smoke_roles(m))}; "
+                         "built with --smoke-weights to check the toolchain); a server would "
+                         "answer with noise under the real model's name. Build it from the "
+                         "real checkpoints to serve it")
+    sys.stdout.write(render(m, bundle, format, image))

@@ -6,8 +6,9 @@ built from ORT's fused CPU kernels so a decode step does not pay for the whole s
 - attention is com.microsoft.GroupQueryAttention over the same [B, nKV, ctx_len, D] buffers,
   updated in place (the runtime binds each KV input and its _RetainedState output to one buffer)
   and reading only the valid prefix of each row;
-- with `weights="int8"` (drafts only) each matmul weight is stored as 8-bit blocks for
-  com.microsoft.MatMulNBits: a quarter of the bytes a memory-bound call has to read;
+- with `weights="int8"` or `"int4"` each matmul weight is stored as 8- or 4-bit blocks of 32
+  along K for com.microsoft.MatMulNBits: a quarter or an eighth of the bytes a memory-bound call
+  has to read (lossless for a draft; a target's output changes, so the recipe must ask for it);
 - with `numerics` asking for the card's formats (see `qpcbuild.numerics`): every matmul weight
   is rounded to MXFP6 (stored as float32 values on its grid; the embedding Gather stays exact,
   as the card compresses matmul weights only), and the new K and V of each call are
@@ -69,21 +70,34 @@ def rope_tables(arch: ArchSpec, ctx_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 INT8_BLOCK = 32
+WEIGHT_BITS = {"int8": 8, "int4": 4}
 
 
 def blockwise_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[K, N] weights as MatMulNBits' 8-bit layout: uint8 [N, ceil(K/32), 32] with the implicit
     zero point 128, and float32 scales [N * ceil(K/32)]. Symmetric absmax per block of 32 along
     K, round half to even; a K that is not a multiple of 32 is padded with zeros."""
+    return blockwise_nbits(w, 8)
+
+
+def blockwise_nbits(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """[K, N] weights as MatMulNBits' `bits`-bit layout (8 or 4): uint8 [N, ceil(K/32),
+    32 * bits / 8], codes packed low bits first along K, with the implicit zero point
+    2^(bits-1); float32 scales [N * ceil(K/32)]. Symmetric absmax per block of 32 along K
+    (codes -127..127 or -7..7 around the zero point), round half to even; a K that is not a
+    multiple of 32 is padded with zeros."""
     k, n = w.shape
     blocks = -(-k // INT8_BLOCK)
+    top = (1 << (bits - 1)) - 1
     cols = np.zeros((n, blocks * INT8_BLOCK), np.float32)
     cols[:, :k] = w.T
     cols = cols.reshape(n, blocks, INT8_BLOCK)
-    scale = np.abs(cols).max(axis=-1) / 127.0
+    scale = np.abs(cols).max(axis=-1) / top
     scale[scale == 0] = 1.0  # an all-zero block: any scale reproduces it
-    q = np.clip(np.rint(cols / scale[..., None]), -127, 127) + 128
-    return q.astype(np.uint8), scale.astype(np.float32).reshape(-1)
+    q = (np.clip(np.rint(cols / scale[..., None]), -top, top) + top + 1).astype(np.uint8)
+    if bits == 4:  # two codes a byte, the even element in the low nibble
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q, scale.astype(np.float32).reshape(-1)
 
 
 def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, ctx_len: int,
@@ -95,7 +109,7 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, c
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "model.onnx.data", "wb") as data:
         g = GraphBuilder(data, "model.onnx.data")
-        _Lowered(g, arch, w, batch, ctx_len, weights == "int8",
+        _Lowered(g, arch, w, batch, ctx_len, weights,
                  mxfp6=numerics.get("weights") == WEIGHT_FORMAT,
                  mxint8=numerics.get("kv") == KV_FORMAT).build(role)
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
@@ -107,8 +121,9 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, c
 
 class _Lowered:
     def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int, ctx: int,
-                 int8: bool = False, mxfp6: bool = False, mxint8: bool = False):
-        self.g, self.a, self.w, self.batch, self.ctx, self.int8 = g, a, w, batch, ctx, int8
+                 weights: str = "float32", mxfp6: bool = False, mxint8: bool = False):
+        self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
+        self.bits = WEIGHT_BITS.get(weights)  # None: float32 MatMuls
         self.mxfp6, self.mxint8 = mxfp6, mxint8
         self.rot_pos: str | None = None  # [B, S] positions of the new tokens (mxint8 only)
 
@@ -119,19 +134,21 @@ class _Lowered:
                 out: str | None = None) -> str:
         """x @ W for a [K, N] weight, in the lowering's weight format."""
         arr = self.w.get(name) if arr is None else arr
-        if not self.int8:
+        if self.bits is None:
             if self.mxfp6:  # the card's weights: float32 values on the MXFP6 grid
                 arr = mxfp6_weight(arr)
             return self.g.op("MatMul", x, self.g.weight(name, arr), out=out)
-        # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout
-        q, scale = mxfp6_int8_blocks(arr) if self.mxfp6 else blockwise_int8(arr)
+        # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout (recipe.py refuses
+        # int4 with mxfp6)
+        q, scale = mxfp6_int8_blocks(arr) if self.mxfp6 else blockwise_nbits(arr, self.bits)
         g = self.g
         out = out or g._name("matmul")
-        # accuracy_level 4: int8 activations too, ORT's fast kernel; fine for a draft.
+        # accuracy_level 4: int8 activations too, ORT's fast kernel.
         g.nodes.append(helper.make_node(
-            "MatMulNBits", [x, g.weight(f"{name}.q8", q), g.weight(f"{name}.scale", scale)],
+            "MatMulNBits", [x, g.weight(f"{name}.q{self.bits}", q),
+                            g.weight(f"{name}.scale", scale)],
             [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits", K=arr.shape[0],
-            N=arr.shape[1], bits=8, block_size=INT8_BLOCK, accuracy_level=4))
+            N=arr.shape[1], bits=self.bits, block_size=INT8_BLOCK, accuracy_level=4))
         return out
 
     def norm(self, x: str, weight: str) -> str:

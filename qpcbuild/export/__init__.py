@@ -22,6 +22,7 @@ import onnx
 from .. import __version__
 from ..arch import ArchSpec, arch_from_config
 from ..errors import QpcbuildError, UsageError
+from ..progress import step
 from ..source import ModelSource, safetensors_files, tokenizer_files
 from ..vocab_subset import subset_digest
 from .builder import GraphBuilder, save
@@ -88,9 +89,12 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        with open(tmp / DATA_FILE, "wb") as data:
+        with open(tmp / DATA_FILE, "wb") as data, \
+                step(f"exporting {role} {source.ref}", len(reader.tensors) + len(reader.pickled),
+                     "tensors") as advance:
             g = GraphBuilder(data, DATA_FILE)
             loaded: dict[str, str] = {}
+            written: set[str] = set()
             np_dtype = np.float16 if weight_dtype == "float16" else np.float32
 
             def load(name: str, shape: tuple[int, ...], transpose: bool,
@@ -105,6 +109,9 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                     w = g.weight(key, values.T if transpose else values, stored.sha256, np_dtype,
                                  widen=stored.widen)
                     del stored, values  # the mapping is released tensor by tensor
+                    if name not in written:  # not again for its transposed or subset form
+                        written.add(name)
+                        advance(1)
                     loaded[key] = w if np_dtype == np.float32 else \
                         g.op("Cast", w, to=onnx.TensorProto.FLOAT)
                 return loaded[key]

@@ -16,6 +16,8 @@ from typing import Callable
 import numpy as np
 
 from ..errors import UsageError
+from . import drafting
+from .gate import RowRate, SpecGate
 from .proposers import Proposer
 from .sampling import SamplingParams, accept_greedy, accept_sampling, probabilities, sample
 from .session import ModelSession
@@ -34,7 +36,10 @@ class RowStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    accepted_histogram: list[int] = field(default_factory=list)  # drafted steps by accepted
     target_calls: int = 0
+    spec_steps: int = 0  # verify steps this row took with speculation on (goodput gate)
+    plain_steps: int = 0  # ... and with it off
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,6 +65,7 @@ class Row:
     rng: np.random.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
     cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
+    rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
 
 
 def new_row(prompt: list[int], max_new_tokens: int, ctx_len: int, sp: SamplingParams,
@@ -86,13 +92,23 @@ class LoopTimes:
     total_s: float = 0.0
     target_calls: int = 0
     draft_calls: int = 0
+    catch_up_calls: int = 0  # draft prefill-window calls over tokens decoded without it
+    windows: dict[int, int] = field(default_factory=dict)  # verify steps per window K
+    gate: dict = field(default_factory=dict)  # the goodput gate's steps and switches
 
 
 class SpecDecoder:
     def __init__(self, target: ModelSession, draft: ModelSession | None,
                  proposer: Proposer | None, ks: tuple[int, ...], prefill_len: int,
-                 eos_ids: set[int], method: str, continuous_batching: bool = False):
+                 eos_ids: set[int], method: str, continuous_batching: bool = False,
+                 policy: str = "fixed", draft_p_min: float = 0.0,
+                 k_schedule: dict[int, int] | None = None):
         self.target, self.draft, self.proposer = target, draft, proposer
+        # speculation.policy (gate.py), draft_p_min (drafting.py) and the K per live batch
+        # size (k_for): how each step speculates
+        self.policy, self.draft_p_min = policy, draft_p_min
+        self.k_schedule = dict(sorted((k_schedule or {}).items()))
+        self._gates: dict[tuple, SpecGate] = {}
         self.ks, self.prefill_len, self.eos_ids, self.method = tuple(sorted(ks)), prefill_len, \
             eos_ids, method
         self.ctx_len, self.batch = target.ctx_len, target.batch_size
@@ -138,52 +154,35 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ proposals
     def _draft_proposals(self, rows: list[Row], want: list[int], times: LoopTimes):
-        """K single-token draft calls (plus catch-up calls for rows that fully accepted)."""
-        b = self.draft.batch_size
-        while True:  # catch up: every active row must have exactly one unprocessed token
-            behind = [i for i, r in enumerate(rows) if not r.done and want[i] > 0
-                      and r.draft_len < len(r.tokens) - 1]
-            if not behind:
-                break
-            ids, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
-            for i in behind:
-                ids[i, 0], pos[i, 0] = rows[i].tokens[rows[i].draft_len], rows[i].draft_len
-                rows[i].draft_len += 1
-            self._call(self.draft, ids, pos, times, "draft")
-        proposals: list[list[int]] = [[] for _ in rows]
-        q: list[list[np.ndarray]] = [[] for _ in rows]
-        for j in range(max(want, default=0)):
-            ids, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
-            for i, r in enumerate(rows):
-                if not r.done and j < want[i]:
-                    ids[i, 0] = proposals[i][-1] if j else r.tokens[-1]
-                    pos[i, 0] = len(r.tokens) - 1 + j
-            logits = self._call(self.draft, ids, pos, times, "draft")
-            for i, r in enumerate(rows):
-                if r.done or j >= want[i]:
-                    continue
-                if r.sp.greedy:
-                    proposals[i].append(int(logits[i, 0].argmax()))
-                else:
-                    probs = probabilities(logits[i, 0], r.sp)
-                    q[i].append(probs)
-                    proposals[i].append(sample(probs, r.rng))
-        for i, r in enumerate(rows):
-            if not r.done and want[i] > 0:
-                r.draft_len = len(r.tokens) + want[i] - 1  # pending + all but the last draft
-        return proposals, q
+        """Up to want[i] draft tokens per row, after bringing the draft up to date."""
+        return drafting.propose(self, rows, want, times)
+
+    def k_for(self, live_rows: int, k_max: int) -> int:
+        """The K of a step: the schedule's K for the largest scheduled batch size not above
+        the live rows (continuous batching: it follows the rows as they come and go)."""
+        ks = [k for b, k in self.k_schedule.items() if b <= live_rows]
+        return min(ks[-1], k_max) if ks else k_max
+
+    def gate(self, policy: str | None = None, k: int | None = None) -> SpecGate:
+        """The goodput gate of a policy and K (kept across calls: a server's estimates build
+        up over its requests)."""
+        key = (policy or self.policy, k)
+        if key not in self._gates:
+            self._gates[key] = SpecGate(key[0])
+        return self._gates[key]
 
     # ------------------------------------------------------------ the loop
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sp: SamplingParams,
                  k: int | None = None, on_token: TokenCallback | None = None,
-                 target_only: bool = False) -> tuple[list[Row], LoopTimes]:
+                 target_only: bool = False,
+                 policy: str | None = None) -> tuple[list[Row], LoopTimes]:
         if not prompts:
             raise UsageError("no prompts given")
         if len(prompts) > self.batch and not self.cb:
             raise UsageError(f"{len(prompts)} prompts but the bundle was compiled for batch "
                              f"size {self.batch}; pass at most {self.batch} per batch")
         rows = [new_row(p, max_new_tokens, self.ctx_len, sp, n) for n, p in enumerate(prompts)]
-        return rows, self.run_rows(rows, k, on_token, target_only)
+        return rows, self.run_rows(rows, k, on_token, target_only, policy=policy)
 
     def replay(self, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
                k: int | None = None) -> tuple[list[Row], LoopTimes]:
@@ -194,15 +193,24 @@ class SpecDecoder:
 
     def run_rows(self, rows: list[Row], k: int | None = None,
                  on_token: TokenCallback | None = None, target_only: bool = False,
-                 incoming: Callable[[int], list[Row]] | None = None) -> LoopTimes:
+                 incoming: Callable[[int], list[Row]] | None = None,
+                 policy: str | None = None) -> LoopTimes:
         """Decode `rows` to the end. `incoming(n)`, when given, is asked for up to n more rows
-        whenever KV slots are free (continuous batching: a server's queue)."""
+        whenever KV slots are free (continuous batching: a server's queue). k: one K for
+        every step (default: the K schedule, else the largest compiled K); policy: the
+        speculation policy (default: the bundle's)."""
         k_max = max(self.ks) if k is None else k
         if k is not None and k not in self.ks:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
+        can_speculate = self.draft is not None or self.proposer is not None
+        gate = self.gate(policy, k) if can_speculate and not target_only else None
+        gate_mark = (dict(gate.steps_by_mode), len(gate.switches)) if gate else None
         times = LoopTimes()
         start = time.perf_counter()
         use_draft = self.draft is not None and not target_only
+        # A gated run may never speculate on a request: its draft prefill waits until it does
+        # (drafting.catch_up reads the prompt through the same prefill window then).
+        lazy_draft = gate is not None and gate.policy != "fixed"
         self._proposing = self.proposer is not None and not target_only
         idle = Row([0], 1, tokens=[0], done=True)
         slots = [idle] * self.batch  # the row decoded in each batch position / KV slot
@@ -224,14 +232,18 @@ class SpecDecoder:
                     r.stats.ttft_s = time.perf_counter() - r.arrival
                     slots[s] = r
                     self._commit(s, r, [first], on_token)
-                if use_draft:
+                if use_draft and lazy_draft:  # the draft reads the prompt when first needed
+                    for r in group_rows:
+                        r.draft_len = 0
+                elif use_draft:
                     self._prefill(self.draft, group_rows, times, "draft", slot)
                     for r in group_rows:
                         r.draft_len = len(r.prompt)
-                if self._proposing:
+                if self._proposing:  # as vLLM: the prompt, then the first sampled token
                     for s, r in group:
                         self.proposer.finish(s)
-                        self.proposer.start(s, r.tokens)
+                        self.proposer.start(s, r.prompt)
+                        self.proposer.extend(s, r.tokens[len(r.prompt):])
             times.prefill_s += time.perf_counter() - t0
 
         admit([(s, waiting.pop()) for s in range(min(self.batch, len(waiting)))])
@@ -251,23 +263,52 @@ class SpecDecoder:
                 if waiting:  # every admitted request ended at its first token
                     continue
                 break
-            room = [0 if r.done else max(0, min(k_max, r.limit - len(r.tokens) - 1))
-                    for r in slots]
-            if target_only:
-                want, proposals, q = [0] * len(slots), [[] for _ in slots], None
-            elif use_draft:
-                want = room
-                proposals, q = self._draft_proposals(slots, want, times)
-            else:
-                proposals = [self.proposer.propose(i, room[i]) if not r.done else []
-                             for i, r in enumerate(slots)]
-                want, q = [len(p) for p in proposals], None
-            self._verify(slots, proposals, q, times, on_token)
+            self._step(slots, k_max if k is not None else None, gate, use_draft, times,
+                       on_token)
         times.total_s = time.perf_counter() - start
+        if gate is not None:
+            steps, switches = gate_mark
+            times.gate = {"policy": gate.policy, "steps_with_speculation":
+                          gate.steps_by_mode["spec"] - steps["spec"],
+                          "steps_without_speculation":
+                          gate.steps_by_mode["plain"] - steps["plain"],
+                          "policy_switches": gate.switches[switches:]}
         if self._proposing:
             for i in range(self.batch):
                 self.proposer.finish(i)
         return times
+
+    def _step(self, slots: list[Row], k_fixed: int | None, gate: SpecGate | None,
+              use_draft: bool, times: LoopTimes, on_token: TokenCallback | None) -> None:
+        """One verify step over the slots: the gate's mode, the step's K, the proposals, the
+        verification; then the step's seconds and each row's new tokens go to the gate."""
+        t0 = time.perf_counter()
+        live = [r for r in slots if not r.done]
+        k_step = k_fixed if k_fixed is not None else self.k_for(len(live), max(self.ks))
+        mode = "plain" if gate is None else gate.choose([r.rate for r in live])
+        k_now = k_step if mode == "spec" else 0
+        room = [0 if r.done else max(0, min(k_now, r.limit - len(r.tokens) - 1)) for r in slots]
+        if not any(room):
+            proposals, q = [[] for _ in slots], None
+        elif use_draft:
+            proposals, q = self._draft_proposals(slots, room, times)
+        else:
+            proposals = [self.proposer.propose(i, room[i]) if room[i] else []
+                         for i in range(len(slots))]
+            q = None
+        before = [len(r.tokens) for r in live]
+        for r in live if gate is not None else ():  # counted before a caller sees rows end
+            if mode == "spec":
+                r.stats.spec_steps += 1
+            else:
+                r.stats.plain_steps += 1
+        self._verify(slots, proposals, q, times, on_token)
+        if gate is None:
+            return
+        # the draft catching up after plain steps is part of what speculating costs (the
+        # gate clips a step's time at twice its estimate, so it weighs in without swamping)
+        seconds = time.perf_counter() - t0
+        gate.record(mode, seconds, [(r.rate, len(r.tokens) - n) for r, n in zip(live, before)])
 
     def _verify(self, rows: list[Row], proposals: list[list[int]], q, times: LoopTimes,
                 on_token: TokenCallback | None):
@@ -276,6 +317,7 @@ class SpecDecoder:
         if k_step is None:
             raise UsageError(f"a proposal of {need} tokens exceeds the compiled Ks {list(self.ks)}")
         s = k_step + 1
+        times.windows[k_step] = times.windows.get(k_step, 0) + 1
         ids = np.zeros((self.batch, s), np.int64)
         pos = np.full((self.batch, s), -1, np.int64)
         first_slot = [0] * len(rows)
@@ -308,8 +350,8 @@ class SpecDecoder:
             old_len = len(r.tokens)
             new = drafts[:n] + [nxt]
             r.target_len = old_len + n
-            if self.draft is not None and drafts:
-                r.draft_len = min(r.draft_len, old_len + min(n, len(drafts) - 1))
+            if self.draft is not None and drafts:  # the draft's KV of rejected tokens is stale
+                r.draft_len = min(r.draft_len, old_len + min(n, len(drafts)))
             r.tokens.extend(new)
             # Accepted drafts after an EOS are cut from the output, so they are not counted.
             self._commit(i, r, new, on_token, lambda: self._count(
@@ -325,6 +367,9 @@ class SpecDecoder:
         st.num_drafts += 1
         st.num_draft_tokens += drafted
         st.num_accepted_tokens += accepted
+        if len(st.accepted_histogram) <= accepted:
+            st.accepted_histogram += [0] * (accepted + 1 - len(st.accepted_histogram))
+        st.accepted_histogram[accepted] += 1
         if len(st.accepted_per_pos) < drafted:
             st.accepted_per_pos += [0] * (drafted - len(st.accepted_per_pos))
         for j in range(accepted):

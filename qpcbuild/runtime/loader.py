@@ -20,6 +20,7 @@ from ..bundle.signature import check_signature
 from ..errors import BundleError, UsageError
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
+from .gate import POLICIES
 from .proposers import make_proposer
 from .sampling import SamplingParams
 from .session import OrtSession, Specialization, thread_count
@@ -102,7 +103,7 @@ def check_memory(bundle: Path, manifest: dict, roles: list[str]) -> None:
 
 class Generator:
     def __init__(self, bundle: Path, manifest: dict, backend: str, method: str,
-                 k: int | None):
+                 k: int | None, spec_policy: str | None = None):
         from tokenizers import Tokenizer
 
         self.bundle, self.manifest, self.backend, self.method = bundle, manifest, backend, method
@@ -134,7 +135,9 @@ class Generator:
         self.target = _open_session(bundle, manifest, "target", backend)
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
-        self.decoder = build_decoder(manifest, self.target, self.draft, method, self.eos_ids)
+        self.spec_policy = spec_policy  # None: the bundle's speculation.policy
+        self.decoder = build_decoder(manifest, self.target, self.draft, method, self.eos_ids,
+                                     spec_policy)
 
     def sibling(self, method: str | None = None, target_only: bool = False) -> "Generator":
         """A Generator over the same sessions (nothing is loaded again) for another method the
@@ -148,7 +151,8 @@ class Generator:
         g.method = method
         g.draft = self.draft if method == "draft_model" and not target_only else None
         g.decoder = build_decoder(self.manifest, self.target, g.draft,
-                                  None if target_only else method, self.eos_ids)
+                                  None if target_only else method, self.eos_ids,
+                                  self.spec_policy)
         g.decoder.method = method
         return g
 
@@ -172,8 +176,9 @@ class Generator:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, on_token: TokenCallback | None = None,
                  target_only: bool = False, k: int | None = None, chat: bool = False,
-                 system: str | None = None) -> GenerationResult:
+                 system: str | None = None, policy: str | None = None) -> GenerationResult:
         """k: one of the compiled Ks for this call only (default: the K given to `load`).
+        policy: the speculation policy for this call (auto | fixed | off; default: load's).
         chat: each prompt is a user message (or a list of messages) put through the bundle's
         chat template; `system` opens each conversation that has no system message."""
         if isinstance(prompts, str) or (chat and prompts and isinstance(prompts[0], dict)):
@@ -194,8 +199,11 @@ class Generator:
         else:
             ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
         sp = SamplingParams(temperature, top_k, top_p, seed)
+        if policy is not None and policy not in POLICIES:
+            raise UsageError(f"unknown speculation policy '{policy}' ({' | '.join(POLICIES)})")
         rows, times = self.decoder.generate(ids, max_new_tokens, sp,
-                                            self.k if k is None else k, on_token, target_only)
+                                            self.k if k is None else k, on_token, target_only,
+                                            policy)
         texts = [self.tokenizer.decode(r.tokens[len(r.prompt):]) for r in rows]
         method = "target_only" if target_only else self.method
         return GenerationResult(texts, rows, summarize(rows, times, method))
@@ -211,19 +219,24 @@ def new_proposer(manifest: dict, method: str | None):
 
 
 def build_decoder(manifest: dict, target, draft, method: str | None,
-                  eos_ids: set[int]) -> SpecDecoder:
+                  eos_ids: set[int], spec_policy: str | None = None) -> SpecDecoder:
     """The one way a SpecDecoder is made from a bundle: its compiled Ks, prefill chunk and
-    continuous batching, with `method`'s proposer (method None: target-only, no proposer)."""
-    shapes = manifest["shapes"]
-    return SpecDecoder(target, draft, new_proposer(manifest, method),
-                       tuple(manifest["roles"]["target"]["compiled_ks"]),
+    continuous batching, with `method`'s proposer (method None: target-only, no proposer),
+    and how it speculates (the bundle's policy unless `spec_policy` says otherwise)."""
+    shapes, spd = manifest["shapes"], manifest["speculation"]
+    ks = tuple(manifest["roles"]["target"]["compiled_ks"])
+    schedule = {int(b): k for b, k in (spd.get("k_schedule") or {}).items() if k in ks}
+    return SpecDecoder(target, draft, new_proposer(manifest, method), ks,
                        shapes["prefill_seq_len"], eos_ids, method or "target_only",
-                       bool(shapes.get("full_batch_size")))
+                       bool(shapes.get("full_batch_size")),
+                       policy=spec_policy or spd.get("policy", "fixed"),
+                       draft_p_min=float(spd.get("draft_p_min", 0.0)), k_schedule=schedule)
 
 
 def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = None,
          k: int | None = None, verify: str = "full", ctx_len: int | None = None,
-         batch_size: int | None = None, signed_by: str | Path | None = None) -> Generator:
+         batch_size: int | None = None, signed_by: str | Path | None = None,
+         spec_policy: str | None = None) -> Generator:
     """Open a bundle. verify: "full" (SHA-256 of every file), "fast" (presence and sizes, for
     huge QPCs) or "none". `ctx_len` / `batch_size`, when given, are what the caller expects the
     bundle to be compiled for: a bundle built for other shapes is refused. `signed_by`: a public
@@ -257,4 +270,6 @@ def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = 
     if method == "draft_model" and "draft" not in manifest["roles"]:
         raise UsageError(f"this bundle has no draft model (built for '{built_method}'); use "
                          "--method ngram or --method suffix")
-    return Generator(bundle, manifest, backend, method, k)
+    if spec_policy is not None and spec_policy not in POLICIES:
+        raise UsageError(f"unknown speculation policy '{spec_policy}' ({' | '.join(POLICIES)})")
+    return Generator(bundle, manifest, backend, method, k, spec_policy)

@@ -1,14 +1,15 @@
-"""Model-free draft proposers for speculative decoding.
+"""Model-free draft proposers for speculative decoding, proposing exactly what vLLM's do.
 
-Both proposers guess the next tokens of a request from text that has already
-been seen, so drafting costs no model forward pass. The runtime loop drives
-them per batch row: ``start`` with the prompt, ``extend`` with every token
-accepted since, ``propose`` before each verification step, ``finish`` at end.
+Both guess the next tokens of a request from tokens already seen, so drafting costs no model
+forward pass. The runtime loop drives them per batch row: ``start`` with the prompt,
+``extend`` with every token sampled since (the first one included), ``propose`` before each
+verification step, ``finish`` at the end. `ngram` is vLLM 0.32's ngram proposer and `suffix`
+its suffix proposer (arctic-inference's SuffixDecodingCache), token for token; tests compare
+both against proposals recorded from vLLM itself (tests/fixtures/vllm_proposals.json).
 
-Calling ``start`` for an id that is already live replaces its state (the old
-sequence is dropped, not cached). ``extend``/``propose`` on an unknown id raise
-``KeyError`` because that is a bookkeeping bug in the caller; ``finish`` on an
-unknown id is a no-op so abort paths may call it unconditionally.
+Calling ``start`` for an id that is already live finishes it first. ``extend``/``propose`` on
+an unknown id raise ``KeyError`` because that is a bookkeeping bug in the caller; ``finish``
+on an unknown id is a no-op so abort paths may call it unconditionally.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
+
+from .suffix_tree import SuffixTree
 
 __all__ = ["Proposer", "NgramProposer", "SuffixProposer", "make_proposer"]
 
@@ -55,38 +58,51 @@ def _require_float(name: str, value: object, low: float, high: float) -> float:
 
 # --------------------------------------------------------------------------- ngram
 
+VLLM_NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min/max when neither is given
+
+
+def vllm_lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
+    """vLLM's resolution of prompt_lookup_min/max: neither given -> 5 and 5; one given -> the
+    other takes its value."""
+    if lo is None and hi is None:
+        return VLLM_NGRAM_DEFAULT, VLLM_NGRAM_DEFAULT
+    return (hi if lo is None else lo), (lo if hi is None else hi)
+
 
 @dataclass
 class _NgramState:
     tokens: list[int] = field(default_factory=list)
-    # last_start[i] maps an n-gram (n = min + i) to its latest start position,
-    # covering only n-grams that are followed by at least one token.
-    last_start: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+    # first_start[i] maps an n-gram (n = min + i) to its earliest start position, covering
+    # only n-grams that are followed by at least one token.
+    first_start: list[dict[tuple[int, ...], int]] = field(default_factory=list)
 
 
 class NgramProposer:
-    """Prompt lookup decoding: copy what followed the latest earlier match of the suffix.
+    """Prompt lookup decoding as vLLM's ngram proposer does it: the longest n-gram (n in
+    [prompt_lookup_min, prompt_lookup_max]) that ends the context and occurred before, at its
+    EARLIEST occurrence, and up to max_tokens of what followed it there.
 
-    Longer suffixes are tried first; for a given length the most recent earlier
-    occurrence wins. Tables are updated incrementally so ``propose`` costs
-    O(prompt_lookup_max**2) regardless of context length.
+    Tables are updated incrementally (an n-gram's first occurrence never changes), so
+    ``propose`` costs O(prompt_lookup_max - prompt_lookup_min) lookups at any context length.
     """
 
     name = "ngram"
 
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
-        self.prompt_lookup_min = _require_int("prompt_lookup_min", prompt_lookup_min, 1)
-        self.prompt_lookup_max = _require_int("prompt_lookup_max", prompt_lookup_max, 1)
-        if prompt_lookup_min > prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({prompt_lookup_min}) must be <= "
-                f"prompt_lookup_max ({prompt_lookup_max})"
-            )
+    def __init__(self, prompt_lookup_min: int | None = None,
+                 prompt_lookup_max: int | None = None) -> None:
+        for key, value in (("prompt_lookup_min", prompt_lookup_min),
+                           ("prompt_lookup_max", prompt_lookup_max)):
+            if value is not None:
+                _require_int(key, value, 1)
+        lo, hi = vllm_lookup_range(prompt_lookup_min, prompt_lookup_max)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         self._states: dict[int, _NgramState] = {}
 
     def start(self, request_id: int, prompt: Sequence[int]) -> None:
         n_sizes = self.prompt_lookup_max - self.prompt_lookup_min + 1
-        self._states[request_id] = _NgramState(last_start=[{} for _ in range(n_sizes)])
+        self._states[request_id] = _NgramState(first_start=[{} for _ in range(n_sizes)])
         # Same code path as generation so fresh and incremental states are identical.
         self.extend(request_id, prompt)
 
@@ -96,10 +112,10 @@ class NgramProposer:
         for tok in tokens:
             end = len(seq)  # n-grams ending just before the new token now gain a continuation
             seq.append(int(tok))
-            for i, table in enumerate(state.last_start):
+            for i, table in enumerate(state.first_start):
                 n = self.prompt_lookup_min + i
                 if end >= n:
-                    table[tuple(seq[end - n : end])] = end - n
+                    table.setdefault(tuple(seq[end - n:end]), end - n)
 
     def propose(self, request_id: int, max_tokens: int) -> list[int]:
         state = self._states[request_id]
@@ -110,10 +126,9 @@ class NgramProposer:
         for n in range(self.prompt_lookup_max, self.prompt_lookup_min - 1, -1):
             if length <= n:  # need the suffix plus at least one earlier token
                 continue
-            table = state.last_start[n - self.prompt_lookup_min]
-            pos = table.get(tuple(seq[length - n :]))
+            pos = state.first_start[n - self.prompt_lookup_min].get(tuple(seq[length - n:]))
             if pos is not None:
-                return seq[pos + n : pos + n + max_tokens]
+                return seq[pos + n:pos + n + max_tokens]
         return []
 
     def finish(self, request_id: int) -> None:
@@ -123,62 +138,23 @@ class NgramProposer:
 # -------------------------------------------------------------------------- suffix
 
 
-class _Node:
-    __slots__ = ("count", "children")  # tries get large; slots roughly halve node size
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] = {}
-
-
-def _lookup(root: _Node, path: Sequence[int]) -> _Node | None:
-    node: _Node | None = root
-    for tok in path:
-        node = node.children.get(tok)
-        if node is None:
-            return None
-    return node
-
-
-def _add_sequence(root: _Node, seq: Sequence[int], depth: int, delta: int) -> None:
-    """Add (delta=+1) or remove (delta=-1) every substring of ``seq`` up to ``depth`` tokens."""
-    for i in range(len(seq)):
-        node = root
-        for tok in seq[i : i + depth]:
-            child = node.children.get(tok)
-            if child is None:
-                if delta < 0:  # cannot happen when counts are consistent; stay safe
-                    break
-                child = node.children[tok] = _Node()
-            child.count += delta
-            if child.count <= 0:
-                # A node's count bounds its subtree's counts, so the whole branch is dead.
-                del node.children[tok]
-                break
-            node = child
-
-
 @dataclass
-class _SuffixState:
-    tokens: list[int] = field(default_factory=list)
-    root: _Node = field(default_factory=_Node)
-    # Trie nodes of the context's suffixes of length 1..max_tree_depth-1, shortest first;
-    # extending each by the next token indexes exactly the new substrings.
-    active: list[_Node] = field(default_factory=list)
+class _Request:
+    tokens: list[int]  # prompt + response so far
+    local: SuffixTree  # this request's prompt and response
+    seq_id: int | None  # its response's id in the global tree (None: not cached)
 
 
 class SuffixProposer:
-    """Suffix decoding over the live request plus a FIFO cache of finished requests.
+    """Suffix decoding as vLLM's suffix proposer does it (arctic-inference's
+    SuffixDecodingCache under vLLM's settings).
 
-    Every substring of at most ``max_tree_depth`` tokens is counted in a trie,
-    one per live request and one shared for the cache; lookups sum both, so the
-    trie depth bounds match length plus proposal length. The match is the
-    longest context suffix with at least one recorded continuation (the
-    context's own trailing occurrence never has one, but it does count towards
-    the parent total used for probabilities). The walk takes the most
-    frequent child; ties go to the smaller token id. It stops when the child's
-    count / parent count drops below ``min_token_prob`` or after
-    ``min(max_tokens, max(1, floor(max_spec_factor * match_len)))`` tokens.
+    Each live request has a tree of its own prompt and response; one global tree holds the
+    responses (never prompts) of the last ``max_cached_requests`` requests started, live ones
+    included, evicted oldest first. A proposal speculates from the last ``max_tree_depth``
+    tokens in both trees (see suffix_tree.py) and keeps the higher-scoring draft (ties: the
+    request's own tree). Request ids may be reused once finished: a finished request's
+    response stays in the global tree under an id of its own.
     """
 
     name = "suffix"
@@ -190,94 +166,60 @@ class SuffixProposer:
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
     ) -> None:
-        # Depth 1 could hold a match but never a continuation, so it is useless.
-        self.max_tree_depth = _require_int("max_tree_depth", max_tree_depth, 2)
+        self.max_tree_depth = _require_int("max_tree_depth", max_tree_depth, 1)
         self.max_cached_requests = _require_int("max_cached_requests", max_cached_requests, 0)
         self.max_spec_factor = _require_float("max_spec_factor", max_spec_factor, 0.0, math.inf)
         self.min_token_prob = _require_float("min_token_prob", min_token_prob, 0.0, 1.0)
-        self._states: dict[int, _SuffixState] = {}
-        self._cache_root = _Node()
-        self._cache: deque[tuple[int, ...]] = deque()
+        self._live: dict[int, _Request] = {}
+        self._global = SuffixTree(self.max_tree_depth)
+        self._cached: deque[int] = deque()  # global-tree seq ids, oldest first
+        self._next_seq = 0
 
     @property
     def cached_requests(self) -> int:
-        return len(self._cache)
+        return len(self._cached)
 
     def start(self, request_id: int, prompt: Sequence[int]) -> None:
-        self._states[request_id] = _SuffixState()
-        self.extend(request_id, prompt)
+        self.finish(request_id)
+        local = SuffixTree(self.max_tree_depth)
+        local.extend(0, prompt)
+        seq_id = None
+        if self.max_cached_requests:
+            seq_id, self._next_seq = self._next_seq, self._next_seq + 1
+            self._cached.append(seq_id)
+            while len(self._cached) > self.max_cached_requests:
+                self._evict(self._cached.popleft())
+        self._live[request_id] = _Request([int(t) for t in prompt], local, seq_id)
+
+    def _evict(self, seq_id: int) -> None:
+        if seq_id in self._global._seqs:
+            self._global.remove(seq_id)
+        for req in self._live.values():  # a live request evicted stops adding its response
+            if req.seq_id == seq_id:
+                req.seq_id = None
 
     def extend(self, request_id: int, tokens: Sequence[int]) -> None:
-        state = self._states[request_id]
-        limit = self.max_tree_depth
-        for tok in tokens:
-            tok = int(tok)
-            state.tokens.append(tok)
-            new_active: list[_Node] = []
-            # Parents have depths 0..len(active); children deeper than the limit are not kept.
-            for parent in [state.root, *state.active]:
-                child = parent.children.get(tok)
-                if child is None:
-                    child = parent.children[tok] = _Node()
-                child.count += 1
-                if len(new_active) + 1 < limit:
-                    new_active.append(child)
-            state.active = new_active
+        req = self._live[request_id]
+        tokens = [int(t) for t in tokens]
+        req.tokens += tokens
+        req.local.extend(0, tokens)
+        if req.seq_id is not None:
+            self._global.extend(req.seq_id, tokens)
 
     def propose(self, request_id: int, max_tokens: int) -> list[int]:
-        state = self._states[request_id]
+        req = self._live[request_id]
         if max_tokens <= 0:
             return []
-        match_len, nodes = self._longest_match(state)
-        if match_len == 0:
-            return []
-        budget = min(max_tokens, max(1, math.floor(self.max_spec_factor * match_len)))
-        out: list[int] = []
-        while len(out) < budget:
-            parent_count = sum(n.count for n in nodes)
-            merged: dict[int, int] = {}
-            for n in nodes:
-                for tok, child in n.children.items():
-                    merged[tok] = merged.get(tok, 0) + child.count
-            if not merged:
-                break
-            tok, count = min(merged.items(), key=lambda kv: (-kv[1], kv[0]))
-            if count < self.min_token_prob * parent_count:
-                break
-            out.append(tok)
-            nodes = [n.children[tok] for n in nodes if tok in n.children]
-        return out
+        context = req.tokens[-self.max_tree_depth:]
+        args = (max_tokens, self.max_spec_factor, 0.0, self.min_token_prob)
+        own = req.local.speculate(context, *args, known=req.local.suffix_nodes(0))
+        cached = self._global.speculate(
+            context, *args, known=() if req.seq_id is None else
+            self._global.suffix_nodes(req.seq_id))
+        return list((own if own.score >= cached.score else cached).token_ids)
 
     def finish(self, request_id: int) -> None:
-        state = self._states.pop(request_id, None)
-        if state is None or self.max_cached_requests == 0:
-            return
-        seq = tuple(state.tokens)
-        _add_sequence(self._cache_root, seq, self.max_tree_depth, +1)
-        self._cache.append(seq)
-        while len(self._cache) > self.max_cached_requests:
-            _add_sequence(self._cache_root, self._cache.popleft(), self.max_tree_depth, -1)
-
-    def _longest_match(self, state: _SuffixState) -> tuple[int, list[_Node]]:
-        """Longest context suffix with a continuation in either trie, and its nodes."""
-        context = state.tokens
-        roots = (state.root, self._cache_root)
-
-        def nodes_for(k: int) -> list[_Node]:
-            # Childless nodes are kept: their counts still belong in the parent total.
-            found = (_lookup(r, context[len(context) - k :]) for r in roots)
-            return [n for n in found if n is not None]
-
-        # "Has a continuation" is monotone in k: if x+s is followed by c, so is s
-        # (s+c is a shorter substring, hence also indexed). Binary search it.
-        lo, hi = 0, min(len(context), self.max_tree_depth - 1)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if any(n.children for n in nodes_for(mid)):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, (nodes_for(lo) if lo else [])
+        self._live.pop(request_id, None)
 
 
 # ------------------------------------------------------------------------- factory

@@ -39,6 +39,8 @@ def replay(decoder: SpecDecoder, prompts: list[list[int]], outputs: list[list[in
         for name in ("prefill_s", "draft_s", "target_s", "total_s", "target_calls",
                      "draft_calls"):
             setattr(total, name, getattr(total, name) + getattr(times, name))
+        for w, n in times.windows.items():
+            total.windows[w] = total.windows.get(w, 0) + n
         rows_all += rows
     return rows_all, total
 
@@ -49,7 +51,7 @@ class KnownTarget(SpecDecoder):
 
     def __init__(self, base: SpecDecoder):
         super().__init__(base.target, base.draft, base.proposer, base.ks, base.prefill_len,
-                         base.eos_ids, base.method, base.cb)
+                         base.eos_ids, base.method, base.cb, draft_p_min=base.draft_p_min)
         self.known: dict[int, list[int]] = {}  # row index -> prompt + output
         self._in_slot: dict[int, list[int]] = {}
 

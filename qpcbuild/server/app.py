@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -33,9 +34,14 @@ MAX_BODY = 4 << 20
 BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive (a stalled client gets 408)
 
 
+# An absolute path (not part of a URL): clients are not told where the server keeps its files.
+_SERVER_PATH = re.compile(r"(?<![\w:/.~-])/[^\s'\":;,()]+")
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
+        message = _SERVER_PATH.sub("<server path>", message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code
@@ -119,6 +125,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
     def on_finish(job: Job) -> None:
         if metrics is not None and job.error is None:
             metrics.record(job.row)
+            metrics.record_switches(gen.decoder.gate().switches)
 
     worker = EngineWorker(gen, on_finish)
     metrics = ServerMetrics(model_name, lambda: worker.running, lambda: worker.waiting)
@@ -197,7 +204,8 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                        for i, (t, r) in enumerate(zip(texts, reasons))]
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else
                              "text_completion", "created": created, "model": model_name,
-                             "choices": choices, "usage": usage})
+                             "choices": choices, "usage": usage,
+                             "metrics": request_metrics(jobs, max(gen.ks))})
 
     async def collect_all(jobs: list[Job], streams: list[_Stream], stops: list[str]):
         return [await collect(job, stream, stops) for job, stream in zip(jobs, streams)]
@@ -333,6 +341,25 @@ async def _hung_up(request: Request) -> None:
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def request_metrics(jobs: list[Job], k_max: int) -> dict[str, Any] | None:
+    """vLLM's per-request `metrics.speculative_decoding` (one sequence per request, else null,
+    as vLLM), with the per-position counts and the gate's steps beside it."""
+    if len(jobs) != 1:
+        return None
+    st = jobs[0].row.stats
+    hist = (st.accepted_histogram + [0] * (k_max + 1))[:max(k_max + 1,
+                                                            len(st.accepted_histogram))]
+    return {"speculative_decoding": {
+        "mean_acceptance_length": st.mean_acceptance_length,
+        "draft_acceptance_rate": st.acceptance_rate,
+        "acceptance_histogram": hist, "num_spec_steps": st.num_drafts,
+        "num_accepted_draft_tokens": st.num_accepted_tokens,
+        "num_draft_tokens": st.num_draft_tokens, "num_spec_tokens": k_max,
+        "num_accepted_tokens_per_pos": list(st.accepted_per_pos),
+        "steps_with_speculation": st.spec_steps,
+        "steps_without_speculation": st.plain_steps}}
 
 
 def _usage(jobs: list[Job]) -> dict[str, int]:

@@ -48,15 +48,30 @@ class ServerMetrics:
         self.gen_hist = Histogram("vllm:request_generation_tokens",
                                   "Generated tokens per request.", labels,
                                   buckets=TOKEN_BUCKETS, registry=r)
+        # the goodput gate (docs/adaptive.md); not vLLM metrics, so under qpcbuild's own names
+        self.spec_steps = counter("qpcbuild:spec_decode_steps", "Verify steps with and without "
+                                  "speculation.", ["speculation"])
+        self.policy_switches = counter("qpcbuild:spec_decode_policy_switches",
+                                       "Times the goodput gate turned speculation on or off.",
+                                       ["to"])
+        self._switches_seen = 0
         Gauge("vllm:num_requests_running", "Requests being decoded.", labels,
               registry=r).labels(model_name).set_function(running)
         Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", labels,
               registry=r).labels(model_name).set_function(waiting)
         self._drafted = self._accepted = 0
 
+    def record_switches(self, switches: list[dict]) -> None:
+        """The gate's switches so far (all of them, in order); counts the new ones."""
+        for s in switches[self._switches_seen:]:
+            self.policy_switches.labels(self.model, "on" if s["to"] == "spec" else "off").inc()
+        self._switches_seen = max(self._switches_seen, len(switches))
+
     def record(self, row) -> None:
         """A finished request: its prompt, its tokens, its latencies and its speculation."""
         m, st = self.model, row.stats
+        self.spec_steps.labels(m, "on").inc(st.spec_steps)
+        self.spec_steps.labels(m, "off").inc(st.plain_steps)
         self.num_drafts.labels(m).inc(st.num_drafts)
         self.num_draft_tokens.labels(m).inc(st.num_draft_tokens)
         self.num_accepted_tokens.labels(m).inc(st.num_accepted_tokens)

@@ -50,10 +50,12 @@ def summed_run(gen, ids: list[list[int]], max_new_tokens: int, k: int | None,
 
 
 def replayed(gen, prompt_ids: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
-             k: int) -> dict[str, Any]:
+             k: int, draft_p_min: float = 0.0) -> dict[str, Any]:
     """Statistics of `gen`'s method at K over the prompt set, replayed by the engine (a fresh
-    proposer for the set, requests in order, as a real run from a fresh proposer)."""
+    proposer for the set, requests in order, as a real run from a fresh proposer), with the
+    draft's confidence stop at `draft_p_min`."""
     g = gen.sibling(gen.method)
+    g.decoder.draft_p_min = draft_p_min
     rows, times = g.decoder.replay(prompt_ids, outputs, max_new_tokens, k)
     st = summarize(rows, times, gen.method)
     per_pos = list(st["spec_decode_num_accepted_tokens_per_pos"])
@@ -65,4 +67,5 @@ def replayed(gen, prompt_ids: list[list[int]], outputs: list[list[int]], max_new
             "accepted": st["spec_decode_num_accepted_tokens"], "per_pos": per_pos,
             "draft_calls": times.draft_calls, "tokens": st["new_tokens"] - len(rows),
             "alpha": conditional_acceptance(per_pos, drafts),
+            "windows": dict(times.windows),
             "proposal_fraction": drafts / steps if steps else 0.0}

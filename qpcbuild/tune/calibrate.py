@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from ..errors import UsageError
 from .acceptance import replayed, summed_run
-from .model import best_k_per_batch, choose_k, host_model, predict, recommended_ks
+from .model import (P_MIN_GRID, best_k_per_batch, choose_k, confidence_stop_table, host_model,
+                    predict, recommended_ks)
 
 Say = Callable[[str], None]
 DEFAULT_K_MAX = 8
@@ -82,9 +83,10 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
         host, host_base = (lambda k: 0.0), 0.0
     alphas = {k: sims[k]["alpha"] for k in ks}
     fractions = {k: sims[k]["proposal_fraction"] for k in ks}
-    tables, details = {}, {}
+    tables, details, measured = {}, {}, {}
     for b in batches:
         t_verify, t_draft, details[b] = costs(ks, position, b)
+        measured[b] = (t_verify, t_draft)
         tables[b] = predict(method, alphas, t_draft, t_verify, host, fractions, ks,
                             host_target_only=host_base)
     rows, detail = tables[batches[0]], details[batches[0]]
@@ -149,7 +151,34 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
     }
     if len(batches) > 1:
         out["per_batch"] = best_k_per_batch(tables)
+    if method == "draft_model":
+        say(f"confidence stop: the loop replayed at K={k_max} for draft_p_min in "
+            f"{', '.join(f'{p:g}' for p in P_MIN_GRID)}")
+        out["confidence_stop"] = _confidence_stop(gen, ids, outputs, max_new_tokens, k_max,
+                                                  sims[k_max], measured[batches[0]],
+                                                  host(k_max), host_base,
+                                                  by_k[k]["tokens_per_s"])
     return out
+
+
+def _confidence_stop(gen, ids, outputs, max_new_tokens, k_max, plain_sim, costs, host,
+                     host_base, fixed_best) -> dict[str, Any]:
+    """The best draft_p_min and the Ks it verifies in, against the best fixed K."""
+    t_verify, t_draft = costs
+    runs = {}
+    for p in P_MIN_GRID:
+        sim = plain_sim if p == 0 else replayed(gen, ids, outputs, max_new_tokens, k_max, p)
+        runs[p] = {"tokens": sim["tokens"], "windows": sim["windows"],
+                   "draft_calls": sim["draft_calls"]}
+    per_call = t_draft[k_max] / k_max if isinstance(t_draft, dict) else (t_draft or 0.0)
+    base_rate = 1.0 / (t_verify[min(t_verify)] + host_base)
+    rows = confidence_stop_table(runs, t_verify, per_call, host, base_rate)
+    best = max(rows, key=lambda r: (r["tokens_per_s"], -r["draft_p_min"]))
+    return {"draft_p_min": best["draft_p_min"], "ks": best["ks"],
+            "predicted_tokens_per_s": best["tokens_per_s"],
+            "predicted_speedup": best["predicted_speedup"],
+            "beats_best_fixed_k": best["draft_p_min"] > 0 and best["tokens_per_s"] > fixed_best,
+            "k_max": k_max, "table": rows}
 
 
 def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K_MAX,

@@ -133,3 +133,34 @@ def best_k_per_batch(tables: dict[int, list[dict[str, Any]]]) -> list[dict[str, 
                     "table": [{key: r[key] for key in ("k", "cost_ms", "tokens_per_s",
                                                        "predicted_speedup")} for r in rows]})
     return out
+
+
+P_MIN_GRID = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+WINDOW_SHARE = 0.05  # a K is worth compiling when at least this share of steps verify in it
+
+
+def confidence_stop_table(runs: dict[float, dict[str, Any]], t_verify: dict[int, float],
+                          t_draft_call: float, host: float, base_rate: float
+                          ) -> list[dict[str, Any]]:
+    """Confidence-stopped drafting (draft_p_min) per threshold, from the loop replayed at K_max
+    with that threshold: its tokens, its steps by verify window (each proposal verifies in the
+    smallest compiled window holding it; all of 1..K_max are compiled for the replay) and its
+    draft calls, priced with the measured costs: sum_w steps_w t_verify(w) + draft calls x
+    t_draft + steps x h. The Ks to compile are the windows that at least WINDOW_SHARE of the
+    steps used, and K_max."""
+    rows = []
+    for p_min, run in sorted(runs.items()):
+        windows = {int(k): n for k, n in run["windows"].items()}
+        steps = sum(windows.values())
+        cost = sum(n * t_verify[k] for k, n in windows.items()) + \
+            run["draft_calls"] * t_draft_call + steps * host
+        rate = run["tokens"] / cost if cost > 0 else 0.0
+        ks = sorted({k for k, n in windows.items() if n >= WINDOW_SHARE * steps} |
+                    {max(windows)})
+        rows.append({"draft_p_min": p_min, "tokens_per_s": round(rate, 2),
+                     "predicted_speedup": round(rate / base_rate, 3) if base_rate else None,
+                     "tokens_per_step": round(run["tokens"] / steps, 4) if steps else 0.0,
+                     "draft_calls_per_step": round(run["draft_calls"] / steps, 3)
+                     if steps else 0.0,
+                     "steps_by_window": dict(sorted(windows.items())), "ks": ks})
+    return rows

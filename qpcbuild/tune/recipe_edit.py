@@ -16,6 +16,7 @@ from .model import recommended_ks
 
 TUNE_MARK = "# tune:"
 K_KEY = "num_speculative_tokens"
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
 
 def _yaml():
@@ -79,9 +80,12 @@ def _flow_list(items: list[int]):
 
 
 def set_k_in_text(text: str, method: str, k: int, comment: list[str],
-                  model_paths: dict[str, str] | None = None) -> str:
+                  model_paths: dict[str, str] | None = None,
+                  schedule: dict[int, int] | None = None,
+                  stop: dict[str, Any] | None = None) -> str:
     """The recipe text with num_speculative_tokens = K, `comment` (lines starting with
-    TUNE_MARK) above it, and `model_paths` as the roles' model folders."""
+    TUNE_MARK) above it, `model_paths` as the roles' model folders and, when given, the K per
+    batch size of `tune --per-batch` as num_speculative_tokens_per_batch_size."""
     from ruamel.yaml.comments import CommentedMap
 
     y = _yaml()
@@ -111,6 +115,18 @@ def set_k_in_text(text: str, method: str, k: int, comment: list[str],
     note = "tuned (see above)" + (f"; {kept} kept from the list" if kept else
                                   f"; compiled as {ks}" if len(ks) > 1 else "")
     _set_eol_comment(spec, K_KEY, note)
+    if stop:  # confidence-stopped drafting won: its Ks (each a verify window) and threshold
+        spec[K_KEY] = _flow_list(sorted(set(stop["ks"]) | set(kept)))
+        spec["draft_p_min"] = stop["draft_p_min"]
+        _set_eol_comment(spec, K_KEY, "tuned: confidence-stopped drafts verify in the "
+                         "smallest of these")
+    if schedule:
+        from ruamel.yaml.comments import CommentedMap as Flow
+
+        flow = Flow((int(b), int(kb)) for b, kb in sorted(schedule.items()))
+        flow.fa.set_flow_style()
+        spec[SCHEDULE_KEY] = flow
+        _set_eol_comment(spec, SCHEDULE_KEY, "tune --per-batch: K by live rows")
     before = "\n".join(c[2:] if c.startswith("# ") else c.lstrip("#") for c in comment)
     spec.yaml_set_comment_before_after_key(K_KEY, before=before, indent=2)  # top level
     buf = io.StringIO()
@@ -151,13 +167,18 @@ def write_tuned_recipe(recipe_path: Path, result: dict[str, Any], dest: Path | N
     rebase = _rebased_models(r, target.parent) \
         if target.parent.resolve() != recipe_path.parent.resolve() else {}
     k = result["chosen_k"]
+    schedule = {p["batch_size"]: p["chosen_k"] for p in result.get("per_batch") or []}
+    stop = result.get("confidence_stop")
     new_text = set_k_in_text(text, r.draft.method, k,
-                             comment if comment is not None else evidence_comment(result), rebase)
+                             comment if comment is not None else evidence_comment(result), rebase,
+                             schedule, stop if stop and stop["beats_best_fixed_k"] else None)
     try:
         check = recipe_from_text(new_text, str(target), base_dir=target.parent.resolve())
     except RecipeError as exc:
         raise UsageError(f"the tuned recipe would not load ({exc}); not written") from None
     written = check.speculation.num_speculative_tokens
+    if stop and stop["beats_best_fixed_k"]:
+        k = max(stop["ks"])
     if written != k and not (isinstance(written, list) and max(written) == k):
         raise RecipeError(str(target), [Problem("speculation.num_speculative_tokens",
                                                 "rewriting the recipe did not set K")])

@@ -54,7 +54,19 @@ def evidence_comment(result: dict[str, Any]) -> list[str]:
     if result.get("per_batch"):
         lines.append(f"{TUNE_MARK} best K per batch size: " + ", ".join(
             f"{p['batch_size']}:{p['chosen_k']}" for p in result["per_batch"]))
+    stop = result.get("confidence_stop")
+    if stop:
+        lines.append(f"{TUNE_MARK} confidence stop at K={stop['k_max']}: best draft_p_min "
+                     f"{stop['draft_p_min']:g}, Ks {stop['ks']}, predicted "
+                     f"{stop['predicted_tokens_per_s']:,.0f} tokens/s ("
+                     + ("beats" if stop["beats_best_fixed_k"] else "does not beat")
+                     + " the best fixed K)")
     return lines
+
+
+# A prediction off its own check by more than this factor (either way) is not trusted (under
+# load, checks of the demo pair were off by 4.2x here, and by 33x in the issue that set this).
+CHECK_FACTOR = 2.0
 
 
 def _by_k(cal: dict[str, Any], k: int) -> dict[str, Any] | None:
@@ -63,13 +75,10 @@ def _by_k(cal: dict[str, Any], k: int) -> dict[str, Any] | None:
 
 
 def show_tune(result: dict[str, Any], console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from ..render import console as default_console
     console = console or default_console
-    if not console.is_terminal:
-        console = Console(width=150, highlight=False)
     cal, costs = result["calibration"], result["costs"]
     k_max = result["k_max"]
     console.print(f"[bold]tune {result['name']}[/]  method {result['method']}; "
@@ -137,7 +146,25 @@ def show_tune(result: dict[str, Any], console=None) -> None:
     for n in result.get("notes") or []:
         console.print(f"note: {n}", soft_wrap=True)
     console.print(f"[bold]K = {result['chosen_k']}[/] (recipe has {result['recipe_k']}); compile "
-                  f"Ks {result['recommended_ks']} (num_speculative_tokens: {result['chosen_k']})")
+                  f"Ks {result['recommended_ks']}" + (
+                      f"; wrote {result['written']}: speculation.num_speculative_tokens: "
+                      f"{result['written_value']}" if result.get("written") else ""),
+                  soft_wrap=True)
+    for problem in result.get("model_check_disagrees") or []:
+        console.print(f"[red]model check:[/] {problem}", soft_wrap=True)
+
+
+def disagreements(result: dict[str, Any], factor: float = CHECK_FACTOR) -> list[str]:
+    """The model check's rows whose prediction is off the measurement by more than `factor`
+    either way: then the choice of K rests on costs the run itself contradicts."""
+    out = []
+    for c in result["model_check"]:
+        if c.get("predicted") and c.get("measured") and not \
+                1 / factor <= c["predicted"] / c["measured"] <= factor:
+            out.append(f"{c['config']} predicted {c['predicted']:,.0f} tokens/s, measured "
+                       f"{c['measured']:,.0f} ({c['predicted'] / c['measured']:.2g}x; the "
+                       f"tolerance is {factor:g}x either way)")
+    return out
 
 
 def write_json(result: dict[str, Any], path: Path) -> Path:

