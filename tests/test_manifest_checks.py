@@ -87,6 +87,15 @@ EDITS = {
     "head_dim 64": (setter("roles", "draft", "arch", "head_dim", 64), "graph does not match"),
     "unknown method": (setter("speculation", "method", "oracle"), "speculation.method"),
     "specializations []": (setter("roles", "draft", "specializations", []), "specializations"),
+    # the adaptive fields (docs/adaptive.md) and the per-role ORT weight formats
+    "unknown policy": (setter("speculation", "policy", "sometimes"), "speculation.policy"),
+    "draft_p_min 2": (setter("speculation", "draft_p_min", 2.0), "speculation.draft_p_min"),
+    "k_schedule to a K never compiled": (setter("speculation", "k_schedule", {"1": 9}),
+                                         "k_schedule 1: K=9"),
+    "k_schedule batch size 0": (setter("speculation", "k_schedule", {"0": 4}),
+                                "speculation.k_schedule"),
+    "weights int3": (setter("roles", "draft", "backends", "onnxruntime", "weights", "int3"),
+                     "roles.draft.backends.onnxruntime.weights"),
 }
 
 
@@ -103,6 +112,23 @@ def test_a_resealed_edit_is_a_clear_error_not_a_traceback(pristine, tmp_path, na
 def test_the_pristine_bundle_still_runs(pristine):
     result = runner.invoke(app, ["run", str(pristine), "--prompt", "def f", "--max-new-tokens",
                                  "2"])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_bundle_with_every_adaptive_field_and_quantized_weights_loads(tmp_path):
+    """What main's builds write (speculation.policy, draft_p_min, k_schedule, int8/int4 ORT
+    weights) passes the typed manifest and runs."""
+    recipe = ROOT / "recipes" / "demo.yaml"
+    out = tmp_path / "bundle"
+    sets = ["speculation.policy=auto", "speculation.draft_p_min=0.3",
+            "speculation.num_speculative_tokens_per_batch_size={1: 4}",
+            "onnxruntime.target_weights=int8", "onnxruntime.draft_weights=int4"]
+    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+                                 str(tmp_path / "cache")] + [a for s in sets for a in ("--set", s)])
+    assert result.exit_code == 0, result.output
+    spd = read_manifest(out)["speculation"]
+    assert (spd["policy"], spd["draft_p_min"], spd["k_schedule"]) == ("auto", 0.3, {"1": 4})
+    result = runner.invoke(app, ["run", str(out), "--prompt", "def f", "--max-new-tokens", "2"])
     assert result.exit_code == 0, result.output
 
 

@@ -178,6 +178,18 @@ class Speculation(_Part):
     method: Literal["draft_model", "ngram", "suffix"]
     options: dict[str, Any] = {}
     num_speculative_tokens: list[int] = Field(min_length=1)
+    # docs/adaptive.md; absent in bundles built with the defaults
+    policy: Literal["auto", "fixed", "off"] = "fixed"
+    draft_p_min: float = Field(default=0.0, ge=0, le=1)
+    k_schedule: Optional[dict[str, int]] = None  # live batch size (as text) -> K
+
+    @field_validator("k_schedule")
+    @classmethod
+    def _batch_sizes(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        bad = [b for b in v or {} if not (b.isascii() and b.isdigit() and 0 < int(b) <= 4096)]
+        if bad:
+            raise ValueError(f"batch size {bad[0]!r} must be a whole number in 1..4096")
+        return v
 
 
 class Arch(_Part):
@@ -220,6 +232,7 @@ class OrtBackend(_Part):
     status: Literal["compiled"]
     artifact: str
     kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
+    weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
 
 
 class QaicBackend(_Part):
@@ -287,6 +300,12 @@ class Manifest(_Part):
         if ks != sorted(set(ks)) or ks[0] < 0 or ks[-1] + 1 >= shapes.ctx_len:
             out.append(f"speculation.num_speculative_tokens {ks}: expected distinct Ks in "
                        f"increasing order, each in 0..{shapes.ctx_len - 2}")
+        schedule = self.speculation.k_schedule or {}
+        off_list = {b: k for b, k in schedule.items() if k not in ks}
+        if off_list:
+            b, k = next(iter(off_list.items()))
+            out.append(f"speculation.k_schedule {b}: K={k} is not among "
+                       f"speculation.num_speculative_tokens {ks}")
         if shapes.prefill_seq_len > shapes.ctx_len:
             out.append(f"shapes.prefill_seq_len {shapes.prefill_seq_len} exceeds ctx_len "
                        f"{shapes.ctx_len}")
