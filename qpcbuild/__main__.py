@@ -1,5 +1,5 @@
 """`python -m qpcbuild` is the `qpcbuild` command."""
 
-from .cli import main
+from .launch import main
 
 main()

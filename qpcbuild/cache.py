@@ -38,7 +38,7 @@ Say = Callable[[str], None]
 
 
 def _size(path: Path) -> int:
-    if not path.is_dir():
+    if path.is_symlink() or not path.is_dir():  # an entry that became a link: not its target
         return path.lstat().st_size
     return sum(f.lstat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
@@ -97,6 +97,10 @@ class Cache:
     def problems(self, kind: str, key: str) -> list[str]:
         """Why the entry cannot be used as it is (empty: intact)."""
         final = self.entry(kind, key)
+        if final.is_symlink():  # its content would live outside the cache, unchecked
+            return ["a link, not a folder of the cache"]
+        if not final.is_dir():
+            return ["not a folder"]
         try:
             record = json.loads((final / META).read_text())
             recorded = record["files"]
@@ -122,7 +126,7 @@ class Cache:
         `inputs` (what the key is a digest of) is kept in the entry's record."""
         final = self.entry(kind, key)
         with self._lock(kind, key):
-            if final.exists():
+            if os.path.lexists(final):
                 problems = self.problems(kind, key)
                 if not problems:
                     os.utime(final)  # last use, for `cache prune --days`
@@ -130,7 +134,9 @@ class Cache:
                 if (final / META).exists():  # an unfinished entry is silently replaced
                     self.say(f"cache entry {kind}/{key} is damaged ({'; '.join(problems[:3])}); "
                              "rebuilding it")
-                shutil.rmtree(final)
+                if not _remove(final):
+                    raise UsageError(f"cache entry {final} is damaged and cannot be removed; "
+                                     "remove it by hand or use another --cache-dir")
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
             try:
@@ -154,11 +160,15 @@ class Cache:
         return "local" if reused else "built"
 
     def has(self, kind: str, key: str) -> bool:
-        """Is there a finished entry (not checked: get_or_build checks it on use)?"""
-        return (self.entry(kind, key) / META).is_file()
+        """Is there a finished entry (not checked: get_or_build checks it on use)? An entry
+        that is a link is not one: its record would come from outside the cache."""
+        entry = self.entry(kind, key)
+        return not entry.is_symlink() and (entry / META).is_file()
 
     def record_meta(self, kind: str, key: str) -> dict[str, Any] | None:
         """A finished entry's metadata without using its files, or None."""
+        if not self.has(kind, key):
+            return None
         try:
             return json.loads((self.entry(kind, key) / META).read_text())["meta"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -186,7 +196,7 @@ class Cache:
             for path in sorted(p for p in folder.iterdir() if not p.name.startswith(".")):
                 problems = tuple(self.problems(kind, path.name)) if check and kind != SMOKE \
                     else ()
-                found.append(EntryInfo(kind, path.name, path, _size(path), path.stat().st_mtime,
+                found.append(EntryInfo(kind, path.name, path, _size(path), path.lstat().st_mtime,
                                        problems))
         return found
 
@@ -229,15 +239,29 @@ class Cache:
                             reason = "random smoke weights: a check, not an artifact"
                         elif self.problems(entry.kind, entry.key):
                             reason = "damaged or unfinished"
-                        elif cutoff is not None and entry.path.stat().st_mtime < cutoff:
+                        elif cutoff is not None and entry.path.lstat().st_mtime < cutoff:
                             reason = f"not used for {older_than_days:g} days"
                         else:
                             continue
-                        shutil.rmtree(entry.path, ignore_errors=True)
+                        if not _remove(entry.path):
+                            continue
                         removed.append(f"{entry.kind}/{entry.key} ({reason})")
                 except Timeout:  # a build is using this entry right now
                     continue
         return removed
+
+
+def _remove(path: Path) -> bool:
+    """Remove an entry whatever it has become: a folder, a file, or a link (never its target).
+    Returns whether it is gone."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path)
+    except OSError:
+        pass
+    return not os.path.lexists(path)
 
 
 def weights_digest(files: list[Path], memo_dir: Path | None = None) -> str:

@@ -32,6 +32,10 @@ class ToolchainError(QpcbuildError):
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread so that cleanup runs as for Ctrl-C."""
 
+    # Set by the handler: an import interrupted by SIGTERM surfaces as an ImportError, which
+    # must not be reported as a missing package.
+    requested = False
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -19,6 +19,7 @@ from .checkpoint import checkpoint_problems
 from .errors import Problem, RecipeError, UsageError
 from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
 from .source import ModelSource, resolve
+from .toolchain import executable
 from .tokenizer_check import alignment
 from .vocab_subset import read_vocab_subset, subset_digest
 
@@ -94,14 +95,17 @@ def digest(obj: Any) -> str:
 
 
 def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
-    """The Qualcomm compiler: --compiler, $QAIC_COMPILER, then the SDK's two known paths."""
+    """The Qualcomm compiler: --compiler, $QAIC_COMPILER (a path, or a name found on PATH), then
+    the SDK's two known paths."""
     tried = []
     for candidate in (explicit, os.environ.get("QAIC_COMPILER"), *QAIC_COMPILERS):
         if not candidate:
             continue
         tried.append(candidate)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate, tried
+        try:
+            return executable(candidate), tried
+        except UsageError:
+            continue
     return None, tried
 
 

@@ -30,21 +30,49 @@ def read_prompt_file(path: Path) -> list[str]:
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                item = json.loads(line)
-                value = item["prompt"] if "prompt" in item else item["text"]
-            except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
-                raise UsageError(f"{path}:{n}: a JSON line needs a \"prompt\" (or \"text\") "
-                                 "string") from None
-            if not isinstance(value, str) or not value:
-                raise UsageError(f"{path}:{n}: empty or non-string prompt")
-            prompts.append(value)
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    # A file whose first prompt is a JSON object is JSONL: every line must then be one.
+    jsonl = bool(lines) and lines[0][1].lstrip().startswith("{")
+    for n, line in lines:
+        if jsonl or line.lstrip().startswith("{"):
+            value = _json_prompt(line, f"{path}:{n}")
         else:
-            prompts.append(line.replace("\\n", "\n"))
+            value = line.replace("\\n", "\n")
+        prompts.append(check_prompt_text(value, f"{path}:{n}"))
     if not prompts:
         raise UsageError(f"{path}: no prompts")
     return prompts
+
+
+def _json_prompt(line: str, where: str) -> str:
+    try:  # ValueError: also an integer past Python's 4,300-digit limit
+        item = json.loads(line)
+    except (ValueError, RecursionError):
+        raise UsageError(f"{where}: not valid JSON; a JSON line needs a \"prompt\" (or "
+                         "\"text\") string") from None
+    if not isinstance(item, dict):
+        raise UsageError(f"{where}: a JSONL line must be an object with a \"prompt\" (or "
+                         f"\"text\") string, not a JSON {type(item).__name__}")
+    value = item.get("prompt", item.get("text"))
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{where}: a JSON line needs a non-empty \"prompt\" (or \"text\") "
+                         "string")
+    return value
+
+
+def check_prompt_text(text: str, where: str) -> str:
+    """A prompt the tokenizer can take: valid Unicode (no lone surrogates, which `\\ud800` in
+    JSON or undecodable bytes in a command-line argument become)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{where}: not valid UTF-8 text (character {exc.start}); give the "
+                         "prompt as UTF-8") from None
+    return text
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """Refuse, before any work, an output file path that names a folder (the work would run to
+    its end and then fail to write)."""
+    if path is not None and Path(path).is_dir():
+        raise UsageError(f"{option} {path}: is a folder; give a file name")

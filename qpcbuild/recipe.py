@@ -453,6 +453,25 @@ def _cross_field_problems(data: dict, exc: ValidationError, lines) -> list[Probl
             and not any(p.path.startswith(f) or f.startswith(p.path) for f in flagged)]
 
 
+def _missing_model_folders(data: dict, base_dir: Path | None, lines) -> list[Problem]:
+    """Model folders named by a path that are not there, reported with the recipe's other
+    problems (planning would find them only once those are fixed). Hub ids are left to it."""
+    out = []
+    for role in ("target", "draft"):
+        ref = data.get(role, {}).get("model") if isinstance(data.get(role), dict) else None
+        if not isinstance(ref, str) or not ref.startswith((".", "/", "~")):
+            continue
+        try:
+            folder = (base_dir or Path.cwd()) / Path(ref).expanduser()
+            present = folder.is_dir()
+        except (OSError, RuntimeError):
+            present = False
+        if not present:
+            out.append(Problem(f"{role}.model", f"model folder '{ref}' does not exist or is not "
+                               "a folder", lines.get((role, "model"))))
+    return out
+
+
 def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
                      base_dir: Path | None = None) -> Recipe:
     duplicates: list[Problem] = []
@@ -468,14 +487,15 @@ def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(source, duplicates + _schema_problems(exc, lines)
-                          + _cross_field_problems(data, exc, lines)) from None
+                          + _cross_field_problems(data, exc, lines)
+                          + _missing_model_folders(data, base_dir, lines)) from None
     except (TypeError, ValueError, RecursionError) as exc:  # e.g. unhashable keys deep inside
         raise RecipeError(source, [Problem("<root>", f"cannot read recipe: {exc}")]) from None
     recipe._lines = lines
     problems = static_problems(recipe)
     errors = duplicates + [p for p in problems if p.severity == "error"]
     if errors:
-        raise RecipeError(source, errors)
+        raise RecipeError(source, errors + _missing_model_folders(data, base_dir, lines))
     recipe._source_dir = base_dir or Path.cwd()
     recipe._source = source
     recipe._warnings = [p for p in problems if p.severity == "warning"]

@@ -7,25 +7,34 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .errors import UsageError
 from .source import ModelSource
 
 
-def _id_to_token(path: Path) -> dict[int, str] | None:
+def _id_to_token(path: Path, role: str) -> dict[int, str] | None:
+    """id -> token string of a tokenizer.json; None when the folder has none. A file that is
+    there but unreadable is an error (UsageError naming it), never taken for an absent one: the
+    alignment check must not be skipped, and `run` would fail on it later."""
     file = path / "tokenizer.json"
     if not file.is_file():
         return None
     try:
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_file(str(file))  # what run and serve will load
         data = json.loads(file.read_text(encoding="utf-8"))
-        vocab = data.get("model", {}).get("vocab", {})
+        vocab = data["model"]["vocab"]
         # BPE/WordPiece store token -> id; Unigram stores a list of [token, score] pairs.
-        table = {i: t for t, i in vocab.items()} if isinstance(vocab, dict) else \
-            {i: pair[0] for i, pair in enumerate(vocab)}
-        for added in data.get("added_tokens", []):
-            table[int(added["id"])] = added["content"]
-        return table
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError,
-            ValueError):
-        return None
+        pairs = [(i, t) for t, i in vocab.items()] if isinstance(vocab, dict) else \
+            [(i, pair[0]) for i, pair in enumerate(vocab)]
+        pairs += [(added["id"], added["content"]) for added in data.get("added_tokens", [])]
+        if not all(type(i) is int and i >= 0 and isinstance(t, str) for i, t in pairs):
+            raise ValueError("token ids must be non-negative integers and tokens strings")
+        return dict(pairs)
+    except Exception as exc:  # tokenizers raises its own exception types for a bad file
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise UsageError(f"{role}.model: {file} is not a usable tokenizer.json ({why})") \
+            from None
 
 
 def tokenizer_digest(path: Path | None) -> str | None:
@@ -42,6 +51,7 @@ def alignment(target: ModelSource, draft: ModelSource | None) -> dict[str, Any]:
     """Verdicts: identical | target-padded | same-family | unverified | incompatible |
     not-applicable (model-free proposers)."""
     t_digest = tokenizer_digest(target.path)
+    t_map = _id_to_token(target.path, "target") if target.path else None
     if draft is None:
         return {"verdict": "not-applicable", "detail": "model-free proposer uses the target's "
                 "tokenizer", "target_digest": t_digest, "draft_digest": None}
@@ -51,8 +61,7 @@ def alignment(target: ModelSource, draft: ModelSource | None) -> dict[str, Any]:
     if d_vocab > t_vocab:
         return {**out, "verdict": "incompatible", "detail": f"draft vocab_size {d_vocab} is "
                 f"larger than the target's {t_vocab}: the draft can propose ids the target lacks"}
-    t_map = _id_to_token(target.path) if target.path else None
-    d_map = _id_to_token(draft.path) if draft.path else None
+    d_map = _id_to_token(draft.path, "draft") if draft.path else None
     if t_map is None or d_map is None:
         tf, df = target.tokenizer_family, draft.tokenizer_family
         if tf and df and tf == df:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import re
+import shutil
+import stat
 from importlib import metadata
 from pathlib import Path
 
@@ -40,13 +43,35 @@ def artifact_versions() -> dict[str, object]:
             "numpy": _pkg("numpy"), "qaic_sdk": qaic_sdk_versions()}
 
 
+def executable(name: str) -> str:
+    """The program `name` names, as a shell would run it: a bare name is looked up on PATH, a
+    path is taken as given. Raises UsageError saying why it cannot be the compiler (missing, a
+    folder, a device such as /dev/zero, not executable)."""
+    from .errors import UsageError
+
+    found = shutil.which(name) if os.sep not in name else name
+    if found is None:
+        raise UsageError(f"compiler '{name}' is not on PATH; give its full path")
+    try:
+        mode = os.stat(found).st_mode
+    except OSError as exc:
+        raise UsageError(f"compiler '{name}': {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise UsageError(f"compiler '{name}' is {kind}; give the qaic-compile program")
+    if not os.access(found, os.X_OK):
+        raise UsageError(f"compiler '{name}' is not executable (chmod +x it)")
+    return os.path.abspath(found)
+
+
 def compiler_identity(path: str | None) -> dict[str, str] | None:
     """The Qualcomm compiler by name and content, not by where it is installed."""
     if not path:
         return None
     from .tree import file_digest
 
-    return {"name": Path(path).name, "sha256": file_digest(Path(path))}
+    found = executable(path)
+    return {"name": Path(found).name, "sha256": file_digest(Path(found))}
 
 
 def versions() -> dict[str, object]:

@@ -120,6 +120,21 @@ def real_pair() -> tuple[Path, Path]:
     return REAL_TARGET, REAL_DRAFT
 
 
+@pytest.fixture(scope="session")
+def demo_build(tmp_path_factory) -> tuple[Path, Path]:
+    """(bundle, cache) of recipes/demo.yaml, built once for the tests that only read it or copy
+    it before changing it (hardening tests: server, manifest checks, inputs, crash safety)."""
+    from typer.testing import CliRunner
+
+    from qpcbuild.cli import app
+
+    tmp = tmp_path_factory.mktemp("demo-build")
+    root = Path(__file__).resolve().parents[1]
+    result = CliRunner().invoke(app, ["compile", str(root / "recipes" / "demo.yaml"), "-o",
+                                      str(tmp / "bundle"), "--cache-dir", str(tmp / "cache")])
+    assert result.exit_code == 0, result.output
+    return tmp / "bundle", tmp / "cache"
+
 # ==================================================================================================
 # The published pair (tests marked real_model): Qwen2.5-Coder-1.5B-Instruct + 0.5B-Instruct,
 # fetched and converted by `make qwen-coder` (scripts/get_models.py).

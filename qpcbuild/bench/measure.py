@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
+from ..prompts import check_output_file
 from ..runtime.engine import prefill_calls
 from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
                      is_bundle, load_prompts, machine_info)
@@ -90,10 +91,12 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
               say: Say | None = None,
               model_paths: dict[str, Path] | None = None,
               policies: tuple[str, ...] = ("fixed",), draft_p_min: float | None = None,
-              temperature: float = 0.0, chat: bool = False) -> dict[str, Any]:
+              temperature: float = 0.0, chat: bool = False,
+              verify: str = "full") -> dict[str, Any]:
     """Measure and return the report (a JSON-able dict). `model_paths`: each role's local
     checkpoint for the peers (a bundle records models by reference only, not by path). `chat`:
-    each prompt is a user message, rendered with the bundle's chat template."""
+    each prompt is a user message, rendered with the bundle's chat template. verify: as
+    `load`'s; a bundle is measured only once every byte is checked, by default."""
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .bandwidth import make_probe, target_only_bandwidth
@@ -130,7 +133,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     machine = machine_info()  # the load average now, before this run adds to it
     # One Generator per method, all over the same sessions (one target, one draft): a method
     # is only a different proposer in front of them.
-    base = load(bundle, method=methods[0], verify="fast")
+    base = load(bundle, method=methods[0], verify=verify)
     gens = {m: base if m == methods[0] else base.sibling(m) for m in methods}
     gen = base
     batch = gen.target.batch_size
@@ -286,11 +289,13 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
           bundle_out: Path | None = None, json_out: Path | None = None,
           plot: Path | None | bool = None, say: Say | None = None,
           policies: tuple[str, ...] = ("fixed",), draft_p_min: float | None = None,
-          temperature: float = 0.0,
-          chat: bool = False) -> tuple[dict[str, Any], Path, Path | None]:
+          temperature: float = 0.0, chat: bool = False,
+          verify: str = "full") -> tuple[dict[str, Any], Path, Path | None]:
     """Bundle or recipe -> (report, JSON path, PNG path or None)."""
     say = say or (lambda m: None)
     target = Path(target)
+    check_output_file(json_out, "--json-out")
+    check_output_file(plot if isinstance(plot, Path) else None, "--plot")
     if is_bundle(target):
         if overrides:
             raise UsageError("--set applies to a recipe; this is a built bundle")
@@ -308,7 +313,7 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
                        peer_ks=peer_ks, cache_dir=cache_dir, say=say,
                        model_paths=_local_models(target, overrides, bundle),
                        policies=policies, draft_p_min=draft_p_min, temperature=temperature,
-                       chat=chat)
+                       chat=chat, verify=verify)
     from .plot import plot_report
     from .report import default_json_path, write_outputs
 

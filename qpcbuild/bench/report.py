@@ -217,8 +217,12 @@ def write_json(report: dict[str, Any], path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:  # nothing half-written stays behind
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"{path}: cannot write the report ({exc.strerror or exc})") from None
     return path
 
 

@@ -8,6 +8,7 @@ from shared stores.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import os
 import re
@@ -117,7 +118,9 @@ def pack(bundle_dir: Path, out_file: Path, top: str | None = None) -> Path:
     entries = walk(src)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_killed_writes(out)
         fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while writing: a later pack leaves it alone
     except OSError as exc:
         raise ArchiveError(f"{out_file}: cannot write here ({exc.strerror or exc})") from None
     try:
@@ -141,6 +144,22 @@ def pack(bundle_dir: Path, out_file: Path, top: str | None = None) -> Path:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return out_file
+
+
+def _remove_killed_writes(out: Path) -> None:
+    """Temp files of packs into `out` that were killed: a live pack holds a lock on its own."""
+    for tmp in out.parent.glob(f".{out.name}.*.tmp"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            tmp.unlink(missing_ok=True)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from ..source import (resolve, safetensors_files, tokenizer_files,
 from ..toolchain import artifact_versions, compiler_identity
 from ..tree import copy_tree, hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
-from .manifest import MANIFEST, MANIFEST_SCHEMA, write_manifest
+from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, write_manifest
 
 SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 # (stage, "reused" | "pulled" | "built", seconds); stages also say "from": local | remote | built
@@ -179,6 +179,13 @@ def _check_output(out: Path) -> None:
             from None
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise UsageError(f"-o {out}: {out.parent} is not writable")
+    try:  # root passes access() everywhere; /proc and read-only mounts still refuse files
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"-o {out}: cannot write files in {out.parent} "
+                         f"({exc.strerror or exc})") from None
 
 
 # ---------------------------------------------------------------- the manifest
@@ -402,7 +409,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        files = hash_tree(staging, exclude=[MANIFEST], what=f"hashing {out}")
+        files = hash_tree(staging, exclude=UNSEALED_FILES, what=f"hashing {out}")
         manifest = _manifest(plan, exports, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})

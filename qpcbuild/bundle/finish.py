@@ -7,15 +7,18 @@ then the bundle verifies, runs and serves with its QPCs like one compiled in a s
 
 from __future__ import annotations
 
+import fcntl
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .. import __version__
 from ..compile.qaic import QPC_FILE
 from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import hash_tree
-from .manifest import MANIFEST, changed_fields, read_manifest, write_manifest
+from .manifest import changed_fields, read_manifest, write_manifest
 from .verify import actual_files, compare_files
 
 ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
@@ -37,8 +40,31 @@ def _hash_folders(bundle: Path, folders: tuple[str, ...]) -> dict[str, dict]:
 def finish_bundle(bundle: Path, roles: list[str] | None = None,
                   compiler: str | None = None) -> dict[str, Any]:
     """Record each role's QPC (files, digests, log, SDK versions), mark it compiled, re-seal.
-    Returns the new manifest."""
+    Returns the new manifest. Finishes of one bundle take turns (two compile.sh run at once,
+    one per role, each end in a finish): each reads the manifest the other wrote."""
     bundle = Path(bundle)
+    compiler_id = compiler_identity(compiler) if compiler else None  # a bad path fails first
+    with _locked(bundle):
+        return _finish(bundle, roles, compiler_id)
+
+
+@contextmanager
+def _locked(bundle: Path) -> Iterator[None]:
+    """An exclusive lock on the bundle folder itself, so nothing is written into the bundle or
+    beside it for it; released when the process dies."""
+    try:
+        fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise UsageError(f"{bundle}: not a bundle folder ({exc.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _finish(bundle: Path, roles: list[str] | None,
+            compiler_id: dict[str, str] | None) -> dict[str, Any]:
     m = read_manifest(bundle)
     qaic_roles = [r for r, info in m["roles"].items() if "qaic" in info["backends"]]
     if not qaic_roles:
@@ -82,7 +108,7 @@ def finish_bundle(bundle: Path, roles: list[str] | None = None,
         entry.update({"status": "compiled", "qpc": f"{role}/qpc",
                       "qpc_files": sorted(p for p in files if p.startswith(f"{role}/qpc/")),
                       "log": log if log in files else None,
-                      "compiler": compiler_identity(compiler) if compiler else None,
+                      "compiler": compiler_id,
                       "sdk": sdk, "finished_by": f"qpcbuild {__version__}"})
     if sdk is not None:
         m["toolchain"]["qaic_sdk"] = sdk

@@ -18,11 +18,15 @@ import hashlib
 import json
 import re
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import BundleError, UsageError
 
 MANIFEST = "manifest.json"
+SIGNATURES = "signatures.json"  # beside the manifest, outside what it seals (signature.py)
+UNSEALED_FILES = (MANIFEST, SIGNATURES)  # the bundle's files its file list leaves out
 MANIFEST_SCHEMA = 2
 SEAL_ALGORITHM = "sha256-canonical-json"
 UNSEALED = ("bundle_id", "seal")
@@ -149,8 +153,203 @@ def check_structure(m: Any, source: str) -> None:
                               "bundle's files")
 
 
-def read_manifest(bundle: Path) -> dict[str, Any]:
-    """The manifest of a bundle folder, structurally checked (verify checks the content)."""
+# ---------------------------------------------------------------- the typed manifest
+# What the runtime relies on, typed and bounded. The seal says a manifest was not changed since
+# it was sealed, not that what was sealed is sane: anyone who can write a bundle can re-seal an
+# edit, so every value a reader acts on is checked here before anything is loaded. Fields not
+# declared are kept (extra="allow"), so readers can move onto this model one at a time.
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+
+class Shapes(_Part):
+    batch_size: int = Field(ge=1, le=4096)
+    full_batch_size: Optional[int] = Field(default=None, ge=1, le=4096)
+    prefill_seq_len: int = Field(ge=1)
+    ctx_len: int = Field(ge=2, le=1 << 21)
+
+    @property
+    def kv_batch(self) -> int:
+        """Rows of the KV cache: the continuous-batching slots, else the batch size."""
+        return self.full_batch_size or self.batch_size
+
+
+class Speculation(_Part):
+    method: Literal["draft_model", "ngram", "suffix"]
+    options: dict[str, Any] = {}
+    num_speculative_tokens: list[int] = Field(min_length=1)
+    # docs/adaptive.md; absent in bundles built with the defaults
+    policy: Literal["auto", "fixed", "off"] = "fixed"
+    draft_p_min: float = Field(default=0.0, ge=0, le=1)
+    k_schedule: Optional[dict[str, int]] = None  # live batch size (as text) -> K
+
+    @field_validator("k_schedule")
+    @classmethod
+    def _batch_sizes(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        bad = [b for b in v or {} if not (b.isascii() and b.isdigit() and 0 < int(b) <= 4096)]
+        if bad:
+            raise ValueError(f"batch size {bad[0]!r} must be a whole number in 1..4096")
+        return v
+
+
+class Arch(_Part):
+    num_layers: int = Field(ge=1, le=1024)
+    num_kv_heads: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=65536)
+    vocab_size: int = Field(ge=1, le=1 << 24)
+    param_count: int = Field(ge=0)
+    eos_token_ids: list[int]
+
+
+class Specialization(_Part):
+    name: str
+    symbols: dict[str, str]
+
+    @field_validator("symbols")
+    @classmethod
+    def _sizes(cls, v: dict[str, str]) -> dict[str, str]:
+        missing = {"batch_size", "seq_len", "ctx_len"} - set(v)
+        if missing:
+            raise ValueError(f"lacks {', '.join(sorted(missing))}")
+        bad = [k for k, n in v.items() if not (n.isascii() and n.isdigit() and 0 < int(n) < 1 << 24)]
+        if bad:
+            raise ValueError(f"{bad[0]} must be a positive whole number, got {v[bad[0]]!r}")
+        return v
+
+    def size(self, symbol: str) -> int:
+        return int(self.symbols[symbol])
+
+
+class OrtRole(_Part):
+    artifact: str
+    batch_size: int = Field(ge=1)
+    ctx_len: int = Field(ge=2)
+    core_share: float = Field(gt=0, le=1)
+    intra_op_threads: Optional[int] = Field(default=None, ge=1, le=1024)
+
+
+class OrtBackend(_Part):
+    status: Literal["compiled"]
+    artifact: str
+    kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
+    weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
+
+
+class QaicBackend(_Part):
+    status: Literal["emitted", "compiled"]
+    qpc: Optional[str] = None
+
+
+class Backends(_Part):
+    onnxruntime: Optional[OrtBackend] = None
+    qaic: Optional[QaicBackend] = None
+
+
+class Role(_Part):
+    arch: Arch
+    specializations: list[Specialization] = Field(min_length=1)
+    compiled_ks: list[int]
+    ort: Optional[OrtRole] = None
+    backends: Backends
+
+
+class TokenizerInfo(_Part):
+    verdict: str
+
+
+class Manifest(_Part):
+    """A bundle's manifest, checked field by field and across fields (see _disagreements)."""
+
+    schema_version: Literal[2] = Field(alias="schema")
+    bundle_id: str = Field(pattern=r"^[0-9a-f]{64}$")
+    name: str = Field(min_length=1)
+    speculation: Speculation
+    shapes: Shapes
+    roles: dict[Literal["target", "draft"], Role]
+    tokenizer: TokenizerInfo
+
+    @classmethod
+    def check(cls, raw: dict[str, Any], source: str) -> "Manifest":
+        """The typed manifest, or BundleError naming the first field that is wrong."""
+        try:
+            m = cls.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False, include_input=False)[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise BundleError(f"{source}: manifest field {where}: {first['msg']}") from None
+        problems = m._disagreements()
+        if problems:
+            raise BundleError(f"{source}: the manifest contradicts itself: "
+                              + "; ".join(problems[:3]))
+        return m
+
+    def _disagreements(self) -> list[str]:
+        out: list[str] = []
+        shapes, ks = self.shapes, self.speculation.num_speculative_tokens
+        if "target" not in self.roles:
+            out.append("roles has no target")
+            return out
+        if (self.speculation.method == "draft_model") != ("draft" in self.roles):
+            out.append(f"speculation.method {self.speculation.method} "
+                       + ("needs a draft role" if "draft" not in self.roles else
+                          "takes no draft role"))
+        target = self.roles["target"]
+        if target.compiled_ks != ks:
+            out.append(f"roles.target.compiled_ks {target.compiled_ks} differs from "
+                       f"speculation.num_speculative_tokens {ks}")
+        if ks != sorted(set(ks)) or ks[0] < 0 or ks[-1] + 1 >= shapes.ctx_len:
+            out.append(f"speculation.num_speculative_tokens {ks}: expected distinct Ks in "
+                       f"increasing order, each in 0..{shapes.ctx_len - 2}")
+        schedule = self.speculation.k_schedule or {}
+        off_list = {b: k for b, k in schedule.items() if k not in ks}
+        if off_list:
+            b, k = next(iter(off_list.items()))
+            out.append(f"speculation.k_schedule {b}: K={k} is not among "
+                       f"speculation.num_speculative_tokens {ks}")
+        if shapes.prefill_seq_len > shapes.ctx_len:
+            out.append(f"shapes.prefill_seq_len {shapes.prefill_seq_len} exceeds ctx_len "
+                       f"{shapes.ctx_len}")
+        if "draft" in self.roles and self.roles["draft"].arch.vocab_size > \
+                target.arch.vocab_size:
+            out.append("roles.draft.arch.vocab_size exceeds the target's")
+        for name, role in self.roles.items():
+            out += _role_disagreements(name, role, shapes, ks if name == "target" else [])
+        return out
+
+
+def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) -> list[str]:
+    where, out = f"roles.{name}", []
+    for spec in role.specializations:
+        if spec.size("ctx_len") != shapes.ctx_len:
+            out.append(f"{where}.specializations {spec.name}: ctx_len {spec.size('ctx_len')} "
+                       f"is not shapes.ctx_len {shapes.ctx_len}")
+        if spec.size("batch_size") not in (1, shapes.batch_size, shapes.kv_batch):
+            out.append(f"{where}.specializations {spec.name}: batch_size "
+                       f"{spec.size('batch_size')} is not the bundle's")
+    seq_lens = {spec.size("seq_len") for spec in role.specializations}
+    missing = [k for k in ks if k + 1 not in seq_lens]
+    if missing:
+        out.append(f"{where}.specializations: none decodes K={missing[0]} (seq_len "
+                   f"{missing[0] + 1})")
+    ort = role.backends.onnxruntime
+    if ort is not None and (role.ort is None or role.ort.artifact != ort.artifact):
+        out.append(f"{where}.ort.artifact is not backends.onnxruntime.artifact")
+    if role.backends.qaic is not None and role.backends.qaic.status == "compiled" and \
+            not role.backends.qaic.qpc:
+        out.append(f"{where}.backends.qaic: compiled, but names no qpc")
+    if role.ort is not None and (role.ort.ctx_len, role.ort.batch_size) != \
+            (shapes.ctx_len, shapes.kv_batch):
+        out.append(f"{where}.ort: built for ctx_len {role.ort.ctx_len}, batch "
+                   f"{role.ort.batch_size}; shapes say {shapes.ctx_len}, {shapes.kv_batch}")
+    if any(not 0 <= e < role.arch.vocab_size for e in role.arch.eos_token_ids):
+        out.append(f"{where}.arch.eos_token_ids: outside the vocabulary")
+    return out
+
+
+def read_manifest(bundle: Path, check_values: bool = True) -> dict[str, Any]:
+    """The manifest of a bundle folder, structurally checked and (check_values) its values
+    checked by the typed Manifest. Verification turns the value check off, to report a broken
+    seal first: an edit that was not re-sealed is named by the field it changed."""
     bundle = Path(bundle)
     path = bundle / MANIFEST
     # A wrong argument is bad input (exit 2); a damaged bundle is a bundle failure (exit 1).
@@ -171,4 +370,6 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
         raise BundleError(f"{path}: manifest schema {schema!r} is not supported (this qpcbuild "
                           f"reads schema {MANIFEST_SCHEMA}){hint}")
     check_structure(manifest, str(path))
+    if check_values:
+        Manifest.check(manifest, str(path))
     return manifest

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import QpcbuildError
+from ..errors import BundleError, QpcbuildError
 from ..tree import hash_tree, walk
-from .manifest import MANIFEST, changed_fields, read_manifest
+from .manifest import MANIFEST, UNSEALED_FILES, Manifest, changed_fields, read_manifest
 
 
 def actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
     if not fast:
-        return hash_tree(bundle, exclude=[MANIFEST], what=f"hashing {bundle}")
+        return hash_tree(bundle, exclude=UNSEALED_FILES, what=f"hashing {bundle}")
     found = {}
-    for entry in walk(bundle, frozenset([MANIFEST])):
+    for entry in walk(bundle, frozenset(UNSEALED_FILES)):
         if not entry.is_dir:
             found[entry.rel] = {"size": entry.path.stat().st_size}
     return found
@@ -47,8 +47,13 @@ def verify_bundle(bundle: Path, fast: bool = False) -> list[str]:
     """Problems found (empty = intact). `fast` checks presence and sizes, not digests (nor the
     seal, whose content includes the digests)."""
     bundle = Path(bundle)
-    manifest = read_manifest(bundle)
+    manifest = read_manifest(bundle, check_values=False)
     problems = [] if fast else changed_fields(manifest)
+    if not problems:  # an intact seal over values the runtime cannot use (re-sealed edits)
+        try:
+            Manifest.check(manifest, MANIFEST)
+        except BundleError as exc:
+            problems.append(str(exc))
     try:
         actual = actual_files(bundle, fast)
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle

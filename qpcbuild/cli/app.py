@@ -56,6 +56,7 @@ SetOpt = typer.Option(None, "--set", help="Override a recipe key: --set shapes.c
 
 
 def _terminate(signum, frame):
+    Terminated.requested = True
     raise Terminated()
 
 

@@ -19,17 +19,26 @@ def verify(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
            insecure: bool = InsecureOpt,
            fast: bool = typer.Option(False, "--fast", help="Check presence and sizes only "
                                      "(for huge QPCs); skips SHA-256 and the seal."),
+           key: Optional[Path] = typer.Option(None, "--key", help="Also require a valid "
+                                              "signature by this Ed25519 public key (PEM)."),
            json_out: bool = typer.Option(False, "--json", help="One JSON result (for CI).")):
     """Recompute the bundle id and every file digest. Exit 1 naming each changed field or file."""
     from ..bundle import read_manifest, verify_bundle
-    from ..errors import BundleError
+    from ..bundle.signature import check_signature
+    from ..errors import BundleError, UsageError
 
+    if key is not None and fast:
+        raise UsageError("--key needs the full check: a signature vouches for the bundle id, "
+                         "which --fast does not recompute")
     bundle = bundle_folder(bundle, insecure, quiet=json_out)
+    problems, bundle_id = [], None
     try:
         problems = verify_bundle(bundle, fast=fast)
         bundle_id = read_manifest(bundle)["bundle_id"]
+        if key is not None and not problems:
+            check_signature(bundle, bundle_id, key)
     except BundleError as exc:
-        problems, bundle_id = [str(exc)], None
+        problems.append(str(exc))
     if json_out:
         emit_json({"bundle": str(bundle), "bundle_id": bundle_id, "ok": not problems,
                    "checked": "sizes" if fast else "seal and sha256", "problems": problems})
@@ -38,9 +47,35 @@ def verify(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
             err_console.print(f"[red]✗[/] {p}", soft_wrap=True)
         if not problems:
             console.print(f"[green]✓[/] {bundle}: bundle id {bundle_id} "
-                          + ("(sizes only)" if fast else "matches its content and every file"))
+                          + ("(sizes only)" if fast else "matches its content and every file")
+                          + (f", signed by {key}" if key else ""))
     if problems:
         raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def sign(bundle: Path = typer.Argument(..., help="Bundle folder."),
+         key: Path = typer.Option(..., "--key", help="Ed25519 private key (PEM; an encrypted one "
+                                  "reads its passphrase from $QPCBUILD_SIGNING_KEY_PASSPHRASE).")):
+    """Sign the bundle id with your key (signatures.json beside the manifest; the id is
+    unchanged). The bundle must verify first."""
+    from ..bundle.signature import SIGNATURES, sign_bundle
+
+    entry = sign_bundle(bundle, key)
+    console.print(f"[green]✓[/] {bundle}: bundle id {entry['bundle_id']} signed by "
+                  f"{entry['key_id']} ({SIGNATURES})")
+
+
+@app.command()
+@handles_errors
+def keygen(path: Path = typer.Argument(..., help="Private key file to write; the public key "
+                                       "goes to PATH.pub.")):
+    """Make an Ed25519 key pair for `qpcbuild sign` (private key mode 0600, unencrypted)."""
+    from ..bundle.signature import generate_key
+
+    pub, kid = generate_key(path)
+    console.print(f"[green]✓[/] wrote {path} (keep it private) and {pub} (share it); key {kid}")
 
 
 @app.command()
@@ -147,6 +182,18 @@ CacheDirOpt = typer.Option(None, "--cache-dir", help="Build cache (default: the 
                            "dir, or $QPCBUILD_CACHE).")
 
 
+def _existing_cache(cache_dir: Optional[Path]):
+    """The cache to list, check or clean: a --cache-dir that does not exist is a typo, not an
+    empty cache."""
+    from ..cache import Cache
+    from ..errors import UsageError
+
+    if cache_dir is not None and not cache_dir.is_dir():
+        raise UsageError(f"--cache-dir {cache_dir}: " + ("not a folder" if cache_dir.exists()
+                                                          else "no such folder"))
+    return Cache(cache_dir)
+
+
 @cache_app.command("ls")
 @handles_errors
 def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
@@ -154,9 +201,7 @@ def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
     """Entries with their size and last use."""
     from rich.table import Table
 
-    from ..cache import Cache
-
-    cache = Cache(cache_dir)
+    cache = _existing_cache(cache_dir)
     entries, others = cache.entries(), cache.other_items()
     if json_out:
         emit_json([e.to_dict() for e in entries]
@@ -178,9 +223,7 @@ def cache_ls(cache_dir: Optional[Path] = CacheDirOpt,
 def cache_verify(cache_dir: Optional[Path] = CacheDirOpt,
                  json_out: bool = typer.Option(False, "--json", help="One JSON list.")):
     """Recompute every entry's file digests against its record. Exit 1 if any entry changed."""
-    from ..cache import Cache
-
-    entries = Cache(cache_dir).entries(check=True)
+    entries = _existing_cache(cache_dir).entries(check=True)
     if json_out:
         emit_json([e.to_dict() for e in entries])
     else:
@@ -201,9 +244,7 @@ def cache_prune(cache_dir: Optional[Path] = CacheDirOpt,
                 days: Optional[float] = typer.Option(None, "--days", min=0, help="Also remove "
                                                      "entries not used for this many days.")):
     """Remove debris of killed builds, damaged entries and (with --days) unused ones."""
-    from ..cache import Cache
-
-    removed = Cache(cache_dir).prune(days)
+    removed = _existing_cache(cache_dir).prune(days)
     for r in removed:
         console.print(f"removed {r}")
     console.print(f"{len(removed)} removed")

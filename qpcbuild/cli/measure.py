@@ -18,6 +18,8 @@ PromptSetOpt = typer.Option(None, "--prompt-set", help="Shipped prompts: code | 
                             "(default: code).")
 NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use the first N prompts only.")
 MaxNewTokensOpt = typer.Option(128, help="New tokens per prompt.")
+VerifyOpt = typer.Option("full", "--verify", help="Check the bundle before measuring: full "
+                         "(SHA-256 of every file) | fast (sizes only) | none.")
 
 
 def _print_report(report: dict, show, json_path: Path, png: Optional[Path],
@@ -78,8 +80,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                                       "stop for the draft_model rows of "
                                                       "non-fixed policies (0..1)."),
           temperature: float = typer.Option(0.0, help="Sampling temperature of our runs (seeded "
-                                            "per prompt batch; > 0: outputs are not compared).")):
-
+                                            "per prompt batch; > 0: outputs are not compared)."),
+          verify: str = VerifyOpt):
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
     from ..bench import bench as run_bench, parse_ks, show_report
     from ..errors import UsageError
@@ -110,7 +112,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         max_new_tokens=max_new_tokens, repeats=repeats, peers=peer_list,
         peer_ks=parse_ks(peer_ks), cache_dir=cache_dir, bundle_out=bundle_dir,
         json_out=json_out, plot=False if no_plot else plot, say=progress_line,
-        policies=policies, draft_p_min=draft_p_min, temperature=temperature, chat=chat)
+        policies=policies, draft_p_min=draft_p_min, temperature=temperature, chat=chat,
+        verify=verify)
     _print_report(report, show_report, json_path, png, json_stdout)
     if not report["all_greedy_outputs_match"]:
         bad = [r["label"] for r in report["rows"] if r["greedy_matches_target_only"] is False]
@@ -166,22 +169,26 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                                  "or 1-4): the best K for each too, recorded "
                                                  "in the evidence."),
          force: bool = typer.Option(False, "--force", help="Write the recipe even when the "
-                                    "model check disagrees with the prediction.")):
+                                    "model check disagrees with the prediction."),
+         verify: str = VerifyOpt):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
     from ..errors import QpcbuildError, UsageError
     from ..bench import parse_ks
+    from ..prompts import check_output_file
     from ..recipe import load_recipe
     from ..tune import show_tune, tune as run_tune, write_tuned_recipe
     from ..tune.report import disagreements
 
     if write is not None and in_place:
         raise UsageError("give --write FILE or --in-place, not both")
+    check_output_file(write, "--write")
     result = run_tune(recipe, set_ or [], k_max=k_max, prompt_file=prompts,
                       prompt_set=prompt_set, num_prompts=num_prompts,
                       max_new_tokens=max_new_tokens, rounds=rounds, cache_dir=cache_dir,
                       say=progress_line, cost_model=cost_model,
                       card_bandwidth_gbs=card_bandwidth_gbs, card_tflops=card_tflops,
-                      per_batch=parse_ks(per_batch))
+                      per_batch=parse_ks(per_batch), verify=verify)
+    written = None
     result["model_check_disagrees"] = disagreements(result)
     refused = bool(result["model_check_disagrees"]) and not force and (write or in_place)
     if (write is not None or in_place) and not refused:

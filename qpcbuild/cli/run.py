@@ -12,6 +12,10 @@ from ..render import console
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
 
+RequireSignatureOpt = typer.Option(None, "--require-signature", metavar="PUBLIC_KEY",
+                                   help="Refuse the bundle unless it carries a valid signature "
+                                   "by this Ed25519 public key (PEM); see `qpcbuild sign`.")
+
 
 SpecPolicyOpt = typer.Option(None, "--spec-policy", help="auto (speculate only while faster "
                              "than without) | fixed | off (default: the bundle's).")
@@ -19,7 +23,7 @@ SpecPolicyOpt = typer.Option(None, "--spec-policy", help="auto (speculate only w
 
 def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> list[str]:
     from ..errors import UsageError
-    from ..prompts import read_prompt_file
+    from ..prompts import check_prompt_text, read_prompt_file
 
     prompts = list(prompt or []) + (read_prompt_file(prompt_file) if prompt_file else [])
     if not prompts:
@@ -27,6 +31,7 @@ def _read_prompts(prompt: Optional[List[str]], prompt_file: Optional[Path]) -> l
     for n, p in enumerate(prompts):
         if not p:
             raise UsageError(f"prompt {n} is empty")
+        check_prompt_text(p, f"prompt {n}")
     return prompts
 
 
@@ -52,6 +57,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         batch_size: Optional[int] = typer.Option(None, help="Refuse a bundle not compiled for "
                                                  "this batch size."),
         verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
+        require_signature: Optional[Path] = RequireSignatureOpt,
         stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
         compare_baseline: bool = typer.Option(False, help="Also decode target-only and report "
                                               "the speedup and whether outputs match."),
@@ -75,7 +81,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         raise UsageError("--system needs --chat")
     bundle = bundle_folder(bundle, insecure, quiet=json_out)
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
-               batch_size=batch_size, spec_policy=spec_policy)
+               batch_size=batch_size, signed_by=require_signature, spec_policy=spec_policy)
     # Continuous batching takes every prompt at once and refills slots as requests finish.
     batch = len(prompts) if gen.decoder.cb else gen.target.batch_size
     on_token = None
@@ -136,6 +142,7 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
           port: int = typer.Option(8000, help="TCP port."),
           backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),
           verify: str = typer.Option("full", help="full | fast (sizes only) | none"),
+          require_signature: Optional[Path] = RequireSignatureOpt,
           served_model_name: Optional[str] = typer.Option(
               None, help="Model id clients ask for (default: the bundle's name)."),
           spec_policy: Optional[str] = SpecPolicyOpt,
@@ -148,7 +155,7 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
     run_server(bundle_folder(bundle, insecure), host, port, backend, verify, served_model_name,
-               log_level, spec_policy)
+               log_level, signed_by=require_signature, spec_policy=spec_policy)
 
 
 @app.command("serve-config")

@@ -15,7 +15,7 @@ from typing import Any
 
 import onnx
 
-from ..errors import ToolchainError
+from ..errors import Terminated, ToolchainError
 from ..export import DATA_FILE, GRAPH_FILE
 from ..export.dialect import for_onnxruntime
 from ..plan import RolePlan
@@ -44,7 +44,9 @@ class OrtBackend:
     def check(self, ctx: BuildContext) -> dict[str, Any]:
         try:
             import onnxruntime  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - a hard dependency
+        except ImportError as exc:
+            if Terminated.requested:  # SIGTERM arrived while the extension was initializing
+                raise Terminated() from None
             raise ToolchainError(f"onnxruntime is not importable: {exc}") from None
         return {"onnxruntime": _pkg("onnxruntime"), "optimization_level": ORT_LEVEL}
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..bundle import read_manifest, verify_bundle
+from ..bundle.manifest import MANIFEST, Manifest
+from ..bundle.signature import check_signature
 from ..errors import BundleError, UsageError
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
@@ -115,7 +117,12 @@ class Generator:
         if not tok_file.is_file():
             raise BundleError(f"{bundle}: no tokenizer/tokenizer.json; this bundle can only be "
                               "driven with token ids")
-        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # tokenizers raises its own exception types
+            raise BundleError(f"{tok_file}: not a usable tokenizer "
+                              f"({str(exc).splitlines()[0][:200] if str(exc) else exc!r})") \
+                from None
         self._chat: ChatTemplate | None = None
         self.eos_ids = set(target_info["arch"]["eos_token_ids"])
         gen_cfg = bundle / "tokenizer" / "generation_config.json"
@@ -228,19 +235,27 @@ def build_decoder(manifest: dict, target, draft, method: str | None,
 
 def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = None,
          k: int | None = None, verify: str = "full", ctx_len: int | None = None,
-         batch_size: int | None = None, spec_policy: str | None = None) -> Generator:
+         batch_size: int | None = None, signed_by: str | Path | None = None,
+         spec_policy: str | None = None) -> Generator:
     """Open a bundle. verify: "full" (SHA-256 of every file), "fast" (presence and sizes, for
     huge QPCs) or "none". `ctx_len` / `batch_size`, when given, are what the caller expects the
-    bundle to be compiled for: a bundle built for other shapes is refused."""
+    bundle to be compiled for: a bundle built for other shapes is refused. `signed_by`: a public
+    key file; the bundle must carry a valid signature by it (needs verify="full")."""
     bundle = Path(bundle)
-    manifest = read_manifest(bundle)
     if verify not in ("full", "fast", "none"):
         raise UsageError(f"verify must be full, fast or none, not '{verify}'")
+    if signed_by is not None and verify != "full":
+        raise UsageError("a signature vouches for the bundle id, which only full verification "
+                         "ties to the files: drop --verify or use --verify full")
+    manifest = read_manifest(bundle, check_values=False)
     if verify != "none":
         problems = verify_bundle(bundle, fast=verify == "fast")
         if problems:
             raise BundleError(f"{bundle} does not match its manifest: " + "; ".join(problems[:5])
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    if signed_by is not None:
+        check_signature(bundle, manifest["bundle_id"], Path(signed_by))
+    Manifest.check(manifest, str(bundle / MANIFEST))  # sealed is not sane: values checked
     if manifest["tokenizer"]["verdict"] == "incompatible":
         raise BundleError(f"{bundle}: target and draft tokenizers are incompatible")
     shapes = manifest["shapes"]

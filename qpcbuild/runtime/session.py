@@ -63,6 +63,34 @@ def thread_count(core_share: float, explicit: int | None) -> int:
     return max(1, math.ceil((os.cpu_count() or 1) * core_share - 1e-9))
 
 
+def check_graph_io(sess, path: Path, role: str, kv_shape: tuple, num_layers: int,
+                   vocab_size: int) -> None:
+    """The graph must be the one the manifest describes: one KV pair per layer, KV and logits
+    dimensions equal to the manifest's wherever the graph fixes them. A re-sealed manifest that
+    swapped artifacts or edited a size fails here, not in the middle of a decode step."""
+    inputs = {i.name: i.shape for i in sess.get_inputs()}
+    outputs = {o.name: o.shape for o in sess.get_outputs()}
+    layers = sum(1 for name in inputs if name.startswith("past_key."))
+    problems = []
+    if layers != num_layers:
+        problems.append(f"{layers} KV layers, the manifest says num_layers {num_layers}")
+    for name in ("input_ids", "position_ids"):
+        if name not in inputs:
+            problems.append(f"no {name} input")
+    for name, shape in inputs.items():
+        if name.startswith("past_") and len(shape) == 4:
+            fixed = [(d, want) for d, want in zip(shape, kv_shape) if isinstance(d, int)]
+            if any(d != want for d, want in fixed):
+                problems.append(f"{name} has shape {shape}, the manifest says {list(kv_shape)}")
+                break
+    logits = outputs.get("logits")
+    if logits is None or (isinstance(logits[-1], int) and logits[-1] != vocab_size):
+        problems.append(f"logits {logits}, the manifest says vocab_size {vocab_size}")
+    if problems:
+        raise BundleError(f"{path}: the {role} graph does not match the manifest: "
+                          + "; ".join(problems[:3]))
+
+
 class OrtSession:
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: tuple,
                  num_layers: int, vocab_size: int, threads: int, in_place: bool = False):
@@ -77,6 +105,7 @@ class OrtSession:
             self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         except Exception as exc:
             raise BundleError(f"{path}: onnxruntime cannot load this artifact: {exc}") from None
+        check_graph_io(self.sess, path, role, kv_shape, num_layers, vocab_size)
         self.path, self.role, self.specializations = Path(path), role, specs
         self.threads = threads
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size

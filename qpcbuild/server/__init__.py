@@ -5,15 +5,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
 
 def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str = "onnxruntime",
           verify: str = "full", model_name: str | None = None, log_level: str = "info",
-          spec_policy: str | None = None) -> None:
-    import uvicorn
+          **load_options) -> None:
+    """Checks the arguments and takes the port before the (slow) bundle load, so a typo or a busy
+    port fails in a second, not after the model is loaded."""
+    from ..errors import UsageError
+    from .http import listen, run_until_signalled
 
-    from ..runtime.loader import load
-    from .app import build_app
+    if log_level not in LOG_LEVELS:
+        raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
+    sock = listen(host, port)
+    try:
+        from ..runtime.loader import load
+        from .app import build_app
 
-    gen = load(bundle, backend=backend, verify=verify, spec_policy=spec_policy)
-    app = build_app(gen, model_name or gen.manifest["name"])
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+        gen = load(bundle, backend=backend, verify=verify, **load_options)
+        run_until_signalled(build_app(gen, model_name or gen.manifest["name"]), sock, log_level)
+    finally:
+        sock.close()

@@ -17,7 +17,6 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,11 +26,12 @@ from ..errors import QpcbuildError
 from ..runtime.loader import Generator
 from ..runtime.sampling import SamplingParams
 from .metrics import ServerMetrics, openai_finish_reason
-from .schema import ChatRequest, CompletionRequest, strip_ignored
+from .schema import BadRequest, ChatRequest, CompletionRequest, parse_request
 from .worker import EngineWorker, Job
 
 log = logging.getLogger("qpcbuild.server")
 MAX_BODY = 4 << 20
+BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive (a stalled client gets 408)
 
 
 # An absolute path (not part of a URL): clients are not told where the server keeps its files.
@@ -71,7 +71,8 @@ class _Stream:
 
 class Detokenizer:
     """Incremental text with stop strings: text is released only when it cannot be the start of
-    a stop string, and never in the middle of a multi-byte character."""
+    a stop string, and never in the middle of a multi-byte character. Each call costs time linear
+    in the text and the stop strings (the search starts where the released text ends)."""
 
     def __init__(self, gen: Generator, stops: list[str]):
         self.gen, self.stops = gen, stops or []
@@ -82,19 +83,38 @@ class Detokenizer:
     def feed(self, ids: list[int], final: bool) -> str:
         self.ids += ids
         text = self.gen.tokenizer.decode(self.ids)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at != -1:
-                text, self.stopped, final = text[:at], True, True
+        # Released text never ends in a stop string's prefix, so no stop starts before `sent`.
+        hits = [at for at in (text.find(s, self.sent) for s in self.stops) if at != -1]
+        if hits:
+            text, self.stopped, final = text[:min(hits)], True, True
         end = len(text)
         if not final:
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence
                 end = len(text.rstrip("\ufffd"))
-            hold = max((n for s in self.stops for n in range(1, len(s))
-                        if text.endswith(s[:n])), default=0)
+            hold = max((_prefix_at_end(text, s) for s in self.stops), default=0)
             end = min(end, len(text) - hold)
         out, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
         return out
+
+
+def _prefix_at_end(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with, in O(len(stop)):
+    Knuth-Morris-Pratt's failure table over `stop`, then its automaton over the text's tail."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    k = 0
+    for ch in text[-(len(stop) - 1):] if len(stop) > 1 else "":
+        while k and ch != stop[k]:
+            k = fail[k - 1]
+        if ch == stop[k]:
+            k += 1
+    return k
 
 
 def build_app(gen: Generator, model_name: str) -> Starlette:
@@ -111,21 +131,15 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
     metrics = ServerMetrics(model_name, lambda: worker.running, lambda: worker.waiting)
 
     async def body_of(request: Request, schema):
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"request body over {MAX_BODY} bytes")
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
+            raw = await asyncio.wait_for(_read_body(request), BODY_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s") \
+                from None
         try:
-            req = schema.model_validate(strip_ignored(body))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(422, f"{where}: {first['msg']}", param=where) from None
+            req = await asyncio.to_thread(parse_request, raw, schema)
+        except BadRequest as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         if req.model != model_name:
             raise ApiError(404, f"the model '{req.model}' does not exist; this server serves "
                            f"'{model_name}'", param="model", code="model_not_found")
@@ -157,7 +171,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
 
     async def generate(request: Request, chat: bool):
         req = await body_of(request, ChatRequest if chat else CompletionRequest)
-        all_ids = prompt_ids(req, chat)
+        all_ids = await asyncio.to_thread(prompt_ids, req, chat)  # tokenizing is CPU work
         limits = [budget(req, ids) for ids in all_ids]
         loop = asyncio.get_running_loop()
         streams = [_Stream(loop) for _ in all_ids]
@@ -165,19 +179,22 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                 for ids, n, s in zip(all_ids, limits, streams)]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        if req.stream:
+        if req.stream:  # Starlette ends the stream when the client leaves; sse() frees the slots
             return StreamingResponse(sse(request, req, chat, rid, created, jobs, streams),
                                      media_type="text/event-stream")
+        work = asyncio.ensure_future(collect_all(jobs, streams, req.stop))
+        gone = asyncio.ensure_future(_hung_up(request))
         try:
-            texts, reasons = [], []
-            for job, stream in zip(jobs, streams):
-                text, reason = await collect(request, job, stream, req.stop)
-                texts.append(text)
-                reasons.append(reason)
-        except asyncio.CancelledError:
-            for job in jobs:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left: stop generating for nobody
+                raise asyncio.CancelledError
+            results = work.result()
+        finally:
+            gone.cancel()
+            work.cancel()
+            for job in jobs:  # a no-op for finished jobs
                 job.cancel()
-            raise
+        texts, reasons = [t for t, _ in results], [r for _, r in results]
         usage = _usage(jobs)
         if chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
@@ -190,17 +207,14 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                              "choices": choices, "usage": usage,
                              "metrics": request_metrics(jobs, max(gen.ks))})
 
-    async def collect(request: Request, job: Job, stream: _Stream, stops: list[str]):
+    async def collect_all(jobs: list[Job], streams: list[_Stream], stops: list[str]):
+        return [await collect(job, stream, stops) for job, stream in zip(jobs, streams)]
+
+    async def collect(job: Job, stream: _Stream, stops: list[str]):
         detok, parts = Detokenizer(gen, stops), []
         while True:
-            try:
-                ids, done = await asyncio.wait_for(stream.next(), 0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel()
-                    raise asyncio.CancelledError from None
-                continue
-            parts.append(detok.feed(ids, done))
+            ids, done = await stream.next()
+            parts.append(await asyncio.to_thread(detok.feed, ids, done))
             if detok.stopped and not done:
                 job.cancel("stop")
             if done or detok.stopped:
@@ -227,7 +241,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                     yield chunk(i, "", None, first=True)
                 while True:
                     ids, done = await stream.next()
-                    text = detok.feed(ids, done)
+                    text = await asyncio.to_thread(detok.feed, ids, done)
                     if detok.stopped and not done:
                         job.cancel("stop")
                     if done or detok.stopped:
@@ -302,6 +316,27 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
     ], exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
     return app
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused as soon as it passes MAX_BODY (not after buffering all of it)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise ApiError(413, f"request body over {MAX_BODY} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"request body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client closes the connection. Once the body has been read, the server's
+    next ASGI message for this request is the disconnect (or nothing, until the response)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(payload: dict[str, Any]) -> str:

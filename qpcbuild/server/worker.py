@@ -80,6 +80,8 @@ class EngineWorker:
         return job
 
     def close(self) -> None:
+        for job in self._live():  # shutting down: requests still running end now
+            job.cancel()
         self._queue.put(None)
         self._thread.join(timeout=30)
 

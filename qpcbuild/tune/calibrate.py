@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import statistics
 import tempfile
@@ -40,7 +41,7 @@ def _round(x: float | None, nd: int) -> float | None:
 def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new_tokens: int,
               costs: CostFn, *, batches: list[int], host_measured: bool = True,
               same_bundle_costs: bool = True, check_prompts: int = 4,
-              say: Say | None = None) -> dict[str, Any]:
+              say: Say | None = None, verify: str = "full") -> dict[str, Any]:
     """Evidence and decision for `method` on `prompts`. `costs` gives the call costs at a
     batch size; batches[0] is the one the decision is for, the others (--per-batch) get
     their best K too. host_measured False: the loop's own time per step is taken as 0 (a
@@ -49,7 +50,7 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
     from ..runtime.loader import load
 
     say = say or (lambda m: None)
-    gen = load(bundle, method=method, verify="fast")
+    gen = load(bundle, method=method, verify=verify)
     if k_max not in gen.ks:
         raise UsageError(f"K_max={k_max} is not compiled in the calibration bundle")
     room = gen.target.ctx_len - max_new_tokens - 1
@@ -186,7 +187,7 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
          prompt_label: str | None = None, max_new_tokens: int = 128, rounds: int = 20,
          cache_dir: Path | None = None, say: Say | None = None, cost_model: bool = False,
          card_bandwidth_gbs: float | None = None, card_tflops: float | None = None,
-         per_batch: list[int] | None = None) -> dict[str, Any]:
+         per_batch: list[int] | None = None, verify: str = "full") -> dict[str, Any]:
     """Recipe -> evidence and decision (a JSON-able dict). The measurement bundles are built in
     a temporary folder inside the build cache and removed afterwards."""
     from ..bench.inputs import (build_for_measurement, load_prompts, machine_info,
@@ -202,6 +203,10 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
         raise UsageError(f"--k-max must be in 1..32, got {k_max}")
     if (card_bandwidth_gbs is not None or card_tflops is not None) and not cost_model:
         raise UsageError("--card-bandwidth-gbs / --card-tflops go with --cost-model")
+    for option, value in (("--card-bandwidth-gbs", card_bandwidth_gbs),
+                          ("--card-tflops", card_tflops)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{option} must be a positive number, got {value}")
     recipe_path = Path(recipe_path)
     r = load_recipe(recipe_path, list(overrides))
     method = r.draft.method
@@ -254,18 +259,18 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
                 else:
                     build_for_measurement(recipe_path, [*overrides, *extra], ks, out, cache_dir,
                                           say, numerics="exact")
-                gens[b] = load(out, method=method, verify="fast", backend=backend)
+                gens[b] = load(out, method=method, verify=verify, backend=backend)
             say(f"costs: measured on {cost_source}, {rounds} rounds per K")
 
             def costs(kk, position, b):
                 g = gens.get(b)
                 if g is None:  # the acceptance bundle, which is also the cost bundle
-                    g = gens[b] = load(acc_bundle, method=method, verify="fast")
+                    g = gens[b] = load(acc_bundle, method=method, verify=verify)
                 say(f"timing K draft steps and one K+1 verify for K = 0..{k_max} at batch {b}")
                 return measure_costs(g, kk, position, rounds)
         evidence = calibrate(acc_bundle, method, k_max, prompts, max_new_tokens, costs,
                              batches=batches, host_measured=not cost_model,
-                             same_bundle_costs=same, say=say)
+                             same_bundle_costs=same, say=say, verify=verify)
     finally:
         gens.clear()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,139 @@
+"""Crash safety and the cache: entries that became files or links, a package killed midway,
+signals during start-up and during the onnxruntime import, an output folder nothing can be
+written to, and a --cache-dir typo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qpcbuild.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def compile_demo(out: Path, cache: Path):
+    return runner.invoke(app, ["compile", str(ROOT / "recipes" / "demo.yaml"), "-o", str(out),
+                               "--cache-dir", str(cache)])
+
+
+@pytest.fixture(scope="module")
+def built(demo_build):
+    return demo_build
+
+
+def entries_of(cache: Path) -> list[Path]:
+    return [p for kind in ("exports", "ort") for p in (cache / kind).iterdir()
+            if not p.name.startswith(".")]
+
+
+def test_an_entry_replaced_by_a_file_is_rebuilt_and_pruned(built, tmp_path):
+    _, cache = built
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine, symlinks=True)
+    victim = entries_of(mine)[0]
+    shutil.rmtree(victim)
+    victim.write_text("not a folder")
+    result = compile_demo(tmp_path / "b1", mine)
+    assert result.exit_code == 0, result.output  # rebuilt, not wedged
+    assert victim.is_dir()
+    other = entries_of(mine)[1]
+    shutil.rmtree(other)
+    other.write_text("not a folder")
+    result = runner.invoke(app, ["cache", "prune", "--cache-dir", str(mine)])
+    assert result.exit_code == 0 and other.name in result.output
+    assert not os.path.lexists(other)  # "removed" means removed
+
+
+def test_an_entry_that_links_outside_the_cache_is_not_reused(built, tmp_path):
+    _, cache = built
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine, symlinks=True)
+    victim = entries_of(mine)[0]
+    outside = tmp_path / "outside"
+    shutil.move(str(victim), outside)
+    victim.symlink_to(outside, target_is_directory=True)
+    result = runner.invoke(app, ["cache", "verify", "--cache-dir", str(mine)])
+    assert result.exit_code == 1 and "a link" in result.output
+    result = compile_demo(tmp_path / "b1", mine)
+    assert result.exit_code == 0, result.output
+    assert victim.is_dir() and not victim.is_symlink()  # rebuilt inside the cache
+    assert outside.is_dir()  # the link's target is left alone
+
+
+def test_a_killed_package_leaves_nothing_a_rerun_does_not_remove(built, tmp_path):
+    bundle, _ = built
+    out = tmp_path / "demo.tar.gz"
+    killed = tmp_path / f".{out.name}.abc123.tmp"
+    killed.write_bytes(b"half an archive")  # as a SIGKILLed pack leaves it
+    result = runner.invoke(app, ["package", str(bundle), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_compile_into_proc_is_a_clear_error(tmp_path):
+    result = compile_demo(Path("/proc/qpcbuild-test/bundle"), tmp_path / "cache")
+    assert result.exit_code == 2 and "-o" in result.output, result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_cache_commands_refuse_a_cache_dir_typo(tmp_path):
+    for cmd in ("ls", "verify", "prune"):
+        result = runner.invoke(app, ["cache", cmd, "--cache-dir", str(tmp_path / "typo")])
+        assert result.exit_code == 2 and "no such folder" in result.output, (cmd, result.output)
+
+
+# What the `qpcbuild` console script does (import the entry point, call it), announcing when the
+# entry point is in: Ctrl-C before that is Python's own start-up, not qpcbuild's.
+START = ("import sys; from qpcbuild.launch import main; print('up', file=sys.stderr, "
+         "flush=True); sys.argv = ['qpcbuild', 'version']; main()")
+
+
+def test_ctrl_c_during_start_up_is_no_traceback():
+    for delay in (0.0, 0.05, 0.15, 0.3):
+        proc = subprocess.Popen([sys.executable, "-c", START], env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stderr.readline().strip() == "up"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert "Traceback" not in err, (delay, err)
+
+
+SIGTERM_IN_IMPORT = """
+import os, signal, threading
+from qpcbuild.cli.app import _terminate
+from qpcbuild.compile.onnxruntime import OrtBackend
+from qpcbuild.errors import Terminated, ToolchainError
+signal.signal(signal.SIGTERM, _terminate)
+threading.Timer({delay}, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+try:
+    OrtBackend().check(None)
+    print("imported before the signal")
+except ToolchainError as exc:
+    print("misreported:", exc)
+except Terminated:
+    print("terminated")
+"""
+
+
+def test_sigterm_during_the_onnxruntime_import_is_not_a_missing_package():
+    outcomes = []
+    for delay in (0.05, 0.15, 0.3):
+        r = subprocess.run([sys.executable, "-c", SIGTERM_IN_IMPORT.format(delay=delay)],
+                           env=ENV, capture_output=True, text=True, timeout=120)
+        outcomes.append(r.stdout.strip())
+        assert "misreported" not in r.stdout, r.stdout
+    assert "terminated" in outcomes, outcomes  # the signal did land during the import
