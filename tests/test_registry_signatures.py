@@ -156,6 +156,14 @@ def test_a_forged_signature_referrer_is_refused(registry, demo_bundle, signed_bu
     assert pull(f"{address}/{repo}:v1", out).exit_code == 0
     verified = runner.invoke(app, ["verify", str(out), "--key", str(keys / "a.pub")])
     assert verified.exit_code == 1 and "does not match" in verified.output
+    # The genuine signature pushed beside it (same manifest: signing leaves the bundle alone)
+    # is added to the index, not put in the forged one's place, and it is what counts.
+    assert push(signed_bundle, f"{address}/{repo}:v1") == digest
+    index = get(registry, f"{repo}/manifests/{digest.replace(':', '-')}", INDEX).json()
+    assert len(index["manifests"]) == 2
+    again = tmp_path / "again"
+    result = pull(f"{address}/{repo}:v1", again, "--require-signature", str(keys / "a.pub"))
+    assert result.exit_code == 0, result.output
 
 
 def test_run_takes_a_reference_with_require_signature(registry, signed_bundle, demo_bundle,  # noqa: F811

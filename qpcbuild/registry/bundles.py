@@ -84,25 +84,33 @@ def push_bundle(bundle: Path, ref: Reference, client: RegistryClient,
 
 
 def fetch_signatures(client: RegistryClient, repo: str, digest: str, where: str,
-                     say: Say | None = None) -> list[dict]:
+                     say: Say | None = None, strict: bool = True) -> list[dict]:
     """Every signature entry attached to the manifest `digest` as a referrer, duplicates
     dropped. A referrer that is not a readable signature file is skipped (said): anyone who
     can push may attach one, and it vouches for nothing; the signatures themselves are
-    checked by the caller against the pulled bundle id."""
+    checked by the caller against the pulled bundle id. Not `strict` (no signature is
+    required): a registry whose referrers cannot be listed gives [] and a note, not an error."""
+    say = say or (lambda m: None)
+    try:
+        found = referrers.referrers(client, repo, digest, SIGNATURES_ARTIFACT)
+    except RegistryError as exc:
+        if strict:
+            raise
+        say(f"signatures not fetched: {exc}")
+        return []
     entries: list[dict] = []
-    for found in referrers.referrers(client, repo, digest, SIGNATURES_ARTIFACT):
+    for descriptor in found:
         try:
-            manifest, _ = client.get_manifest(repo, found["digest"])
+            manifest, _ = client.get_manifest(repo, descriptor["digest"])
             layer = (manifest.get("layers") or [None])[0]
-            if (manifest.get("subject") or {}).get("digest") != digest or \
+            if manifest.get("artifactType") != SIGNATURES_ARTIFACT or \
+                    (manifest.get("subject") or {}).get("digest") != digest or \
                     not isinstance(layer, dict):
-                raise BundleError(f"{where}: referrer {found['digest']} is not a signature "
-                                  "file of this manifest")
+                raise BundleError("not a signature file of this manifest")
             data = client.read_blob(repo, layer["digest"], limit=MAX_SIGNATURES_BLOB)
-            entries += [e for e in parse_signatures(data, f"{where} referrer {found['digest']}")
-                        if e not in entries]
+            entries += [e for e in parse_signatures(data, "its layer") if e not in entries]
         except (BundleError, RegistryError, KeyError, TypeError, AttributeError) as exc:
-            (say or (lambda m: None))(f"ignoring signature referrer {found['digest']}: {exc}")
+            say(f"{where}: ignoring signature referrer {descriptor['digest']}: {exc}")
     return entries
 
 
@@ -142,7 +150,8 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
         download_folder(client, ref.repository,
                         {rel: meta for rel, meta in files.items() if rel != MANIFEST},
                         staging, say)
-        signatures = fetch_signatures(client, ref.repository, digest, where, say)
+        signatures = fetch_signatures(client, ref.repository, digest, where, say,
+                                      strict=signed_by is not None)
         if signatures:
             write_signatures(staging, signatures)
         if signed_by is not None:
