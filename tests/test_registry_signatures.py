@@ -35,7 +35,7 @@ def keys(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def signed_bundle(demo_bundle, keys, tmp_path_factory) -> Path:  # noqa: F811
+def signed_bundle(demo_bundle, keys, tmp_path_factory) -> Path:
     bundle = tmp_path_factory.mktemp("signed") / "demo"
     shutil.copytree(demo_bundle, bundle)
     result = runner.invoke(app, ["sign", str(bundle), "--key", str(keys / "a")])
@@ -53,7 +53,7 @@ def get(registry, path: str, accept: str) -> httpx.Response:
     return resp
 
 
-def test_push_attaches_signatures_as_a_referrer_in_the_tag_schema(registry, signed_bundle):  # noqa: F811
+def test_push_attaches_signatures_as_a_referrer_in_the_tag_schema(registry, signed_bundle):
     ref = f"{registry.address}/sig/demo:v1"
     result = runner.invoke(app, ["push", str(signed_bundle), ref])
     assert result.exit_code == 0, result.output
@@ -83,7 +83,7 @@ def test_push_attaches_signatures_as_a_referrer_in_the_tag_schema(registry, sign
     assert again["manifests"] == index["manifests"]
 
 
-def test_pull_require_signature_with_the_right_key(registry, signed_bundle, keys, tmp_path):  # noqa: F811
+def test_pull_require_signature_with_the_right_key(registry, signed_bundle, keys, tmp_path):
     ref = f"{registry.address}/sig/demo:v2"
     push(signed_bundle, ref)
     out = tmp_path / "pulled"
@@ -101,7 +101,7 @@ def test_pull_require_signature_with_the_right_key(registry, signed_bundle, keys
                                str(keys / "a.pub")]).exit_code == 0
 
 
-def test_unsigned_and_wrong_key_are_refused_leaving_nothing(registry, demo_bundle,  # noqa: F811
+def test_unsigned_and_wrong_key_are_refused_leaving_nothing(registry, demo_bundle,
                                                            signed_bundle, keys, tmp_path):
     push(demo_bundle, f"{registry.address}/sig/unsigned:v1")
     push(signed_bundle, f"{registry.address}/sig/demo:v3")
@@ -114,7 +114,7 @@ def test_unsigned_and_wrong_key_are_refused_leaving_nothing(registry, demo_bundl
         assert not out.exists() and os.listdir(out.parent) == []
 
 
-def test_a_forged_signature_referrer_is_refused(registry, demo_bundle, signed_bundle, keys,  # noqa: F811
+def test_a_forged_signature_referrer_is_refused(registry, demo_bundle, signed_bundle, keys,
                                                 tmp_path):
     """A referrer pushed by hand (not through qpcbuild's own attach): key a's id, signature
     bytes key a never made, attached to an unsigned bundle."""
@@ -166,7 +166,7 @@ def test_a_forged_signature_referrer_is_refused(registry, demo_bundle, signed_bu
     assert result.exit_code == 0, result.output
 
 
-def test_run_takes_a_reference_with_require_signature(registry, signed_bundle, demo_bundle,  # noqa: F811
+def test_run_takes_a_reference_with_require_signature(registry, signed_bundle, demo_bundle,
                                                       keys, tmp_path, monkeypatch):
     """Both pushes are one manifest digest (signing leaves the bundle alone), so the store
     holds one copy: pulled unsigned first, it must pick up the signature attached in the other

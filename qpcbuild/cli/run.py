@@ -156,7 +156,8 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
     folder = bundle_folder(bundle, insecure, signatures=require_signature is not None)
-    run_server(folder, host, port, backend, verify, served_model_name, log_level, signed_by=require_signature, spec_policy=spec_policy)
+    run_server(folder, host, port, backend, verify, served_model_name, log_level,
+               signed_by=require_signature, spec_policy=spec_policy)
 
 
 @app.command("serve-config")
