@@ -20,7 +20,6 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from ..bundle.build import publish, remove_debris, staging_folder
 from ..bundle.manifest import MANIFEST, SIGNATURES, changed_fields, read_manifest
 from ..bundle.signature import (check_signature, parse_signatures, read_public_key,
                                 read_signatures, write_signatures)
@@ -133,6 +132,10 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
     if out.exists() and not (out / MANIFEST).is_file() and (not out.is_dir() or
                                                             any(out.iterdir())):
         raise UsageError(f"-d {out}: exists and is not a qpcbuild bundle; refusing to replace it")
+    # Imported here: bundle.build pulls in the exporter and onnx, which run/inspect/verify of a
+    # reference already in the store never need.
+    from ..bundle.build import publish, remove_debris, staging_folder
+
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_debris(out)
     with staging_folder(out) as staging:
