@@ -96,13 +96,32 @@ def read_signatures(bundle: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        entries = doc["signatures"]
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        raise BundleError(f"{path}: not a readable signature file") from None
+    return parse_signatures(text, str(path))
+
+
+def parse_signatures(text: str | bytes, where: str) -> list[dict[str, Any]]:
+    """The entries of a signatures.json document (a file, or a registry referrer's layer)."""
+    try:
+        entries = json.loads(text)["signatures"]
         if not (isinstance(entries, list) and all(isinstance(e, dict) for e in entries)):
             raise TypeError
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        raise BundleError(f"{path}: not a readable signature file") from None
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise BundleError(f"{where}: not a readable signature file") from None
     return entries
+
+
+def write_signatures(bundle: Path, entries: list[dict[str, Any]]) -> None:
+    tmp = Path(bundle) / f".{SIGNATURES}.tmp"
+    tmp.write_text(json.dumps({"signatures": entries}, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(Path(bundle) / SIGNATURES)
+
+
+def read_public_key(path: Path):
+    """An Ed25519 public key from a PEM file (a bad file is a usage error, exit 2)."""
+    return _read_key(path, private=False)
 
 
 def sign_bundle(bundle: Path, key_path: Path) -> dict[str, Any]:
@@ -121,25 +140,24 @@ def sign_bundle(bundle: Path, key_path: Path) -> dict[str, Any]:
     entry = {"algorithm": ALGORITHM, "key_id": kid, "bundle_id": bundle_id,
              "signature": base64.b64encode(key.sign(_message(bundle_id))).decode("ascii")}
     others = [e for e in read_signatures(bundle) if e.get("key_id") != kid]
-    tmp = Path(bundle) / f".{SIGNATURES}.tmp"
-    tmp.write_text(json.dumps({"signatures": others + [entry]}, indent=1) + "\n",
-                   encoding="utf-8")
-    tmp.replace(Path(bundle) / SIGNATURES)
+    write_signatures(bundle, others + [entry])
     return entry
 
 
-def check_signature(bundle: Path, bundle_id: str, public_key_path: Path) -> str:
+def check_signature(bundle: Path, bundle_id: str, public_key_path: Path,
+                    where: str | None = None) -> str:
     """Raise BundleError unless the bundle carries a valid signature of `bundle_id` by the key.
-    The caller must have verified the bundle (its files and seal give that id). Returns the key
-    id."""
+    The caller must have verified the bundle (its files and seal give that id). `where` names
+    the bundle in messages (default: its folder). Returns the key id."""
     from cryptography.exceptions import InvalidSignature
 
-    key = _read_key(public_key_path, private=False)
+    key = read_public_key(public_key_path)
+    where = where or str(bundle)
     kid = key_id(key)
     entries = read_signatures(bundle)
     mine = [e for e in entries if e.get("key_id") == kid]
     if not mine:
-        raise BundleError(f"{bundle}: no signature by the key {public_key_path} ({kid[:19]}…); "
+        raise BundleError(f"{where}: no signature by the key {public_key_path} ({kid[:19]}…); "
                           f"{len(entries)} other signature(s)")
     for entry in mine:
         try:
@@ -148,5 +166,5 @@ def check_signature(bundle: Path, bundle_id: str, public_key_path: Path) -> str:
             return kid
         except (InvalidSignature, ValueError):
             continue
-    raise BundleError(f"{bundle}: the signature by {public_key_path} does not match this bundle "
+    raise BundleError(f"{where}: the signature by {public_key_path} does not match this bundle "
                       f"(id {bundle_id[:16]}…): forged, or made for another build")

@@ -30,7 +30,7 @@ def verify(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     if key is not None and fast:
         raise UsageError("--key needs the full check: a signature vouches for the bundle id, "
                          "which --fast does not recompute")
-    bundle = bundle_folder(bundle, insecure, quiet=json_out)
+    bundle = bundle_folder(bundle, insecure, quiet=json_out, signatures=key is not None)
     problems, bundle_id = [], None
     try:
         problems = verify_bundle(bundle, fast=fast)

@@ -15,7 +15,9 @@ InsecureOpt = typer.Option(False, "--insecure", envvar="QPCBUILD_REGISTRY_INSECU
                            "(loopback registries always use plain HTTP).")
 
 
-def bundle_folder(arg: Path, insecure: bool, quiet: bool = False) -> Path:
+def bundle_folder(arg: Path, insecure: bool, quiet: bool = False,
+                  signatures: bool = False) -> Path:
+    """`signatures`: a signature will be checked, so a stored copy gets the registry's newest."""
     from ..registry.bundles import open_bundle
 
-    return open_bundle(arg, insecure, None if quiet else progress_line)
+    return open_bundle(arg, insecure, None if quiet else progress_line, signatures)

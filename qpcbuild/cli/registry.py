@@ -10,7 +10,7 @@ import typer
 from ..render import console
 from .app import app, emit_json, handles_errors, progress_line
 from .refs import InsecureOpt
-
+from .run import RequireSignatureOpt
 
 
 @app.command()
@@ -31,15 +31,18 @@ def push(bundle: Path = typer.Argument(..., help="Bundle folder."),
     reference = parse_reference(ref, "REF")
     say = None if quiet or json_out else progress_line
     with RegistryClient(reference.registry, insecure) as client:
-        result = push_bundle(bundle, reference, client, say)
+        result, signatures = push_bundle(bundle, reference, client, say)
     pinned = f"{reference.registry}/{reference.repository}@{result.digest}"
     if json_out:
-        emit_json({"reference": str(reference), "pinned": pinned, **result.to_dict()})
+        emit_json({"reference": str(reference), "pinned": pinned, **result.to_dict(),
+                   "signatures_attached": signatures})
     elif quiet:
         print(result.digest)
     else:
         console.print(f"pushed {reference} ({result.files} files, {result.bytes:,} bytes, "
-                      f"{result.sent:,} uploaded)")
+                      f"{result.sent:,} uploaded)"
+                      + (f"; {signatures} signature(s) attached as a referrer"
+                         if signatures else ""))
         print(result.digest)
 
 
@@ -51,9 +54,11 @@ def pull(ref: str = typer.Argument(..., help="REGISTRY/REPOSITORY:TAG or "
                                              "create (a bundle there is replaced; default: "
                                              "./REPOSITORY's last part)."),
          insecure: bool = InsecureOpt,
+         require_signature: Optional[Path] = RequireSignatureOpt,
          json_out: bool = typer.Option(False, "--json", help="One JSON result.")):
     """Download a bundle, check every layer's digest and the bundle id, and rename it into
-    place: a failed or interrupted pull leaves nothing."""
+    place: a failed or interrupted pull leaves nothing. Signatures attached to it in the
+    registry come back as its signatures.json."""
     from ..registry.bundles import pull_bundle
     from ..registry.client import RegistryClient
     from ..registry.reference import parse_reference
@@ -61,10 +66,14 @@ def pull(ref: str = typer.Argument(..., help="REGISTRY/REPOSITORY:TAG or "
     reference = parse_reference(ref, "REF")
     out = dest or Path(reference.repository.rsplit("/", 1)[-1])
     with RegistryClient(reference.registry, insecure) as client:
-        bundle_id, digest = pull_bundle(reference, out, client,
-                                        None if json_out else progress_line)
+        bundle_id, digest, signatures = pull_bundle(reference, out, client,
+                                                    None if json_out else progress_line,
+                                                    signed_by=require_signature)
     if json_out:
         emit_json({"reference": str(reference), "bundle": str(out), "bundle_id": bundle_id,
-                   "digest": digest})
+                   "digest": digest, "signatures": signatures,
+                   "signed_by": str(require_signature) if require_signature else None})
     else:
-        console.print(f"pulled {reference} into {out}: bundle id {bundle_id} ({digest})")
+        console.print(f"pulled {reference} into {out}: bundle id {bundle_id} ({digest})"
+                      + (f", {signatures} signature(s)" if signatures else "")
+                      + (f", signed by {require_signature}" if require_signature else ""))

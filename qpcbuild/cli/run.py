@@ -79,7 +79,8 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         raise UsageError("--max-new-tokens must be at least 1")
     if system is not None and not chat:
         raise UsageError("--system needs --chat")
-    bundle = bundle_folder(bundle, insecure, quiet=json_out)
+    bundle = bundle_folder(bundle, insecure, quiet=json_out,
+                           signatures=require_signature is not None)
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
                batch_size=batch_size, signed_by=require_signature, spec_policy=spec_policy)
     # Continuous batching takes every prompt at once and refills slots as requests finish.
@@ -154,8 +155,9 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
 
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
-    run_server(bundle_folder(bundle, insecure), host, port, backend, verify, served_model_name,
-               log_level, signed_by=require_signature, spec_policy=spec_policy)
+    folder = bundle_folder(bundle, insecure, signatures=require_signature is not None)
+    run_server(folder, host, port, backend, verify, served_model_name, log_level,
+               signed_by=require_signature, spec_policy=spec_policy)
 
 
 @app.command("serve-config")

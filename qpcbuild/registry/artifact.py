@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..bundle.manifest import check_relative
 from ..errors import BundleError
-from .client import OCI_MANIFEST, RegistryClient, sha256_digest
+from .client import OCI_MANIFEST, RegistryClient, encode_manifest, sha256_digest
 from .errors import RegistryDigestMismatch, RegistryError
 
 TITLE = "org.opencontainers.image.title"
@@ -31,6 +31,7 @@ class Transfer:
     files: int
     bytes: int
     sent: int  # bytes that actually crossed the wire (the rest the registry had already)
+    manifest_size: int = 0  # for a descriptor of the manifest (a referrer's subject)
 
     def to_dict(self) -> dict:
         return {"digest": self.digest, "files": self.files, "bytes": self.bytes,
@@ -69,7 +70,8 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
                            "size": len(config)},
                 "layers": layers, "annotations": annotations}
     digest = client.put_manifest(repo, tag, manifest)
-    return Transfer(digest, len(files), sum(m["size"] for m in files.values()), sent)
+    return Transfer(digest, len(files), sum(m["size"] for m in files.values()), sent,
+                    len(encode_manifest(manifest)))
 
 
 def read_artifact(client: RegistryClient, repo: str, reference: str,

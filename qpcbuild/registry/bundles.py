@@ -5,6 +5,10 @@ A pull is checked three times before anything is renamed into place: the OCI man
 digest when pinned), the config blob (our manifest.json: its bundle id must match its content
 and the annotation) and every layer (digest and size against manifest.json's file list, the
 bytes hashed as they arrive). It lands in a staging folder that any failure removes.
+
+A bundle's signatures.json travels beside it, not in it: push attaches it as an OCI referrer of
+the bundle's manifest (referrers.py), pull brings every signature referrer back into
+signatures.json and, asked to, refuses a bundle without a valid signature by a given key.
 """
 
 from __future__ import annotations
@@ -16,16 +20,22 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from ..bundle.manifest import MANIFEST, changed_fields, read_manifest
+from ..bundle.manifest import MANIFEST, SIGNATURES, changed_fields, read_manifest
+from ..bundle.signature import (check_signature, parse_signatures, read_public_key,
+                                read_signatures, write_signatures)
 from ..bundle.verify import verify_bundle
 from ..errors import BundleError, UsageError
+from . import referrers
 from .artifact import Say, Transfer, download_folder, layer_files, push_folder, read_artifact
-from .client import RegistryClient
+from .client import OCI_MANIFEST, RegistryClient
+from .errors import RegistryError
 from .reference import Reference, looks_like_reference, parse_reference
 
 BUNDLE_ARTIFACT = "application/vnd.qpcbuild.bundle.v1"
 BUNDLE_CONFIG = "application/vnd.qpcbuild.bundle.manifest.v1+json"
 ANNOTATION = "vnd.qpcbuild.bundle."  # + id, name, method, ks, toolchain
+SIGNATURES_ARTIFACT = "application/vnd.qpcbuild.signatures.v1+json"
+MAX_SIGNATURES_BLOB = 1 << 20
 
 
 def store_dir() -> Path:
@@ -44,12 +54,14 @@ def bundle_annotations(m: dict) -> dict[str, str]:
 
 
 def push_bundle(bundle: Path, ref: Reference, client: RegistryClient,
-                say: Say | None = None) -> Transfer:
-    """Upload a bundle under `ref`'s tag. Checked before any upload: the seal (the manifest
-    hashes to its bundle id), every file present with its sealed size, nothing extra; during
-    it: every uploaded file's bytes against its sealed digest, by the registry (a mismatch
-    is refused and nothing is tagged). Files the registry already holds are not read: the
-    artifact names the sealed digests, so what is published is the sealed content."""
+                say: Say | None = None) -> tuple[Transfer, int]:
+    """Upload a bundle under `ref`'s tag, then its signatures.json (if any) as a referrer.
+    Returns (the transfer, the number of signatures attached). Checked before any upload: the
+    seal (the manifest hashes to its bundle id), every file present with its sealed size,
+    nothing extra; during it: every uploaded file's bytes against its sealed digest, by the
+    registry (a mismatch is refused and nothing is tagged). Files the registry already holds
+    are not read: the artifact names the sealed digests, so what is published is the sealed
+    content."""
     if ref.digest:
         raise UsageError(f"{ref}: push to a tag; the registry gives the digest")
     problems = changed_fields(read_manifest(bundle)) + verify_bundle(bundle, fast=True)
@@ -59,19 +71,61 @@ def push_bundle(bundle: Path, ref: Reference, client: RegistryClient,
     raw = (Path(bundle) / MANIFEST).read_bytes()
     m = json.loads(raw)
     files = {**m["files"], MANIFEST: {"size": len(raw), "sha256": _hex(raw)}}
-    return push_folder(client, ref.repository, ref.pinned, Path(bundle), files, raw,
-                       BUNDLE_CONFIG, BUNDLE_ARTIFACT, bundle_annotations(m), say)
+    signed = read_signatures(bundle)  # a damaged file stops the push before any upload
+    transfer = push_folder(client, ref.repository, ref.pinned, Path(bundle), files, raw,
+                           BUNDLE_CONFIG, BUNDLE_ARTIFACT, bundle_annotations(m), say)
+    if signed:
+        referrers.attach(client, ref.repository,
+                         {"mediaType": OCI_MANIFEST, "digest": transfer.digest,
+                          "size": transfer.manifest_size},
+                         SIGNATURES_ARTIFACT, (Path(bundle) / SIGNATURES).read_bytes())
+    return transfer, len(signed)
+
+
+def fetch_signatures(client: RegistryClient, repo: str, digest: str, where: str,
+                     say: Say | None = None, strict: bool = True) -> list[dict]:
+    """Every signature entry attached to the manifest `digest` as a referrer, duplicates
+    dropped. A referrer that is not a readable signature file is skipped (said): anyone who
+    can push may attach one, and it vouches for nothing; the signatures themselves are
+    checked by the caller against the pulled bundle id. Not `strict` (no signature is
+    required): a registry whose referrers cannot be listed gives [] and a note, not an error."""
+    say = say or (lambda m: None)
+    try:
+        found = referrers.referrers(client, repo, digest, SIGNATURES_ARTIFACT)
+    except RegistryError as exc:
+        if strict:
+            raise
+        say(f"signatures not fetched: {exc}")
+        return []
+    entries: list[dict] = []
+    for descriptor in found:
+        try:
+            manifest, _ = client.get_manifest(repo, descriptor["digest"])
+            layer = (manifest.get("layers") or [None])[0]
+            if manifest.get("artifactType") != SIGNATURES_ARTIFACT or \
+                    (manifest.get("subject") or {}).get("digest") != digest or \
+                    not isinstance(layer, dict):
+                raise BundleError("not a signature file of this manifest")
+            data = client.read_blob(repo, layer["digest"], limit=MAX_SIGNATURES_BLOB)
+            entries += [e for e in parse_signatures(data, "its layer") if e not in entries]
+        except (BundleError, RegistryError, KeyError, TypeError, AttributeError) as exc:
+            say(f"{where}: ignoring signature referrer {descriptor['digest']}: {exc}")
+    return entries
 
 
 def _hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def pull_bundle(ref: Reference, out: Path, client: RegistryClient,
-                say: Say | None = None) -> tuple[str, str]:
-    """Download the bundle `ref` names into `out` (replacing a bundle there). Returns (bundle
-    id, manifest digest). Nothing appears at `out` unless every check passed."""
+def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | None = None,
+                signed_by: Path | None = None) -> tuple[str, str, int]:
+    """Download the bundle `ref` names into `out` (replacing a bundle there), with the
+    signatures attached to it in the registry. Returns (bundle id, manifest digest, number of
+    signatures). `signed_by`: a public key; the bundle is refused unless one of them is a valid
+    signature by it. Nothing appears at `out` unless every check passed."""
     where = str(ref)
+    if signed_by is not None:
+        read_public_key(signed_by)  # a bad key file is an error before any download
     oci, digest, raw = read_artifact(client, ref.repository, ref.pinned, BUNDLE_ARTIFACT)
     files = layer_files(oci, where)
     out = Path(out)
@@ -99,8 +153,14 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient,
         download_folder(client, ref.repository,
                         {rel: meta for rel, meta in files.items() if rel != MANIFEST},
                         staging, say)
+        signatures = fetch_signatures(client, ref.repository, digest, where, say,
+                                      strict=signed_by is not None)
+        if signatures:
+            write_signatures(staging, signatures)
+        if signed_by is not None:
+            check_signature(staging, m["bundle_id"], signed_by, where=f"{where} ({digest})")
         publish(staging, out)
-    return m["bundle_id"], digest
+    return m["bundle_id"], digest, len(signatures)
 
 
 def _check_layers(layers: dict[str, dict], sealed: dict[str, dict], raw: bytes,
@@ -115,9 +175,12 @@ def _check_layers(layers: dict[str, dict], sealed: dict[str, dict], raw: bytes,
                           + ", ".join(wrong[:5]) + "; refusing the bundle")
 
 
-def open_bundle(arg: Path, insecure: bool = False, say: Say | None = None) -> Path:
+def open_bundle(arg: Path, insecure: bool = False, say: Say | None = None,
+                signatures: bool = False) -> Path:
     """A bundle folder for a command that takes BUNDLE: the folder itself, or, for a registry
-    reference, the store's copy (pulled unless a copy of that exact manifest is there)."""
+    reference, the store's copy (pulled unless a copy of that exact manifest is there).
+    `signatures`: the caller will check a signature, so a store copy also gets the signatures
+    attached in the registry since it was pulled."""
     text = str(arg)
     if Path(arg).exists() or not looks_like_reference(text):
         return Path(arg)
@@ -126,6 +189,12 @@ def open_bundle(arg: Path, insecure: bool = False, say: Say | None = None) -> Pa
         digest = ref.digest or client.get_manifest(ref.repository, ref.pinned)[1]
         folder = store_dir() / digest.replace(":", "-")
         if (folder / MANIFEST).is_file():
+            if signatures:
+                have = read_signatures(folder)
+                new = [e for e in fetch_signatures(client, ref.repository, digest, text, say)
+                       if e not in have]
+                if new:
+                    write_signatures(folder, have + new)
             return folder
         (say or (lambda m: None))(f"pulling {ref} into {folder}")
         pull_bundle(Reference(ref.registry, ref.repository, digest=digest), folder, client)

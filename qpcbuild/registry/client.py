@@ -28,6 +28,7 @@ from .rawget import open_blob, read_pieces
 from .reference import is_loopback
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 UPLOAD_CHUNK = 128 << 20  # one PATCH per chunk: a broken upload repeats at most this much
 READ_PIECE = 4 << 20
 MAX_SMALL_BLOB = 64 << 20  # manifests and config blobs read into memory
@@ -37,6 +38,11 @@ _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
 
 def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def encode_manifest(manifest: dict) -> bytes:
+    """The exact bytes put_manifest sends (a descriptor of it needs their size)."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
@@ -184,10 +190,11 @@ class RegistryClient:
             raise self._fail(resp, "GET /v2/")
 
     # ------------------------------------------------------------ manifests
-    def get_manifest(self, repo: str, reference: str) -> tuple[dict, str]:
+    def get_manifest(self, repo: str, reference: str,
+                     media_type: str = OCI_MANIFEST) -> tuple[dict, str]:
         """(manifest, its digest). A manifest asked for by digest must hash to that digest."""
         resp = self._send("GET", f"/v2/{repo}/manifests/{reference}", repo,
-                          headers={"Accept": OCI_MANIFEST})
+                          headers={"Accept": media_type})
         if resp.status_code != 200:
             raise self._fail(resp, f"{self.registry}/{repo}:{reference}")
         data = resp.content
@@ -201,13 +208,33 @@ class RegistryClient:
             raise RegistryError(f"{self.registry}/{repo}:{reference}: the manifest is not "
                                 "JSON") from None
 
-    def put_manifest(self, repo: str, tag: str, manifest: dict) -> str:
-        data = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    def put_manifest(self, repo: str, tag: str, manifest: dict,
+                     media_type: str = OCI_MANIFEST) -> str:
+        """Store a manifest under a tag (or under its own digest); returns its digest."""
+        data = encode_manifest(manifest)
         resp = self._send("PUT", f"/v2/{repo}/manifests/{tag}", repo, push=True,
-                          body=lambda: data, headers={"Content-Type": OCI_MANIFEST})
+                          body=lambda: data, headers={"Content-Type": media_type})
         if resp.status_code != 201:
             raise self._fail(resp, f"pushing the manifest of {self.registry}/{repo}:{tag}")
         return sha256_digest(data)
+
+    def referrers_api(self, repo: str, digest: str) -> dict | None:
+        """The registry's referrers index for `digest` (OCI distribution 1.1), or None when the
+        registry has no referrers API (404): the caller then reads the tag-schema index."""
+        resp = self._send("GET", f"/v2/{repo}/referrers/{digest}", repo,
+                          headers={"Accept": OCI_INDEX})
+        if resp.status_code == 404:
+            return None
+        if resp.status_code != 200:
+            raise self._fail(resp, f"referrers of {self.registry}/{repo}@{digest}")
+        try:
+            index = json.loads(resp.content)
+        except ValueError:
+            index = None
+        if not isinstance(index, dict) or not isinstance(index.get("manifests"), list):
+            raise RegistryError(f"referrers of {self.registry}/{repo}@{digest}: the registry's "
+                                "answer is not an OCI image index")
+        return index
 
     # ------------------------------------------------------------ blobs
     def has_blob(self, repo: str, digest: str) -> bool:
