@@ -8,7 +8,9 @@ import sys
 def main() -> None:
     try:
         from .cli import app
+        # app() first builds the click command from every command's signature (a moment more)
+        # before click's own Ctrl-C handling starts; an interrupt that escapes came from there.
+        app()
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
-    app()

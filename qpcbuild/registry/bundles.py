@@ -137,6 +137,10 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
     from ..bundle.build import publish, remove_debris, staging_folder
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    # here, not at the top: `inspect` / `verify` of a local folder come through this module, and
+    # bundle.build pulls in the exporter (onnx, numpy) they should not pay for
+    from ..bundle.build import publish, remove_debris, staging_folder
+
     remove_debris(out)
     with staging_folder(out) as staging:
         (staging / MANIFEST).write_bytes(raw)
