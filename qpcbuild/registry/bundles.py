@@ -132,10 +132,6 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
     if out.exists() and not (out / MANIFEST).is_file() and (not out.is_dir() or
                                                             any(out.iterdir())):
         raise UsageError(f"-d {out}: exists and is not a qpcbuild bundle; refusing to replace it")
-    # Imported here: bundle.build pulls in the exporter and onnx, which run/inspect/verify of a
-    # reference already in the store never need.
-    from ..bundle.build import publish, remove_debris, staging_folder
-
     out.parent.mkdir(parents=True, exist_ok=True)
     # here, not at the top: `inspect` / `verify` of a local folder come through this module, and
     # bundle.build pulls in the exporter (onnx, numpy) they should not pay for
