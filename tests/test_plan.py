@@ -400,7 +400,10 @@ def _write_model(folder: Path, vocab: list[str], vocab_size: int, layers: int = 
                            "continuing_subword_prefix": None, "end_of_word_suffix": None,
                            "fuse_unk": False, "byte_fallback": False,
                            "vocab": {t: i for i, t in enumerate(vocab)},
-                           "merges": ["a b", "ab c", "b a"]}}
+                           # only merges of tokens the vocabulary holds: a tokenizer that
+                           # names others is unreadable, which is a different error
+                           "merges": [m for m in ("a b", "ab c", "b a")
+                                      if all(s in vocab for s in (*m.split(), m.replace(" ", "")))]}}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1))
     return folder
