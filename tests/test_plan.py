@@ -402,8 +402,8 @@ def _write_model(folder: Path, vocab: list[str], vocab_size: int, layers: int = 
                            "vocab": {t: i for i, t in enumerate(vocab)},
                            # only merges of tokens the vocabulary holds: a tokenizer that
                            # names others is unreadable, which is a different error
-                           "merges": [m for m in ("a b", "ab c", "b a")
-                                      if all(s in vocab for s in (*m.split(), m.replace(" ", "")))]}}
+                           "merges": [m for m in ("a b", "ab c", "b a") if all(
+                               s in vocab for s in (*m.split(), m.replace(" ", "")))]}}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1))
     return folder
