@@ -100,7 +100,14 @@ def resolve(ref: str, revision: str | None = None, allow_known: bool = True) -> 
     """Find a model's config (and folder when present) without touching the network."""
     local = Path(ref).expanduser()
     if local.is_dir():
-        return ModelSource(ref, revision, _read_config(local), "local", local.resolve())
+        config = _read_config(local)
+        # A smoke checkpoint (random weights, no tokenizer files) keeps the tokenizer family of
+        # the well-known model it stands in for, so the tokenizer check judges the pair as
+        # `plan` does without weights.
+        of = config.get("qpcbuild_smoke_of") if config.get("qpcbuild_smoke_weights") else None
+        family = known_models().get(of, {}).get("tokenizer_family") if isinstance(of, str) \
+            else None
+        return ModelSource(ref, revision, config, "local", local.resolve(), family)
     if local.is_absolute() or ref.startswith((".", "~")) or local.exists():
         raise UsageError(f"model folder '{ref}' does not exist or is not a folder")
     cached = _from_hf_cache(ref, revision)
