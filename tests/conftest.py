@@ -102,11 +102,16 @@ REAL_DRAFT = MODELS / "smollm2-draft"
 def real_model_missing() -> str | None:
     """Why the real target cannot be used here, or None. CI sets QPCBUILD_REAL_MODEL=required,
     so that a missing model fails these tests instead of skipping them."""
-    import os
-
     if (REAL_TARGET / "conversion.json").is_file() and (REAL_DRAFT / "config.json").is_file():
         return None
-    why = f"{REAL_TARGET} is missing (run `make smollm2`)"
+    return _unless_required(f"{REAL_TARGET} is missing (run `make smollm2`)")
+
+
+def _unless_required(why: str) -> str:
+    """`why` a real model is missing, to skip with; a failure instead where
+    QPCBUILD_REAL_MODEL=required (CI)."""
+    import os
+
     if os.environ.get("QPCBUILD_REAL_MODEL") == "required":
         pytest.fail(why + "; QPCBUILD_REAL_MODEL=required", pytrace=False)
     return why
@@ -147,15 +152,10 @@ QWEN_DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct"
 def qwen_coder_missing() -> str | None:
     """Why the Qwen2.5-Coder pair cannot be used here, or None (fails instead of skipping when
     QPCBUILD_REAL_MODEL=required, as in CI)."""
-    import os
-
     missing = [p for p in (QWEN_TARGET, QWEN_DRAFT) if not (p / "conversion.json").is_file()]
     if not missing:
         return None
-    why = f"{missing[0]} is missing (run `make qwen-coder`)"
-    if os.environ.get("QPCBUILD_REAL_MODEL") == "required":
-        pytest.fail(why + "; QPCBUILD_REAL_MODEL=required", pytrace=False)
-    return why
+    return _unless_required(f"{missing[0]} is missing (run `make qwen-coder`)")
 
 
 @pytest.fixture(scope="session")
