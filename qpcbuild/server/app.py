@@ -125,7 +125,6 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
     def on_finish(job: Job) -> None:
         if metrics is not None and job.error is None:
             metrics.record(job.row)
-            metrics.record_switches(gen.decoder.gate().switches)
 
     worker = EngineWorker(gen, on_finish)
     metrics = ServerMetrics(model_name, lambda: worker.running, lambda: worker.waiting)
@@ -295,6 +294,9 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
     async def prometheus(request: Request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        # The gate may switch in a request's last step, after that request was counted: the
+        # switches are brought up to date when they are read instead.
+        metrics.record_switches(gen.decoder.gate().switches)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def not_found(request: Request, exc):

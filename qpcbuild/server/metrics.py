@@ -62,10 +62,12 @@ class ServerMetrics:
         self._drafted = self._accepted = 0
 
     def record_switches(self, switches: list[dict]) -> None:
-        """The gate's switches so far (all of them, in order); counts the new ones."""
-        for s in switches[self._switches_seen:]:
+        """The gate's switches so far (all of them, in order, possibly still growing in the
+        engine's thread); counts the new ones."""
+        new = switches[self._switches_seen:]
+        for s in new:
             self.policy_switches.labels(self.model, "on" if s["to"] == "spec" else "off").inc()
-        self._switches_seen = max(self._switches_seen, len(switches))
+        self._switches_seen += len(new)
 
     def record(self, row) -> None:
         """A finished request: its prompt, its tokens, its latencies and its speculation."""
