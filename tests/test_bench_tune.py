@@ -18,6 +18,7 @@ from qpcbuild import bench, tune
 from qpcbuild.cli import app
 from qpcbuild.errors import UsageError
 from qpcbuild.recipe import load_recipe, recipe_from_text
+from qpcbuild.runtime.replay import replay as engine_replay
 from qpcbuild.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -399,7 +400,7 @@ def test_replay_on_a_toy_model_equals_the_real_loop():
             assert (EOS in out) == (prompt[0] < 5)
             rows, times = d.generate([prompt], 12, SamplingParams(), k=k)
             real = _totals(rows, times)
-            rows, times = d.replay([prompt], [out], 12, k)
+            rows, times = engine_replay(d, [prompt], [out], 12, k)
             assert _disagreements(real, _totals(rows, times)) == []
 
 
@@ -408,7 +409,7 @@ def test_replay_on_a_toy_model_equals_the_real_loop():
 def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_replays(
         tiny_bundle, method, monkeypatch):
     """The oracle: real speculative decoding on the demo pair at each K (the target model runs)
-    against `SpecDecoder.replay` and tune's `replayed` over the target-only greedy outputs."""
+    against the engine's `replay` and tune's `replayed` over the target-only greedy outputs."""
     from qpcbuild.runtime import replay
     from qpcbuild.runtime.loader import load
 
@@ -432,7 +433,7 @@ def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_repla
                 "draft_calls": sum(r.stats["draft_calls"] for r in runs),
                 "tokens": [row.tokens for r in runs for row in r.rows]}
         assert real["drafts"] > 0 and any(real["per_pos"])
-        got = _totals(*gen.sibling(method).decoder.replay(prompts, outputs, max_new, k))
+        got = _totals(*engine_replay(gen.sibling(method).decoder, prompts, outputs, max_new, k))
         got["per_pos"] += [0] * (k - len(got["per_pos"]))
         got.pop("steps")
         assert _disagreements(real, got) == []
@@ -453,7 +454,7 @@ def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_repla
                 return seq[-1]
 
         monkeypatch.setattr(replay.KnownTarget, "_next", off_by_one)
-        broken = _totals(*gen.sibling(method).decoder.replay(prompts, outputs, max_new, k))
+        broken = _totals(*engine_replay(gen.sibling(method).decoder, prompts, outputs, max_new, k))
         broken["per_pos"] += [0] * (k - len(broken["per_pos"]))
         broken.pop("steps")
         assert _disagreements(real, broken) != []
@@ -465,7 +466,7 @@ def test_replay_refuses_an_output_that_is_too_short():
 
     d = decoder(Scripted([9, 9]), ks=(0, 2))
     with pytest.raises(UsageError, match="past the given output"):
-        d.replay([[6, 7]], [[8, 9]], 8, 2)  # 8 new tokens asked, 2 known, no EOS
+        engine_replay(d, [[6, 7]], [[8, 9]], 8, 2)  # 8 new tokens asked, 2 known, no EOS
 
 
 # ---------------------------------------------------------------- tune: the cost model

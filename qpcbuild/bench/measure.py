@@ -5,40 +5,22 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
 from ..prompts import check_output_file
-from ..runtime.engine import prefill_calls
+from ..runtime.rows import prefill_calls
 from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
                      is_bundle, load_prompts, machine_info)
+from .records import Measure
 
 DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",
                  "llama-speculative", "vllm")
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 
 
-# ---------------------------------------------------------------- measurement records
-@dataclass
-class Measure:
-    """One configuration: per-repeat wall time and tokens, plus summed engine statistics."""
-    system: str
-    method: str
-    k: int | None
-    label: str
-    seconds: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    outputs: list[list[list[int]]] = field(default_factory=list)  # per repeat, per prompt
-    stats: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    skipped: str | None = None
-
-    def tps(self) -> list[float]:
-        return [t / s if s > 0 else 0.0 for t, s in zip(self.tokens, self.seconds)]
-
-
+# ---------------------------------------------------------------- summed engine statistics
 SUM_KEYS = ("new_tokens", "target_calls", "draft_calls", "target_time_s", "draft_time_s",
             "e2e_s", "host_overhead_s", "ttft_s", "spec_decode_num_drafts",
             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "requests")
@@ -100,7 +82,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .bandwidth import make_probe, target_only_bandwidth
-    from .peers import PEERS
+    from .all_peers import PEERS
     from .report import build_report, decode_figures
 
     say = say or (lambda m: None)

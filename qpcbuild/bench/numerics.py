@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..runtime.engine import prefill_calls, prefill_feeds
+from ..runtime.rows import prefill_calls, prefill_feeds
 from .inputs import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                      loadavg, machine_info)
 from .measure import _add_stats

@@ -13,17 +13,28 @@ draft's distribution, never on the token sampled from it, so speculative samplin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from .rows import LoopTimes, Row
 from .sampling import probabilities, sample
-
-if TYPE_CHECKING:
-    from .engine import LoopTimes, Row, SpecDecoder
+from .session import ModelSession
 
 
-def catch_up(dec: "SpecDecoder", rows: list["Row"], want: list[int], times: "LoopTimes") -> None:
+class DraftingDecoder(Protocol):
+    """What the draft's side of a step needs of the decoder (engine.SpecDecoder is one): its
+    draft session, the prefill window, the confidence stop and the timed model call."""
+    draft: ModelSession
+    prefill_len: int
+    cb: bool
+    draft_p_min: float
+
+    def _call(self, session: ModelSession, ids: np.ndarray, pos: np.ndarray, times: LoopTimes,
+              kind: str, batch_index: np.ndarray | None = None) -> np.ndarray: ...
+
+
+def catch_up(dec: DraftingDecoder, rows: list[Row], want: list[int], times: LoopTimes) -> None:
     """Feed each proposing row's unseen tokens (all but its last) to the draft."""
     behind = [i for i, r in enumerate(rows) if not r.done and want[i] > 0
               and r.draft_len < len(r.tokens) - 1]
@@ -39,8 +50,8 @@ def catch_up(dec: "SpecDecoder", rows: list["Row"], want: list[int], times: "Loo
         dec._call(dec.draft, ids, pos, times, "draft")
 
 
-def _catch_up_in_chunks(dec: "SpecDecoder", rows: list["Row"], behind: list[int],
-                        times: "LoopTimes") -> None:
+def _catch_up_in_chunks(dec: DraftingDecoder, rows: list[Row], behind: list[int],
+                        times: LoopTimes) -> None:
     """Prefill-window calls over the rows' unseen tokens. A last chunk shorter than the window
     is moved left over tokens already seen (recomputing identical KV), so no padding is
     written after real tokens; with continuous batching each row goes alone into its slot."""
@@ -66,7 +77,7 @@ def _catch_up_in_chunks(dec: "SpecDecoder", rows: list["Row"], behind: list[int]
             times.catch_up_calls += 1
 
 
-def propose(dec: "SpecDecoder", rows: list["Row"], want: list[int], times: "LoopTimes"):
+def propose(dec: DraftingDecoder, rows: list[Row], want: list[int], times: LoopTimes):
     """Up to want[i] draft tokens per row (fewer where the confidence stop ends a row), and
     the draft's distributions q of the sampled rows."""
     catch_up(dec, rows, want, times)

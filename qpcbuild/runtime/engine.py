@@ -10,92 +10,35 @@ the next window overwrites it. This is the same control flow the card runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from ..errors import UsageError
 from . import drafting
-from .gate import RowRate, SpecGate
+from .gate import SpecGate
 from .proposers import Proposer
+# The loop's values live in rows.py (drafting and replay read them without importing the
+# engine); they are named here too, where the loader and the server have always found them.
+from .rows import (LoopTimes, Row, RowStats, TokenCallback, new_row, prefill_calls,  # noqa: F401
+                   prefill_feeds)
 from .sampling import SamplingParams, accept_greedy, accept_sampling, probabilities, sample
 from .session import ModelSession
 
-# (prompt index, new token ids); ids are empty when a cancelled row ends
-TokenCallback = Callable[[int, list[int]], None]
-
 
 @dataclass
-class RowStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    num_drafts: int = 0  # verify steps that carried at least one proposed token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    accepted_histogram: list[int] = field(default_factory=list)  # drafted steps by accepted
-    target_calls: int = 0
-    spec_steps: int = 0  # verify steps this row took with speculation on (goodput gate)
-    plain_steps: int = 0  # ... and with it off
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-
-@dataclass
-class Row:
-    prompt: list[int]
-    limit: int  # total tokens (prompt + new) this row may reach
-    tokens: list[int] = field(default_factory=list)
-    target_len: int = 0  # tokens whose target KV is valid (positions 0..target_len-1)
-    draft_len: int = 0
-    done: bool = False
-    finish_reason: str = ""
-    index: int = -1  # position in the caller's prompt list (a request id when serving)
-    stats: RowStats = field(default_factory=RowStats)
-    sp: SamplingParams = field(default_factory=SamplingParams)
-    rng: np.random.Generator | None = None
-    arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
-    cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
-    rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
-
-
-def new_row(prompt: list[int], max_new_tokens: int, ctx_len: int, sp: SamplingParams,
-            index: int) -> Row:
-    """A request as the loop keeps it. Each row samples from its own generator, seeded from
-    (seed, index) when a seed is given, so a row's output does not depend on its neighbours."""
-    if not prompt:
-        raise UsageError(f"prompt {index} is empty")
-    if len(prompt) >= ctx_len:
-        raise UsageError(f"prompt {index} has {len(prompt)} tokens; ctx_len is {ctx_len}, so a "
-                         "prompt may have at most ctx_len - 1 tokens")
-    if max_new_tokens <= 0:
-        raise UsageError("max_new_tokens must be at least 1")
-    rng = np.random.default_rng(None if sp.seed is None else [sp.seed, index])
-    return Row(list(prompt), min(len(prompt) + max_new_tokens, ctx_len), index=index, sp=sp,
-               rng=rng)
-
-
-@dataclass
-class LoopTimes:
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    total_s: float = 0.0
-    target_calls: int = 0
-    draft_calls: int = 0
-    catch_up_calls: int = 0  # draft prefill-window calls over tokens decoded without it
-    windows: dict[int, int] = field(default_factory=dict)  # verify steps per window K
-    gate: dict = field(default_factory=dict)  # the goodput gate's steps and switches
-
+class _Run:
+    """What the steps of one `run_rows` call share."""
+    times: LoopTimes
+    slots: list[Row]  # the row decoded in each batch position / KV slot
+    waiting: list[Row]  # requests not yet admitted, the next one last
+    k_fixed: int | None  # one K for every step, or None: the K schedule decides per step
+    gate: SpecGate | None
+    use_draft: bool
+    lazy_draft: bool  # the draft reads a prompt only once the row first speculates
+    on_token: TokenCallback | None
+    incoming: Callable[[int], list[Row]] | None
 
 class SpecDecoder:
     def __init__(self, target: ModelSession, draft: ModelSession | None,
@@ -152,11 +95,7 @@ class SpecDecoder:
                     last[i] = logits[i, 0]
         return last
 
-    # ------------------------------------------------------------ proposals
-    def _draft_proposals(self, rows: list[Row], want: list[int], times: LoopTimes):
-        """Up to want[i] draft tokens per row, after bringing the draft up to date."""
-        return drafting.propose(self, rows, want, times)
-
+    # ------------------------------------------------------------ policy
     def k_for(self, live_rows: int, k_max: int) -> int:
         """The K of a step: the schedule's K for the largest scheduled batch size not above
         the live rows (continuous batching: it follows the rows as they come and go)."""
@@ -184,13 +123,6 @@ class SpecDecoder:
         rows = [new_row(p, max_new_tokens, self.ctx_len, sp, n) for n, p in enumerate(prompts)]
         return rows, self.run_rows(rows, k, on_token, target_only, policy=policy)
 
-    def replay(self, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
-               k: int | None = None) -> tuple[list[Row], LoopTimes]:
-        """Greedy decoding of `prompts` at K with the target's greedy `outputs` already known:
-        this decoder's own loop, the target answered from the outputs (see `replay.replay`)."""
-        from .replay import replay
-        return replay(self, prompts, outputs, max_new_tokens, k)
-
     def run_rows(self, rows: list[Row], k: int | None = None,
                  on_token: TokenCallback | None = None, target_only: bool = False,
                  incoming: Callable[[int], list[Row]] | None = None,
@@ -198,8 +130,10 @@ class SpecDecoder:
         """Decode `rows` to the end. `incoming(n)`, when given, is asked for up to n more rows
         whenever KV slots are free (continuous batching: a server's queue). k: one K for
         every step (default: the K schedule, else the largest compiled K); policy: the
-        speculation policy (default: the bundle's)."""
-        k_max = max(self.ks) if k is None else k
+        speculation policy (default: the bundle's).
+
+        The loop: admit requests into free slots, then steps of propose -> verify -> commit
+        until every row is done and none waits."""
         if k is not None and k not in self.ks:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
         can_speculate = self.draft is not None or self.proposer is not None
@@ -213,58 +147,11 @@ class SpecDecoder:
         lazy_draft = gate is not None and gate.policy != "fixed"
         self._proposing = self.proposer is not None and not target_only
         idle = Row([0], 1, tokens=[0], done=True)
-        slots = [idle] * self.batch  # the row decoded in each batch position / KV slot
-        waiting = list(reversed(rows))
-
-        def admit(batch: list[tuple[int, Row]]) -> None:
-            """Prefill requests into their slots (all at once, or one slot each with CB)."""
-            t0 = time.perf_counter()
-            groups = [[pair] for pair in batch] if self.cb else [batch]
-            for group in groups:
-                slot = group[0][0] if self.cb else None
-                group_rows = [r for _, r in group]
-                logits = self._prefill(self.target, group_rows, times, "target", slot)
-                for j, (s, r) in enumerate(group):
-                    first = int(logits[j].argmax()) if r.sp.greedy else \
-                        sample(probabilities(logits[j], r.sp), r.rng)
-                    r.tokens = r.prompt + [first]
-                    r.target_len = r.stats.prompt_tokens = len(r.prompt)
-                    r.stats.ttft_s = time.perf_counter() - r.arrival
-                    slots[s] = r
-                    self._commit(s, r, [first], on_token)
-                if use_draft and lazy_draft:  # the draft reads the prompt when first needed
-                    for r in group_rows:
-                        r.draft_len = 0
-                elif use_draft:
-                    self._prefill(self.draft, group_rows, times, "draft", slot)
-                    for r in group_rows:
-                        r.draft_len = len(r.prompt)
-                if self._proposing:  # as vLLM: the prompt, then the first sampled token
-                    for s, r in group:
-                        self.proposer.finish(s)
-                        self.proposer.start(s, r.prompt)
-                        self.proposer.extend(s, r.tokens[len(r.prompt):])
-            times.prefill_s += time.perf_counter() - t0
-
-        admit([(s, waiting.pop()) for s in range(min(self.batch, len(waiting)))])
-        while True:
-            for r in slots:
-                if r.cancelled and not r.done:
-                    r.done, r.finish_reason = True, r.cancelled
-                    r.stats.e2e_s = time.perf_counter() - r.arrival
-                    if on_token:
-                        on_token(r.index, [])  # the row ended without a new token
-            free = [s for s, r in enumerate(slots) if r.done]
-            if self.cb and free and incoming is not None and len(waiting) < len(free):
-                waiting[:0] = list(reversed(incoming(len(free) - len(waiting))))
-            if self.cb and waiting and free:  # refill finished slots with waiting requests
-                admit([(s, waiting.pop()) for s in free[:len(waiting)]])
-            if all(r.done for r in slots):
-                if waiting:  # every admitted request ended at its first token
-                    continue
-                break
-            self._step(slots, k_max if k is not None else None, gate, use_draft, times,
-                       on_token)
+        run = _Run(times, [idle] * self.batch, list(reversed(rows)), k, gate, use_draft,
+                   lazy_draft, on_token, incoming)
+        self._admit(run, [(s, run.waiting.pop()) for s in range(min(self.batch, len(rows)))])
+        while self._schedule(run):
+            self._step(run)
         times.total_s = time.perf_counter() - start
         if gate is not None:
             steps, switches = gate_mark
@@ -278,31 +165,82 @@ class SpecDecoder:
                 self.proposer.finish(i)
         return times
 
-    def _step(self, slots: list[Row], k_fixed: int | None, gate: SpecGate | None,
-              use_draft: bool, times: LoopTimes, on_token: TokenCallback | None) -> None:
-        """One verify step over the slots: the gate's mode, the step's K, the proposals, the
-        verification; then the step's seconds and each row's new tokens go to the gate."""
+    # ------------------------------------------------------------ admit
+    def _admit(self, run: _Run, batch: list[tuple[int, Row]]) -> None:
+        """Prefill requests into their slots (all at once, or one slot each with CB): each row's
+        first token comes from the target's prefill; the draft and the proposer read the
+        prompt too."""
         t0 = time.perf_counter()
+        groups = [[pair] for pair in batch] if self.cb else [batch]
+        for group in groups:
+            slot = group[0][0] if self.cb else None
+            group_rows = [r for _, r in group]
+            logits = self._prefill(self.target, group_rows, run.times, "target", slot)
+            for j, (s, r) in enumerate(group):
+                first = int(logits[j].argmax()) if r.sp.greedy else \
+                    sample(probabilities(logits[j], r.sp), r.rng)
+                r.tokens = r.prompt + [first]
+                r.target_len = r.stats.prompt_tokens = len(r.prompt)
+                r.stats.ttft_s = time.perf_counter() - r.arrival
+                run.slots[s] = r
+                self._commit(s, r, [first], run.on_token)
+            if run.use_draft and run.lazy_draft:  # the draft reads the prompt when first needed
+                for r in group_rows:
+                    r.draft_len = 0
+            elif run.use_draft:
+                self._prefill(self.draft, group_rows, run.times, "draft", slot)
+                for r in group_rows:
+                    r.draft_len = len(r.prompt)
+            if self._proposing:  # as vLLM: the prompt, then the first sampled token
+                for s, r in group:
+                    self.proposer.finish(s)
+                    self.proposer.start(s, r.prompt)
+                    self.proposer.extend(s, r.tokens[len(r.prompt):])
+        run.times.prefill_s += time.perf_counter() - t0
+
+    def _schedule(self, run: _Run) -> bool:
+        """Between steps: end cancelled rows and admit waiting requests into free slots (with
+        continuous batching, asking `incoming` for more). False when every row is done and
+        none waits."""
+        slots, waiting = run.slots, run.waiting
+        while True:
+            for r in slots:
+                if r.cancelled and not r.done:
+                    r.done, r.finish_reason = True, r.cancelled
+                    r.stats.e2e_s = time.perf_counter() - r.arrival
+                    if run.on_token:
+                        run.on_token(r.index, [])  # the row ended without a new token
+            free = [s for s, r in enumerate(slots) if r.done]
+            if self.cb and free and run.incoming is not None and len(waiting) < len(free):
+                waiting[:0] = list(reversed(run.incoming(len(free) - len(waiting))))
+            if self.cb and waiting and free:  # refill finished slots with waiting requests
+                self._admit(run, [(s, waiting.pop()) for s in free[:len(waiting)]])
+            if not all(r.done for r in slots):
+                return True
+            if not waiting:
+                return False
+            # else every admitted request ended at its first token: admit again
+
+    # ------------------------------------------------------------ one step
+    def _step(self, run: _Run) -> None:
+        """One verify step over the slots: the gate's mode and the step's K, then propose ->
+        verify -> commit; then the step's seconds and each row's new tokens go to the gate."""
+        t0 = time.perf_counter()
+        slots, gate = run.slots, run.gate
         live = [r for r in slots if not r.done]
-        k_step = k_fixed if k_fixed is not None else self.k_for(len(live), max(self.ks))
+        k_step = run.k_fixed if run.k_fixed is not None else self.k_for(len(live), max(self.ks))
         mode = "plain" if gate is None else gate.choose([r.rate for r in live])
         k_now = k_step if mode == "spec" else 0
         room = [0 if r.done else max(0, min(k_now, r.limit - len(r.tokens) - 1)) for r in slots]
-        if not any(room):
-            proposals, q = [[] for _ in slots], None
-        elif use_draft:
-            proposals, q = self._draft_proposals(slots, room, times)
-        else:
-            proposals = [self.proposer.propose(i, room[i]) if room[i] else []
-                         for i in range(len(slots))]
-            q = None
+        proposals, q = self._propose(slots, room, run.use_draft, run.times)
         before = [len(r.tokens) for r in live]
         for r in live if gate is not None else ():  # counted before a caller sees rows end
             if mode == "spec":
                 r.stats.spec_steps += 1
             else:
                 r.stats.plain_steps += 1
-        self._verify(slots, proposals, q, times, on_token)
+        logits, first_slot = self._verify(slots, proposals, run.times)
+        self._commit_step(slots, proposals, q, logits, first_slot, run.on_token)
         if gate is None:
             return
         # the draft catching up after plain steps is part of what speculating costs (the
@@ -310,8 +248,21 @@ class SpecDecoder:
         seconds = time.perf_counter() - t0
         gate.record(mode, seconds, [(r.rate, len(r.tokens) - n) for r, n in zip(live, before)])
 
-    def _verify(self, rows: list[Row], proposals: list[list[int]], q, times: LoopTimes,
-                on_token: TokenCallback | None):
+    def _propose(self, slots: list[Row], room: list[int], use_draft: bool, times: LoopTimes):
+        """Up to room[i] proposed tokens per row (the draft after bringing it up to date, or the
+        proposer's lookup), and the draft's distributions q of sampled rows (else None)."""
+        if not any(room):
+            return [[] for _ in slots], None
+        if use_draft:
+            return drafting.propose(self, slots, room, times)
+        return [self.proposer.propose(i, room[i]) if room[i] else []
+                for i in range(len(slots))], None
+
+    def _verify(self, rows: list[Row], proposals: list[list[int]], times: LoopTimes
+                ) -> tuple[np.ndarray, list[int]]:
+        """The target scores [last token, proposals] of every live row in one window of the
+        smallest compiled K that holds them; returns its logits and where each row's window
+        starts in them."""
         need = max(len(p) for r, p in zip(rows, proposals) if not r.done)
         k_step = next((k for k in self.ks if k >= need), None)
         if k_step is None:
@@ -336,7 +287,12 @@ class SpecDecoder:
                 first_slot[i] = shift
             ids[i, :len(seq)] = seq
             pos[i, :len(seq)] = np.arange(start, start + len(seq))
-        logits = self._call(self.target, ids, pos, times, "target")
+        return self._call(self.target, ids, pos, times, "target"), first_slot
+
+    def _commit_step(self, rows: list[Row], proposals: list[list[int]], q, logits: np.ndarray,
+                     first_slot: list[int], on_token: TokenCallback | None) -> None:
+        """Each live row keeps its accepted prefix plus the target's own next token (greedy
+        or speculative sampling), then the stop rules, statistics and the caller's callback."""
         for i, r in enumerate(rows):
             if r.done:
                 continue
@@ -398,33 +354,3 @@ class SpecDecoder:
             counted()
         if on_token and emitted:
             on_token(r.index, emitted)
-
-
-def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int):
-    """The prefill calls for `prompts` (prompt i in batch row i): yields (ids, pos, ends) per
-    call, [batch, p] each with -1 padding, and ends[i] True when prompt i's last token is in
-    this call (its logits are row i's first). See `SpecDecoder._prefill` for the layout."""
-    chunks = [_chunk_starts(len(x), p, ctx_len) for x in prompts]
-    for c in range(max(len(x) for x in chunks)):
-        ids = np.zeros((batch, p), np.int64)
-        pos = np.full((batch, p), -1, np.int64)
-        for i, prompt in enumerate(prompts):
-            start = chunks[i][min(c, len(chunks[i]) - 1)]
-            piece = prompt[start:start + p]
-            ids[i, :len(piece)] = piece
-            pos[i, :len(piece)] = np.arange(start, start + len(piece))
-        yield ids, pos, [c == len(x) - 1 for x in chunks]
-
-
-def prefill_calls(prompts: list[list[int]], p: int, ctx_len: int) -> int:
-    """How many prefill calls `prefill_feeds` makes for these prompts (batched together)."""
-    return max(len(_chunk_starts(len(x), p, ctx_len)) for x in prompts)
-
-
-def _chunk_starts(n: int, p: int, ctx_len: int) -> list[int]:
-    """Start offsets of a prompt's prefill chunks; the last one is right-aligned when a padded
-    chunk would run past the buffer."""
-    starts = list(range(0, n, p))
-    if starts[-1] + p > ctx_len and n >= p:
-        starts[-1] = n - p
-    return starts

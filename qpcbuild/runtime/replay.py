@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import UsageError
-from .engine import LoopTimes, Row, SpecDecoder, new_row, prefill_calls
+from .engine import SpecDecoder
+from .rows import LoopTimes, Row, new_row, prefill_calls
 from .sampling import SamplingParams
 
 

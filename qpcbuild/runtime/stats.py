@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import LoopTimes, Row
+from .rows import LoopTimes, Row
 
 
 def summarize(rows: list[Row], times: LoopTimes, method: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..runtime.engine import Row, new_row
+from ..runtime.rows import Row, new_row
 from ..runtime.loader import Generator
 from ..runtime.sampling import SamplingParams
 

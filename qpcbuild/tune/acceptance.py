@@ -1,5 +1,5 @@
 """Acceptance evidence for `qpcbuild tune`: greedy runs summed over a prompt set, and the
-engine's own loop replayed over the target's greedy outputs at every K (`SpecDecoder.replay`:
+engine's own loop replayed over the target's greedy outputs at every K (`runtime.replay.replay`:
 the real proposer or draft, the real acceptance and statistics; only the target is read off the
 known outputs). Per-position acceptance depends on K (acceptance comes in runs, and a larger K
 spends fewer steps on a run, so the steps it takes start more often where the proposer
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.engine import prefill_calls
+from ..runtime.replay import replay
+from ..runtime.rows import prefill_calls
 from ..runtime.stats import summarize
 from .model import conditional_acceptance
 
@@ -56,7 +57,7 @@ def replayed(gen, prompt_ids: list[list[int]], outputs: list[list[int]], max_new
     draft's confidence stop at `draft_p_min`."""
     g = gen.sibling(gen.method)
     g.decoder.draft_p_min = draft_p_min
-    rows, times = g.decoder.replay(prompt_ids, outputs, max_new_tokens, k)
+    rows, times = replay(g.decoder, prompt_ids, outputs, max_new_tokens, k)
     st = summarize(rows, times, gen.method)
     per_pos = list(st["spec_decode_num_accepted_tokens_per_pos"])
     per_pos += [0] * (k - len(per_pos))

@@ -1,0 +1,120 @@
+"""The decoding loop's values: a request as the loop keeps it (Row, with its RowStats), the
+loop's timings (LoopTimes) and the prefill chunk layout. The engine (engine.py), the draft's
+side of a step (drafting.py) and the replay (replay.py) all read these; none of them is
+imported back from here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import UsageError
+from .gate import RowRate
+from .sampling import SamplingParams
+
+# (prompt index, new token ids); ids are empty when a cancelled row ends
+TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class RowStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    num_drafts: int = 0  # verify steps that carried at least one proposed token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    accepted_histogram: list[int] = field(default_factory=list)  # drafted steps by accepted
+    target_calls: int = 0
+    spec_steps: int = 0  # verify steps this row took with speculation on (goodput gate)
+    plain_steps: int = 0  # ... and with it off
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class Row:
+    prompt: list[int]
+    limit: int  # total tokens (prompt + new) this row may reach
+    tokens: list[int] = field(default_factory=list)
+    target_len: int = 0  # tokens whose target KV is valid (positions 0..target_len-1)
+    draft_len: int = 0
+    done: bool = False
+    finish_reason: str = ""
+    index: int = -1  # position in the caller's prompt list (a request id when serving)
+    stats: RowStats = field(default_factory=RowStats)
+    sp: SamplingParams = field(default_factory=SamplingParams)
+    rng: np.random.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
+    cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
+    rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
+
+
+def new_row(prompt: list[int], max_new_tokens: int, ctx_len: int, sp: SamplingParams,
+            index: int) -> Row:
+    """A request as the loop keeps it. Each row samples from its own generator, seeded from
+    (seed, index) when a seed is given, so a row's output does not depend on its neighbours."""
+    if not prompt:
+        raise UsageError(f"prompt {index} is empty")
+    if len(prompt) >= ctx_len:
+        raise UsageError(f"prompt {index} has {len(prompt)} tokens; ctx_len is {ctx_len}, so a "
+                         "prompt may have at most ctx_len - 1 tokens")
+    if max_new_tokens <= 0:
+        raise UsageError("max_new_tokens must be at least 1")
+    rng = np.random.default_rng(None if sp.seed is None else [sp.seed, index])
+    return Row(list(prompt), min(len(prompt) + max_new_tokens, ctx_len), index=index, sp=sp,
+               rng=rng)
+
+
+@dataclass
+class LoopTimes:
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+    target_calls: int = 0
+    draft_calls: int = 0
+    catch_up_calls: int = 0  # draft prefill-window calls over tokens decoded without it
+    windows: dict[int, int] = field(default_factory=dict)  # verify steps per window K
+    gate: dict = field(default_factory=dict)  # the goodput gate's steps and switches
+
+
+def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int):
+    """The prefill calls for `prompts` (prompt i in batch row i): yields (ids, pos, ends) per
+    call, [batch, p] each with -1 padding, and ends[i] True when prompt i's last token is in
+    this call (its logits are row i's first). See `SpecDecoder._prefill` for the layout."""
+    chunks = [_chunk_starts(len(x), p, ctx_len) for x in prompts]
+    for c in range(max(len(x) for x in chunks)):
+        ids = np.zeros((batch, p), np.int64)
+        pos = np.full((batch, p), -1, np.int64)
+        for i, prompt in enumerate(prompts):
+            start = chunks[i][min(c, len(chunks[i]) - 1)]
+            piece = prompt[start:start + p]
+            ids[i, :len(piece)] = piece
+            pos[i, :len(piece)] = np.arange(start, start + len(piece))
+        yield ids, pos, [c == len(x) - 1 for x in chunks]
+
+
+def prefill_calls(prompts: list[list[int]], p: int, ctx_len: int) -> int:
+    """How many prefill calls `prefill_feeds` makes for these prompts (batched together)."""
+    return max(len(_chunk_starts(len(x), p, ctx_len)) for x in prompts)
+
+
+def _chunk_starts(n: int, p: int, ctx_len: int) -> list[int]:
+    """Start offsets of a prompt's prefill chunks; the last one is right-aligned when a padded
+    chunk would run past the buffer."""
+    starts = list(range(0, n, p))
+    if starts[-1] + p > ctx_len and n >= p:
+        starts[-1] = n - p
+    return starts
