@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qpcbuild.bench import peers
+from qpcbuild.bench import all_peers
 from qpcbuild.bench.llama_cpp import (LLAMA_CPP_BIN_ENV, _CountingDraft, _cut_at_eos,
                                   llama_cpp_peer, llama_lookup_peer, parse_lookup_output)
 
@@ -176,8 +176,8 @@ def test_llama_cpp_skipped_when_not_installed(tmp_path, monkeypatch):
 
 
 def test_both_llama_peers_are_registered():
-    assert peers.PEERS["llama.cpp"] is llama_cpp_peer
-    assert peers.PEERS["llama-lookup"] is llama_lookup_peer
+    assert all_peers.PEERS["llama.cpp"] is llama_cpp_peer
+    assert all_peers.PEERS["llama-lookup"] is llama_lookup_peer
 
 
 def test_llama_lookup_runner_command_prompt_file_and_figures(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qpcbuild.bench import peers
+from qpcbuild.bench import all_peers
 from qpcbuild.bench.llama_cpp import LLAMA_CPP_BIN_ENV, llama_speculative_peer, parse_lookup_output
 
 # The lines that matter, in the format of examples/speculative/speculative.cpp (llama.cpp
@@ -75,7 +75,7 @@ def test_skipped_without_program_draft_or_gguf(tmp_path, monkeypatch):
 
 
 def test_registered():
-    assert peers.PEERS["llama-speculative"] is llama_speculative_peer
+    assert all_peers.PEERS["llama-speculative"] is llama_speculative_peer
 
 
 def test_runner_command_and_figures(tmp_path, monkeypatch):

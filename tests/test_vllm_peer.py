@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from qpcbuild.bench import peers
+from qpcbuild.bench import all_peers
 from qpcbuild.bench.vllm_peer import VLLM_PYTHON_ENV, vllm_peer
 from qpcbuild.bench.vllm_worker import REPLY
 
@@ -24,7 +24,7 @@ def _manifest(tmp_path: Path, draft: bool = True) -> dict:
 
 
 def test_registered_and_skipped_without_the_environment(tmp_path, monkeypatch):
-    assert peers.PEERS["vllm"] is vllm_peer
+    assert all_peers.PEERS["vllm"] is vllm_peer
     monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
     p = vllm_peer(_manifest(tmp_path), [4], 16, {2}, None, print)
     assert p.status == "skipped" and VLLM_PYTHON_ENV in p.note and not p.cases

@@ -30,11 +30,13 @@ from ..prompts import read_prompt_file
 from .inputs import (BENCH_KS, OUR_METHODS, PROMPT_DIR, PROMPT_SETS, build_for_measurement,
                      build_on_card, default_bench_dir, is_bundle, load_prompts, machine_info,
                      measurement_overrides, parse_ks)
-from .measure import DEFAULT_PEERS, Measure, bench, run_bench
+from .measure import DEFAULT_PEERS, bench, run_bench
 from .numerics import (bench_numerics, numerics_markdown, plot_numerics, run_numerics,
                        show_numerics, teacher_forced_logits)
-from .peers import PEERS, Peer
+from .all_peers import PEERS
+from .peers import Peer
 from .plot import plot_report
+from .records import Measure
 from .report import (build_report, default_json_path, markdown_table, show_report,
                      write_json)
 

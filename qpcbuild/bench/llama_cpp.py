@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .inputs import Say, _pkg_version
-from .measure import Measure
+from .records import Measure
 from .peers import NO_CHECKPOINT, Peer, _local_source
 
 

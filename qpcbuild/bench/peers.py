@@ -3,7 +3,7 @@ transformers (PyTorch, CPU), onnxruntime-genai, llama.cpp through llama-cpp-pyth
 llama.cpp's own prompt lookup program `llama-lookup` (both in llama_cpp.py). Each is run only
 when installed and never faked: a missing one is reported as skipped, with the reason.
 Every peer is `make(manifest, ks, max_new, eos_ids, cache_dir, say) -> Peer`; its cases are
-(Measure, run) pairs that `run_bench` times beside ours."""
+(Measure, run) pairs that `run_bench` times beside ours. all_peers.py names them all."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .inputs import Say, _pkg_version
-from .measure import Measure
+from .records import Measure
 
 OG_NGRAM_SIZE = 3  # onnxruntime-genai n-gram length (its range is 2..); ours: prompt_lookup 1..4
 
@@ -244,14 +244,3 @@ def ort_genai_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int
     peer.note = (f"speculative decoding available in {version}: draft model (genai_config "
                  f"model.draft) and n-gram (ngram_size={OG_NGRAM_SIZE})")
     return peer
-
-# Defined after Peer and _local_source, which it uses.
-from .llama_cpp import llama_cpp_peer, llama_lookup_peer, llama_speculative_peer  # noqa: E402
-from .vllm_peer import vllm_peer  # noqa: E402
-
-PEERS: dict[str, Callable[..., Peer]] = {"transformers": transformers_peer,
-                                         "onnxruntime-genai": ort_genai_peer,
-                                         "llama.cpp": llama_cpp_peer,
-                                         "llama-lookup": llama_lookup_peer,
-                                         "llama-speculative": llama_speculative_peer,
-                                         "vllm": vllm_peer}

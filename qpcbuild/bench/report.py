@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from .bandwidth import bandwidth_line
 from .inputs import loadavg
-from .measure import Measure
+from .records import Measure
 
 REPORT_SCHEMA = 1
 NOISY_SPREAD = 0.10  # target-only tokens/s varying more than this across repeats: a busy machine

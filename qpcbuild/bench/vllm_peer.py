@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .inputs import Say
-from .measure import Measure
+from .records import Measure
 from .peers import NO_CHECKPOINT, Peer, _local_source
 
 VLLM_PYTHON_ENV = "QPCBUILD_VLLM_PYTHON"
