@@ -13,13 +13,24 @@ from __future__ import annotations
 import http.client
 import ssl
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 from urllib.parse import urljoin, urlsplit
 
-from .errors import RegistryUnavailable
+from .errors import RegistryError, RegistryUnavailable
 
-if TYPE_CHECKING:
-    from .client import RegistryClient
+
+class BlobClient(Protocol):
+    """What a download needs of the registry client (client.RegistryClient is one): where the
+    registry is, its credentials for a scope, answering a 401 challenge, and its errors. A
+    protocol, so this module need not import the client that imports it."""
+    registry: str
+    base: str
+
+    def auth_header(self, scope: str) -> dict[str, str]: ...
+
+    def authenticate(self, challenge: str, scope: str) -> None: ...
+
+    def error(self, status: int, body: bytes, what: str) -> RegistryError: ...
 
 PIECE = 4 << 20
 MAX_REDIRECTS = 5
@@ -49,7 +60,7 @@ def _get(url: str, headers: dict[str, str], timeout: float
 
 
 @contextmanager
-def open_blob(client: "RegistryClient", repo: str, digest: str, headers: dict[str, str],
+def open_blob(client: BlobClient, repo: str, digest: str, headers: dict[str, str],
               what: str, timeout: float = 60.0) -> Iterator[http.client.HTTPResponse]:
     """A 200 or 206 response with the blob's bytes to read; any other answer is raised as the
     client's error of the right kind."""

@@ -12,8 +12,8 @@ from .costs import (ROOFLINE_ASSUMPTIONS, cost_backend, lower_quartile, measure_
                     roofline_call_s, roofline_costs, roofline_figures)
 from .model import (all_accepted, best_k_per_batch, choose_k, conditional_acceptance,
                     expected_tokens, host_model, predict, recommended_ks)
-from .recipe_edit import TUNE_MARK, set_k_in_text, write_tuned_recipe
-from .report import cost_line, evidence_comment, show_tune, write_json
+from .recipe_edit import set_k_in_text, write_tuned_recipe
+from .report import TUNE_MARK, cost_line, evidence_comment, show_tune, write_json
 
 __all__ = ["DEFAULT_K_MAX", "ROOFLINE_ASSUMPTIONS", "TUNE_MARK", "all_accepted",
            "best_k_per_batch", "calibrate", "choose_k", "conditional_acceptance", "cost_backend",

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..errors import Problem, RecipeError, UsageError
 from .model import recommended_ks
+from .report import TUNE_MARK, evidence_comment
 
-TUNE_MARK = "# tune:"
 K_KEY = "num_speculative_tokens"
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
@@ -158,7 +158,6 @@ def write_tuned_recipe(recipe_path: Path, result: dict[str, Any], dest: Path | N
     (relative model folders re-based so that the copy points at the same models). The result is
     re-read with `load_recipe` before anything is written."""
     from ..recipe import load_recipe, recipe_from_text, resolve_model_path
-    from .report import evidence_comment
 
     recipe_path = Path(recipe_path)
     r = load_recipe(recipe_path)
