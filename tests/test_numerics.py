@@ -419,7 +419,7 @@ def test_emulated_weights_give_the_logits_of_transformers_with_torchao_mx_weight
     nn.Linear weight (and the tied lm_head, untied; the embedding stays exact) rounded by
     torchao's MXFP6 (blocks of 32 along in_features, FLOOR scales), over the same tokens."""
     import qpcbuild
-    from qpcbuild.bench import teacher_forced_logits
+    from qpcbuild.numerics_bench import teacher_forced_logits
 
     torch, to_mx, floor, e2m3 = _torchao()
     transformers = pytest.importorskip("transformers")

@@ -21,7 +21,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from qpcbuild.bench.numerics import teacher_forced_logits
+from qpcbuild.numerics_bench import teacher_forced_logits
 from qpcbuild.bundle import read_manifest
 from qpcbuild.cli import app
 from qpcbuild.plan import make_plan

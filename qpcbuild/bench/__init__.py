@@ -21,19 +21,18 @@ tokens/s = new tokens / wall time of the generate calls (prefill included), per 
 table shows the mean and the standard deviation over repeats. speedup = tokens/s / target-only
 tokens/s of the same run (the spread is that of the per-repeat ratios).
 
-Parts: inputs.py (Ks, prompt sets, the measurement bundle), measure.py (our measurement and the
-entry point), peers.py, report.py (report, JSON, tables, markdown), plot.py, numerics.py
-(`bench --numerics`).
+Parts: measure.py (our measurement and the entry point), records.py (one measured
+configuration), peers.py and all_peers.py (the peers), report.py (report, JSON, tables,
+markdown), plot.py. Ks, prompt sets and the measurement bundle come from qpcbuild/measuring.py,
+which `tune` shares; `bench --numerics` is qpcbuild/numerics_bench.py (it uses both).
 """
 
+from ..measuring import (BENCH_KS, OUR_METHODS, PROMPT_DIR, PROMPT_SETS, build_for_measurement,
+                         build_on_card, default_bench_dir, is_bundle, load_prompts, machine_info,
+                         measurement_overrides, parse_ks)
 from ..prompts import read_prompt_file
-from .inputs import (BENCH_KS, OUR_METHODS, PROMPT_DIR, PROMPT_SETS, build_for_measurement,
-                     build_on_card, default_bench_dir, is_bundle, load_prompts, machine_info,
-                     measurement_overrides, parse_ks)
-from .measure import DEFAULT_PEERS, bench, run_bench
-from .numerics import (bench_numerics, numerics_markdown, plot_numerics, run_numerics,
-                       show_numerics, teacher_forced_logits)
 from .all_peers import PEERS
+from .measure import DEFAULT_PEERS, bench, run_bench
 from .peers import Peer
 from .plot import plot_report
 from .records import Measure
@@ -41,8 +40,7 @@ from .report import (build_report, default_json_path, markdown_table, show_repor
                      write_json)
 
 __all__ = ["BENCH_KS", "DEFAULT_PEERS", "OUR_METHODS", "PEERS", "PROMPT_DIR", "PROMPT_SETS",
-           "Measure", "Peer", "bench", "bench_numerics", "build_for_measurement", "build_on_card",
+           "Measure", "Peer", "bench", "build_for_measurement", "build_on_card",
            "build_report", "default_bench_dir", "default_json_path", "is_bundle", "load_prompts",
-           "machine_info", "markdown_table", "measurement_overrides", "numerics_markdown",
-           "parse_ks", "plot_numerics", "plot_report", "read_prompt_file", "run_bench",
-           "run_numerics", "show_numerics", "show_report", "teacher_forced_logits", "write_json"]
+           "machine_info", "markdown_table", "measurement_overrides", "parse_ks", "plot_report",
+           "read_prompt_file", "run_bench", "show_report", "write_json"]

@@ -16,9 +16,9 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from .inputs import Say, _pkg_version
-from .records import Measure
+from ..measuring import Say, _pkg_version
 from .peers import NO_CHECKPOINT, Peer, _local_source
+from .records import Measure
 
 
 def _gguf(folder: Path | None) -> Path | None:

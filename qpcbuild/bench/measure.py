@@ -11,8 +11,8 @@ from typing import Any, Callable
 from ..errors import UsageError
 from ..prompts import check_output_file
 from ..runtime.rows import prefill_calls
-from .inputs import (BENCH_KS, OUR_METHODS, Say, build_for_measurement, default_bench_dir,
-                     is_bundle, load_prompts, machine_info)
+from ..measuring import (BENCH_KS, OUR_METHODS, Say, build_for_measurement,
+                         default_bench_dir, is_bundle, load_prompts, machine_info)
 from .records import Measure
 
 DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .inputs import Say, _pkg_version
+from ..measuring import Say, _pkg_version
 from .records import Measure
 
 OG_NGRAM_SIZE = 3  # onnxruntime-genai n-gram length (its range is 2..); ours: prompt_lookup 1..4

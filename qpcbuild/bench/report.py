@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .bandwidth import bandwidth_line
-from .inputs import loadavg
+from ..measuring import loadavg
 from .records import Measure
 
 REPORT_SCHEMA = 1

@@ -18,9 +18,9 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from .inputs import Say
-from .records import Measure
+from ..measuring import Say
 from .peers import NO_CHECKPOINT, Peer, _local_source
+from .records import Measure
 
 VLLM_PYTHON_ENV = "QPCBUILD_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")

@@ -87,7 +87,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
     from ..errors import UsageError
 
     if numerics:
-        from ..bench import bench_numerics, show_numerics
+        from ..numerics_bench import bench_numerics, show_numerics
 
         chosen = parse_ks(ks)
         if chosen is not None and len(chosen) != 1:

@@ -190,9 +190,9 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
          per_batch: list[int] | None = None, verify: str = "full") -> dict[str, Any]:
     """Recipe -> evidence and decision (a JSON-able dict). The measurement bundles are built in
     a temporary folder inside the build cache and removed afterwards."""
-    from ..bench.inputs import (build_for_measurement, load_prompts, machine_info,
-                                measurement_overrides)
     from ..cache import Cache
+    from ..measuring import (build_for_measurement, load_prompts, machine_info,
+                             measurement_overrides)
     from ..recipe import load_recipe
     from ..runtime.loader import load
     from .costs import (ROOFLINE_ASSUMPTIONS, cost_backend, measure_costs, roofline_costs,
@@ -254,7 +254,7 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
                                                "shapes.full_batch_size=null"]
                 out = tmp / f"costs-b{b}"
                 if backend == "qaic":
-                    from ..bench.inputs import build_on_card
+                    from ..measuring import build_on_card
                     build_on_card(recipe_path, [*overrides, *extra], ks, out, cache_dir, say)
                 else:
                     build_for_measurement(recipe_path, [*overrides, *extra], ks, out, cache_dir,

@@ -2,7 +2,10 @@
 ONNX Runtime: the card's mxfp6 weights + mxint8 KV emulated, or (a recipe with
 `onnxruntime.target_weights: int8 | int4`) the target's own quantized ORT weights. Acceptance,
 tau, the K tune would pick, greedy agreement (first divergence) and logit drift with top-1
-agreement (both targets teacher-forced over the fp32 target's greedy output)."""
+agreement (both targets teacher-forced over the fp32 target's greedy output).
+
+It sits above `bench` and `tune` (it uses bench's statistics and tables and tune's decision
+model), so that those two need not know each other."""
 
 from __future__ import annotations
 
@@ -12,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..runtime.rows import prefill_calls, prefill_feeds
-from .inputs import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
-                     loadavg, machine_info)
-from .measure import _add_stats
-from .report import _r, _short, write_outputs
+from .bench.measure import _add_stats
+from .bench.report import _r, _short, write_outputs
+from .errors import UsageError
+from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
+                        loadavg, machine_info)
+from .runtime.rows import prefill_calls, prefill_feeds
 
 NUMERICS_SCHEMA = 1
 NUMERICS_TUNE_KS = tuple(range(1, 9))  # the Ks `tune` would consider (its default K_max 8)
@@ -72,7 +75,7 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
                      costs, say: Say) -> tuple[dict[str, Any], list[list[int]]]:
     """Greedy target-only outputs, the SpD run at K (acceptance, tau) and the K `tune` would
     pick from this bundle's acceptance (replayed at every K) and the shared costs."""
-    from ..tune import choose_k, predict, replayed
+    from .tune import choose_k, predict, replayed
 
     info = gen.manifest["roles"]["target"]["backends"]["onnxruntime"]
     say(f"{label}: target-only greedy outputs, then {method} at K={k}")
@@ -121,8 +124,8 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
                  say: Say | None = None) -> dict[str, Any]:
     import numpy as np
 
-    from ..runtime.loader import load
-    from ..tune import host_model, measure_costs
+    from .runtime.loader import load
+    from .tune import host_model, measure_costs
 
     say = say or (lambda m: None)
     machine = machine_info()
@@ -218,7 +221,7 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
                  f"{window}-token windows)")
     if loadavg() is not None:
         machine["loadavg_at_end"] = loadavg()
-    from .. import __version__
+    from . import __version__
     return {"schema": NUMERICS_SCHEMA, "tool": "qpcbuild bench --numerics",
             "qpcbuild_version": __version__, "name": g0.manifest["name"],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
@@ -235,7 +238,7 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
 def show_numerics(report: dict[str, Any], console=None) -> None:
     from rich.table import Table
 
-    from ..render import console as default_console
+    from .render import console as default_console
     console = console or default_console
     s = report["settings"]
     fp, emu = report["columns"]
@@ -341,7 +344,7 @@ def bench_numerics(recipe: Path, *, overrides: list[str] = (), prompt_file: Path
                    json_out: Path | None = None, plot: Path | None | bool = None,
                    say: Say | None = None) -> tuple[dict[str, Any], Path, Path | None]:
     """Recipe -> two bundles (fp32 and the card's formats emulated) -> report, JSON, PNG."""
-    from ..recipe import load_recipe
+    from .recipe import load_recipe
 
     say = say or (lambda m: None)
     recipe = Path(recipe)

@@ -1,4 +1,7 @@
-"""Inputs of a measurement: Ks, prompt sets, the machine, and the bundle a recipe is measured on."""
+"""Inputs of a measurement: Ks, prompt sets, the machine, and the bundle a recipe is measured on.
+
+Shared by `bench` and `tune`, which both build a bundle for measuring; it sits below both so
+that neither imports the other."""
 
 from __future__ import annotations
 
@@ -7,10 +10,10 @@ import platform
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import UsageError
-from ..prompts import read_prompt_file
+from .errors import UsageError
+from .prompts import read_prompt_file
 
-PROMPT_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
+PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
 PROMPT_SETS = ("code", "echo", "prose")
 OUR_METHODS = ("draft_model", "ngram", "suffix")
 BENCH_KS = tuple(range(0, 9))  # compiled into a bench bundle built from a recipe
@@ -108,7 +111,7 @@ def build_for_measurement(recipe_path: Path, overrides: list[str], ks: list[int]
     """Compile `recipe_path` for ONNX Runtime with the given Ks (and prefill_seq_len >= max K +
     1) into `out`, with `numerics` as in `measurement_overrides`. Exports come from the build
     cache, so only what differs from earlier builds is built."""
-    from ..recipe import load_recipe
+    from .recipe import load_recipe
 
     say = say or (lambda m: None)
     more, what = measurement_overrides(load_recipe(recipe_path, list(overrides)), numerics)
@@ -126,10 +129,10 @@ def build_on_card(recipe_path: Path, overrides: list[str], ks: list[int], out: P
 
 def _build_with_ks(recipe_path: Path, overrides: list[str], ks: list[int], out: Path,
                    cache_dir: Path | None, say: Say | None) -> Path:
-    from ..bundle import build_bundle
-    from ..cache import Cache
-    from ..plan import make_plan
-    from ..recipe import load_recipe
+    from .bundle import build_bundle
+    from .cache import Cache
+    from .plan import make_plan
+    from .recipe import load_recipe
 
     say = say or (lambda m: None)
     r = load_recipe(recipe_path, list(overrides))
@@ -147,7 +150,7 @@ def _build_with_ks(recipe_path: Path, overrides: list[str], ks: list[int], out: 
 
 
 def default_bench_dir(recipe_path: Path, overrides: list[str]) -> Path:
-    from ..recipe import load_recipe
+    from .recipe import load_recipe
 
     r = load_recipe(recipe_path, list(overrides))
     out = r.output_dir()
