@@ -86,6 +86,17 @@ SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_ca
                    "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
 
+VLLM_NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min/max when neither is given
+
+
+def vllm_lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
+    """vLLM's resolution of prompt_lookup_min/max: neither given -> 5 and 5; one given -> the
+    other takes its value."""
+    if lo is None and hi is None:
+        return VLLM_NGRAM_DEFAULT, VLLM_NGRAM_DEFAULT
+    return (hi if lo is None else lo), (lo if hi is None else hi)
+
+
 class Speculation(_Strict):
     num_speculative_tokens: Union[int, list[int]] = 3
     # auto: speculate only while it is faster than decoding without (docs/adaptive.md; the
@@ -191,7 +202,6 @@ class Recipe(_Strict):
     @property
     def method_options(self) -> dict[str, Any]:
         if self.draft.method == "ngram":
-            from .runtime.proposers import vllm_lookup_range
             lo, hi = vllm_lookup_range(self.draft.prompt_lookup_min, self.draft.prompt_lookup_max)
             return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}
         defaults = {"suffix": SUFFIX_DEFAULTS}.get(self.draft.method, {})

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from ..recipe import vllm_lookup_range
 from .suffix_tree import SuffixTree
 
 __all__ = ["Proposer", "NgramProposer", "SuffixProposer", "make_proposer"]
@@ -57,17 +58,6 @@ def _require_float(name: str, value: object, low: float, high: float) -> float:
 
 
 # --------------------------------------------------------------------------- ngram
-
-VLLM_NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min/max when neither is given
-
-
-def vllm_lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
-    """vLLM's resolution of prompt_lookup_min/max: neither given -> 5 and 5; one given -> the
-    other takes its value."""
-    if lo is None and hi is None:
-        return VLLM_NGRAM_DEFAULT, VLLM_NGRAM_DEFAULT
-    return (hi if lo is None else lo), (lo if hi is None else hi)
-
 
 @dataclass
 class _NgramState:
