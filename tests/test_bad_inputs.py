@@ -28,7 +28,7 @@ from qpcbuild.arch import arch_from_config
 from qpcbuild.bundle import archive
 from qpcbuild.cli import app
 from qpcbuild.errors import QpcbuildError, UsageError
-from qpcbuild.export.safetensors_reader import read_header
+from qpcbuild.safetensors_reader import read_header
 from qpcbuild.recipe import recipe_from_text
 
 REPO = Path(__file__).resolve().parents[1]

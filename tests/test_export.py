@@ -662,7 +662,7 @@ def test_disk_full_while_writing_leaves_nothing_behind(where, tiny_models, tmp_p
 # ------------------------------------------------------------------ streamed weights
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
 def test_stored_tensor_finds_nan_and_inf_from_its_bits_like_numpy(dtype):
-    from qpcbuild.export.safetensors_reader import StoredTensor
+    from qpcbuild.safetensors_reader import StoredTensor
 
     rng = np.random.default_rng(0)
     bits = np.uint32 if dtype == "F32" else np.uint16

@@ -23,11 +23,11 @@ from .. import __version__
 from ..arch import ArchSpec, arch_from_config
 from ..errors import QpcbuildError, UsageError
 from ..progress import step
+from ..safetensors_reader import WeightReader
 from ..source import ModelSource, safetensors_files, tokenizer_files
 from ..vocab_subset import subset_digest
 from .builder import GraphBuilder, save
 from .decoder import Decoder
-from .safetensors_reader import WeightReader
 
 OPSET = 17
 GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
