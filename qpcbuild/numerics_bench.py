@@ -236,10 +236,10 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
 
 
 def show_numerics(report: dict[str, Any], console=None) -> None:
+    from rich.console import Console
     from rich.table import Table
 
-    from .render import console as default_console
-    console = console or default_console
+    console = console or Console(highlight=False)  # the CLI passes its own
     s = report["settings"]
     fp, emu = report["columns"]
     t = Table("", fp["label"], emu["label"], title=f"{report['name']}: numerics preview, "

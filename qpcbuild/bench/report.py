@@ -253,10 +253,10 @@ def _short(x: float) -> str:
 
 
 def show_report(report: dict[str, Any], console=None) -> None:
+    from rich.console import Console
     from rich.table import Table
 
-    from ..render import console as default_console
-    console = console or default_console
+    console = console or Console(highlight=False)  # the CLI passes its own
     s = report["settings"]
     m = report["machine"]
     title = (f"{report['name']}: {s['prompts']} prompts ({s['prompt_set']}), {s['max_new_tokens']} "

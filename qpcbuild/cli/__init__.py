@@ -3,7 +3,7 @@
 One module per group of commands, in the order `qpcbuild --help` lists them: build.py (plan,
 export, compile, version), bundles.py (verify, finish, inspect, doctor, package, unpack, cache),
 run.py (run, serve, serve-config), measure.py (bench, tune); app.py holds the Typer app and what
-they share.
+they share; render.py the terminal views (nothing below the CLI imports it).
 
 Exit codes: 0 success; 1 build, toolchain or bundle failure; 2 bad input (recipe, model folder,
 bundle path, CLI argument).

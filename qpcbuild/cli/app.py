@@ -14,7 +14,7 @@ import typer
 
 from ..errors import QpcbuildError, Terminated
 from ..progress import report_to
-from ..render import err_console, fit_to_output
+from .render import err_console, fit_to_output
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build and package speculative-decoding model pairs for Qualcomm Cloud AI "

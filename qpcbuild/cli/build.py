@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import typer
 
-from ..render import console, err_console
 from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_line
 from .refs import InsecureOpt
+from .render import console, err_console
 
 
 @app.command()
@@ -27,7 +27,7 @@ def plan(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     (except with --units)."""
     from ..plan import make_plan
     from ..recipe import load_recipe
-    from ..render import show_plan
+    from .render import show_plan
     import yaml
 
     r = load_recipe(recipe, set_ or [])
@@ -160,7 +160,7 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
         tuning = run_tune(recipe, set_ or [], cache_dir=cache_dir, say=progress_line)
         tuning["model_check_disagrees"] = disagreements(tuning)
         if not json_out:
-            show_tune(tuning)
+            show_tune(tuning, console)
         for problem in tuning["model_check_disagrees"]:
             err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
                               f"own check contradicts: {problem}", soft_wrap=True)

@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import typer
 
-from ..render import console, err_console
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
+from .render import console, err_console
 
 
 @app.command()
@@ -104,7 +104,7 @@ def inspect(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
             json_out: bool = typer.Option(False, "--json", help="Print the manifest.")):
     """Summarize a bundle: roles, shapes, Ks, cores, backends, files."""
     from ..bundle import read_manifest
-    from ..render import show_manifest
+    from .render import show_manifest
 
     m = read_manifest(bundle_folder(bundle, insecure, quiet=json_out))
     emit_json(m) if json_out else show_manifest(m)

@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from ..render import console, err_console
 from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_line
+from .render import console, err_console
 
 
 # Options bench and tune share (the prompts they measure on).
@@ -27,7 +27,7 @@ def _print_report(report: dict, show, json_path: Path, png: Optional[Path],
     if json_stdout:
         emit_json(report)
         return
-    show(report)
+    show(report, console)
     console.print(f"JSON report: {json_path}" + (f"; plot: {png}" if png else ""))
 
 
@@ -202,7 +202,7 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     if json_out:
         emit_json(result)
     else:
-        show_tune(result)
+        show_tune(result, console)
     if refused:
         raise QpcbuildError("the model check disagrees with the prediction, so the recipe was not "
                             "written (measure on a quieter machine, or pass --force)")

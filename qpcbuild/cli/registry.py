@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..render import console
 from .app import app, emit_json, handles_errors, progress_line
 from .refs import InsecureOpt
+from .render import console
 from .run import RequireSignatureOpt
 
 

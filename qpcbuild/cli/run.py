@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import typer
 
-from ..render import console
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
+from .render import console
 
 RequireSignatureOpt = typer.Option(None, "--require-signature", metavar="PUBLIC_KEY",
                                    help="Refuse the bundle unless it carries a valid signature "
@@ -70,7 +70,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
 
     from ..errors import UsageError
     from ..progress import step
-    from ..render import show_run
+    from .render import show_run
     from ..runtime.loader import load
     from ..runtime.stats import combine
 
@@ -170,7 +170,7 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
     """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
     from ..bundle import read_manifest
     from ..errors import UsageError
-    from ..render import smoke_roles
+    from .render import smoke_roles
     from ..serve_config import render
 
     m = read_manifest(bundle)

@@ -75,10 +75,10 @@ def _by_k(cal: dict[str, Any], k: int) -> dict[str, Any] | None:
 
 
 def show_tune(result: dict[str, Any], console=None) -> None:
+    from rich.console import Console
     from rich.table import Table
 
-    from ..render import console as default_console
-    console = console or default_console
+    console = console or Console(highlight=False)  # the CLI passes its own
     cal, costs = result["calibration"], result["costs"]
     k_max = result["k_max"]
     console.print(f"[bold]tune {result['name']}[/]  method {result['method']}; "

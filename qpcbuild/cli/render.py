@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:  # the plan's imports (onnx, numpy) would slow every command's start
-    from .plan import BuildPlan
+    from ..plan import BuildPlan
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
