@@ -83,6 +83,8 @@ class _CountingDraft:
         return out
 
 
+# Over 80 lines: the library's availability checks, then the runner closures over one loaded
+# model (target-only and prompt lookup), each named.
 def llama_cpp_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
                    cache_dir: Path | None, say: Say) -> Peer:
     """llama.cpp through llama-cpp-python: target-only decoding and, where the library has its

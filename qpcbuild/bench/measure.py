@@ -66,6 +66,8 @@ def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int,
     return run
 
 
+# Over 80 lines: its checks of the arguments against the bundle's manifest come first; they stay
+# here, where the typed Manifest work (issue 29, item 1) rewrites those reads.
 def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: list[int] | None
               = None, methods: list[str] | None = None, max_new_tokens: int = 128,
               repeats: int = 3, peers: tuple[str, ...] = DEFAULT_PEERS,
@@ -82,7 +84,6 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     from ..bundle import read_manifest
     from ..runtime.loader import load
     from .bandwidth import make_probe, target_only_bandwidth
-    from .all_peers import PEERS
     from .report import build_report, decode_figures
 
     say = say or (lambda m: None)
@@ -123,14 +124,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     room = ctx_len - max_new_tokens - 1
     if room < 1:
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
-    prompt_ids, truncated = [], 0
-    for p in prompts:
-        ids = gen.chat_prompt(p) if chat else gen.encode(p)
-        if not ids:
-            raise UsageError(f"prompt '{p[:30]}' encodes to no tokens")
-        if len(ids) > room:  # keep the end of the prompt: the continuation depends on it
-            ids, truncated = ids[-room:], truncated + 1
-        prompt_ids.append(ids)
+    prompt_ids, truncated = _encode_prompts(gen, prompts, chat, room)
     notes = ["prompts rendered as chat turns with the bundle's chat template"] if chat else []
     if truncated:
         notes.append(f"{truncated} prompt(s) cut to their last {room} tokens so that prompt + "
@@ -140,6 +134,64 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     if base_k != 0:
         notes.append(f"target-only runs on the smallest compiled K ({base_k}, a {base_k + 1}-token "
                      "window) because K=0 is not compiled: the baseline is slower than it could be")
+    ours, gated = _our_cases(gens, methods, policies, draft_p_min, ks, base_k, batch,
+                             max_new_tokens, temperature)
+
+    peer_objs = _make_peers(peers, manifest, peer_ks, max_new_tokens, set(gen.eos_ids),
+                            cache_dir, say)
+    cases = ours + [c for p in peer_objs for c in p.cases]
+    warmup = prompt_ids[:batch]
+    probe = make_probe(gen)
+    _run_interleaved(cases, ours[0][0], gens, gated, warmup, prompt_ids, repeats, probe, say)
+    base_decode = decode_figures(ours[0][0].stats)
+    bandwidth = target_only_bandwidth(gen, ours[0][0].stats, [len(p) for p in prompt_ids],
+                                      base_decode and base_decode["tokens_per_s"], probe)
+    del probe
+    report = build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens,
+                          repeats, ks, methods, ours, peer_objs, notes, gen, machine, bandwidth,
+                          sampled=temperature > 0)
+    report["settings"].update({"spec_policies": list(policies), "draft_p_min": draft_p_min,
+                               "temperature": temperature})
+    return report
+
+
+def _make_peers(peers: tuple[str, ...], manifest: dict, peer_ks: list[int], max_new_tokens: int,
+                eos_ids: set[int], cache_dir: Path | None, say: Say) -> list:
+    """Each requested peer with its cases (or the reason it is skipped)."""
+    from .all_peers import PEERS
+
+    peer_objs: list = []
+    for name in peers:
+        make = PEERS.get("onnxruntime-genai" if name == "ort-genai" else name)
+        if make is None:
+            raise UsageError(f"unknown peer '{name}' ({' | '.join(PEERS)})")
+        peer_objs.append(make(manifest, peer_ks, max_new_tokens, eos_ids, cache_dir, say))
+        p = peer_objs[-1]
+        say(f"peer {p.name}: {p.status}" + (f" ({p.note})" if p.note else ""))
+    return peer_objs
+
+
+def _encode_prompts(gen, prompts: list[str], chat: bool, room: int
+                    ) -> tuple[list[list[int]], int]:
+    """Each prompt's token ids (as a chat turn when `chat`), cut to its last `room` tokens;
+    and how many were cut."""
+    prompt_ids, truncated = [], 0
+    for p in prompts:
+        ids = gen.chat_prompt(p) if chat else gen.encode(p)
+        if not ids:
+            raise UsageError(f"prompt '{p[:30]}' encodes to no tokens")
+        if len(ids) > room:  # keep the end of the prompt: the continuation depends on it
+            ids, truncated = ids[-room:], truncated + 1
+        prompt_ids.append(ids)
+    return prompt_ids, truncated
+
+
+def _our_cases(gens: dict, methods: list[str], policies, draft_p_min: float | None,
+               ks: list[int], base_k: int, batch: int, max_new_tokens: int, temperature: float
+               ) -> tuple[list[tuple[Measure, Callable]], dict]:
+    """Our configurations: target-only first (the baseline), then each method, policy and K;
+    and the gated rows' generators (`_gated_generators`)."""
+    gen = gens[methods[0]]
     ours: list[tuple[Measure, Callable]] = [
         (Measure("qpcbuild", "target_only", base_k, "target-only"),
          _our_runner(gen.sibling(target_only=True), "target_only", None, batch, max_new_tokens,
@@ -153,23 +205,16 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                     label = label.format(k=k)
                 ours.append((Measure("qpcbuild", m, k, label),
                              _our_runner(g, m, k, batch, max_new_tokens, policy, temperature)))
+    return ours, gated
 
-    peer_objs: list = []
-    eos_ids = set(gen.eos_ids)
-    for name in peers:
-        make = PEERS.get("onnxruntime-genai" if name == "ort-genai" else name)
-        if make is None:
-            raise UsageError(f"unknown peer '{name}' ({' | '.join(PEERS)})")
-        peer_objs.append(make(manifest, peer_ks, max_new_tokens, eos_ids, cache_dir, say))
-        p = peer_objs[-1]
-        say(f"peer {p.name}: {p.status}" + (f" ({p.note})" if p.note else ""))
 
-    cases = ours + [c for p in peer_objs for c in p.cases]
-    # Repeats interleaved: every repeat runs every configuration over the whole prompt set in
-    # turn (so each runs warm, as it would in use), and drift spreads over all configurations.
-    # Repeat 0 is a warm-up on the first prompt batch and is not counted.
-    warmup = prompt_ids[:batch]
-    probe = make_probe(gen)
+def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, gens: dict,
+                     gated: dict, warmup: list[list[int]], prompt_ids: list[list[int]],
+                     repeats: int, probe, say: Say) -> None:
+    """The timed passes, filling each case's Measure. Repeats interleaved: every repeat runs
+    every configuration over the whole prompt set in turn (so each runs warm, as it would in
+    use), and drift spreads over all configurations. Repeat 0 is a warm-up on the first prompt
+    batch and is not counted."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()  # what is loaded now (models, libraries) stays out of the collections below
@@ -208,7 +253,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                 meas.seconds.append(seconds)
                 meas.tokens.append(tokens)
                 meas.outputs.append(outs)
-                if meas is ours[0][0] and probe is not None:
+                if meas is baseline and probe is not None:
                     probe.measure()
                 continue
             if meas.system == "qpcbuild":
@@ -233,16 +278,6 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                                     f"{rate:,.1f} against {warm_tps[meas.system]:,.1f})")
                     say(f"  {meas.system} {meas.label}: {meas.skipped}")
     gc.unfreeze()
-    base_decode = decode_figures(ours[0][0].stats)
-    bandwidth = target_only_bandwidth(gen, ours[0][0].stats, [len(p) for p in prompt_ids],
-                                      base_decode and base_decode["tokens_per_s"], probe)
-    del probe
-    report = build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens,
-                          repeats, ks, methods, ours, peer_objs, notes, gen, machine, bandwidth,
-                          sampled=temperature > 0)
-    report["settings"].update({"spec_policies": list(policies), "draft_p_min": draft_p_min,
-                               "temperature": temperature})
-    return report
 
 
 def _gated_generators(gens: dict, policies, draft_p_min: float | None) -> dict:

@@ -122,6 +122,7 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
     return max(cands, key=lambda r: r["tokens_per_s"]["mean"]) if cands else None
 
 
+# Over 80 lines: one JSON record assembled field by field, in the order the report lists them.
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
             ours, peer_objs, notes, gen, machine, bandwidth=None,
             sampled: bool = False) -> dict[str, Any]:

@@ -117,6 +117,8 @@ def _prefix_at_end(text: str, stop: str) -> int:
     return k
 
 
+# Over 80 lines: the routes are closures over one engine worker, its metrics and the model's
+# limits; each handler below is short and named for its route.
 def build_app(gen: Generator, model_name: str) -> Starlette:
     metrics: ServerMetrics | None = None
     worker: EngineWorker | None = None
