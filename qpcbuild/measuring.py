@@ -8,10 +8,13 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import UsageError
 from .prompts import read_prompt_file
+
+if TYPE_CHECKING:  # the recipe module is read when a bundle is built, not at start-up
+    from .recipe import RecipeChanges
 
 PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
 PROMPT_SETS = ("code", "echo", "prose")
@@ -71,8 +74,9 @@ def uses_card_formats(r) -> bool:
     return r.precision.quantization != "none" or r.precision.kv_cache_dtype != "float16"
 
 
-def measurement_overrides(r, numerics: str) -> tuple[list[str], str]:
-    """What a recipe needs to be measured on ONNX Runtime here, and a line saying what it is.
+def measurement_changes(r, numerics: str) -> tuple[dict[str, Any], str]:
+    """What a recipe needs to be measured on ONNX Runtime here (changes to the recipe), and a
+    line saying what it is.
 
     A recipe for ONNX Runtime alone is measured as it is (mxfp6 / mxint8 emulated if it asks
     for them). A recipe for the card: numerics "exact" switches the card-only precisions off
@@ -81,7 +85,7 @@ def measurement_overrides(r, numerics: str) -> tuple[list[str], str]:
     acceptance is a property of each row, so that bundle is built at batch 1."""
     if numerics not in ("exact", "card"):
         raise ValueError(numerics)
-    more, what = _card_overrides(r, numerics)
+    more, what = _card_changes(r, numerics)
     tw = r.onnxruntime.target_weights
     if tw != "float32":
         what += (f"; target matmul weights {tw} (opt-in: the output differs from the float32 "
@@ -89,57 +93,70 @@ def measurement_overrides(r, numerics: str) -> tuple[list[str], str]:
     return more, what
 
 
-def _card_overrides(r, numerics: str) -> tuple[list[str], str]:
+def _card_changes(r, numerics: str) -> tuple[dict[str, Any], str]:
     if r.backends == ["onnxruntime"]:
-        return [], ("ONNX Runtime, the recipe's numerics (emulated)" if uses_card_formats(r)
+        return {}, ("ONNX Runtime, the recipe's numerics (emulated)" if uses_card_formats(r)
                     else "ONNX Runtime, exact float32")
-    extra = ["backends=[onnxruntime]"]
+    extra: dict[str, Any] = {"backends": ["onnxruntime"]}
     if not uses_card_formats(r):
         return extra, "ONNX Runtime, exact float32 (as the recipe)"
     if numerics == "card":
-        return extra + ["onnxruntime.graph=fused", "shapes.batch_size=1",
-                        "shapes.full_batch_size=null"], \
+        return {**extra, "onnxruntime.graph": "fused", "shapes.batch_size": 1,
+                "shapes.full_batch_size": None}, \
             (f"ONNX Runtime with the card's numerics emulated (weights {r.precision.quantization},"
              f" KV {r.precision.kv_cache_dtype}), batch 1")
-    return extra + ["precision.quantization=none", "precision.kv_cache_dtype=float16"], \
+    return {**extra, "precision.quantization": "none", "precision.kv_cache_dtype": "float16"}, \
         "ONNX Runtime, exact float32 (the recipe's card precisions off)"
+
+
+def shown(changes: RecipeChanges) -> str:
+    """Changes as the --set assignments a user would type for them."""
+    def value(v: Any) -> str:
+        if isinstance(v, list):
+            return "[" + ",".join(value(x) for x in v) + "]"
+        return "null" if v is None else str(v)
+    return ", ".join(f"{key}={value(v)}" for key, v in changes.items())
 
 
 def build_for_measurement(recipe_path: Path, overrides: list[str], ks: list[int], out: Path,
                           cache_dir: Path | None = None, say: Say | None = None,
-                          numerics: str = "exact") -> Path:
-    """Compile `recipe_path` for ONNX Runtime with the given Ks (and prefill_seq_len >= max K +
-    1) into `out`, with `numerics` as in `measurement_overrides`. Exports come from the build
-    cache, so only what differs from earlier builds is built."""
+                          numerics: str = "exact", changes: RecipeChanges | None = None) -> Path:
+    """Compile `recipe_path` (with the user's --set `overrides`, then `changes`) for ONNX Runtime
+    with the given Ks (and prefill_seq_len >= max K + 1) into `out`, with `numerics` as in
+    `measurement_changes`. Exports come from the build cache, so only what differs from
+    earlier builds is built."""
     from .recipe import load_recipe
 
     say = say or (lambda m: None)
-    more, what = measurement_overrides(load_recipe(recipe_path, list(overrides)), numerics)
+    changes = dict(changes or {})
+    more, what = measurement_changes(load_recipe(recipe_path, list(overrides), changes),
+                                     numerics)
     if more:
-        say(f"measuring on {what}: " + ", ".join(more))
-    return _build_with_ks(recipe_path, [*overrides, *more], ks, out, cache_dir, say)
+        say(f"measuring on {what}: " + shown(more))
+    return _build_with_ks(recipe_path, overrides, {**changes, **more}, ks, out, cache_dir, say)
 
 
 def build_on_card(recipe_path: Path, overrides: list[str], ks: list[int], out: Path,
-                  cache_dir: Path | None = None, say: Say | None = None) -> Path:
+                  cache_dir: Path | None = None, say: Say | None = None,
+                  changes: RecipeChanges | None = None) -> Path:
     """The recipe as it is (its backends, qaic included, compiled here) with the given Ks: for
     timing calls on the card. Needs the Cloud AI SDK on this machine."""
-    return _build_with_ks(recipe_path, list(overrides), ks, out, cache_dir, say)
+    return _build_with_ks(recipe_path, overrides, dict(changes or {}), ks, out, cache_dir, say)
 
 
-def _build_with_ks(recipe_path: Path, overrides: list[str], ks: list[int], out: Path,
-                   cache_dir: Path | None, say: Say | None) -> Path:
+def _build_with_ks(recipe_path: Path, overrides: list[str], changes: dict[str, Any],
+                   ks: list[int], out: Path, cache_dir: Path | None, say: Say | None) -> Path:
     from .bundle import build_bundle
     from .cache import Cache
     from .plan import make_plan
     from .recipe import load_recipe
 
     say = say or (lambda m: None)
-    r = load_recipe(recipe_path, list(overrides))
-    extra = ["speculation.num_speculative_tokens=[" + ",".join(str(k) for k in ks) + "]"]
+    r = load_recipe(recipe_path, list(overrides), changes)
+    extra = {**changes, "speculation.num_speculative_tokens": list(ks)}
     if r.shapes.prefill_seq_len < max(ks) + 1:
-        extra.append(f"shapes.prefill_seq_len={max(ks) + 1}")
-    plan = make_plan(load_recipe(recipe_path, [*overrides, *extra]))
+        extra["shapes.prefill_seq_len"] = max(ks) + 1
+    plan = make_plan(load_recipe(recipe_path, list(overrides), extra))
     say(f"building {out} from {recipe_path} with Ks {list(plan.ks)} (exports from the cache)")
 
     def progress(stage: str, how: str, seconds: float) -> None:

@@ -24,26 +24,27 @@ from .runtime.rows import prefill_calls, prefill_feeds
 
 NUMERICS_SCHEMA = 1
 NUMERICS_TUNE_KS = tuple(range(1, 9))  # the Ks `tune` would consider (its default K_max 8)
-CARD_FORMATS = ["precision.quantization=mxfp6", "precision.kv_cache_dtype=mxint8"]
+CARD_FORMATS = {"precision.quantization": "mxfp6", "precision.kv_cache_dtype": "mxint8"}
 
 
-def _numerics_overrides(r) -> tuple[list[str], list[str], list[str]]:
-    """(common, fp32, emulated) overrides: both bundles for ONNX Runtime's fused graph at batch
-    1 with float32 draft weights (the card has no int8-draft option); the emulated one with the
-    recipe's card formats, or mxfp6 + mxint8 when the recipe asks for none."""
-    common = ["backends=[onnxruntime]", "onnxruntime.graph=fused", "shapes.batch_size=1",
-              "shapes.full_batch_size=null", "onnxruntime.draft_weights=float32"]
-    fp32 = ["precision.quantization=none", "precision.kv_cache_dtype=float16",
-            "onnxruntime.target_weights=float32"]
+def _numerics_changes(r) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(common, fp32, emulated) changes to the recipe: both bundles for ONNX Runtime's fused
+    graph at batch 1 with float32 draft weights (the card has no int8-draft option); the
+    emulated one with the recipe's card formats, or mxfp6 + mxint8 when the recipe asks for
+    none."""
+    common = {"backends": ["onnxruntime"], "onnxruntime.graph": "fused", "shapes.batch_size": 1,
+              "shapes.full_batch_size": None, "onnxruntime.draft_weights": "float32"}
+    fp32 = {"precision.quantization": "none", "precision.kv_cache_dtype": "float16",
+            "onnxruntime.target_weights": "float32"}
     p, tw = r.precision, r.onnxruntime.target_weights
     if tw != "float32":  # the recipe's quantized ORT target (and its card formats, if any)
-        emu = [f"precision.quantization={p.quantization}",
-               f"precision.kv_cache_dtype={p.kv_cache_dtype}", f"onnxruntime.target_weights={tw}"]
+        emu = {"precision.quantization": p.quantization,
+               "precision.kv_cache_dtype": p.kv_cache_dtype, "onnxruntime.target_weights": tw}
     elif p.quantization == "none" and p.kv_cache_dtype == "float16":
-        emu = list(CARD_FORMATS)
+        emu = dict(CARD_FORMATS)
     else:
-        emu = [f"precision.quantization={p.quantization}",
-               f"precision.kv_cache_dtype={p.kv_cache_dtype}"]
+        emu = {"precision.quantization": p.quantization,
+               "precision.kv_cache_dtype": p.kv_cache_dtype}
     return common, fp32, emu
 
 
@@ -119,6 +120,8 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     return col, outputs
 
 
+# Over 80 lines: two bundles loaded side by side, then the columns, the greedy agreement and the
+# logit drift, each a call; the JSON record closes it.
 def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, prompt_label: str,
                  k: int, max_new_tokens: int, tune_k: bool = True, rounds: int = 10,
                  say: Say | None = None) -> dict[str, Any]:
@@ -356,13 +359,13 @@ def bench_numerics(recipe: Path, *, overrides: list[str] = (), prompt_file: Path
         k = max(r.ks)
     if k < 1:
         raise UsageError("--numerics needs a K >= 1")
-    common, fp32, emu = _numerics_overrides(r)
+    common, fp32, emu = _numerics_changes(r)
     ks = sorted(set([0, k, *NUMERICS_TUNE_KS]))
     out = Path(bundle_out) if bundle_out else default_bench_dir(recipe, list(overrides))
     bundles = {}
     for label, extra in (("fp32", fp32), ("emulated", emu)):
-        bundles[label] = build_for_measurement(recipe, [*overrides, *common, *extra], ks,
-                                               out / label, cache_dir, say)
+        bundles[label] = build_for_measurement(recipe, list(overrides), ks, out / label,
+                                               cache_dir, say, changes={**common, **extra})
     label, prompts = load_prompts(prompt_file, prompt_set, num_prompts)
     report = run_numerics(bundles["fp32"], bundles["emulated"], prompts, prompt_label=label,
                           k=k, max_new_tokens=max_new_tokens, tune_k=tune_k, say=say)

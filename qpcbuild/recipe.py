@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -401,15 +402,25 @@ def resolved_cores(r: Recipe) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- overrides and entry point
+# A stage's changes to a recipe (measuring at batch 1, another K list, ...): {dotted key: value},
+# the values as the recipe file would hold them once read (1, None, ["onnxruntime"]). They are
+# applied after the user's --set overrides and validated with the rest of the recipe.
+RecipeChanges = Mapping[str, Any]
+
+
 def apply_override(data: dict, assignment: str) -> None:
     """`--set shapes.ctx_len=4096`: the value is parsed as a YAML scalar or flow sequence."""
     if "=" not in assignment:
         raise RecipeError("--set", [Problem(assignment, "expected KEY.PATH=VALUE")])
     key, raw = assignment.split("=", 1)
+    value, _ = parse_yaml(raw or '""', f"--set {key}")
+    _set_key(data, key, value)
+
+
+def _set_key(data: dict, key: str, value: Any) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise RecipeError("--set", [Problem(key, "empty key path")])
-    value, _ = parse_yaml(raw or '""', f"--set {key}")
     node = data
     for part in parts[:-1]:
         child = node.get(part)
@@ -421,8 +432,10 @@ def apply_override(data: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read, validate and resolve a recipe; raises RecipeError listing every problem."""
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                changes: RecipeChanges | None = None) -> Recipe:
+    """Read, validate and resolve a recipe (with the user's --set `overrides`, then a stage's
+    `changes`); raises RecipeError listing every problem."""
     path = Path(path)
     source = str(path)
     raw = read_capped(path, source)
@@ -431,7 +444,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     except UnicodeDecodeError as exc:
         raise RecipeError(source, [Problem("<file>", f"not UTF-8 text ({exc.reason} at byte "
                                            f"{exc.start})")]) from None
-    return recipe_from_text(text, source, overrides, base_dir=path.resolve().parent)
+    return recipe_from_text(text, source, overrides, base_dir=path.resolve().parent,
+                            changes=changes)
 
 
 def _without(data: dict, locs: list[tuple]) -> dict:
@@ -483,7 +497,8 @@ def _missing_model_folders(data: dict, base_dir: Path | None, lines) -> list[Pro
 
 
 def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
-                     base_dir: Path | None = None) -> Recipe:
+                     base_dir: Path | None = None, changes: RecipeChanges | None = None
+                     ) -> Recipe:
     duplicates: list[Problem] = []
     data, lines = parse_yaml(text, source, duplicates)
     if not isinstance(data, dict):
@@ -493,6 +508,8 @@ def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
         raise RecipeError(source, [Problem("<root>", "keys must be strings")])
     for assignment in overrides:
         apply_override(data, assignment)
+    for key, value in (changes or {}).items():
+        _set_key(data, key, copy.deepcopy(value))
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:

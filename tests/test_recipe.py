@@ -664,3 +664,23 @@ def test_random_text_gives_only_recipe_errors(raw):
     except RecipeError as exc:
         assert exc.problems
     # Some short texts are valid recipes ("schema: 1\nname: x\ntarget:\n  model: m\n..."): fine.
+
+
+def test_typed_changes_equal_the_set_assignments_a_user_would_type():
+    """Stages hand recipe changes to each other as values ({key: 1, None, [..]}), never as
+    --set strings; applied, they give the recipe the same assignments typed by a user give."""
+    from qpcbuild.measuring import shown
+
+    path = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
+    changes = {"backends": ["onnxruntime"], "shapes.batch_size": 2,
+               "shapes.full_batch_size": None, "speculation.num_speculative_tokens": [0, 1, 3],
+               "name": "demo-measured"}
+    assert shown(changes) == ("backends=[onnxruntime], shapes.batch_size=2, "
+                              "shapes.full_batch_size=null, "
+                              "speculation.num_speculative_tokens=[0,1,3], name=demo-measured")
+    typed = load_recipe(path, [], changes)
+    typed_by_user = load_recipe(path, shown(changes).split(", "))
+    assert typed.model_dump() == typed_by_user.model_dump()
+    assert typed.shapes.batch_size == 2 and typed.ks == (0, 1, 3) and typed.name == "demo-measured"
+    with pytest.raises(RecipeError, match="batch_size"):
+        load_recipe(path, [], {"shapes.batch_size": 0})  # validated like the rest of the recipe

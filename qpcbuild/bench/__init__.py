@@ -29,7 +29,7 @@ which `tune` shares; `bench --numerics` is qpcbuild/numerics_bench.py (it uses b
 
 from ..measuring import (BENCH_KS, OUR_METHODS, PROMPT_DIR, PROMPT_SETS, build_for_measurement,
                          build_on_card, default_bench_dir, is_bundle, load_prompts, machine_info,
-                         measurement_overrides, parse_ks)
+                         measurement_changes, parse_ks)
 from ..prompts import read_prompt_file
 from .all_peers import PEERS
 from .measure import DEFAULT_PEERS, bench, run_bench
@@ -42,5 +42,5 @@ from .report import (build_report, default_json_path, markdown_table, show_repor
 __all__ = ["BENCH_KS", "DEFAULT_PEERS", "OUR_METHODS", "PEERS", "PROMPT_DIR", "PROMPT_SETS",
            "Measure", "Peer", "bench", "build_for_measurement", "build_on_card",
            "build_report", "default_bench_dir", "default_json_path", "is_bundle", "load_prompts",
-           "machine_info", "markdown_table", "measurement_overrides", "parse_ks", "plot_report",
+           "machine_info", "markdown_table", "measurement_changes", "parse_ks", "plot_report",
            "read_prompt_file", "run_bench", "show_report", "write_json"]

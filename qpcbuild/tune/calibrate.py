@@ -38,6 +38,8 @@ def _round(x: float | None, nd: int) -> float | None:
     return None if x is None else round(x, nd)
 
 
+# Over 80 lines: the calibration's steps in order (greedy outputs, the replay at every K, host
+# time at K=1 and K_max, the prediction per batch size, the model check), then its JSON record.
 def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new_tokens: int,
               costs: CostFn, *, batches: list[int], host_measured: bool = True,
               same_bundle_costs: bool = True, check_prompts: int = 4,
@@ -181,6 +183,8 @@ def _confidence_stop(gen, ids, outputs, max_new_tokens, k_max, plain_sim, costs,
             "k_max": k_max, "table": rows}
 
 
+# Over 80 lines: builds the acceptance bundle and the cost bundles (per batch size, on the card or
+# here) before calling calibrate; their clean-up must wrap them all.
 def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K_MAX,
          prompt_file: Path | None = None, prompt_set: str | None = None,
          num_prompts: int | None = None, prompts: list[str] | None = None,
@@ -192,7 +196,7 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
     a temporary folder inside the build cache and removed afterwards."""
     from ..cache import Cache
     from ..measuring import (build_for_measurement, load_prompts, machine_info,
-                             measurement_overrides)
+                             measurement_changes)
     from ..recipe import load_recipe
     from ..runtime.loader import load
     from .costs import (ROOFLINE_ASSUMPTIONS, cost_backend, measure_costs, roofline_costs,
@@ -219,7 +223,7 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
     else:
         label, prompts = prompt_label or f"{len(prompts)} prompts", list(prompts)[:num_prompts]
     ks = list(range(0, k_max + 1))
-    _, acceptance_on = measurement_overrides(r, "card")
+    _, acceptance_on = measurement_changes(r, "card")
     notes: list[str] = []
     root = Cache(cache_dir).root
     root.mkdir(parents=True, exist_ok=True)
@@ -246,19 +250,20 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
                              "CPU's; on the card it may differ (`tune --cost-model` estimates "
                              "the card)")
             same = backend == "onnxruntime" and \
-                measurement_overrides(r, "exact")[0] == measurement_overrides(r, "card")[0]
+                measurement_changes(r, "exact")[0] == measurement_changes(r, "card")[0]
             for b in batches:
                 if b == batch and same:
                     continue
-                extra = [] if b == batch else [f"shapes.batch_size={b}",
-                                               "shapes.full_batch_size=null"]
+                extra = {} if b == batch else {"shapes.batch_size": b,
+                                               "shapes.full_batch_size": None}
                 out = tmp / f"costs-b{b}"
                 if backend == "qaic":
                     from ..measuring import build_on_card
-                    build_on_card(recipe_path, [*overrides, *extra], ks, out, cache_dir, say)
+                    build_on_card(recipe_path, list(overrides), ks, out, cache_dir, say,
+                                  changes=extra)
                 else:
-                    build_for_measurement(recipe_path, [*overrides, *extra], ks, out, cache_dir,
-                                          say, numerics="exact")
+                    build_for_measurement(recipe_path, list(overrides), ks, out, cache_dir,
+                                          say, numerics="exact", changes=extra)
                 gens[b] = load(out, method=method, verify=verify, backend=backend)
             say(f"costs: measured on {cost_source}, {rounds} rounds per K")
 
