@@ -32,6 +32,7 @@ class BlobClient(Protocol):
 
     def error(self, status: int, body: bytes, what: str) -> RegistryError: ...
 
+
 PIECE = 4 << 20
 MAX_REDIRECTS = 5
 

@@ -40,6 +40,7 @@ class _Run:
     on_token: TokenCallback | None
     incoming: Callable[[int], list[Row]] | None
 
+
 class SpecDecoder:
     def __init__(self, target: ModelSession, draft: ModelSession | None,
                  proposer: Proposer | None, ks: tuple[int, ...], prefill_len: int,
