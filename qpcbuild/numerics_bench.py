@@ -120,13 +120,9 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     return col, outputs
 
 
-# Over 80 lines: two bundles loaded side by side, then the columns, the greedy agreement and the
-# logit drift, each a call; the JSON record closes it.
 def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, prompt_label: str,
                  k: int, max_new_tokens: int, tune_k: bool = True, rounds: int = 10,
                  say: Say | None = None) -> dict[str, Any]:
-    import numpy as np
-
     from .runtime.loader import load
     from .tune import host_model, measure_costs
 
@@ -177,41 +173,11 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
         columns.append(col)
     # The emulated target against the fp32 one: greedy agreement and logit drift over the
     # fp32 target's own greedy sequence (the same tokens into both).
-    firsts = []
-    for a, b in zip(outs["fp32"], outs["emulated"]):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if n is None and len(a) != len(b):
-            n = min(len(a), len(b))
-        firsts.append(n)
+    columns[1]["greedy_agreement"] = _greedy_agreement(outs["fp32"], outs["emulated"])
     say("logit drift: both targets teacher-forced over the fp32 greedy outputs")
     window = k + 1 if k + 1 in [kk + 1 for kk in g0.ks] else max(g0.ks) + 1
-    per_pos_sum, per_pos_n, mx, total, count, top1, top1_n = [], [], 0.0, 0.0, 0, 0, 0
-    for ids, out in zip(prompt_ids, outs["fp32"]):
-        if not out:
-            continue
-        la = teacher_forced_logits(gens["fp32"], ids, out, window)
-        lb = teacher_forced_logits(gens["emulated"], ids, out, window)
-        d = np.abs(la.astype(np.float64) - lb)
-        mx = max(mx, float(d.max()))
-        total += float(d.sum())
-        count += d.size
-        top1 += int((la.argmax(-1) == lb.argmax(-1)).sum())
-        top1_n += len(out)
-        for j, row in enumerate(d.mean(axis=-1)):
-            if j >= len(per_pos_sum):
-                per_pos_sum.append(0.0)
-                per_pos_n.append(0)
-            per_pos_sum[j] += float(row)
-            per_pos_n[j] += 1
-    columns[1]["greedy_agreement"] = {
-        "prompts": len(firsts), "identical": sum(f is None for f in firsts),
-        "first_divergence": firsts,
-        "mean_agreeing_prefix": _r(statistics.fmean(
-            len(a) if f is None else f for a, f in zip(outs["fp32"], firsts)), 2)}
-    columns[1]["logit_drift"] = {
-        "max": _r(mx, 5), "mean": _r(total / count, 6) if count else None,
-        "per_position_mean": [_r(s / n, 6) for s, n in zip(per_pos_sum, per_pos_n)],
-        "teacher_forced_top1_agreement": _r(top1 / top1_n) if top1_n else None}
+    columns[1]["logit_drift"] = _logit_drift(gens["fp32"], gens["emulated"], prompt_ids,
+                                             outs["fp32"], window)
     if costs is None and not tune_k:
         notes.append("tune K not computed (--no-tune-k)")
     if costs is not None:
@@ -236,6 +202,48 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
                          "tau": "new tokens after the first over target verify calls (decode "
                                 "steps)"},
             "columns": columns, "notes": notes}
+
+
+def _greedy_agreement(fp32: list[list[int]], emulated: list[list[int]]) -> dict[str, Any]:
+    """Where each prompt's greedy outputs first differ (None: identical)."""
+    firsts = []
+    for a, b in zip(fp32, emulated):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if n is None and len(a) != len(b):
+            n = min(len(a), len(b))
+        firsts.append(n)
+    return {"prompts": len(firsts), "identical": sum(f is None for f in firsts),
+            "first_divergence": firsts,
+            "mean_agreeing_prefix": _r(statistics.fmean(
+                len(a) if f is None else f for a, f in zip(fp32, firsts)), 2)}
+
+
+def _logit_drift(fp32_gen, emulated_gen, prompt_ids: list[list[int]],
+                 outputs: list[list[int]], window: int) -> dict[str, Any]:
+    """|emulated - fp32| target logits, both teacher-forced over the fp32 greedy `outputs`."""
+    import numpy as np
+
+    per_pos_sum, per_pos_n, mx, total, count, top1, top1_n = [], [], 0.0, 0.0, 0, 0, 0
+    for ids, out in zip(prompt_ids, outputs):
+        if not out:
+            continue
+        la = teacher_forced_logits(fp32_gen, ids, out, window)
+        lb = teacher_forced_logits(emulated_gen, ids, out, window)
+        d = np.abs(la.astype(np.float64) - lb)
+        mx = max(mx, float(d.max()))
+        total += float(d.sum())
+        count += d.size
+        top1 += int((la.argmax(-1) == lb.argmax(-1)).sum())
+        top1_n += len(out)
+        for j, row in enumerate(d.mean(axis=-1)):
+            if j >= len(per_pos_sum):
+                per_pos_sum.append(0.0)
+                per_pos_n.append(0)
+            per_pos_sum[j] += float(row)
+            per_pos_n[j] += 1
+    return {"max": _r(mx, 5), "mean": _r(total / count, 6) if count else None,
+            "per_position_mean": [_r(s / n, 6) for s, n in zip(per_pos_sum, per_pos_n)],
+            "teacher_forced_top1_agreement": _r(top1 / top1_n) if top1_n else None}
 
 
 def show_numerics(report: dict[str, Any], console=None) -> None:
