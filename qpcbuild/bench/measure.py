@@ -350,6 +350,6 @@ def _local_models(target: Path, overrides, bundle: Path) -> dict[str, Path]:
         refs = {"target": r.target.model, "draft": r.draft.model}
         found = {role: Path(resolve_model_path(r, ref)) for role, ref in refs.items() if ref}
     else:
-        found = {role: Path(info["source"]["ref"]).expanduser()
+        found = {role: Path(info["source"]["ref"]).expanduser().resolve()
                  for role, info in read_manifest(bundle)["roles"].items()}
     return {role: p for role, p in found.items() if (p / "config.json").is_file()}

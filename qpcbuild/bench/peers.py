@@ -46,7 +46,7 @@ def _local_source(manifest: dict, role: str) -> Path | None:
     path = info["source"].get("path")
     if path and Path(path).is_dir() and (Path(path) / "config.json").is_file() \
             and not info["source"].get("smoke_of"):
-        return Path(path)
+        return Path(path).resolve()  # peers run in folders of their own (vLLM's worker does)
     return None
 
 
