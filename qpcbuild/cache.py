@@ -5,7 +5,8 @@ artifact and the versions of every tool that writes it; nothing else, so moving 
 or changing K reuses the exports. Each entry records the digests of its files when it is
 created and is checked against them whenever it is reused: a changed entry is reported and
 rebuilt, never passed on. Bundles get copies (or reflinks), never hard links, so editing a
-bundle cannot reach the cache. Two builds sharing a cache wait for each other on the entry
+bundle cannot reach the cache; what a bundle got from an entry carries that entry's checked
+digests along (DeliveredFiles), so sealing the bundle does not read those bytes again. Two builds sharing a cache wait for each other on the entry
 they both need instead of writing it twice, and the debris of a killed build is removed by the
 next build of the same entry (or by `qpcbuild cache prune`).
 """
@@ -28,7 +29,7 @@ from platformdirs import user_cache_dir
 
 from .errors import UsageError
 from .progress import step
-from .tree import copy_tree, file_digest, hash_tree
+from .tree import copy_tree, file_digest, hash_tree, is_executable
 
 META = "cache-entry.json"
 ENTRY_FORMAT = 2
@@ -174,9 +175,30 @@ class Cache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
-        """Put an entry's files into a bundle: copies, so the bundle can never reach the cache."""
+    def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = (),
+                known: "DeliveredFiles | None" = None) -> None:
+        """Put an entry's files (or a folder of them) into a bundle: copies, so the bundle can
+        never reach the cache. `known` learns the digests the entry recorded for them: the
+        entry was checked against its record by the get_or_build that returned it (hashed
+        when made or pulled, re-hashed when reused), and a copy has the same bytes."""
         copy_tree(entry, dst, skip=skip)
+        if known is not None:
+            recorded = self._recorded_files(entry)
+            for rel, meta in recorded.items():
+                if rel not in skip and rel.split("/")[0] not in skip:
+                    known.add(Path(dst) / rel, meta)
+
+    def _recorded_files(self, folder: Path) -> dict[str, dict]:
+        """The record's digests of the files under `folder` (an entry or a folder in one),
+        relative to it; {} when `folder` is not inside this cache or has no record."""
+        try:
+            kind, key, *sub = Path(folder).relative_to(self.root).parts
+            record = json.loads((self.entry(kind, key) / META).read_text())["files"]
+        except (ValueError, OSError, KeyError, TypeError):
+            return {}
+        prefix = "".join(f"{part}/" for part in sub)
+        return {rel[len(prefix):]: meta for rel, meta in record.items()
+                if rel.startswith(prefix)}
 
     # ------------------------------------------------------------ weights identity
     def weights_digest(self, files: list[Path]) -> str:
@@ -251,6 +273,42 @@ class Cache:
         return removed
 
 
+def _file_state(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+class DeliveredFiles:
+    """Files a cache put into a folder being sealed, with the digests their entry recorded,
+    so the seal reads only the files nobody has hashed yet. A delivered file whose size,
+    modification time or inode has changed since (something wrote over it) is hashed."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._files: dict[str, tuple[dict, tuple[int, int, int]]] = {}
+
+    def add(self, path: Path, meta: dict) -> None:
+        state = _file_state(path)
+        if state is not None and state[0] == meta["size"] and \
+                is_executable(path) == bool(meta.get("executable")):
+            rel = Path(path).relative_to(self.root).as_posix()
+            self._files[rel] = ({k: meta[k] for k in ("size", "sha256", "executable")
+                                 if k in meta}, state)
+
+    def hash_tree(self, exclude: tuple[str, ...] = (), what: str | None = None
+                  ) -> dict[str, dict]:
+        """tree.hash_tree of the root, taking the recorded digests of unchanged delivered
+        files instead of reading them."""
+        unchanged = {rel: meta for rel, (meta, state) in self._files.items()
+                     if rel not in exclude and _file_state(self.root / rel) == state}
+        files = {**hash_tree(self.root, exclude=[*exclude, *unchanged], what=what),
+                 **unchanged}
+        return dict(sorted(files.items()))
+
+
 def _remove(path: Path) -> bool:
     """Remove an entry whatever it has become: a folder, a file, or a link (never its target).
     Returns whether it is gone."""
@@ -313,8 +371,9 @@ class ScratchCache:
     def has(self, kind: str, key: str) -> bool:
         return False
 
-    def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
-        copy_tree(entry, dst, skip=skip, move=True)
+    def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = (),
+                known: DeliveredFiles | None = None) -> None:
+        copy_tree(entry, dst, skip=skip, move=True)  # built here, never hashed: nothing known
 
     def weights_digest(self, files: list[Path]) -> str:
         return weights_digest(files)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from .. import __version__
-from ..cache import META, Cache, ScratchCache
+from ..cache import META, Cache, DeliveredFiles, ScratchCache
 from ..compile import BuildContext, get_backend
 from ..errors import UsageError
 from ..export import export_model
@@ -29,7 +29,7 @@ from ..recipe import recipe_relative
 from ..source import (resolve, safetensors_files, tokenizer_files,
                       weights_missing_message)
 from ..toolchain import artifact_versions, compiler_identity
-from ..tree import copy_tree, hash_tree
+from ..tree import copy_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
 from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, write_manifest
 
@@ -308,6 +308,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         cache.ensure_usable()
         cache.remove_debris()
         ctx = BuildContext(plan, staging, emit_only, compiler)
+        delivered = DeliveredFiles(staging)  # what the cache put here, with checked digests
         tool = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
         keys: dict[str, dict[str, str]] = {}
         inputs: dict[str, dict[str, dict[str, Any]]] = {}
@@ -367,7 +368,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
             todo = {name: b for name, b in backends.items() if wanted(name, rp.role)}
             onnx_dir = staging / rp.role / "onnx"
             if "qaic" in todo:  # the bundle carries the graph; every backend builds from it
-                cache.deliver(onnx_dirs[rp.role](), onnx_dir)
+                cache.deliver(onnx_dirs[rp.role](), onnx_dir, known=delivered)
                 onnx_dirs[rp.role] = lambda onnx_dir=onnx_dir: onnx_dir
             for name, backend in todo.items():
                 t0 = time.perf_counter()
@@ -388,7 +389,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                                                              inputs[rp.role][name])
                     if reused:
                         backend.write_inputs(ctx, rp)
-                        cache.deliver(entry, staging, skip=(META,))
+                        cache.deliver(entry, staging, skip=(META,), known=delivered)
                 else:
                     def build_ort(tmp: Path, rp=rp, backend=backend) -> dict[str, Any]:
                         return backend.build(BuildContext(plan, tmp, emit_only, compiler), rp,
@@ -396,7 +397,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
 
                     entry, info, reused = cache.get_or_build("ort", key, build_ort,
                                                              inputs[rp.role][name])
-                    cache.deliver(entry, staging, skip=(META,))
+                    cache.deliver(entry, staging, skip=(META,), known=delivered)
                 built[name][rp.role] = info
                 record(f"{name} {rp.role}" + (" (emit only)" if name == "qaic" and emit_only
                                              else ""), reused, t0, cache.origin(kind, key, reused))
@@ -409,7 +410,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        files = hash_tree(staging, exclude=UNSEALED_FILES, what=f"hashing {out}")
+        files = delivered.hash_tree(exclude=UNSEALED_FILES, what=f"hashing {out}")
         manifest = _manifest(plan, exports, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})
