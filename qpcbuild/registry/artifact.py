@@ -10,6 +10,7 @@ ours, and says what every layer must hash to before any byte is downloaded.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,6 +39,25 @@ class Transfer:
                 "transferred_bytes": self.sent}
 
 
+def _largest_beside_rest(files: dict[str, dict], transfer: Callable[[str, dict], object]
+                         ) -> dict[str, object]:
+    """{path: transfer(path, meta)}: the largest file in this thread, the others meanwhile in
+    one more. A bundle is one big graph and small files, and the registry hashes an upload on
+    one core, so the small ones go up (or down) beside the big one instead of after it. The
+    big one stays in this thread so that Ctrl-C stops it at once; a failure drops the small
+    files not started and waits only for the one under way."""
+    order = sorted(files, key=lambda rel: (-files[rel]["size"], rel))
+    if not order:
+        return {}
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layers")
+    try:
+        rest = {rel: pool.submit(transfer, rel, files[rel]) for rel in order[1:]}
+        done = {order[0]: transfer(order[0], files[order[0]])}
+        return {**done, **{rel: future.result() for rel, future in rest.items()}}
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
                 files: dict[str, dict], config: bytes, config_type: str, artifact_type: str,
                 annotations: dict[str, str], say: Say | None = None) -> Transfer:
@@ -45,9 +65,8 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
     then the config and the manifest under `tag`. The registry checks each blob against the
     digest we name, so a file that changed since it was hashed is refused, not published."""
     say = say or (lambda m: None)
-    layers, sent = [], 0
-    for rel in sorted(files):
-        meta = files[rel]
+
+    def upload(rel: str, meta: dict) -> bool:
         digest = f"sha256:{meta['sha256']}"
         try:
             sent_now = client.push_blob(repo, digest, meta["size"], path=root / rel)
@@ -55,14 +74,15 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
             raise BundleError(f"{root / rel}: its bytes do not hash to the recorded digest "
                               f"{digest} (the registry refused them); nothing was tagged") \
                 from None
-        if sent_now:
-            sent += meta["size"]
-            say(f"pushed {rel} ({meta['size']:,} bytes)")
-        else:
-            say(f"{rel}: already in the registry")
-        layers.append({"mediaType": FILE_LAYER, "digest": digest, "size": meta["size"],
-                       "annotations": {TITLE: rel, **({EXECUTABLE: "true"}
-                                                      if meta.get("executable") else {})}})
+        say(f"pushed {rel} ({meta['size']:,} bytes)" if sent_now
+            else f"{rel}: already in the registry")
+        return sent_now
+
+    sent = _largest_beside_rest(files, upload)
+    layers = [{"mediaType": FILE_LAYER, "digest": f"sha256:{meta['sha256']}", "size": meta["size"],
+               "annotations": {TITLE: rel, **({EXECUTABLE: "true"}
+                                              if meta.get("executable") else {})}}
+              for rel, meta in sorted(files.items())]
     config_digest = sha256_digest(config)
     client.push_blob(repo, config_digest, len(config), data=config)
     manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
@@ -70,7 +90,8 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
                            "size": len(config)},
                 "layers": layers, "annotations": annotations}
     digest = client.put_manifest(repo, tag, manifest)
-    return Transfer(digest, len(files), sum(m["size"] for m in files.values()), sent,
+    return Transfer(digest, len(files), sum(m["size"] for m in files.values()),
+                    sum(files[rel]["size"] for rel, now in sent.items() if now),
                     len(encode_manifest(manifest)))
 
 
@@ -109,14 +130,15 @@ def download_folder(client: RegistryClient, repo: str, files: dict[str, dict], d
     """Download every file into `dest` (which the caller discards on failure), each checked
     against its digest as it arrives. Returns the bytes downloaded."""
     say = say or (lambda m: None)
-    total = 0
-    for rel in sorted(files):
-        meta = files[rel]
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+
+    def download(rel: str, meta: dict) -> None:
         target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
         client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"], target, what=rel)
         if meta.get("executable"):
             os.chmod(target, 0o755)
-        total += meta["size"]
         say(f"pulled {rel} ({meta['size']:,} bytes)")
-    return total
+
+    _largest_beside_rest(files, download)
+    return sum(meta["size"] for meta in files.values())

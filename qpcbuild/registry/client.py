@@ -25,6 +25,7 @@ from .credentials import Credentials, find_credentials
 from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, RegistryNotFound,
                      RegistryUnavailable, transport_error)
 from .rawget import open_blob, read_pieces
+from .writer import BackgroundWriter
 from .reference import is_loopback
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -338,18 +339,19 @@ class RegistryClient:
         """Stream a blob into `dest`, hashing as it arrives; a broken transfer continues from
         the last byte written. Raises when the bytes do not match `digest` and `size`."""
         h, written, failures = hashlib.sha256(), 0, 0
-        with open(dest, "wb") as out:
+        with open(dest, "wb") as out, BackgroundWriter(out) as writer:
             while True:
                 headers = {"Range": f"bytes={written}-"} if written else {}
                 try:
                     with open_blob(self, repo, digest, headers, what or digest) as resp:
                         if written and resp.status == 200:  # no range support: restart
+                            writer.flush()
                             out.seek(0)
                             out.truncate()
                             h, written = hashlib.sha256(), 0
-                        for piece in read_pieces(resp, self.registry):
-                            out.write(piece)
-                            h.update(piece)
+                        for piece in read_pieces(resp, self.registry, writer.buffer):
+                            h.update(piece)  # here, while the writer thread writes the last
+                            writer.write(piece)
                             written += len(piece)
                             if written > size:
                                 break
@@ -358,6 +360,7 @@ class RegistryClient:
                     failures += 1
                     if failures > RETRIES:
                         raise
+            writer.flush()
         if written != size or "sha256:" + h.hexdigest() != digest:
             raise RegistryError(f"{what or digest}: the bytes from {self.registry}/{repo} do not "
                                 f"match the layer's digest {digest} (got {written} bytes of "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import http.client
 import ssl
 from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 from urllib.parse import urljoin, urlsplit
 
 from .errors import RegistryError, RegistryUnavailable
@@ -99,11 +99,13 @@ def open_blob(client: BlobClient, repo: str, digest: str, headers: dict[str, str
     raise RegistryUnavailable(f"registry {client.registry}: too many redirects for {what}")
 
 
-def read_pieces(resp: http.client.HTTPResponse, registry: str) -> Iterator[memoryview]:
-    """The body in pieces of up to PIECE bytes, read into one reused buffer (each piece is
-    valid until the next is read)."""
-    buffer = memoryview(bytearray(PIECE))
+def read_pieces(resp: http.client.HTTPResponse, registry: str,
+                buffers: Callable[[], memoryview] | None = None) -> Iterator[memoryview]:
+    """The body in pieces, each read into a buffer from `buffers` (default: one reused
+    buffer of PIECE bytes, each piece valid until the next is read)."""
+    reused = memoryview(bytearray(PIECE)) if buffers is None else None
     while True:
+        buffer = reused if reused is not None else buffers()
         try:
             n = resp.readinto(buffer)
         except (OSError, http.client.HTTPException) as exc:
