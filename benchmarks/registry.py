@@ -85,7 +85,7 @@ def transfers(bundle: Path, work: Path, rounds: int) -> list[dict]:
             ref = parse_reference(f"{server.address}/bench/bundle:v1")
             with RegistryClient(ref.registry) as client:
                 t0 = time.perf_counter()
-                pushed = push_bundle(bundle, ref, client)
+                pushed, _ = push_bundle(bundle, ref, client)
                 subprocess.run(["sync"], check=True)
                 push_s = time.perf_counter() - t0
                 t0 = time.perf_counter()

@@ -284,7 +284,8 @@ def _file_state(path: Path) -> tuple[int, int, int] | None:
 class DeliveredFiles:
     """Files a cache put into a folder being sealed, with the digests their entry recorded,
     so the seal reads only the files nobody has hashed yet. A delivered file whose size,
-    modification time or inode has changed since (something wrote over it) is hashed."""
+    modification time or inode has changed since (something wrote over it) is not among
+    them: the seal hashes it."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -298,15 +299,11 @@ class DeliveredFiles:
             self._files[rel] = ({k: meta[k] for k in ("size", "sha256", "executable")
                                  if k in meta}, state)
 
-    def hash_tree(self, exclude: tuple[str, ...] = (), what: str | None = None
-                  ) -> dict[str, dict]:
-        """tree.hash_tree of the root, taking the recorded digests of unchanged delivered
-        files instead of reading them."""
-        unchanged = {rel: meta for rel, (meta, state) in self._files.items()
-                     if rel not in exclude and _file_state(self.root / rel) == state}
-        files = {**hash_tree(self.root, exclude=[*exclude, *unchanged], what=what),
-                 **unchanged}
-        return dict(sorted(files.items()))
+    def unchanged(self) -> dict[str, dict]:
+        """{path: recorded size, sha256[, executable]} of the delivered files still as they
+        were delivered: the seal takes these instead of reading the files again."""
+        return {rel: meta for rel, (meta, state) in self._files.items()
+                if _file_state(self.root / rel) == state}
 
 
 def _remove(path: Path) -> bool:

@@ -29,7 +29,7 @@ from ..recipe import recipe_relative
 from ..source import (resolve, safetensors_files, tokenizer_files,
                       weights_missing_message)
 from ..toolchain import artifact_versions, compiler_identity
-from ..tree import copy_tree
+from ..tree import copy_tree, hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
 from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, write_manifest
 
@@ -410,7 +410,9 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         for f in tokenizer_files(target_dir):
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        files = delivered.hash_tree(exclude=UNSEALED_FILES, what=f"hashing {out}")
+        known = delivered.unchanged()  # hashed by the cache already: not read again
+        files = hash_tree(staging, exclude=[*UNSEALED_FILES, *known], what=f"hashing {out}")
+        files = dict(sorted({**files, **known}.items()))
         manifest = _manifest(plan, exports, built,
                              {**artifact_versions(), "backends": tool}, files)
         manifest.update(manifest_extra or {})
