@@ -3,7 +3,8 @@
 1. a second runner with an empty local cache builds a recipe from the remote cache much faster
    than a cold build, with the same bundle id (cold, seed and warm builds interleaved per round);
 2. push and pull of the bundle run at a good fraction of a plain file copy's speed on the same
-   disk (cp -r, push, pull interleaved per round, each push to an empty registry);
+   disk (cp -r, push, pull interleaved per round, each push to an empty registry, each timed
+   until what it wrote is fsynced);
 3. two bundles that differ only in the draft store the target's graph once (registry storage).
 
 Usage: python benchmarks/registry.py [--recipe recipes/smollm2.yaml] [--rounds 2] [--work DIR]
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,13 +71,25 @@ def builds(recipe: Path, work: Path, server: RegistryServer, rounds: int) -> lis
     return rows
 
 
+def flush(folder: Path) -> None:
+    """fsync every file under `folder`: what the step just wrote reaches the disk. (Not
+    `sync`: on a shared machine that also waits for every other process's writes.)"""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 def transfers(bundle: Path, work: Path, rounds: int) -> list[dict]:
     size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     rows = []
     for r in range(rounds):
         t0 = time.perf_counter()
         subprocess.run(["cp", "-r", str(bundle), str(work / "copy")], check=True)
-        subprocess.run(["sync"], check=True)
+        flush(work / "copy")
         cp_s = time.perf_counter() - t0
         shutil.rmtree(work / "copy")
         server = RegistryServer(work / f"xfer-registry{r}")
@@ -86,11 +100,11 @@ def transfers(bundle: Path, work: Path, rounds: int) -> list[dict]:
             with RegistryClient(ref.registry) as client:
                 t0 = time.perf_counter()
                 pushed, _ = push_bundle(bundle, ref, client)
-                subprocess.run(["sync"], check=True)
+                flush(server.storage)
                 push_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 pull_bundle(ref, work / "pulled", client)
-                subprocess.run(["sync"], check=True)
+                flush(work / "pulled")
                 pull_s = time.perf_counter() - t0
             assert pushed.sent == size, (pushed.sent, size)
         finally:
@@ -174,6 +188,11 @@ def main() -> None:
     print(json.dumps(report["memory"]), flush=True)
     report["dedup"] = dedup(args.recipe, bundle, work, work / "cache-dedup")
     print(json.dumps(report["dedup"]), flush=True)
+    report["medians"] = {name: statistics.median(row[name] for row in report[part])
+                         for part, names in (("builds", ("speedup_build", "speedup_wall")),
+                                             ("transfers", ("push_vs_cp", "pull_vs_cp")))
+                         for name in names}
+    print(json.dumps(report["medians"]), flush=True)
     out = REPO / "benchmarks" / "results" / "registry.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}; scratch in {work}")
