@@ -5,10 +5,11 @@ artifact and the versions of every tool that writes it; nothing else, so moving 
 or changing K reuses the exports. Each entry records the digests of its files when it is
 created and is checked against them whenever it is reused: a changed entry is reported and
 rebuilt, never passed on. Bundles get copies (or reflinks), never hard links, so editing a
-bundle cannot reach the cache; what a bundle got from an entry carries that entry's checked
-digests along (DeliveredFiles), so sealing the bundle does not read those bytes again. Two builds sharing a cache wait for each other on the entry
-they both need instead of writing it twice, and the debris of a killed build is removed by the
-next build of the same entry (or by `qpcbuild cache prune`).
+bundle cannot reach the cache; what a bundle gets from an entry comes with the entry's checked
+digests (DeliveredFiles), so sealing the bundle does not read those bytes again. Two builds
+sharing a cache wait for each other on the entry they both need instead of writing it twice,
+and the debris of a killed build is removed by the next build of the same entry (or by
+`qpcbuild cache prune`).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class Cache:
             return None
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = (),
-                known: "DeliveredFiles | None" = None) -> None:
+                known: DeliveredFiles | None = None) -> None:
         """Put an entry's files (or a folder of them) into a bundle: copies, so the bundle can
         never reach the cache. `known` learns the digests the entry recorded for them: the
         entry was checked against its record by the get_or_build that returned it (hashed

@@ -79,7 +79,8 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
         return sent_now
 
     sent = _largest_beside_rest(files, upload)
-    layers = [{"mediaType": FILE_LAYER, "digest": f"sha256:{meta['sha256']}", "size": meta["size"],
+    layers = [{"mediaType": FILE_LAYER, "digest": f"sha256:{meta['sha256']}",
+               "size": meta["size"],
                "annotations": {TITLE: rel, **({EXECUTABLE: "true"}
                                               if meta.get("executable") else {})}}
               for rel, meta in sorted(files.items())]

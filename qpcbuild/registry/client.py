@@ -25,8 +25,8 @@ from .credentials import Credentials, find_credentials
 from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, RegistryNotFound,
                      RegistryUnavailable, transport_error)
 from .rawget import open_blob, read_pieces
-from .writer import BackgroundWriter
 from .reference import is_loopback
+from .writer import BackgroundWriter
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
