@@ -21,6 +21,7 @@ from pathlib import Path
 from platformdirs import user_data_dir
 
 from ..bundle.manifest import MANIFEST, SIGNATURES, changed_fields, read_manifest
+from ..bundle.staging import publish, remove_debris, staging_folder
 from ..bundle.signature import (check_signature, parse_signatures, read_public_key,
                                 read_signatures, write_signatures)
 from ..bundle.verify import verify_bundle
@@ -133,10 +134,6 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
                                                             any(out.iterdir())):
         raise UsageError(f"-d {out}: exists and is not a qpcbuild bundle; refusing to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # here, not at the top: `inspect` / `verify` of a local folder come through this module, and
-    # bundle.build pulls in the exporter (onnx, numpy) they should not pay for
-    from ..bundle.build import publish, remove_debris, staging_folder
-
     remove_debris(out)
     with staging_folder(out) as staging:
         (staging / MANIFEST).write_bytes(raw)
