@@ -21,9 +21,9 @@ from pathlib import Path
 from platformdirs import user_data_dir
 
 from ..bundle.manifest import MANIFEST, SIGNATURES, changed_fields, read_manifest
-from ..bundle.staging import publish, remove_debris, staging_folder
 from ..bundle.signature import (check_signature, parse_signatures, read_public_key,
                                 read_signatures, write_signatures)
+from ..bundle.staging import publish, remove_debris, staging_folder
 from ..bundle.verify import verify_bundle
 from ..errors import BundleError, UsageError
 from . import referrers

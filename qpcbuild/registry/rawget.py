@@ -33,7 +33,6 @@ class BlobClient(Protocol):
     def error(self, status: int, body: bytes, what: str) -> RegistryError: ...
 
 
-PIECE = 4 << 20
 MAX_REDIRECTS = 5
 
 
@@ -100,12 +99,11 @@ def open_blob(client: BlobClient, repo: str, digest: str, headers: dict[str, str
 
 
 def read_pieces(resp: http.client.HTTPResponse, registry: str,
-                buffers: Callable[[], memoryview] | None = None) -> Iterator[memoryview]:
-    """The body in pieces, each read into a buffer from `buffers` (default: one reused
-    buffer of PIECE bytes, each piece valid until the next is read)."""
-    reused = memoryview(bytearray(PIECE)) if buffers is None else None
+                buffers: Callable[[], memoryview]) -> Iterator[memoryview]:
+    """The body in pieces, each read into a buffer that `buffers` lends (writer.py's
+    BackgroundWriter.buffer: a few buffers taking turns)."""
     while True:
-        buffer = reused if reused is not None else buffers()
+        buffer = buffers()
         try:
             n = resp.readinto(buffer)
         except (OSError, http.client.HTTPException) as exc:

@@ -9,7 +9,7 @@ import queue
 import threading
 from typing import BinaryIO
 
-PIECE = 4 << 20
+PIECE = 4 << 20  # a download reads, hashes and writes this much at a time
 PIECES = 3  # one being received, one being written, one spare
 
 
