@@ -31,7 +31,7 @@ from ..source import (resolve, safetensors_files, tokenizer_files,
 from ..toolchain import artifact_versions, compiler_identity
 from ..tree import copy_tree, hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
-from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, write_manifest
+from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 
 SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 # (stage, "reused" | "pulled" | "built", seconds); stages also say "from": local | remote | built
@@ -190,7 +190,7 @@ def _check_output(out: Path) -> None:
 
 # ---------------------------------------------------------------- the manifest
 def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dict],
-              tools: dict, files: dict) -> dict[str, Any]:
+              tools: dict, files: dict, extra: dict[str, Any]) -> Manifest:
     r = plan.recipe
     roles = {}
     for rp in plan.roles:
@@ -201,17 +201,20 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
                        "weights_digest": exports[rp.role]["weights_digest"],
                        "smoke_weights": bool(src["smoke_of"])},
             "arch": rp.arch.to_dict(), "io": rp.io, "specializations": rp.specializations,
-            "compiled_ks": list(rp.ks), "num_cores": rp.num_cores,
+            "num_cores": rp.num_cores,
             "device_group": rp.device_group,
             "precision": {"weights": r.precision.quantization, "kv_cache": r.precision.kv_cache_dtype,
                           "export_dtype": r.precision.export_dtype},
-            "mdp_partition": rp.mdp_partition, "ort": rp.ort,
+            "mdp_partition": rp.mdp_partition,
+            # How the runtime drives the artifact; its shapes and format are recorded once,
+            # in `shapes` and in backends.onnxruntime.
+            "ort": {k: rp.ort[k] for k in ("core_share", "intra_op_threads")},
             "backends": {name: b[rp.role] for name, b in backends.items()},
         }
         if rp.vocab_subset:  # the ids live in the graph; the manifest says which set it was
             roles[rp.role]["vocab_subset"] = {k: rp.vocab_subset[k] for k in ("ref", "size",
                                                                                "sha256")}
-    return {
+    raw = {
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
                         "num_speculative_tokens": list(plan.ks), **runtime_speculation(r)},
@@ -220,7 +223,9 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
         "tokenizer": {"files": "tokenizer/", **plan.tokenizer},
         "toolchain": tools,
         "files": files,
+        **extra,
     }
+    return Manifest.unsealed(raw)
 
 
 def runtime_speculation(r) -> dict:
@@ -410,9 +415,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
             shutil.copyfile(f, tok_dir / f.name)
         (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
         files = hash_tree(staging, exclude=UNSEALED_FILES, what=f"hashing {out}")
-        manifest = _manifest(plan, exports, built,
-                             {**artifact_versions(), "backends": tool}, files)
-        manifest.update(manifest_extra or {})
-        manifest = write_manifest(staging, manifest)
+        manifest = write_manifest(staging, _manifest(
+            plan, exports, built, {**artifact_versions(), "backends": tool}, files,
+            manifest_extra or {}))
         publish(staging, out)
-    return BuildResult(out, manifest["bundle_id"], time.perf_counter() - start, stages)
+    return BuildResult(out, manifest.bundle_id, time.perf_counter() - start, stages)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
 from .render import console
+
+if TYPE_CHECKING:
+    from ..bundle.manifest import Manifest
 
 RequireSignatureOpt = typer.Option(None, "--require-signature", metavar="PUBLIC_KEY",
                                    help="Refuse the bundle unless it carries a valid signature "
@@ -125,14 +128,14 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         show_run(report, show_text=not stream)
 
 
-def numerics_of(manifest: dict) -> dict:
+def numerics_of(manifest: "Manifest") -> dict:
     """Per role: the onnxruntime artifact's numerics (exact | emulated) and formats."""
     out = {}
-    for role, info in manifest["roles"].items():
-        o = info["backends"].get("onnxruntime") or {}
-        out[role] = {"numerics": o.get("numerics", "exact"),
-                     **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"}),
-                     "matmul_weights": o.get("weights", "float32")}
+    for role, info in manifest.roles.items():
+        o = info.backends.onnxruntime
+        out[role] = {"numerics": (o and o.numerics) or "exact",
+                     **((o and o.numerics_formats) or {"weights": "float32", "kv": "float32"}),
+                     "matmul_weights": o.weights if o else "float32"}
     return out
 
 

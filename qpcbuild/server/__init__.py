@@ -24,6 +24,6 @@ def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str 
         from .app import build_app
 
         gen = load(bundle, backend=backend, verify=verify, **load_options)
-        run_until_signalled(build_app(gen, model_name or gen.manifest["name"]), sock, log_level)
+        run_until_signalled(build_app(gen, model_name or gen.manifest.name), sock, log_level)
     finally:
         sock.close()
