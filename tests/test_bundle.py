@@ -246,7 +246,7 @@ def test_verify_fresh_bundle_is_clean(bundle):
 
 @pytest.mark.parametrize("rel", ORT_FILES)
 def test_verify_reports_each_flipped_byte(bundle, rel):
-    assert rel in read_manifest(bundle).to_json_dict()["files"]
+    assert rel in read_manifest(bundle).file_list()
     flip_byte(bundle / rel)
     problems = verify_bundle(bundle)
     assert problems == [f"changed file: {rel} (sha256 differs from the manifest)"]
@@ -310,7 +310,7 @@ def test_same_recipe_gives_same_bundle_id_with_fresh_caches(recipe, tmp_path):
     b = build(recipe, tmp_path / "cache-b", tmp_path / "b" / "tiny")
     assert a.bundle_id == b.bundle_id
     assert not any(reuse(b).values())
-    assert read_manifest(a.bundle).to_json_dict()["files"] == read_manifest(b.bundle).to_json_dict()["files"]
+    assert read_manifest(a.bundle).file_list() == read_manifest(b.bundle).file_list()
     # Rebuilding over an existing bundle (cache warm) gives the same id again.
     c = build(recipe, tmp_path / "cache-a", tmp_path / "a" / "tiny")
     assert c.bundle_id == a.bundle_id and all(reuse(c).values())
@@ -386,8 +386,8 @@ def test_weights_replaced_in_place_with_restored_mtime_are_not_reused(models, re
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     second = build(recipe, cache, tmp_path / "two" / "tiny", f"draft.model={folder}")
     assert not reuse(second)["export draft"]
-    assert read_manifest(first.bundle).to_json_dict()["roles"]["draft"]["source"]["weights_digest"] != \
-        read_manifest(second.bundle).to_json_dict()["roles"]["draft"]["source"]["weights_digest"]
+    assert read_manifest(first.bundle).draft.source.weights_digest != \
+        read_manifest(second.bundle).draft.source.weights_digest
 
 
 # ---------------------------------------------------------------- atomic builds
@@ -414,7 +414,7 @@ def test_failed_build_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path, monk
     # The older bundle comes from another cache, so the failing build starts cold.
     build(recipe, tmp_path / "old-cache", out, "speculation.num_speculative_tokens=2")
     before = {rel: sha256(out / rel) for rel in files_on_disk(out)}
-    old_id = read_manifest(out).to_json_dict()["bundle_id"]
+    old_id = read_manifest(out).bundle_id
 
     if where == "ort-error":
         monkeypatch.setattr(OrtBackend, "build", _fail_ort)
@@ -436,7 +436,7 @@ def test_failed_build_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path, monk
     assert leftovers(out) == []
     assert cache_temp_dirs(cache) == []
     assert {rel: sha256(out / rel) for rel in files_on_disk(out)} == before
-    assert read_manifest(out).to_json_dict()["bundle_id"] == old_id and verify_bundle(out) == []
+    assert read_manifest(out).bundle_id == old_id and verify_bundle(out) == []
 
     again = build(recipe, cache, out, jobs=1)
     assert {k: v for k, v in reuse(again).items() if k in expected} == expected
@@ -570,7 +570,7 @@ def test_cli_compile_json(recipe, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["bundle"] == str(out)
-    assert data["bundle_id"] == read_manifest(out).to_json_dict()["bundle_id"]
+    assert data["bundle_id"] == read_manifest(out).bundle_id
     assert {s["stage"] for s in data["stages"]} == {
         "export target", "export draft", "onnxruntime target", "onnxruntime draft"}
     assert all(isinstance(s["reused"], bool) for s in data["stages"])

@@ -1,5 +1,6 @@
 """The bundle's manifest is read and written only through the typed `Manifest`
-(qpcbuild/bundle/manifest_model.py, sealed and read by manifest.py): no other module indexes the manifest's JSON by string key.
+(qpcbuild/bundle/manifest_model.py, sealed and read by manifest.py): no other module indexes the
+manifest's JSON by string key.
 
 A source scan, not a proof: it looks for `manifest[...]` / `manifest.get(...)` and for any
 subscript or `.get` with a key that only the bundle manifest has. Dicts that merely share a key

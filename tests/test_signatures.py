@@ -32,10 +32,10 @@ def signed(tmp_path_factory):
     for name in ("a", "b"):
         assert runner.invoke(app, ["keygen", str(tmp / name)]).exit_code == 0
     assert oct((tmp / "a").stat().st_mode & 0o777) == "0o600"
-    before = read_manifest(tmp / "bundle").to_json_dict()["bundle_id"]
+    before = read_manifest(tmp / "bundle").bundle_id
     result = runner.invoke(app, ["sign", str(tmp / "bundle"), "--key", str(tmp / "a")])
     assert result.exit_code == 0, result.output
-    assert read_manifest(tmp / "bundle").to_json_dict()["bundle_id"] == before  # signing leaves the id alone
+    assert read_manifest(tmp / "bundle").bundle_id == before  # signing leaves the id alone
     return tmp / "bundle", tmp
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BundleError, UsageError
-from .manifest import Manifest, RoleIO
 from ..export.graph_form import graph_form
+from .manifest import Manifest, RoleIO
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "qefficient_dialect.json"
 

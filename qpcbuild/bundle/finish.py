@@ -11,10 +11,10 @@ import fcntl
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from .. import __version__
-from ..compile.qaic import QPC_FILE
+from ..compile.qaic import QPC_FILE, QaicBackend
 from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import hash_tree
@@ -108,4 +108,5 @@ def _finish(bundle: Path, roles: list[str] | None,
                       "log": log if (log := f"{role}/logs/qaic-compile.log") in files else None,
                       "compiler": compiler_id,
                       "sdk": sdk, "finished_by": f"qpcbuild {__version__}"} for role in roles}
-    return write_manifest(bundle, m.with_qpcs(entries, files, sdk))
+    return write_manifest(bundle, m.with_built(QaicBackend.name, entries, files,
+                                               {} if sdk is None else {"qaic_sdk": sdk}))

@@ -22,9 +22,8 @@ from typing import Any, Iterator
 
 from ..errors import BundleError, UsageError
 # The typed model, importable from here too (readers need only this module's name).
-from .manifest_model import (MANIFEST_SCHEMA, Arch, Backends, FileEntry, GraphIO,  # noqa: F401
-                             Manifest, OrtBackend, OrtRole, QaicBackend, Role, RoleIO, Shapes,
-                             Source, Specialization, Speculation, TokenizerInfo, Tuning)
+from .manifest_model import (MANIFEST_SCHEMA, GraphIO, Manifest, OrtBackend,  # noqa: F401
+                             QaicBackend, Role, RoleIO)
 
 MANIFEST = "manifest.json"
 SIGNATURES = "signatures.json"  # beside the manifest, outside what it seals (signature.py)

@@ -125,6 +125,7 @@ class OrtRole(_Part):
 class OrtBackend(_Part):
     status: Literal["compiled"]
     artifact: str
+    graph: Optional[str] = None  # fused (qpcbuild's lowering) | portable (ORT-optimized export)
     kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
     weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
     numerics: Optional[str] = None
@@ -233,15 +234,15 @@ class Manifest(_Part):
             for name, role in self.roles.items()}
         return self.model_copy(update={"roles": roles})
 
-    def with_qpcs(self, entries: dict[str, dict[str, Any]], files: dict[str, dict[str, Any]],
-                  qaic_sdk: Any) -> "Manifest":
-        """An unsealed copy in which each role of `entries` records its compiled QPC (fields
-        merged into its qaic entry), the file list is `files` and, when known, the SDK."""
+    def with_built(self, backend: str, entries: dict[str, dict[str, Any]],
+                   files: dict[str, dict[str, Any]], toolchain: dict[str, Any]) -> "Manifest":
+        """An unsealed copy in which each role of `entries` records what `backend` built for
+        it (fields merged into its entry; `finish` adopting QPCs), the file list is `files` and
+        `toolchain` is merged into the toolchain record."""
         raw = self.to_json_dict()  # (sealing drops the old id and seal)
         for role, update in entries.items():
-            raw["roles"][role]["backends"]["qaic"].update(update)
-        if qaic_sdk is not None:
-            raw["toolchain"]["qaic_sdk"] = qaic_sdk
+            raw["roles"][role]["backends"][backend].update(update)
+        raw["toolchain"].update(toolchain)
         raw["files"] = files
         return Manifest.unsealed(raw)
 

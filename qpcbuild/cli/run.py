@@ -111,8 +111,9 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
               "prompts": prompts, "batches": [r.to_dict() for r in results],
               "total": combine([r.stats for r in results])}
-    if backend == "onnxruntime":  # exact float32, or the card's formats emulated
-        report["numerics"] = numerics_of(gen.manifest)
+    numerics = numerics_of(gen.manifest, backend)
+    if numerics:  # ONNX Runtime: exact float32, or the card's formats emulated
+        report["numerics"] = numerics
     if compare_baseline:
         spd = sum(r.stats["e2e_s"] for r in results)
         base = sum(b.stats["e2e_s"] for b in baselines)
@@ -128,14 +129,18 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         show_run(report, show_text=not stream)
 
 
-def numerics_of(manifest: "Manifest") -> dict:
-    """Per role: the onnxruntime artifact's numerics (exact | emulated) and formats."""
+def numerics_of(manifest: Manifest, backend: str) -> dict:
+    """Per role run on the host (ONNX Runtime): its artifact's numerics (exact | emulated) and
+    formats. Empty for a backend whose numerics are the card's own."""
+    from ..bundle.manifest import OrtBackend as OrtEntry
+
     out = {}
     for role, info in manifest.roles.items():
-        o = info.backends.onnxruntime
-        out[role] = {"numerics": (o and o.numerics) or "exact",
-                     **((o and o.numerics_formats) or {"weights": "float32", "kv": "float32"}),
-                     "matmul_weights": o.weights if o else "float32"}
+        o = info.backends.built().get(backend)
+        if isinstance(o, OrtEntry):
+            out[role] = {"numerics": o.numerics or "exact",
+                         **(o.numerics_formats or {"weights": "float32", "kv": "float32"}),
+                         "matmul_weights": o.weights}
     return out
 
 

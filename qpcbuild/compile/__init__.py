@@ -1,17 +1,27 @@
 """Compile backends: each turns a role's portable ONNX graph into its own compiled form.
 
-Both sit behind one small interface so `bundle` never knows which one it is driving:
-`check()` fails fast (before any export) when the backend cannot run here, and `build()`
-writes the role's artifacts under the staging bundle and returns what the manifest records.
+A backend is one module behind one interface, found by name in BACKENDS, so the bundle builder
+and the unit planner never know which one they are driving:
+- `check()` fails fast (before any export) when the backend cannot run here;
+- `key_inputs()` is what its artifact's cache key is the digest of;
+- `build_cached()` writes the role's artifacts under the staging bundle (from the cache when an
+  entry exists) and returns the manifest entry that describes them.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from ..plan import BuildPlan, RolePlan
+if TYPE_CHECKING:
+    from ..cache import Cache
+    from ..plan import BuildPlan, RolePlan
+
+# name -> (module under qpcbuild.compile, class): a new backend is one module and one line here.
+BACKENDS = {"onnxruntime": ("onnxruntime", "OrtBackend"), "qaic": ("qaic", "QaicBackend")}
+DEFAULT_BACKEND = "onnxruntime"  # runs on any machine
 
 
 @dataclass(frozen=True)
@@ -24,19 +34,28 @@ class BuildContext:
 
 class Backend(Protocol):
     name: str
+    cache_kind: str  # the cache's folder for this backend's artifacts
+    ships_graph: bool  # the bundle carries the portable ONNX graph (its artifact refers to it)
 
     def check(self, ctx: BuildContext) -> dict[str, Any]:
         """Raise ToolchainError when this backend cannot build here; else describe the toolchain."""
 
-    def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
-        """Write `<role>/...` artifacts into ctx.staging; return the manifest entry."""
+    def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
+                   compiler: str | None, emit_only: bool) -> dict[str, Any]:
+        """What the role's artifact's cache key is the digest of."""
+
+    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
+                     inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
+        """Put `<role>/...` artifacts into ctx.staging, from the cache or built; return (the
+        manifest entry, whether the cache's entry was reused)."""
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(BACKENDS)
 
 
 def get_backend(name: str) -> Backend:
-    if name == "onnxruntime":
-        from .onnxruntime import OrtBackend
-        return OrtBackend()
-    if name == "qaic":
-        from .qaic import QaicBackend
-        return QaicBackend()
-    raise ValueError(f"unknown backend '{name}'")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend '{name}' ({' | '.join(BACKENDS)})")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()

@@ -16,7 +16,9 @@ from typing import Any
 
 from ..bundle import verify_bundle
 from ..bundle.manifest import Manifest, SealedManifest
+from ..bundle.manifest import OrtBackend as OrtEntry, QaicBackend as QaicEntry
 from ..bundle.signature import check_signature
+from ..compile import DEFAULT_BACKEND, backend_names
 from ..errors import BundleError, UsageError
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
@@ -41,33 +43,49 @@ class GenerationResult:
                             for t, r in zip(self.texts, self.rows)], "stats": self.stats}
 
 
-def _open_session(bundle: Path, manifest: Manifest, role: str, backend: str):
-    if backend not in ("onnxruntime", "qaic"):
-        raise UsageError(f"unknown backend '{backend}' (onnxruntime | qaic)")
+def _open_ort(bundle: Path, manifest: Manifest, role: str, entry: OrtEntry):
+    info, shapes = manifest.roles[role], manifest.shapes
+    arch = info.arch
+    path = bundle / entry.artifact
+    if not path.is_file():
+        raise BundleError(f"{bundle}: missing {entry.artifact}")
+    threads = thread_count(info.ort.core_share, info.ort.intra_op_threads)
+    return OrtSession(path, role, [Specialization.from_manifest(s) for s in info.specializations],
+                      (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim),
+                      arch.num_layers, arch.vocab_size, threads,
+                      in_place=entry.kv_binding == "in_place")
+
+
+def _open_qaic(bundle: Path, manifest: Manifest, role: str, entry: QaicEntry):
     info = manifest.roles[role]
-    built = info.backends.built()
-    b = built.get(backend)
-    if b is None:
+    if entry.status != "compiled":
+        raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "
+                          f"{entry.status}); on a machine with the Cloud AI SDK run "
+                          f"`bash {role}/qaic/compile.sh` in the bundle (it ends with "
+                          f"`qpcbuild finish`), or use --backend {DEFAULT_BACKEND}")
+    from .qaic_session import QaicSession
+    return QaicSession(bundle / entry.qpc, role,
+                       [Specialization.from_manifest(s) for s in info.specializations],
+                       info.device_group, info.arch.num_layers, info.arch.vocab_size)
+
+
+# How each kind of compiled artifact is opened: by the manifest entry that describes it.
+OPENERS = {OrtEntry: _open_ort, QaicEntry: _open_qaic}
+
+
+def _backend_entry(bundle: Path, manifest: Manifest, role: str, backend: str):
+    if backend not in backend_names():
+        raise UsageError(f"unknown backend '{backend}' ({' | '.join(backend_names())})")
+    built = manifest.roles[role].backends.built()
+    if backend not in built:
         raise BundleError(f"{bundle}: the {role} was not built for backend '{backend}' (built: "
                           f"{', '.join(built)})")
-    specs = [Specialization.from_manifest(s) for s in info.specializations]
-    arch, shapes = info.arch, manifest.shapes
-    kv_shape = (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim)
-    if backend == "onnxruntime":
-        path = bundle / b.artifact
-        if not path.is_file():
-            raise BundleError(f"{bundle}: missing {b.artifact}")
-        threads = thread_count(info.ort.core_share, info.ort.intra_op_threads)
-        return OrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
-                          threads, in_place=b.kv_binding == "in_place")
-    if b.status != "compiled":
-        raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "
-                          f"{b.status}); on a machine with the Cloud AI SDK run "
-                          f"`bash {role}/qaic/compile.sh` in the bundle (it ends with "
-                          "`qpcbuild finish`), or use --backend onnxruntime")
-    from .qaic_session import QaicSession
-    return QaicSession(bundle / b.qpc, role, specs, info.device_group,
-                       arch.num_layers, arch.vocab_size)
+    return built[backend]
+
+
+def _open_session(bundle: Path, manifest: Manifest, role: str, backend: str):
+    entry = _backend_entry(bundle, manifest, role, backend)
+    return OPENERS[type(entry)](bundle, manifest, role, entry)
 
 
 def _available_memory() -> int | None:
@@ -80,17 +98,18 @@ def _available_memory() -> int | None:
     return None
 
 
-def check_memory(bundle: Path, manifest: Manifest, roles: list[str]) -> None:
+def check_memory(bundle: Path, manifest: Manifest, roles: list[str], backend: str) -> None:
     """Refuse before allocating when weights and KV cache cannot fit in this machine's memory
-    (the onnxruntime artifacts hold float32 weights and a float32 KV cache)."""
+    (the ONNX Runtime artifacts hold float32 weights and a float32 KV cache; a card's memory is
+    the compiler's business)."""
     shapes = manifest.shapes
     batch = shapes.kv_batch
     need = 0.0
     for role in roles:
         info = manifest.roles[role]
-        arch, ort = info.arch, info.backends.onnxruntime
-        if ort is None:
-            continue  # _open_session says the role was not built for onnxruntime
+        arch, ort = info.arch, info.backends.built().get(backend)
+        if not isinstance(ort, OrtEntry):
+            continue  # host memory is not where it runs, or _open_session says it is not built
         copies = 1 if ort.kv_binding == "in_place" else 2  # ping-pong binds two
         kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4.0
         need += arch.param_count * 4.0 + copies * kv * shapes.ctx_len * batch
@@ -128,9 +147,8 @@ class Generator:
         if gen_cfg.is_file():
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
             self.eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if backend == "onnxruntime":
-            check_memory(bundle, manifest, ["target"] + (["draft"] if method == "draft_model"
-                                                          else []))
+        check_memory(bundle, manifest, ["target"] + (["draft"] if method == "draft_model"
+                                                      else []), backend)
         self.target = _open_session(bundle, manifest, "target", backend)
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
@@ -231,7 +249,7 @@ def build_decoder(manifest: Manifest, target, draft, method: str | None,
                        draft_p_min=float(spd.draft_p_min), k_schedule=schedule)
 
 
-def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = None,
+def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None = None,
          k: int | None = None, verify: str = "full", ctx_len: int | None = None,
          batch_size: int | None = None, signed_by: str | Path | None = None,
          spec_policy: str | None = None) -> Generator:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..compile import DEFAULT_BACKEND
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str = "onnxruntime",
+def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str = DEFAULT_BACKEND,
           verify: str = "full", model_name: str | None = None, log_level: str = "info",
           **load_options) -> None:
     """Checks the arguments and takes the port before the (slow) bundle load, so a typo or a busy
