@@ -21,7 +21,7 @@ from ..export.dialect import for_onnxruntime
 from ..cache import META, Cache
 from ..plan import ORT_LOWERING_VERSION, RolePlan
 from ..toolchain import _pkg
-from . import BuildContext
+from .interface import BuildContext
 from .ort_graph import PortableWeights, build_ort_graph
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable

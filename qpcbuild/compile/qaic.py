@@ -16,7 +16,7 @@ from ..cache import META, Cache
 from ..plan import RolePlan, find_compiler
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import copy_tree
-from . import BuildContext
+from .interface import BuildContext
 
 QPC_FILE = "programqpc.bin"
 

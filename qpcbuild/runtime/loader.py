@@ -18,7 +18,7 @@ from ..bundle import verify_bundle
 from ..bundle.manifest import Manifest, SealedManifest
 from ..bundle.manifest import OrtBackend as OrtEntry, QaicBackend as QaicEntry
 from ..bundle.signature import check_signature
-from ..compile import DEFAULT_BACKEND, backend_names
+from ..compile.backends import DEFAULT_BACKEND, backend_names
 from ..errors import BundleError, UsageError
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
