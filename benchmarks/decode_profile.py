@@ -36,19 +36,22 @@ def profile(bundle: Path, seq_lens: list[int], calls: int, role: str = "target")
 
     from qpcbuild.bench.bandwidth import StreamingProbe, graph_bytes
     from qpcbuild.bundle import read_manifest
+    from qpcbuild.bundle.manifest_model import Specialization
     from qpcbuild.runtime.loader import _open_session
     from qpcbuild.runtime.session import OrtSession
 
     # The loader's own session for the role (shapes, threads, KV binding as `run` has them),
     # with one specialization per profiled window instead of the compiled ones.
     manifest = read_manifest(bundle)
-    if role not in manifest["roles"]:
+    if role not in manifest.roles:
         raise SystemExit(f"{bundle}: no {role} in this bundle")
-    info = manifest["roles"][role]
-    symbols = info["specializations"][0]["symbols"]
-    info["specializations"] = [{"name": f"w{s}", "symbols": {
-        **symbols, "seq_len": s, **({"num_logits_to_keep": s} if role == "target" else {})}}
-        for s in seq_lens]
+    info = manifest.roles[role]
+    symbols = info.specializations[0].symbols
+    windows = [Specialization(name=f"w{s}", symbols={
+        **symbols, "seq_len": str(s), **({"num_logits_to_keep": str(s)} if role == "target"
+                                         else {})}) for s in seq_lens]
+    manifest = manifest.model_copy(update={"roles": {
+        **manifest.roles, role: info.model_copy(update={"specializations": windows})}})
     tmp = Path(tempfile.mkdtemp(prefix="qpcbuild-profile-"))
     plain = ort.SessionOptions
 

@@ -137,7 +137,7 @@ def pull_memory(bundle: Path, work: Path) -> dict:
         server.stop()
         shutil.rmtree(work / "rss-registry", ignore_errors=True)
         shutil.rmtree(work / "rss-pulled", ignore_errors=True)
-    largest = max(f["size"] for f in read_manifest(bundle)["files"].values())
+    largest = max(f.size for f in read_manifest(bundle).files.values())
     return {"pull_peak_rss_MB": usage.ru_maxrss / 1024, "largest_file_MB": largest / 1e6}
 
 
@@ -156,10 +156,10 @@ def dedup(recipe: Path, bundle: Path, work: Path, cache: Path) -> dict:
     finally:
         server.stop()
         shutil.rmtree(work / "dedup-registry", ignore_errors=True)
-    a, b = read_manifest(bundle)["files"], read_manifest(work / "other")["files"]
-    shared = sum(f["size"] for p, f in b.items() if a.get(p, {}).get("sha256") == f["sha256"])
-    return {"bundle_a_bytes": sum(f["size"] for f in a.values()),
-            "bundle_b_bytes": sum(f["size"] for f in b.values()),
+    a, b = read_manifest(bundle).files, read_manifest(work / "other").files
+    shared = sum(f.size for p, f in b.items() if p in a and a[p].sha256 == f.sha256)
+    return {"bundle_a_bytes": sum(f.size for f in a.values()),
+            "bundle_b_bytes": sum(f.size for f in b.values()),
             "shared_bytes": shared, "stored_after_a": after_a, "stored_after_b": after_b,
             "added_by_b": after_b - after_a,
             "target_graph_bytes": sum(f["size"] for p, f in b.items()

@@ -9,7 +9,6 @@ model), so that those two need not know each other."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ def teacher_forced_logits(gen, prompt: list[int], output: list[int], window: int
     import numpy as np
 
     t = gen.target
-    for ids, pos, ends in prefill_feeds([prompt], gen.manifest["shapes"]["prefill_seq_len"],
+    for ids, pos, ends in prefill_feeds([prompt], gen.manifest.shapes.prefill_seq_len,
                                         t.ctx_len, t.batch_size):
         logits = t.run(ids, pos)
         if ends[0]:
@@ -78,7 +77,7 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     pick from this bundle's acceptance (replayed at every K) and the shared costs."""
     from .tune import choose_k, predict, replayed
 
-    info = gen.manifest["roles"]["target"]["backends"]["onnxruntime"]
+    info = gen.manifest.target.backends.onnxruntime
     say(f"{label}: target-only greedy outputs, then {method} at K={k}")
     base = gen.sibling(target_only=True)
     outputs = [base.generate([ids], max_new, temperature=0.0, target_only=True).rows[0]
@@ -86,7 +85,7 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     outputs = [r.tokens[len(r.prompt):] for r in outputs]
     gen.fresh_proposer()
     acc: dict[str, Any] = {}
-    prefill, ctx_len = gen.manifest["shapes"]["prefill_seq_len"], gen.target.ctx_len
+    prefill, ctx_len = gen.manifest.shapes.prefill_seq_len, gen.target.ctx_len
     for ids in prompt_ids:
         res = gen.generate([ids], max_new, temperature=0.0, k=k)
         _add_stats(acc, res.stats)
@@ -96,10 +95,10 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     dtoks = acc.get("spec_decode_num_draft_tokens", 0)
     accepted = acc.get("spec_decode_num_accepted_tokens", 0)
     steps = acc.get("target_calls", 0) - acc.get("prefill_calls", 0)
-    col = {"label": label, "numerics": info.get("numerics", "exact"),
-           "formats": info.get("numerics_formats") or {"weights": "float32", "kv": "float32"},
-           "target_weights": info.get("weights", "float32"),
-           "bundle_id": gen.manifest["bundle_id"], "k": k, "method": method,
+    col = {"label": label, "numerics": info.numerics or "exact",
+           "formats": info.numerics_formats or {"weights": "float32", "kv": "float32"},
+           "target_weights": info.weights,
+           "bundle_id": gen.manifest.bundle_id, "k": k, "method": method,
            "acceptance_rate": _r(accepted / dtoks) if dtoks else None,
            "acceptance_per_position": [_r(a / drafts) for a in acc.get("per_pos", [])]
            if drafts else [],
@@ -130,11 +129,10 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
     machine = machine_info()
     gens = {}
     for label, b in (("fp32", fp32_bundle), ("emulated", emu_bundle)):
-        m = json.loads((Path(b) / "manifest.json").read_text())
-        gens[label] = load(b, method=m["speculation"]["method"], verify="fast")
+        gens[label] = load(b, verify="fast")  # the method each bundle was built for
     g0 = gens["fp32"]
     method = g0.method
-    ctx_len = g0.manifest["shapes"]["ctx_len"]
+    ctx_len = g0.manifest.shapes.ctx_len
     room = ctx_len - max_new_tokens - 1
     if room < 1:
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
@@ -163,7 +161,7 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
                 res = gen.generate([prompt_ids[0]], max_new_tokens, temperature=0.0, k=kk)
                 st = res.stats
                 steps = max(1, st["target_calls"] - prefill_calls(
-                    [prompt_ids[0]], gen.manifest["shapes"]["prefill_seq_len"], ctx_len))
+                    [prompt_ids[0]], gen.manifest.shapes.prefill_seq_len, ctx_len))
                 h[kk] = st["host_overhead_s"] / steps
             col_costs = (costs[0], costs[1], host_model(h))
         else:
@@ -192,7 +190,7 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
         machine["loadavg_at_end"] = loadavg()
     from . import __version__
     return {"schema": NUMERICS_SCHEMA, "tool": "qpcbuild bench --numerics",
-            "qpcbuild_version": __version__, "name": g0.manifest["name"],
+            "qpcbuild_version": __version__, "name": g0.manifest.name,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
             "bundles": {"fp32": str(fp32_bundle), "emulated": str(emu_bundle)},
             "settings": {"prompt_set": prompt_label, "prompts": len(prompt_ids),

@@ -157,6 +157,18 @@ def io_signature(role: str, arch: ArchSpec, continuous_batching: bool) -> dict:
     return {"inputs": inputs, "outputs": outputs}
 
 
+def kv_buffers(io: dict) -> list[str]:
+    """The KV cache's graph I/O names, from the declared I/O (each past input, then the output
+    that retains it): the buffers whose precision the card's custom_io.yaml sets."""
+    outputs = {e["name"] for e in io["outputs"]}
+    names = []
+    for e in io["inputs"]:
+        if e["name"].startswith("past_"):
+            retained = f"{e['name']}_RetainedState"
+            names += [e["name"]] + ([retained] if retained in outputs else [])
+    return names
+
+
 def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
     if len(devices) < 2:
         return None
@@ -220,8 +232,6 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     hw = getattr(r.hardware, role)
     cb = r.shapes.full_batch_size is not None
     kv_prec = r.precision.kv_cache_dtype
-    names = [f"past_{kind}.{i}{suffix}" for i in range(arch.num_layers)
-             for kind in ("key", "value") for suffix in ("", "_RetainedState")]
     specs = specializations(role, r, ks)
     smoke_of = src.config.get("qpcbuild_smoke_of")  # random weights standing in for this model
     source = {"ref": src.ref, "revision": src.revision, "origin": src.origin,
@@ -263,10 +273,11 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                                             if ort["numerics"] == "emulated" else {})}),
                   "qaic": digest({"export": export_key, "argv": argv[1:], "specs": specs,
                                   "custom_io": kv_prec, "fmt": r.hardware.specializations_format})}
+    io = io_signature(role, arch, cb)
     return RolePlan(
         role=role, source=source, arch=arch, ks=ks if role == "target" else (),
-        specializations=specs, io=io_signature(role, arch, cb),
-        custom_io=[{"IOName": n, "Precision": kv_prec} for n in names],
+        specializations=specs, io=io,
+        custom_io=[{"IOName": n, "Precision": kv_prec} for n in kv_buffers(io)],
         mdp_partition=mdp_partition(hw.device_group, cores), device_group=list(hw.device_group),
         num_cores=cores, compiler_argv=argv, ort=ort, memory=memory, cache_keys=cache_keys,
         vocab_subset=vocab_subset)

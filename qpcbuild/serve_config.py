@@ -9,55 +9,58 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .bundle.manifest import Manifest, Role
 
 DEFAULT_IMAGE = "ghcr.io/quic/cloud_ai_inference_vllm:latest"
 FORMATS = ("vllm", "docker", "env", "legacy", "json")
 HF_CACHE = "${HF_HOME:-$HOME/.cache/huggingface}"
 
 
-def _speculative_config(m: dict[str, Any]) -> dict[str, Any] | None:
-    spd = m["speculation"]
-    k = max(spd["num_speculative_tokens"])
+def _speculative_config(m: Manifest) -> dict[str, Any] | None:
+    spd = m.speculation
+    k = max(m.ks)
     schedule = vllm_k_schedule(m)
     extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule else {}
-    if spd["method"] == "draft_model":
-        return {"method": "draft_model", "model": served_model(m["roles"]["draft"]),
+    if spd.method == "draft_model":
+        return {"method": "draft_model", "model": served_model(m.draft),
                 "num_speculative_tokens": k, **extra}
     if k == 0:
         return None
-    return {"method": spd["method"], "num_speculative_tokens": k, **spd["options"], **extra}
+    return {"method": spd.method, "num_speculative_tokens": k, **spd.options, **extra}
 
 
-def vllm_k_schedule(m: dict[str, Any]) -> list[list[int]] | None:
+def vllm_k_schedule(m: Manifest) -> list[list[int]] | None:
     """The bundle's K per live batch size as vLLM's num_speculative_tokens_per_batch_size:
     inclusive [first, last, K] ranges from batch size 1 to the compiled batch (fewer live rows
     than the first scheduled size use the largest compiled K, as qpcbuild's engine does)."""
-    points = {int(b): k for b, k in (m["speculation"].get("k_schedule") or {}).items()}
+    points = m.speculation.schedule
     if not points:
         return None
-    shapes = m["shapes"]
-    top = max(shapes.get("full_batch_size") or shapes["batch_size"], max(points))
+    top = max(m.shapes.kv_batch, max(points))
     if min(points) > 1:
-        points[1] = max(m["speculation"]["num_speculative_tokens"])
+        points[1] = max(m.ks)
     starts = sorted(points)
     return [[b, (starts[i + 1] - 1) if i + 1 < len(starts) else top, points[b]]
             for i, b in enumerate(starts)]
 
 
-def served_model(role: dict[str, Any]) -> str:
-    """vLLM loads config and tokenizer by model id; smoke builds name the model they stand in for."""
-    return role["source"].get("smoke_of") or role["source"]["ref"]
+def served_model(role: Role) -> str:
+    """vLLM loads config and tokenizer by model id; smoke builds name the model they stand in for
+    (the build records that name as the role's reference)."""
+    return role.source.ref
 
 
-def _qaic_config(role: dict[str, Any]) -> dict[str, Any]:
-    return {"device_group": role["device_group"], "num_cores": role["num_cores"]}
+def _qaic_config(role: Role) -> dict[str, Any]:
+    return {"device_group": role.device_group, "num_cores": role.num_cores}
 
 
-def qpc_env(m: dict[str, Any], bundle: Path) -> dict[str, str]:
-    if "draft" in m["roles"]:
+def qpc_env(m: Manifest, bundle: Path) -> dict[str, str]:
+    if m.draft is not None:
         return {"VLLM_QAIC_SPEC_TARGET_QPC_PATH": str(bundle / "target" / "qpc"),
                 "VLLM_QAIC_SPEC_DRAFT_QPC_PATH": str(bundle / "draft" / "qpc")}
     return {"VLLM_QAIC_QPC_PATH": str(bundle / "target" / "qpc")}
@@ -67,53 +70,52 @@ def is_hub_id(ref: str) -> bool:
     return not ref.startswith((".", "/", "~")) and ref.count("/") == 1
 
 
-def host_setup(m: dict[str, Any]) -> list[str]:
+def host_setup(m: Manifest) -> list[str]:
     """Host settings the Cloud AI SpD guide asks for, as shell lines and comments."""
-    method, lines = m["speculation"]["method"], []
+    method, lines = m.speculation.method, []
     if method in ("ngram", "suffix"):
         lines += [f"# {method}: the proposer runs on the host CPU, where the guide preloads Intel "
                   "OpenMP (VLLM_DISABLE_LD_PRELOAD_OPT=1 opts out)",
                   "pip install intel-openmp",
                   "export LD_PRELOAD=\"$(python -c 'import sys; print(sys.prefix)')/lib/"
                   "libiomp5.so${LD_PRELOAD:+:$LD_PRELOAD}\""]
-    if max(m["speculation"]["num_speculative_tokens"]) > 0:
+    if max(m.ks) > 0:
         lines.append("# sampling (temperature > 0): AOT-mode rejection sampling needs the "
                      "Triton-CPU backend installed")
-    spd = m["speculation"]
-    if spd.get("k_schedule"):
+    spd = m.speculation
+    if spd.k_schedule:
         lines.append("# K per live batch size: passed as num_speculative_tokens_per_batch_size "
                      "(upstream vLLM >= 0.32 switches K by batch size in its GPU model runner; "
                      "check that your Cloud AI vLLM build honours it, else it runs the largest K)")
-    if spd.get("policy") == "auto" or spd.get("draft_p_min"):
+    if spd.policy == "auto" or spd.draft_p_min:
         lines.append("# speculation.policy auto / draft_p_min: vLLM has no option for a goodput "
                      "gate or a draft confidence stop; under vLLM every step speculates")
-    per_batch = (m.get("tuning") or {}).get("per_batch")
+    per_batch = m.tuning and m.tuning.per_batch
     if per_batch:  # recorded by `tune --per-batch`; no vLLM flag takes a K per batch size
         lines.append("# tune --per-batch: best K by batch size " + ", ".join(
-            f"{p['batch_size']}:{p['chosen_k']}" for p in per_batch) + " (vLLM takes one "
+            f"{p.batch_size}:{p.chosen_k}" for p in per_batch) + " (vLLM takes one "
             "num_speculative_tokens; this is for reference only)")
     return lines
 
 
-def vllm_argv(m: dict[str, Any], legacy: bool = False, qpc_root: Path | None = None,
+def vllm_argv(m: Manifest, legacy: bool = False, qpc_root: Path | None = None,
               models: dict[str, str] | None = None) -> list[str]:
     """models: the model each role is loaded from, when not its recorded reference (a path
     inside a container)."""
-    target = m["roles"]["target"]
-    shapes = m["shapes"]
+    target, shapes = m.target, m.shapes
     models = models or {}
     argv = ["vllm", "serve", models.get("target") or served_model(target), "--device", "qaic",
             # The same model id as `qpcbuild serve`, so one client test runs against both.
-            "--served-model-name", m["name"],
-            "--max-model-len", str(shapes["ctx_len"]),
+            "--served-model-name", m.name,
+            "--max-model-len", str(shapes.ctx_len),
             # Prompts longer than the compiled prefill chunk are prefilled chunk by chunk anyway.
-            "--long-prefill-token-threshold", str(shapes["prefill_seq_len"]),
-            "--max-num-seqs", str(shapes.get("full_batch_size") or shapes["batch_size"]),
-            "--max-seq-len-to-capture", str(shapes["prefill_seq_len"])]
-    precision = target["precision"]
-    if precision["weights"] == "mxfp6":
+            "--long-prefill-token-threshold", str(shapes.prefill_seq_len),
+            "--max-num-seqs", str(shapes.kv_batch),
+            "--max-seq-len-to-capture", str(shapes.prefill_seq_len)]
+    precision = target.precision
+    if precision.weights == "mxfp6":
         argv += ["--quantization", "mxfp6"]
-    if precision["kv_cache"] == "mxint8":
+    if precision.kv_cache == "mxint8":
         argv += ["--kv-cache-dtype", "mxint8"]
     spec = _speculative_config(m)
     if spec and "draft" in models:
@@ -125,19 +127,20 @@ def vllm_argv(m: dict[str, Any], legacy: bool = False, qpc_root: Path | None = N
         argv += ["--override-qaic-config", f"qpc_path={root / 'target' / 'qpc'}"]
     else:
         extra = {"override_qaic_config": _qaic_config(target)}
-        if "draft" in m["roles"]:
-            extra["draft_override_qaic_config"] = _qaic_config(m["roles"]["draft"])
+        if m.draft is not None:
+            extra["draft_override_qaic_config"] = _qaic_config(m.draft)
         argv += ["--additional-config", json.dumps(extra, separators=(",", ":"))]
     return argv
 
 
-def render(m: dict[str, Any], bundle: Path, fmt: str, image: str = DEFAULT_IMAGE) -> str:
+def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE) -> str:
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not '{fmt}'")
-    if "qaic" not in m["backends"]:
+    if "qaic" not in m.backends:
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")
-    statuses = {r: info["backends"]["qaic"]["status"] for r, info in m["roles"].items()}
+    statuses = {r: info.backends.qaic.status for r, info in m.roles.items()
+                if info.backends.qaic is not None}
     compiled = all(s == "compiled" for s in statuses.values())
     note = "" if compiled else \
         ("# note: QPCs not compiled yet (" + ", ".join(f"{r}: {s}" for r, s in statuses.items())
@@ -165,7 +168,7 @@ def render(m: dict[str, Any], bundle: Path, fmt: str, image: str = DEFAULT_IMAGE
     return note + "".join(line + "\n" for line in setup if line.startswith("#")) + line + "\n"
 
 
-def _docker(m: dict[str, Any], bundle: Path, image: str) -> list[str]:
+def _docker(m: Manifest, bundle: Path, image: str) -> list[str]:
     """A container sees only what is mounted: each role's QPC folder, and the model it loads
     (its folder, or the Hugging Face cache for a hub id)."""
     argv = ["docker", "run", "--rm", "-it", "--device", "/dev/accel/", "--shm-size", "4g",
@@ -176,7 +179,7 @@ def _docker(m: dict[str, Any], bundle: Path, image: str) -> list[str]:
         inside = f"/qpc/{role}"
         argv += ["-v", f"{host}:{inside}:ro"]
         env[key] = inside
-    for role, info in m["roles"].items():
+    for role, info in m.roles.items():
         ref = served_model(info)
         if is_hub_id(ref):
             hf_cache = True

@@ -362,7 +362,7 @@ def test_compile_tune_builds_with_the_chosen_k_and_records_the_evidence(tmp_path
         args += ["--set", o]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     assert m["tuning"]["chosen_k"] == max(m["speculation"]["num_speculative_tokens"])
     assert m["tuning"]["table"] and m["tuning"]["calibration"]["num_drafts"] > 0
     assert m["tuning"]["cost_source"] == "onnxruntime-cpu"
@@ -550,7 +550,7 @@ def test_best_k_per_batch_is_the_argmax_of_each_batch_table():
 
 
 @needs_demo
-def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path):
+def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path, peer_manifest):
     from qpcbuild.serve_config import host_setup
 
     result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=1,
@@ -563,10 +563,12 @@ def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path):
     assert pb[0]["chosen_k"] == result["chosen_k"]  # the recipe's batch is 1
     line = f"# tune: best K per batch size: 1:{pb[0]['chosen_k']}, 2:{pb[1]['chosen_k']}"
     assert line in tune.evidence_comment(result)
-    m = {"speculation": {"method": "draft_model", "num_speculative_tokens": [2]},
-         "tuning": result}
+    from qpcbuild.bundle.manifest_model import Tuning
+
+    m = peer_manifest(tmp_path, tmp_path).model_copy(
+        update={"tuning": Tuning.model_validate_json(json.dumps(result, default=str))})
     assert any(x.startswith("# tune --per-batch: best K by batch size 1:") for x in host_setup(m))
-    assert not any("per-batch" in x for x in host_setup({**m, "tuning": {}}))
+    assert not any("per-batch" in x for x in host_setup(m.model_copy(update={"tuning": None})))
 
 
 def test_decode_profile_breaks_a_call_down_by_operator(tiny_bundle):

@@ -174,8 +174,8 @@ def test_compile_writes_bundle_with_complete_manifest(recipe, models, tmp_path):
     assert result.bundle == out
     assert files_on_disk(out) == sorted(ORT_FILES + ["manifest.json"])
     assert (out / "tokenizer").is_dir()
-    m = read_manifest(out)
-    assert m["schema"] == 2
+    m = read_manifest(out).to_json_dict()
+    assert m["schema"] == 3
     assert m["name"] == "tiny"
     assert m["bundle_id"] == result.bundle_id and len(m["bundle_id"]) == 64
     assert m["backends"] == ["onnxruntime"]
@@ -187,8 +187,8 @@ def test_compile_writes_bundle_with_complete_manifest(recipe, models, tmp_path):
     for rel, meta in m["files"].items():
         assert meta == {"size": (out / rel).stat().st_size, "sha256": sha256(out / rel)}, rel
 
-    expect = {"target": (64, 2, 10, [3]), "draft": (32, 1, 6, [])}
-    for role, (hidden, layers, cores, ks) in expect.items():
+    expect = {"target": (64, 2, 10), "draft": (32, 1, 6)}
+    for role, (hidden, layers, cores) in expect.items():
         info = m["roles"][role]
         src = info["source"]
         assert src["ref"] == str(models[role]) and src["origin"] == "local"
@@ -196,7 +196,7 @@ def test_compile_writes_bundle_with_complete_manifest(recipe, models, tmp_path):
         assert len(src["weights_digest"]) == 64 and len(src["config_digest"]) == 64
         assert info["arch"]["architecture"] == "LlamaForCausalLM"
         assert (info["arch"]["hidden_size"], info["arch"]["num_layers"]) == (hidden, layers)
-        assert info["compiled_ks"] == ks
+        assert "compiled_ks" not in info  # K is recorded once: speculation.num_speculative_tokens
         assert info["num_cores"] == cores
         assert info["device_group"] == [0]
         assert info["backends"]["onnxruntime"]["status"] == "compiled"
@@ -246,7 +246,7 @@ def test_verify_fresh_bundle_is_clean(bundle):
 
 @pytest.mark.parametrize("rel", ORT_FILES)
 def test_verify_reports_each_flipped_byte(bundle, rel):
-    assert rel in read_manifest(bundle)["files"]
+    assert rel in read_manifest(bundle).file_list()
     flip_byte(bundle / rel)
     problems = verify_bundle(bundle)
     assert problems == [f"changed file: {rel} (sha256 differs from the manifest)"]
@@ -310,7 +310,7 @@ def test_same_recipe_gives_same_bundle_id_with_fresh_caches(recipe, tmp_path):
     b = build(recipe, tmp_path / "cache-b", tmp_path / "b" / "tiny")
     assert a.bundle_id == b.bundle_id
     assert not any(reuse(b).values())
-    assert read_manifest(a.bundle)["files"] == read_manifest(b.bundle)["files"]
+    assert read_manifest(a.bundle).file_list() == read_manifest(b.bundle).file_list()
     # Rebuilding over an existing bundle (cache warm) gives the same id again.
     c = build(recipe, tmp_path / "cache-a", tmp_path / "a" / "tiny")
     assert c.bundle_id == a.bundle_id and all(reuse(c).values())
@@ -341,9 +341,9 @@ def test_changing_k_or_cores_reuses_both_exports(recipe, tmp_path, override):
     assert r["onnxruntime target"] and r["onnxruntime draft"]
     assert changed.bundle_id != first.bundle_id
     assert verify_bundle(changed.bundle) == []
-    m = read_manifest(changed.bundle)
+    m = read_manifest(changed.bundle).to_json_dict()
     if "num_speculative_tokens" in override:
-        assert m["roles"]["target"]["compiled_ks"] == [2]
+        assert m["speculation"]["num_speculative_tokens"] == [2]
         assert r["onnxruntime draft"]  # the draft's artifact does not depend on K
     else:
         assert m["roles"]["target"]["num_cores"] == 8
@@ -356,7 +356,7 @@ def test_changing_draft_reuses_target_export(recipe, models, tmp_path):
     r = reuse(other)
     assert r["export target"] and r["onnxruntime target"]
     assert not r["export draft"] and not r["onnxruntime draft"]
-    m1, m2 = read_manifest(first.bundle), read_manifest(other.bundle)
+    m1, m2 = read_manifest(first.bundle).to_json_dict(), read_manifest(other.bundle).to_json_dict()
     assert m1["roles"]["target"]["source"] == m2["roles"]["target"]["source"]
     assert m1["roles"]["draft"]["source"]["weights_digest"] != \
         m2["roles"]["draft"]["source"]["weights_digest"]
@@ -386,8 +386,8 @@ def test_weights_replaced_in_place_with_restored_mtime_are_not_reused(models, re
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     second = build(recipe, cache, tmp_path / "two" / "tiny", f"draft.model={folder}")
     assert not reuse(second)["export draft"]
-    assert read_manifest(first.bundle)["roles"]["draft"]["source"]["weights_digest"] != \
-        read_manifest(second.bundle)["roles"]["draft"]["source"]["weights_digest"]
+    assert read_manifest(first.bundle).draft.source.weights_digest != \
+        read_manifest(second.bundle).draft.source.weights_digest
 
 
 # ---------------------------------------------------------------- atomic builds
@@ -414,7 +414,7 @@ def test_failed_build_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path, monk
     # The older bundle comes from another cache, so the failing build starts cold.
     build(recipe, tmp_path / "old-cache", out, "speculation.num_speculative_tokens=2")
     before = {rel: sha256(out / rel) for rel in files_on_disk(out)}
-    old_id = read_manifest(out)["bundle_id"]
+    old_id = read_manifest(out).bundle_id
 
     if where == "ort-error":
         monkeypatch.setattr(OrtBackend, "build", _fail_ort)
@@ -436,11 +436,11 @@ def test_failed_build_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path, monk
     assert leftovers(out) == []
     assert cache_temp_dirs(cache) == []
     assert {rel: sha256(out / rel) for rel in files_on_disk(out)} == before
-    assert read_manifest(out)["bundle_id"] == old_id and verify_bundle(out) == []
+    assert read_manifest(out).bundle_id == old_id and verify_bundle(out) == []
 
     again = build(recipe, cache, out, jobs=1)
     assert {k: v for k, v in reuse(again).items() if k in expected} == expected
-    assert read_manifest(out)["roles"]["target"]["compiled_ks"] == [3]
+    assert read_manifest(out).ks == (3,)
     assert verify_bundle(out) == [] and leftovers(out) == []
 
 
@@ -570,7 +570,7 @@ def test_cli_compile_json(recipe, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["bundle"] == str(out)
-    assert data["bundle_id"] == read_manifest(out)["bundle_id"]
+    assert data["bundle_id"] == read_manifest(out).bundle_id
     assert {s["stage"] for s in data["stages"]} == {
         "export target", "export draft", "onnxruntime target", "onnxruntime draft"}
     assert all(isinstance(s["reused"], bool) for s in data["stages"])
@@ -602,7 +602,7 @@ def test_cli_inspect(bundle):
     assert "target" in result.stdout and "draft" in result.stdout
     as_json = runner.invoke(app, ["inspect", str(bundle), "--json"])
     assert as_json.exit_code == 0
-    assert json.loads(as_json.stdout) == read_manifest(bundle)
+    assert json.loads(as_json.stdout) == read_manifest(bundle).to_json_dict()
 
 
 def test_cli_inspect_rejects_non_bundle(tmp_path):

@@ -18,6 +18,13 @@ def test_cli_reference_matches_the_typer_app():
     assert result.returncode == 0, result.stderr
 
 
+def test_manifest_schema_matches_the_model():
+    """docs/manifest-schema.json is the typed Manifest's own JSON Schema."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "manifest_schema.py"),
+                             "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_cli_reference_lists_every_command():
     import typer
 

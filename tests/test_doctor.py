@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 from typer.testing import CliRunner
 
 from qpcbuild.bundle.doctor import REFERENCE, check_graph, check_model
+from qpcbuild.bundle.manifest import GraphIO, RoleIO
 from qpcbuild.cli import app
 from qpcbuild.export import export_model
 from qpcbuild.export import dialect
@@ -206,11 +207,12 @@ def test_doctor_flags_a_cast_in_front_of_matmul_weights(ours):
 def test_doctor_flags_manifest_io_dtypes_that_differ_from_the_graph(ours, tmp_path):
     path = tmp_path / "model.onnx"
     path.write_bytes(ours("llama", "draft").SerializeToString())
-    io = {"inputs": [{"name": "past_key.0", "dtype": "float16"}], "outputs": []}
+    def io(dtype: str) -> RoleIO:
+        return RoleIO(inputs=[GraphIO(name="past_key.0", dtype=dtype, shape=[])])
+
     assert any("past_key.0: the manifest says float16, the graph float32" in f
-               for f in check_graph(path, io)["findings"])
-    io["inputs"][0]["dtype"] = "float32"
-    assert check_graph(path, io)["findings"] == []
+               for f in check_graph(path, io("float16"))["findings"])
+    assert check_graph(path, io("float32"))["findings"] == []
 
 
 def test_doctor_cli_takes_a_loose_onnx_file(ours, tmp_path):

@@ -45,7 +45,7 @@ def test_two_compile_sh_in_parallel_with_the_compiler_on_path_both_get_adopted(
     for proc in procs:
         output = proc.communicate(timeout=180)[0]
         assert proc.returncode == 0 and "Traceback" not in output, output
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     for role in ROLES:
         entry = m["roles"][role]["backends"]["qaic"]
         assert entry["status"] == "compiled", (role, entry)
@@ -77,5 +77,5 @@ def test_compile_finds_a_compiler_named_on_path(recipe, tmp_path, monkeypatch):
     env = sdk_path(tmp_path)
     monkeypatch.setenv("PATH", env["PATH"])
     result = build(recipe, tmp_path / "cache", tmp_path / "bundle", compiler="qaic-compile")
-    entry = read_manifest(result.bundle)["roles"]["target"]["backends"]["qaic"]
+    entry = read_manifest(result.bundle).to_json_dict()["roles"]["target"]["backends"]["qaic"]
     assert entry["status"] == "compiled" and entry["compiler"]["name"] == "qaic-compile"

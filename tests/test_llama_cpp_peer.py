@@ -130,12 +130,6 @@ def test_counting_draft_counts_calls_and_proposed_tokens():
     assert (d.calls, d.proposed) == (2, 2)
 
 
-def _manifest(folder: Path, threads: int = 1, ctx: int = 256) -> dict:
-    return {"roles": {"target": {"source": {"path": str(folder)},
-                                 "ort": {"core_share": 1.0, "intra_op_threads": threads}}},
-            "shapes": {"ctx_len": ctx}, "speculation": {"method": "ngram", "options": {}}}
-
-
 def _hf_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "model"
     folder.mkdir()
@@ -143,35 +137,35 @@ def _hf_folder(tmp_path: Path) -> Path:
     return folder
 
 
-def test_llama_lookup_skipped_without_the_program(tmp_path, monkeypatch):
+def test_llama_lookup_skipped_without_the_program(tmp_path, monkeypatch, peer_manifest):
     folder = _hf_folder(tmp_path)
     monkeypatch.delenv(LLAMA_CPP_BIN_ENV, raising=False)
-    p = llama_lookup_peer(_manifest(folder), [4], 16, {2}, None, print)
+    p = llama_lookup_peer(peer_manifest(folder, threads=1), [4], 16, {2}, None, print)
     assert p.status == "skipped" and LLAMA_CPP_BIN_ENV in p.note and not p.cases
     monkeypatch.setenv(LLAMA_CPP_BIN_ENV, str(tmp_path / "nowhere"))
-    p = llama_lookup_peer(_manifest(folder), [4], 16, {2}, None, print)
+    p = llama_lookup_peer(peer_manifest(folder, threads=1), [4], 16, {2}, None, print)
     assert p.status == "skipped" and "no such program" in p.note
 
 
-def test_llama_lookup_skipped_without_a_gguf(tmp_path, monkeypatch):
+def test_llama_lookup_skipped_without_a_gguf(tmp_path, monkeypatch, peer_manifest):
     folder = _hf_folder(tmp_path)
     exe = tmp_path / "bin" / "llama-lookup"
     exe.parent.mkdir()
     exe.write_text("#!/bin/sh\nexit 1\n")
     exe.chmod(0o755)
     monkeypatch.setenv(LLAMA_CPP_BIN_ENV, str(exe.parent))
-    p = llama_lookup_peer(_manifest(folder), [4], 16, {2}, None, print)
+    p = llama_lookup_peer(peer_manifest(folder, threads=1), [4], 16, {2}, None, print)
     assert p.status == "skipped" and ".gguf" in p.note
     # A bundle (not a recipe) records no checkpoint folder: the note says so, not "no .gguf".
-    unknown = _manifest(folder)
-    del unknown["roles"]["target"]["source"]["path"]
+    unknown = peer_manifest(folder, threads=1, local=False)
     p = llama_lookup_peer(unknown, [4], 16, {2}, None, print)
     assert p.status == "skipped" and "bench the recipe" in p.note and ".gguf" not in p.note
 
 
-def test_llama_cpp_skipped_when_not_installed(tmp_path, monkeypatch):
+def test_llama_cpp_skipped_when_not_installed(tmp_path, monkeypatch, peer_manifest):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
-    p = llama_cpp_peer(_manifest(_hf_folder(tmp_path)), [4], 16, {2}, None, print)
+    p = llama_cpp_peer(peer_manifest(_hf_folder(tmp_path), threads=1), [4], 16, {2}, None,
+                       print)
     assert p.status == "skipped" and "not installed" in p.note
 
 
@@ -180,7 +174,8 @@ def test_both_llama_peers_are_registered():
     assert all_peers.PEERS["llama-lookup"] is llama_lookup_peer
 
 
-def test_llama_lookup_runner_command_prompt_file_and_figures(tmp_path, monkeypatch):
+def test_llama_lookup_runner_command_prompt_file_and_figures(tmp_path, monkeypatch,
+                                                            peer_manifest):
     """The runner against a stand-in program that records its arguments and prompt file and
     prints the captured output: the command line, the text it reads, what is counted."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -204,7 +199,7 @@ sys.stdout.write(open({str(tmp_path / "sample.txt")!r}).read())
 """)
     exe.chmod(0o755)
     monkeypatch.setenv(LLAMA_CPP_BIN_ENV, str(exe.parent))
-    p = llama_lookup_peer(_manifest(folder, threads=3, ctx=512), [4], 30, {198}, None, print)
+    p = llama_lookup_peer(peer_manifest(folder, threads=3, ctx=512), [4], 30, {198}, None, print)
     assert p.status == "ok" and p.version == "0.5.0-dev (commit 0c1e570)"
     assert [m.label for m, _ in p.cases] == ["target-only (no drafts)", "llama-lookup K=4"]
     acc: dict = {}
@@ -243,10 +238,11 @@ needs_gguf = pytest.mark.skipif(not GGUF.is_file(), reason="no SmolLM2 float32 G
 
 
 @needs_gguf
-def test_llama_cpp_peer_reproduces_transformers_greedy_tokens_on_the_same_weights():
+def test_llama_cpp_peer_reproduces_transformers_greedy_tokens_on_the_same_weights(
+        peer_manifest):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed")
     prompt, want = _sanity()
-    p = llama_cpp_peer(_manifest(SMOLLM2, threads=1), [2], len(want), {2}, None, print)
+    p = llama_cpp_peer(peer_manifest(SMOLLM2, threads=1), [2], len(want), {2}, None, print)
     assert p.status == "ok", p.note
     assert [m.method for m, _ in p.cases] == ["target_only", "ngram"]
     for meas, run in p.cases:
@@ -260,9 +256,9 @@ def test_llama_cpp_peer_reproduces_transformers_greedy_tokens_on_the_same_weight
 
 @needs_gguf
 @pytest.mark.skipif(not os.environ.get(LLAMA_CPP_BIN_ENV), reason=f"${LLAMA_CPP_BIN_ENV} not set")
-def test_llama_lookup_peer_reproduces_transformers_greedy_tokens():
+def test_llama_lookup_peer_reproduces_transformers_greedy_tokens(peer_manifest):
     prompt, want = _sanity()
-    p = llama_lookup_peer(_manifest(SMOLLM2, threads=1), [4], len(want), {2}, None, print)
+    p = llama_lookup_peer(peer_manifest(SMOLLM2, threads=1), [4], len(want), {2}, None, print)
     assert p.status == "ok", p.note
     for meas, run in p.cases:
         acc: dict = {}

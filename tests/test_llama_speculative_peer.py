@@ -42,35 +42,29 @@ def _folder(tmp_path: Path, name: str, gguf: str | None) -> Path:
     return folder
 
 
-def _manifest(target: Path, draft: Path | None, threads: int = 2, ctx: int = 512) -> dict:
-    roles = {"target": {"source": {"path": str(target)},
-                        "ort": {"core_share": 1.0, "intra_op_threads": threads}}}
-    if draft is not None:
-        roles["draft"] = {"source": {"path": str(draft)}}
-    return {"roles": roles, "shapes": {"ctx_len": ctx},
-            "speculation": {"method": "draft_model", "options": {}}}
-
-
 def test_parser_reads_speculative_match_lines():
     res = parse_lookup_output(SPECULATIVE_SAMPLE)
     assert res["tokens"] == [750, 1477, 2877, 11, 293, 151645]
     assert (res["n_input"], res["n_decoded"], res["n_drafted"], res["n_accept"]) == (9, 6, 12, 3)
 
 
-def test_skipped_without_program_draft_or_gguf(tmp_path, monkeypatch):
+def test_skipped_without_program_draft_or_gguf(tmp_path, monkeypatch, peer_manifest):
     target = _folder(tmp_path, "t", "model-f32.gguf")
     monkeypatch.delenv(LLAMA_CPP_BIN_ENV, raising=False)
-    p = llama_speculative_peer(_manifest(target, None), [4], 16, {2}, None, print)
+    p = llama_speculative_peer(peer_manifest(target, threads=2, ctx=512), [4], 16, {2}, None,
+                               print)
     assert p.status == "skipped" and LLAMA_CPP_BIN_ENV in p.note
     exe = tmp_path / "bin" / "llama-speculative"
     exe.parent.mkdir()
     exe.write_text("#!/bin/sh\nexit 1\n")
     exe.chmod(0o755)
     monkeypatch.setenv(LLAMA_CPP_BIN_ENV, str(exe.parent))
-    p = llama_speculative_peer(_manifest(target, None), [4], 16, {2}, None, print)
+    p = llama_speculative_peer(peer_manifest(target, threads=2, ctx=512), [4], 16, {2}, None,
+                               print)
     assert p.status == "skipped" and "no draft model" in p.note
     draft = _folder(tmp_path, "d", None)
-    p = llama_speculative_peer(_manifest(target, draft), [4], 16, {2}, None, print)
+    p = llama_speculative_peer(peer_manifest(target, draft, threads=2, ctx=512), [4], 16, {2},
+                               None, print)
     assert p.status == "skipped" and "draft's checkpoint folder" in p.note
 
 
@@ -78,7 +72,7 @@ def test_registered():
     assert all_peers.PEERS["llama-speculative"] is llama_speculative_peer
 
 
-def test_runner_command_and_figures(tmp_path, monkeypatch):
+def test_runner_command_and_figures(tmp_path, monkeypatch, peer_manifest):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     target = _folder(tmp_path, "t", "model-f32.gguf")
@@ -99,8 +93,8 @@ sys.stderr.write(open({str(tmp_path / "sample.txt")!r}).read())
 """)
     exe.chmod(0o755)
     monkeypatch.setenv(LLAMA_CPP_BIN_ENV, str(exe.parent))
-    p = llama_speculative_peer(_manifest(target, draft, threads=3), [2, 4], 5, {151645}, None,
-                               print)
+    p = llama_speculative_peer(peer_manifest(target, draft, threads=3, ctx=512), [2, 4], 5,
+                               {151645}, None, print)
     assert p.status == "ok" and [m.label for m, _ in p.cases] == \
         ["llama-speculative K=2", "llama-speculative K=4"]
     acc: dict = {}

@@ -5,6 +5,7 @@ an absent one."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import qpcbuild
-from qpcbuild.bundle.manifest import leaves, read_manifest, write_manifest
+from qpcbuild.bundle.manifest import MANIFEST, leaves, read_manifest, seal
 from qpcbuild.cli import app
 from qpcbuild.errors import QpcbuildError
 
@@ -34,24 +35,23 @@ def resealed(pristine: Path, tmp: Path, edit) -> Path:
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(pristine, out)
-    m = read_manifest(out)
+    m = json.loads((out / MANIFEST).read_text())
     edit(m)
-    write_manifest(out, m)  # a valid seal over the edited content
+    (out / MANIFEST).write_text(json.dumps(seal(m)))  # a valid seal over the edited content
     return out
 
 
 def swap_artifacts(m):
     t, d = m["roles"]["target"], m["roles"]["draft"]
-    ta, da = t["ort"]["artifact"], d["ort"]["artifact"]
+    ta, da = t["backends"]["onnxruntime"]["artifact"], d["backends"]["onnxruntime"]["artifact"]
     for role, path in ((t, da), (d, ta)):
-        role["ort"]["artifact"] = role["backends"]["onnxruntime"]["artifact"] = path
+        role["backends"]["onnxruntime"]["artifact"] = path
 
 
 def everywhere_ctx_len(n):
     def edit(m):
         m["shapes"]["ctx_len"] = n
         for role in m["roles"].values():
-            role["ort"]["ctx_len"] = n
             role["backends"]["onnxruntime"]["fixed_dims"]["ctx_len"] = n
             for spec in role["specializations"]:
                 spec["symbols"]["ctx_len"] = str(n)
@@ -76,14 +76,13 @@ EDITS = {
     "batch_size 0": (setter("shapes", "batch_size", 0), "shapes.batch_size"),
     "ctx_len as a string": (setter("shapes", "ctx_len", "512"), "shapes.ctx_len"),
     "num_layers 3": (setter("roles", "target", "arch", "num_layers", 3), "num_layers"),
-    "compiled_ks []": (setter("roles", "target", "compiled_ks", []), "compiled_ks"),
+    "num_speculative_tokens []": (setter("speculation", "num_speculative_tokens", []),
+                                  "speculation.num_speculative_tokens"),
     "draft role removed": (lambda m: m["roles"].pop("draft"), "draft"),
     "intra_op_threads 1000000": (setter("roles", "target", "ort", "intra_op_threads", 1000000),
                                  "intra_op_threads"),
     "vocab_size 100": (setter("roles", "target", "arch", "vocab_size", 100), "vocab"),
-    "a K never compiled": (lambda m: [setter("speculation", "num_speculative_tokens", [0, 9])(m),
-                                      setter("roles", "target", "compiled_ks", [0, 9])(m)],
-                           "K=9"),
+    "a K never compiled": (setter("speculation", "num_speculative_tokens", [0, 9]), "K=9"),
     "head_dim 64": (setter("roles", "draft", "arch", "head_dim", 64), "graph does not match"),
     "unknown method": (setter("speculation", "method", "oracle"), "speculation.method"),
     "specializations []": (setter("roles", "draft", "specializations", []), "specializations"),
@@ -126,8 +125,8 @@ def test_a_bundle_with_every_adaptive_field_and_quantized_weights_loads(tmp_path
     result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
                                  str(tmp_path / "cache")] + [a for s in sets for a in ("--set", s)])
     assert result.exit_code == 0, result.output
-    spd = read_manifest(out)["speculation"]
-    assert (spd["policy"], spd["draft_p_min"], spd["k_schedule"]) == ("auto", 0.3, {"1": 4})
+    spd = read_manifest(out).speculation
+    assert (spd.policy, spd.draft_p_min, spd.k_schedule) == ("auto", 0.3, {"1": 4})
     result = runner.invoke(app, ["run", str(out), "--prompt", "def f", "--max-new-tokens", "2"])
     assert result.exit_code == 0, result.output
 
@@ -147,7 +146,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40)
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzzed_manifest_edits_load_or_fail_cleanly(pristine, tmp_path_factory, data):
-    m = read_manifest(pristine)
+    m = json.loads((pristine / MANIFEST).read_text())
     paths = editable_leaves(m)
     path = data.draw(st.sampled_from(paths), label="field")
     value = data.draw(st.one_of(_json, st.integers(-3, 5000)), label="value")
@@ -218,3 +217,35 @@ def test_tune_calibration_refuses_a_same_size_flipped_byte(pristine, tmp_path):
     bundle = flipped(pristine, tmp_path)
     with pytest.raises(BundleError, match="does not match"):
         calibrate(bundle, "draft_model", 4, ["def f"], 2, costs=None, batches=[1])
+
+
+# ---------------------------------------------------------------- the schema and its one copy
+def test_an_older_schema_is_refused_naming_its_version(pristine, tmp_path):
+    """Schema 2 stored K and the shapes several times; this qpcbuild reads schema 3 only, and
+    says so (bad input for this version, exit 2) instead of failing on a missing field."""
+    out = tmp_path / "old"
+    shutil.copytree(pristine, out)
+    m = json.loads((out / MANIFEST).read_text())
+    m["schema"] = 2
+    for role in m["roles"].values():
+        role["compiled_ks"] = m["speculation"]["num_speculative_tokens"]
+    (out / MANIFEST).write_text(json.dumps(seal(m)))
+    for argv in (["run", str(out), "--prompt", "def f", "--max-new-tokens", "2"],
+                 ["inspect", str(out)], ["verify", str(out)]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2, (argv, result.output)
+        assert "manifest schema 2" in result.output and "rebuild" in result.output, result.output
+
+
+def test_the_model_writes_back_exactly_the_json_it_read(pristine):
+    """The typed Manifest is the bundle's contract: reading it and writing it back changes no
+    byte of content, so the bundle id is the one the file carries."""
+    raw = json.loads((pristine / MANIFEST).read_text())
+    m = read_manifest(pristine)
+    assert m.to_json_dict() == raw
+    assert seal(m.to_json_dict())["bundle_id"] == raw["bundle_id"] == m.bundle_id
+    # K and the shapes are recorded once: no role carries its own copy
+    assert all("compiled_ks" not in role and set(role["ort"]) == {"core_share",
+                                                                 "intra_op_threads"}
+               for role in raw["roles"].values())
+    assert m.ks == tuple(raw["speculation"]["num_speculative_tokens"])

@@ -405,7 +405,7 @@ def test_emulated_logits_differ_from_fp32_but_stay_close(bundles, prompt_ids):
     drift = np.abs(emu - exact)
     assert drift.max() > 1e-3  # the emulation is applied
     assert drift.max() < 0.2 * np.abs(exact).max()
-    info = gen.manifest["roles"]["target"]["backends"]["onnxruntime"]
+    info = gen.manifest.to_json_dict()["roles"]["target"]["backends"]["onnxruntime"]
     assert info["numerics"] == "emulated" and info["weights"] == "float32"
     assert info["numerics_formats"] == {"weights": "mxfp6-e2m3-block32", "kv": "mxint8-block32"}
     fp = json.loads((bundles["fp32"] / "manifest.json").read_text())

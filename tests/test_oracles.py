@@ -109,7 +109,7 @@ def test_greedy_output_equals_transformers_generate(case, tmp_path_factory, hf_t
     recipe, overrides = CASES[case]
     gen = qpcbuild.load(build(tmp_path_factory, recipe, *overrides))
     ids = [gen.encode(p) for p in prompts]
-    assert max(map(len, ids)) > 2 * gen.manifest["shapes"]["prefill_seq_len"]
+    assert max(map(len, ids)) > 2 * gen.manifest.shapes.prefill_seq_len
     per_call = len(ids) if gen.decoder.cb else gen.target.batch_size
     got: list[list[int]] = []
     drafts = []

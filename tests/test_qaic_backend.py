@@ -21,6 +21,7 @@ import yaml
 from typer.testing import CliRunner
 
 import qpcbuild.bundle.build as bundle_mod
+import qpcbuild.compile.qaic as qaic_mod
 import qpcbuild.plan as plan_mod
 from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
 from qpcbuild.cache import Cache
@@ -261,7 +262,7 @@ def test_emit_only_writes_compiler_inputs(models, tmp_path, monkeypatch, stand_i
     assert not list(out.rglob("programqpc.bin")) and not list(cache.rglob("programqpc.bin"))
     assert not any(p.name == "qpc" for p in out.rglob("*"))
     assert verify_bundle(out) == []
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     assert m["bundle_id"] == result.bundle_id
     plan = make_plan(load_recipe(recipe))
 
@@ -378,7 +379,7 @@ def test_emit_only_mdp_partition_for_multi_qid_group(models, tmp_path, n):
     assert _compile_sh_args(out / "target" / "qaic" / "compile.sh") == argv[1:]
     assert not list((out / "draft" / "qaic").glob("mdp_ts_*.json"))
     assert not any(a.startswith("-mdp-load-partition-config") for a in plan_argv(recipe, "draft"))
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     assert m["roles"]["target"]["device_group"] == list(range(n))
     assert m["roles"]["target"]["mdp_partition"] == mdp
     assert verify_bundle(out) == []
@@ -424,7 +425,7 @@ def test_stand_in_compiler_gets_the_planned_argv(recipe, tmp_path, stand_in):
         assert graph["size"] == (out / role / "onnx" / "model.onnx").stat().st_size
         assert graph["data_size"] == (out / role / "onnx" / "model.onnx.data").stat().st_size
 
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     assert m["bundle_id"] == result.bundle_id and verify_bundle(out) == []
     for role in ROLES:
         assert (out / role / "qpc" / "programqpc.bin").read_bytes() == \
@@ -457,7 +458,7 @@ def test_cli_finds_the_compiler(recipe, tmp_path, monkeypatch, stand_in, how):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert [c["role"] for c in stand_in.calls] == list(ROLES)
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     assert json.loads(result.stdout)["bundle_id"] == m["bundle_id"]
     for role in ROLES:
         assert m["roles"][role]["backends"]["qaic"]["status"] == "compiled"
@@ -535,14 +536,14 @@ def test_compile_without_a_cache_gives_the_cached_builds_bundle(recipe, tmp_path
     cached = build(recipe, tmp_path / "cache", tmp_path / "one" / "tiny-qaic",
                    compiler=str(stand_in.path))
     copies = []
-    monkeypatch.setattr(bundle_mod, "copy_tree", lambda *a, **kw: copies.append(a))
+    monkeypatch.setattr(qaic_mod, "copy_tree", lambda *a, **kw: copies.append(a))
     out = tmp_path / "two" / "tiny-qaic"
     fresh = build_bundle(make_plan(load_recipe(recipe)), cache=None, out=out,
                          compiler=str(stand_in.path))
     assert [c["role"] for c in stand_in.calls] == [*ROLES, *ROLES]  # compiled again
     assert copies == []  # the QPCs stay where the compiler wrote them
     assert fresh.bundle_id == cached.bundle_id and verify_bundle(out) == []
-    assert read_manifest(out)["files"] == read_manifest(cached.bundle)["files"]
+    assert read_manifest(out).files == read_manifest(cached.bundle).files
 
 
 def test_emit_only_after_compile_does_not_ship_the_cached_qpc(recipe, tmp_path, stand_in):
@@ -551,6 +552,6 @@ def test_emit_only_after_compile_does_not_ship_the_cached_qpc(recipe, tmp_path, 
     out = tmp_path / "two" / "tiny-qaic"
     build(recipe, cache, out, emit_only=True)
     assert not list(out.rglob("programqpc.bin"))
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     assert {m["roles"][r]["backends"]["qaic"]["status"] for r in ROLES} == {"emitted"}
     assert len(stand_in.calls) == 2

@@ -113,7 +113,7 @@ def test_greedy_speculative_decoding_equals_transformers_generate(recipe, bundle
 
 
 def test_draft_and_target_tokenizers_are_identical(bundles):
-    m = read_manifest(bundles["smollm2"])
+    m = read_manifest(bundles["smollm2"]).to_json_dict()
     assert m["tokenizer"]["verdict"] == "identical"
     assert m["roles"]["draft"]["backends"]["onnxruntime"]["weights"] == "int8"
 

@@ -93,7 +93,7 @@ def test_push_pull_round_trip_is_byte_equal_by_tag_and_by_digest(registry, demo_
         out = tmp_path / source.rsplit("/", 1)[-1].replace(":", "-").replace("@", "-")
         result = runner.invoke(app, ["pull", source, "-d", str(out), "--json"])
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["bundle_id"] == read_manifest(demo_bundle)["bundle_id"]
+        assert json.loads(result.stdout)["bundle_id"] == read_manifest(demo_bundle).bundle_id
         assert hash_tree(out) == hash_tree(demo_bundle)  # every file, byte for byte, and modes
         assert verify_bundle(out) == []
 
@@ -101,7 +101,7 @@ def test_push_pull_round_trip_is_byte_equal_by_tag_and_by_digest(registry, demo_
 def test_the_artifact_is_what_stock_oras_expects(registry, demo_bundle):
     push(demo_bundle, f"{registry.address}/team/oras:v1")
     m, _ = oci_manifest(registry, "team/oras", "v1")
-    sealed = read_manifest(demo_bundle)
+    sealed = read_manifest(demo_bundle).to_json_dict()
     titles = {layer["annotations"]["org.opencontainers.image.title"]: layer
               for layer in m["layers"]}
     assert set(titles) == set(sealed["files"]) | {MANIFEST}  # one layer per file
@@ -130,7 +130,7 @@ def test_a_layer_shared_by_two_bundles_is_stored_once(checkout_dir, tmp_path_fac
         push(a, f"{server.address}/team/pair:a")
         stored_a = server.blob_bytes()
         push(b, f"{server.address}/team/pair:b")
-        files_a, files_b = read_manifest(a)["files"], read_manifest(b)["files"]
+        files_a, files_b = read_manifest(a).file_list(), read_manifest(b).file_list()
         known = {f["sha256"] for f in files_a.values()}
         new_in_b = {f["sha256"]: f["size"] for f in files_b.values() if f["sha256"] not in known}
         _, manifest_size = oci_manifest(server, "team/pair", "b")
@@ -146,7 +146,7 @@ def test_a_layer_shared_by_two_bundles_is_stored_once(checkout_dir, tmp_path_fac
 def test_a_tampered_blob_in_the_registry_is_refused_on_pull(registry, demo_bundle, tmp_path):
     ref = f"{registry.address}/team/tampered:v1"
     push(demo_bundle, ref)
-    digest = read_manifest(demo_bundle)["files"]["target/ort/model.onnx.data"]["sha256"]
+    digest = read_manifest(demo_bundle).file_list()["target/ort/model.onnx.data"]["sha256"]
     blob = registry.blob_path(digest)
     original = blob.read_bytes()
     try:
@@ -268,7 +268,7 @@ def test_run_inspect_verify_take_a_reference_and_reuse_the_store(registry, demo_
     stored = tmp_path / "store" / digest.replace(":", "-")
     assert hash_tree(stored) == hash_tree(demo_bundle)
     inspected = runner.invoke(app, ["inspect", ref, "--json"])
-    assert json.loads(inspected.stdout)["bundle_id"] == read_manifest(demo_bundle)["bundle_id"]
+    assert json.loads(inspected.stdout)["bundle_id"] == read_manifest(demo_bundle).bundle_id
     ran = runner.invoke(app, ["run", f"{registry.address}/team/demo@{digest}", "--prompt",
                               "w1 w2 w3", "--max-new-tokens", "4", "--json"])
     assert ran.exit_code == 0, ran.output

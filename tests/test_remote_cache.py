@@ -171,7 +171,7 @@ def test_a_damaged_remote_entry_is_rebuilt_locally(recipe, registry, tmp_path):
     first, _ = compile_json(recipe, tmp_path / "a", tmp_path / "cache-a", "--remote-cache",
                             remote)
     # Flip a byte of the target's ONNX Runtime weights where the registry stores them.
-    digest = read_manifest(tmp_path / "a")["files"]["target/ort/model.onnx.data"]["sha256"]
+    digest = read_manifest(tmp_path / "a").file_list()["target/ort/model.onnx.data"]["sha256"]
     blob = registry.blob_path(digest)
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF

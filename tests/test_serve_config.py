@@ -60,7 +60,7 @@ def _flags(argv: list[str]) -> dict[str, str]:
 
 
 def test_vllm_command_values_match_the_manifest(bundle):
-    m = read_manifest(bundle)
+    m = read_manifest(bundle).to_json_dict()
     res = runner.invoke(app, ["serve-config", str(bundle), "--format", "vllm"])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
@@ -108,7 +108,7 @@ def test_vllm_command_values_match_the_manifest(bundle):
 
 
 def test_docker_env_and_legacy_forms_agree(bundle):
-    m = read_manifest(bundle)
+    m = read_manifest(bundle).to_json_dict()
     docker = shlex.split(runner.invoke(app, ["serve-config", str(bundle), "--format", "docker"])
                          .stdout.splitlines()[-1])
     assert docker[:2] == ["docker", "run"] and "/dev/accel/" in docker

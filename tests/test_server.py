@@ -36,7 +36,7 @@ runner = CliRunner()
 class LiveServer:
     def __init__(self, bundle: Path):
         self.gen = qpcbuild.load(bundle, verify="none")
-        self.name = self.gen.manifest["name"]
+        self.name = self.gen.manifest.name
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

@@ -61,7 +61,7 @@ def test_onnxruntime_recipe_builds_verifies_and_runs(recipe, tmp_path):
                               "--max-new-tokens", "24", "--compare-baseline", "--json"])
     assert ran.exit_code == 0, ran.output
     report = json.loads(ran.stdout)
-    method = read_manifest(out)["speculation"]["method"]
+    method = read_manifest(out).to_json_dict()["speculation"]["method"]
     assert report["method"] == method
     assert len(report["batches"][0]["outputs"][0]["token_ids"]) > 0
     assert report["baseline"]["outputs_match"] is True  # greedy SpD == target-only
@@ -78,7 +78,7 @@ def test_card_recipe_emits_compiler_inputs_with_smoke_weights(recipe, tmp_path):
     try:
         assert built.exit_code == 0, built.output
         assert verify_bundle(out) == []
-        m = read_manifest(out)
+        m = read_manifest(out).to_json_dict()
         for role, info in m["roles"].items():
             q = info["backends"]["qaic"]
             assert q["status"] == "emitted" and info["source"]["smoke_weights"] is True

@@ -32,10 +32,10 @@ def signed(tmp_path_factory):
     for name in ("a", "b"):
         assert runner.invoke(app, ["keygen", str(tmp / name)]).exit_code == 0
     assert oct((tmp / "a").stat().st_mode & 0o777) == "0o600"
-    before = read_manifest(tmp / "bundle")["bundle_id"]
+    before = read_manifest(tmp / "bundle").bundle_id
     result = runner.invoke(app, ["sign", str(tmp / "bundle"), "--key", str(tmp / "a")])
     assert result.exit_code == 0, result.output
-    assert read_manifest(tmp / "bundle")["bundle_id"] == before  # signing leaves the id alone
+    assert read_manifest(tmp / "bundle").bundle_id == before  # signing leaves the id alone
     return tmp / "bundle", tmp
 
 
@@ -91,9 +91,7 @@ def test_a_resealed_edit_keeps_no_valid_signature(signed, tmp_path):
     """The attack the seal cannot stop: edit, re-seal, keep the old signature file."""
     bundle, keys = signed
     copy = copy_of(bundle, tmp_path)
-    m = read_manifest(copy)
-    m["name"] = "trojan"
-    write_manifest(copy, m)
+    write_manifest(copy, read_manifest(copy).model_copy(update={"name": "trojan"}))
     assert runner.invoke(app, ["verify", str(copy)]).exit_code == 0  # the seal is fine
     result = runner.invoke(app, ["verify", str(copy), "--key", str(keys / "a.pub")])
     assert result.exit_code == 1 and "does not match this bundle" in result.output

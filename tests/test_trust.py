@@ -105,7 +105,7 @@ def test_editing_a_manifest_field_is_named_by_verify_and_refused_by_run(demo, fi
 
 def test_added_field_and_edited_id_are_reported(demo):
     out, _ = demo
-    original = read_manifest(out)["bundle_id"]
+    original = read_manifest(out).bundle_id
     edit_manifest(out, lambda m: m.update(extra={"x": 1}))
     assert verify_bundle(out) == ["manifest field added: extra.x"]
     edit_manifest(out, lambda m: m.pop("extra"))
@@ -156,7 +156,7 @@ def test_verify_json_reports_each_problem(demo):
 # ---------------------------------------------------------------- the cache cannot be poisoned
 def test_flipping_a_bundle_byte_never_reaches_the_cache_or_the_next_build(demo, tmp_path):
     out, cache = demo
-    original = read_manifest(out)["bundle_id"]
+    original = read_manifest(out).bundle_id
     for f in out.rglob("*"):
         assert not f.is_file() or f.stat().st_nlink == 1, f"{f} is linked to another file"
     data = out / "target" / "ort" / "model.onnx.data"
@@ -176,7 +176,7 @@ def test_flipping_a_bundle_byte_never_reaches_the_cache_or_the_next_build(demo, 
 
 def test_a_damaged_cache_entry_is_reported_and_rebuilt(demo, tmp_path):
     out, cache = demo
-    original = read_manifest(out)["bundle_id"]
+    original = read_manifest(out).bundle_id
     entry = next((cache / "ort").iterdir())
     victim = next(p for p in entry.rglob("*.data"))
     victim.chmod(0o644)
@@ -259,7 +259,7 @@ def test_no_cache_builds_the_same_bundle_and_leaves_nothing_behind(repo_copy, tm
     assert fresh.exit_code == 0, fresh.output
     assert json.loads(fresh.stdout)["bundle_id"] == json.loads(cached.stdout)["bundle_id"]
     assert verify_bundle(tmp_path / "fresh") == []
-    assert read_manifest(tmp_path / "fresh")["files"] == read_manifest(tmp_path / "cached")["files"]
+    assert read_manifest(tmp_path / "fresh").files == read_manifest(tmp_path / "cached").files
     assert not default_cache.exists() and list(temp.iterdir()) == []
     assert debris(tmp_path / "fresh", default_cache) == []
 
@@ -273,7 +273,7 @@ def test_no_cache_with_smoke_weights_keeps_no_random_checkpoint(repo_copy, tmp_p
     result = runner.invoke(app, ["compile", str(repo_copy / "recipes" / "demo.yaml"), "-o",
                                  str(tmp_path / "smoke"), "--no-cache", "--smoke-weights"])
     assert result.exit_code == 0, result.output
-    assert read_manifest(tmp_path / "smoke")["roles"]["target"]["source"]["smoke_weights"]
+    assert read_manifest(tmp_path / "smoke").target.source.smoke_weights
     assert list(temp.iterdir()) == [] and not (tmp_path / "default-cache").exists()
 
 
@@ -345,7 +345,7 @@ def test_emit_compile_sh_finish_closes_the_hand_off(emitted, tmp_path):
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
     assert verify_bundle(out) == []
-    m = read_manifest(out)
+    m = read_manifest(out).to_json_dict()
     for role in ("target", "draft"):
         q = m["roles"][role]["backends"]["qaic"]
         assert q["status"] == "compiled" and q["qpc_files"] == [f"{role}/qpc/programqpc.bin"]
@@ -380,7 +380,7 @@ def test_finish_by_hand_when_qpcbuild_is_not_on_the_sdk_machines_path(emitted):
     result = runner.invoke(app, ["finish", str(out), "--role", "target"])
     assert result.exit_code == 0, result.output
     assert verify_bundle(out) == []
-    assert read_manifest(out)["roles"]["draft"]["backends"]["qaic"]["status"] == "emitted"
+    assert read_manifest(out).draft.backends.qaic.status == "emitted"
 
 
 def test_finish_refuses_a_missing_or_empty_qpc_naming_the_role(emitted):

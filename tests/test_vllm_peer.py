@@ -13,29 +13,27 @@ from qpcbuild.bench.vllm_peer import VLLM_PYTHON_ENV, vllm_peer
 from qpcbuild.bench.vllm_worker import REPLY
 
 
-def _manifest(tmp_path: Path, draft: bool = True) -> dict:
-    roles = {}
-    for role in ("target", "draft") if draft else ("target",):
-        folder = tmp_path / role
-        folder.mkdir()
-        (folder / "config.json").write_text("{}")
-        roles[role] = {"source": {"path": str(folder)}}
-    return {"roles": roles, "shapes": {"ctx_len": 256}}
+def _checkpoints(tmp_path: Path) -> tuple[Path, Path]:
+    """Folders that pass for a target's and a draft's checkpoint (a config.json each)."""
+    for role in ("target", "draft"):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_text("{}")
+    return tmp_path / "target", tmp_path / "draft"
 
 
-def test_registered_and_skipped_without_the_environment(tmp_path, monkeypatch):
+def test_registered_and_skipped_without_the_environment(tmp_path, monkeypatch, peer_manifest):
     assert all_peers.PEERS["vllm"] is vllm_peer
     monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
-    p = vllm_peer(_manifest(tmp_path), [4], 16, {2}, None, print)
+    p = vllm_peer(peer_manifest(*_checkpoints(tmp_path)), [4], 16, {2}, None, print)
     assert p.status == "skipped" and VLLM_PYTHON_ENV in p.note and not p.cases
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(tmp_path / "nowhere" / "python"))
     other = tmp_path / "other"
     other.mkdir()
-    p = vllm_peer(_manifest(other), [4], 16, {2}, None, print)
+    p = vllm_peer(peer_manifest(*_checkpoints(other)), [4], 16, {2}, None, print)
     assert p.status == "skipped" and "no such program" in p.note
 
 
-def test_worker_protocol_one_engine_at_a_time(tmp_path, monkeypatch):
+def test_worker_protocol_one_engine_at_a_time(tmp_path, monkeypatch, peer_manifest):
     starts = tmp_path / "starts.txt"
     fake = tmp_path / "python"
     fake.write_text(f"""#!{sys.executable}
@@ -55,7 +53,7 @@ for line in sys.stdin:
 """)
     fake.chmod(0o755)
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(fake))
-    manifest = _manifest(tmp_path)
+    manifest = peer_manifest(*_checkpoints(tmp_path))
     p = vllm_peer(manifest, [3], 2, {2}, None, print)
     assert p.status == "ok" and p.version == "0.32.0"
     assert [m.label for m, _ in p.cases] == ["target-only", "draft_model K=3"]
@@ -68,6 +66,6 @@ for line in sys.stdin:
     base([[1]], None)    # another configuration: a restart
     configs = [json.loads(x) for x in starts.read_text().splitlines()]
     assert [c["speculative_config"] for c in configs] == [
-        None, {"method": "draft_model", "model": manifest["roles"]["draft"]["source"]["path"],
+        None, {"method": "draft_model", "model": manifest.draft.source.path,
                "num_speculative_tokens": 3}, None]
     assert all(c["max_model_len"] == 256 for c in configs)

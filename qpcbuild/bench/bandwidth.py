@@ -130,11 +130,11 @@ def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[
     probe_gbs = probe.rates if probe is not None else []
     if not probe_gbs or not decode_tokens_per_s:
         return None
-    arch = gen.manifest["roles"]["target"]["arch"]
+    arch = gen.manifest.target.arch
     g = probe.graph
     new = base_stats.get("new_tokens", 0) / max(1, base_stats.get("requests", 1))
     mean_positions = statistics.fmean(prompt_lengths) + new / 2
-    kv_per_position = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4
+    kv_per_position = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
     kv = kv_per_position * mean_positions
     per_token = g["full_bytes"] + g["indexed_row_bytes"] + kv
     achieved = per_token * decode_tokens_per_s / 1e9

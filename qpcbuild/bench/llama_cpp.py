@@ -14,11 +14,14 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..measuring import Say, _pkg_version
 from .peers import NO_CHECKPOINT, Peer, _local_source
 from .records import Measure
+
+if TYPE_CHECKING:
+    from ..bundle.manifest import Manifest
 
 
 def _gguf(folder: Path | None) -> Path | None:
@@ -34,18 +37,17 @@ TIMING_NOTE = ("tokens/s timed as ours: new tokens over the wall time of each pr
                "generation, prefill included")
 
 
-def _backend_threads(manifest: dict) -> int:
+def _backend_threads(manifest: Manifest) -> int:
     """The CPU threads our ONNX Runtime target session runs with for this bundle (same rule)."""
     from ..runtime.session import thread_count
 
-    ort = manifest["roles"]["target"].get("ort") or {}
-    return thread_count(ort.get("core_share", 1.0), ort.get("intra_op_threads"))
+    ort = manifest.target.ort
+    return thread_count(ort.core_share, ort.intra_op_threads) if ort else thread_count(1.0, None)
 
 
-def _lookup_max_ngram(manifest: dict) -> int:
+def _lookup_max_ngram(manifest: Manifest) -> int:
     """Our prompt-lookup n-gram length (the bundle's, else the proposer's default, 4)."""
-    opts = (manifest.get("speculation") or {}).get("options") or {}
-    return int(opts.get("prompt_lookup_max") or 4)
+    return int(manifest.speculation.options.get("prompt_lookup_max") or 4)
 
 
 def _cut_at_eos(tokens: list[int], eos_ids: set[int], max_new: int) -> list[int]:
@@ -85,7 +87,7 @@ class _CountingDraft:
 
 # Over 80 lines: the library's availability checks, then the runner closures over one loaded
 # model (target-only and prompt lookup), each named.
-def llama_cpp_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+def llama_cpp_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
                    cache_dir: Path | None, say: Say) -> Peer:
     """llama.cpp through llama-cpp-python: target-only decoding and, where the library has its
     `LlamaPromptLookupDecoding` draft class, prompt-lookup decoding at each K. Our prompt token
@@ -109,7 +111,7 @@ def llama_cpp_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int
             lookup = None
     threads = _backend_threads(manifest)
     ngram = _lookup_max_ngram(manifest)
-    ctx = manifest["shapes"]["ctx_len"]
+    ctx = manifest.shapes.ctx_len
     peer = Peer("llama.cpp", "ok", version=version,
                 info={"gguf": str(gguf), "n_threads": threads, "n_threads_batch": threads,
                       "n_ctx": ctx, "sampling": "greedy (temp 0)", "input": "our token ids",
@@ -305,7 +307,7 @@ CLI_TIMING_NOTE = ("prompt given as text (our ids decoded; its prompt token coun
                    "count in tokens/s, the compared output is cut at max-new-tokens")
 
 
-def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+def llama_lookup_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
                       cache_dir: Path | None, say: Say) -> Peer:
     """llama.cpp's own prompt lookup: the `llama-lookup` program, run once per prompt from the
     folder named by $QPCBUILD_LLAMA_CPP_BIN (a llama.cpp build's bin/). Target-only is the same
@@ -325,7 +327,7 @@ def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
         return Peer("llama-lookup", "skipped", why)
     version = _llama_cpp_version(exe)
     threads = _backend_threads(manifest)
-    ctx = manifest["shapes"]["ctx_len"]
+    ctx = manifest.shapes.ctx_len
     peer = Peer("llama-lookup", "ok", version=version,
                 info={"program": str(exe), "gguf": str(gguf), "threads": threads, "n_ctx": ctx,
                       "ngram_sizes": list(LOOKUP_NGRAM), "sampling": "greedy (--temp 0 "
@@ -349,7 +351,7 @@ def llama_lookup_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[
     return peer
 
 
-def llama_speculative_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+def llama_speculative_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
                            cache_dir: Path | None, say: Say) -> Peer:
     """llama.cpp's own draft-model speculative decoding: the `llama-speculative` program from
     $QPCBUILD_LLAMA_CPP_BIN, on the one .gguf in the target's folder and the one in the draft's
@@ -374,7 +376,7 @@ def llama_speculative_peer(manifest: dict, ks: list[int], max_new: int, eos_ids:
         return Peer("llama-speculative", "skipped", why)
     version = _llama_cpp_version(exe)
     threads = _backend_threads(manifest)
-    ctx = manifest["shapes"]["ctx_len"]
+    ctx = manifest.shapes.ctx_len
     peer = Peer("llama-speculative", "ok", version=version,
                 info={"program": str(exe), "target_gguf": str(t_gguf), "draft_gguf": str(d_gguf),
                       "threads": threads, "n_ctx": ctx, "sampling": "greedy (--temp 0 --top-k 1)",

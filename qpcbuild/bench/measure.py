@@ -44,7 +44,7 @@ def _add_stats(acc: dict[str, Any], st: dict[str, Any]) -> None:
 def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int,
                 policy: str | None = None, temperature: float = 0.0) -> Callable:
     target_only = method == "target_only"
-    prefill, ctx_len = gen.manifest["shapes"]["prefill_seq_len"], gen.target.ctx_len
+    prefill, ctx_len = gen.manifest.shapes.prefill_seq_len, gen.target.ctx_len
 
     def run(prompt_ids: list[list[int]], acc: dict[str, Any] | None) -> tuple[list, int, float]:
         outs, tokens, seconds = [], 0, 0.0
@@ -88,16 +88,15 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
 
     say = say or (lambda m: None)
     bundle = Path(bundle)
-    manifest = read_manifest(bundle)
-    for role, path in (model_paths or {}).items():  # in memory only: the peers load from here
-        if role in manifest["roles"]:
-            manifest["roles"][role]["source"]["path"] = str(path)
+    manifest = read_manifest(bundle)  # with model_paths (in memory only: peers load from there)
+    manifest = manifest.with_model_paths({role: path for role, path in (model_paths or {}).items()
+                                          if role in manifest.roles})
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if repeats < 1:
         raise UsageError("--repeats must be at least 1")
-    compiled = sorted(manifest["roles"]["target"]["compiled_ks"])
-    supported = [m for m in OUR_METHODS if m != "draft_model" or "draft" in manifest["roles"]]
+    compiled = sorted(manifest.ks)
+    supported = [m for m in OUR_METHODS if m != "draft_model" or manifest.draft is not None]
     methods = list(methods or supported)
     for m in methods:
         if m not in supported:
@@ -120,7 +119,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     gens = {m: base if m == methods[0] else base.sibling(m) for m in methods}
     gen = base
     batch = gen.target.batch_size
-    ctx_len = manifest["shapes"]["ctx_len"]
+    ctx_len = manifest.shapes.ctx_len
     room = ctx_len - max_new_tokens - 1
     if room < 1:
         raise UsageError(f"--max-new-tokens {max_new_tokens} does not fit ctx_len {ctx_len}")
@@ -350,6 +349,6 @@ def _local_models(target: Path, overrides, bundle: Path) -> dict[str, Path]:
         refs = {"target": r.target.model, "draft": r.draft.model}
         found = {role: Path(resolve_model_path(r, ref)) for role, ref in refs.items() if ref}
     else:
-        found = {role: Path(info["source"]["ref"]).expanduser().resolve()
-                 for role, info in read_manifest(bundle)["roles"].items()}
+        found = {role: Path(info.source.ref).expanduser().resolve()
+                 for role, info in read_manifest(bundle).roles.items()}
     return {role: p for role, p in found.items() if (p / "config.json").is_file()}

@@ -16,10 +16,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..measuring import Say, _pkg_version
 from .records import Measure
+
+if TYPE_CHECKING:
+    from ..bundle.manifest import Manifest
 
 OG_NGRAM_SIZE = 3  # onnxruntime-genai n-gram length (its range is 2..); ours: prompt_lookup 1..4
 
@@ -39,18 +42,16 @@ NO_CHECKPOINT = ("the target's checkpoint folder is not known: a bundle records 
                  "bundle was built with smoke weights")
 
 
-def _local_source(manifest: dict, role: str) -> Path | None:
-    info = manifest["roles"].get(role)
-    if not info:
-        return None
-    path = info["source"].get("path")
-    if path and Path(path).is_dir() and (Path(path) / "config.json").is_file() \
-            and not info["source"].get("smoke_of"):
+def _local_source(manifest: Manifest, role: str) -> Path | None:
+    """The role's checkpoint folder on this machine, when bench was told it."""
+    info = manifest.roles.get(role)
+    path = info and info.source.path
+    if path and Path(path).is_dir() and (Path(path) / "config.json").is_file():
         return Path(path).resolve()  # peers run in folders of their own (vLLM's worker does)
     return None
 
 
-def transformers_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+def transformers_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
                       cache_dir: Path | None, say: Say) -> Peer:
     """Hugging Face transformers + PyTorch on CPU: the route a user would otherwise take."""
     try:
@@ -134,7 +135,7 @@ def _genai_build(src: Path, out: Path, tmp: Path, say: Say) -> None:
         raise RuntimeError("model builder failed: " + " | ".join(tail))
 
 
-def genai_models(manifest: dict, cache_dir: Path | None, say: Say) -> dict[str, Path]:
+def genai_models(manifest: Manifest, cache_dir: Path | None, say: Say) -> dict[str, Path]:
     """Build (once, in the qpcbuild cache) onnxruntime-genai models of the bundle's checkpoints:
     'target', and 'speculative' (the target plus the draft as its `model.draft`)."""
     from ..cache import Cache
@@ -142,7 +143,7 @@ def genai_models(manifest: dict, cache_dir: Path | None, say: Say) -> dict[str, 
 
     roles = {r: _local_source(manifest, r) for r in ("target", "draft")}
     key = digest({"genai": _pkg_version("onnxruntime-genai"), "precision": "fp32",
-                  **{r: manifest["roles"][r]["source"].get("weights_digest")
+                  **{r: manifest.roles[r].source.weights_digest
                      for r in roles if roles[r]}, "paths": {r: str(p) for r, p in roles.items()}})
 
     def build(tmp: Path) -> dict[str, Any]:
@@ -175,7 +176,7 @@ def genai_models(manifest: dict, cache_dir: Path | None, say: Say) -> dict[str, 
     return out
 
 
-def ort_genai_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+def ort_genai_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
                    cache_dir: Path | None, say: Say) -> Peer:
     """onnxruntime-genai on the same checkpoints: its model builder, then its Generator loop."""
     try:

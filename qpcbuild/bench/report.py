@@ -170,7 +170,7 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                           "qpcbuild_draft": getattr(gen.draft, "threads", None)}
     return {
         "schema": REPORT_SCHEMA, "tool": "qpcbuild bench", "qpcbuild_version": __version__,
-        "bundle": str(bundle), "bundle_id": manifest["bundle_id"], "name": manifest["name"],
+        "bundle": str(bundle), "bundle_id": manifest.bundle_id, "name": manifest.name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine,
         "settings": {"prompt_set": prompt_label, "prompts": len(prompt_ids),
@@ -181,10 +181,10 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                      "gc": "cyclic garbage collection off inside timed calls, run between "
                            "them (as timeit does)",
                      "ks": ks, "methods": methods, "greedy": True,
-                     "batch_size": manifest["shapes"]["batch_size"],
-                     "ctx_len": manifest["shapes"]["ctx_len"],
-                     "prefill_seq_len": manifest["shapes"]["prefill_seq_len"],
-                     "compiled_ks": manifest["roles"]["target"]["compiled_ks"],
+                     "batch_size": manifest.shapes.batch_size,
+                     "ctx_len": manifest.shapes.ctx_len,
+                     "prefill_seq_len": manifest.shapes.prefill_seq_len,
+                     "compiled_ks": list(manifest.ks),
                      "target_only_k": base.k,
                      "tokens_per_s": "new tokens / wall time of the generate calls (prefill "
                                      "included); mean and std over repeats",

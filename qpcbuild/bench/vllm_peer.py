@@ -16,11 +16,14 @@ import subprocess
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..measuring import Say
 from .peers import NO_CHECKPOINT, Peer, _local_source
 from .records import Measure
+
+if TYPE_CHECKING:
+    from ..bundle.manifest import Manifest
 
 VLLM_PYTHON_ENV = "QPCBUILD_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -83,7 +86,7 @@ class _Workers:
         return proc
 
 
-def vllm_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
+def vllm_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
               cache_dir: Path | None, say: Say) -> Peer:
     python = os.environ.get(VLLM_PYTHON_ENV)
     if not python:
@@ -103,7 +106,7 @@ def vllm_peer(manifest: dict, ks: list[int], max_new: int, eos_ids: set[int],
                        if x.startswith(REPLY))
     except (OSError, subprocess.SubprocessError, StopIteration, ValueError) as exc:
         return Peer("vllm", "skipped", f"{python_path} cannot import vllm ({type(exc).__name__})")
-    ctx = manifest["shapes"]["ctx_len"]
+    ctx = manifest.shapes.ctx_len
     workers = _Workers(python_path, Path(tempfile.mkdtemp(prefix="qpcbuild-vllm-")))
     peer = Peer("vllm", "ok", version=version,
                 info={"python": str(python_path), "target": str(target),

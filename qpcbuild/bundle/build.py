@@ -16,25 +16,23 @@ from typing import Any, Callable
 import yaml
 
 from .. import __version__
-from ..cache import META, Cache, DeliveredFiles, ScratchCache
-from ..compile import BuildContext, get_backend
+from ..cache import Cache, DeliveredFiles, ScratchCache
+from ..compile import Backend, BuildContext, get_backend
 from ..errors import UsageError
 from ..export import export_model
-from ..plan import (EXPORTER_VERSION, ORT_LOWERING_VERSION, BuildPlan, RolePlan, digest,
-                    find_compiler)
+from ..plan import EXPORTER_VERSION, BuildPlan, RolePlan, digest
 from ..recipe import recipe_relative
 from ..source import (resolve, safetensors_files, tokenizer_files,
                       weights_missing_message)
-from ..toolchain import artifact_versions, compiler_identity
-from ..tree import copy_tree, hash_tree
+from ..toolchain import artifact_versions
+from ..tree import hash_tree
 from ..vocab_subset import read_vocab_subset, subset_digest
-from .manifest import MANIFEST_SCHEMA, UNSEALED_FILES, write_manifest
+from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 from .staging import publish, refuse_to_replace, remove_debris, staging_folder
 
 SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 # (stage, "reused" | "pulled" | "built", seconds); stages also say "from": local | remote | built
 Progress = Callable[[str, str, float], None]
-CACHE_KIND = {"export": "exports", "onnxruntime": "ort", "qaic": "qpc"}  # stage -> cache kind
 
 
 @dataclass
@@ -50,8 +48,9 @@ class BuildResult:
 
 
 # ---------------------------------------------------------------- cache keys
-def artifact_key_inputs(role: RolePlan, weights_digest: str,
-                        compiler: str | None) -> dict[str, dict[str, Any]]:
+def artifact_key_inputs(role: RolePlan, weights_digest: str, backends: dict[str, Backend],
+                        compiler: str | None = None,
+                        emit_only: bool = False) -> dict[str, dict[str, Any]]:
     """What each artifact's cache key is the digest of: the plan's settings, the weights'
     content and the tools' versions (kept with the entry, so two keys can be compared)."""
     # (the export's digest is its key; the backends' keys include it)
@@ -60,11 +59,8 @@ def artifact_key_inputs(role: RolePlan, weights_digest: str,
               "qpcbuild": __version__, "exporter": EXPORTER_VERSION,
               "onnx": tools["onnx"], "numpy": tools["numpy"]}
     return {"export": export,
-            "onnxruntime": {"export": digest(export), "settings": role.cache_keys["onnxruntime"],
-                            "lowering": ORT_LOWERING_VERSION,
-                            "onnxruntime": tools["onnxruntime"], "onnx": tools["onnx"]},
-            "qaic": {"export": digest(export), "settings": role.cache_keys["qaic"],
-                     "sdk": tools["qaic_sdk"], "compiler": compiler_identity(compiler)}}
+            **{name: b.key_inputs(role, digest(export), tools, compiler, emit_only)
+               for name, b in backends.items()}}
 
 
 def weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:
@@ -98,7 +94,7 @@ def _check_output(out: Path) -> None:
 
 # ---------------------------------------------------------------- the manifest
 def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dict],
-              tools: dict, files: dict) -> dict[str, Any]:
+              tools: dict, files: dict, extra: dict[str, Any]) -> Manifest:
     r = plan.recipe
     roles = {}
     for rp in plan.roles:
@@ -109,17 +105,20 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
                        "weights_digest": exports[rp.role]["weights_digest"],
                        "smoke_weights": bool(src["smoke_of"])},
             "arch": rp.arch.to_dict(), "io": rp.io, "specializations": rp.specializations,
-            "compiled_ks": list(rp.ks), "num_cores": rp.num_cores,
+            "num_cores": rp.num_cores,
             "device_group": rp.device_group,
             "precision": {"weights": r.precision.quantization, "kv_cache": r.precision.kv_cache_dtype,
                           "export_dtype": r.precision.export_dtype},
-            "mdp_partition": rp.mdp_partition, "ort": rp.ort,
+            "mdp_partition": rp.mdp_partition,
+            # How the runtime drives the artifact; its shapes and format are recorded once,
+            # in `shapes` and in backends.onnxruntime.
+            "ort": {k: rp.ort[k] for k in ("core_share", "intra_op_threads")},
             "backends": {name: b[rp.role] for name, b in backends.items()},
         }
         if rp.vocab_subset:  # the ids live in the graph; the manifest says which set it was
             roles[rp.role]["vocab_subset"] = {k: rp.vocab_subset[k] for k in ("ref", "size",
                                                                                "sha256")}
-    return {
+    raw = {
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
                         "num_speculative_tokens": list(plan.ks), **runtime_speculation(r)},
@@ -128,7 +127,9 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
         "tokenizer": {"files": "tokenizer/", **plan.tokenizer},
         "toolchain": tools,
         "files": files,
+        **extra,
     }
+    return Manifest.unsealed(raw)
 
 
 def runtime_speculation(r) -> dict:
@@ -215,8 +216,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         cache = cache or ScratchCache(staging / SCRATCH)
         cache.ensure_usable()
         cache.remove_debris()
-        ctx = BuildContext(plan, staging, emit_only, compiler)
         delivered = DeliveredFiles(staging)  # what the cache put here, with checked digests
+        ctx = BuildContext(plan, staging, emit_only, compiler, delivered)
         tool = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
         keys: dict[str, dict[str, str]] = {}
         inputs: dict[str, dict[str, dict[str, Any]]] = {}
@@ -228,8 +229,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
             ref = r.target if role.role == "target" else r.draft
             allow_pickle = ref.allow_pickle
             inputs[role.role] = artifact_key_inputs(
-                role, cache.weights_digest(weight_files(role, allow_pickle)),
-                find_compiler(compiler)[0] if "qaic" in backends and not emit_only else None)
+                role, cache.weights_digest(weight_files(role, allow_pickle)), backends, compiler,
+                emit_only)
             keys[role.role] = {stage: digest(i) for stage, i in inputs[role.role].items()}
             src = resolve(role.source["path"], role.source["revision"], allow_known=False)
 
@@ -255,11 +256,13 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
 
             onnx_dirs[role.role] = lambda: graph(time.perf_counter())[0] / "onnx"
             # When every artifact made from the graph is cached and the bundle does not carry
-            # the graph (no qaic), the entry's record is enough: a new runner does not fetch
-            # a graph it would not use. A backend that must rebuild after all fetches it then.
-            made = [(CACHE_KIND[b], keys[role.role][b]) for b in backends if wanted(b, role.role)]
+            # the graph, the entry's record is enough: a new runner does not fetch a graph it
+            # would not use. A backend that must rebuild after all fetches it then.
+            made = [(b.cache_kind, keys[role.role][name]) for name, b in backends.items()
+                    if wanted(name, role.role)]
             meta = None
-            if made and "qaic" not in backends and all(cache.has(*m) for m in made):
+            if made and not any(b.ships_graph for b in backends.values()) and \
+                    all(cache.has(*m) for m in made):
                 meta = cache.record_meta("exports", key)
             if meta is None:
                 return role.role, graph()[1]
@@ -274,41 +277,19 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         built: dict[str, dict[str, Any]] = {name: {} for name in backends}
         for rp in roles:
             todo = {name: b for name, b in backends.items() if wanted(name, rp.role)}
-            onnx_dir = staging / rp.role / "onnx"
-            if "qaic" in todo:  # the bundle carries the graph; every backend builds from it
+            if any(b.ships_graph for b in todo.values()):  # every backend builds from it
+                onnx_dir = staging / rp.role / "onnx"
                 cache.deliver(onnx_dirs[rp.role](), onnx_dir, known=delivered)
                 onnx_dirs[rp.role] = lambda onnx_dir=onnx_dir: onnx_dir
             for name, backend in todo.items():
                 t0 = time.perf_counter()
-                key, kind = keys[rp.role][name], CACHE_KIND[name]
-                if name == "qaic" and (emit_only or not cache.keeps):
-                    # (without a cache the QPC stays where the compiler wrote it: no copy)
-                    info, reused = backend.build(ctx, rp, onnx_dir), False
-                elif name == "qaic":
-                    # The compiler runs in the staging bundle (its paths are bundle-relative);
-                    # the cache keeps the QPC and its log.
-                    def keep_qpc(tmp: Path, rp=rp, backend=backend) -> dict[str, Any]:
-                        result = backend.build(ctx, rp, onnx_dir)
-                        for part in ("qpc", "logs"):
-                            copy_tree(staging / rp.role / part, tmp / rp.role / part)
-                        return result
-
-                    entry, info, reused = cache.get_or_build("qpc", key, keep_qpc,
-                                                             inputs[rp.role][name])
-                    if reused:
-                        backend.write_inputs(ctx, rp)
-                        cache.deliver(entry, staging, skip=(META,), known=delivered)
-                else:
-                    def build_ort(tmp: Path, rp=rp, backend=backend) -> dict[str, Any]:
-                        return backend.build(BuildContext(plan, tmp, emit_only, compiler), rp,
-                                             onnx_dirs[rp.role]())
-
-                    entry, info, reused = cache.get_or_build("ort", key, build_ort,
-                                                             inputs[rp.role][name])
-                    cache.deliver(entry, staging, skip=(META,), known=delivered)
+                key = keys[rp.role][name]
+                info, reused = backend.build_cached(ctx, rp, cache, key, inputs[rp.role][name],
+                                                    onnx_dirs[rp.role])
                 built[name][rp.role] = info
-                record(f"{name} {rp.role}" + (" (emit only)" if name == "qaic" and emit_only
-                                             else ""), reused, t0, cache.origin(kind, key, reused))
+                record(f"{name} {rp.role}" + (" (emit only)" if info.get("status") == "emitted"
+                                             else ""), reused, t0,
+                       cache.origin(backend.cache_kind, key, reused))
         if units is not None:  # the units are in the cache; no bundle is assembled
             return BuildResult(None, None, time.perf_counter() - start, stages)
 
@@ -321,9 +302,8 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         known = delivered.unchanged()  # hashed by the cache already: not read again
         files = hash_tree(staging, exclude=[*UNSEALED_FILES, *known], what=f"hashing {out}")
         files = dict(sorted({**files, **known}.items()))
-        manifest = _manifest(plan, exports, built,
-                             {**artifact_versions(), "backends": tool}, files)
-        manifest.update(manifest_extra or {})
-        manifest = write_manifest(staging, manifest)
+        manifest = write_manifest(staging, _manifest(
+            plan, exports, built, {**artifact_versions(), "backends": tool}, files,
+            manifest_extra or {}))
         publish(staging, out)
-    return BuildResult(out, manifest["bundle_id"], time.perf_counter() - start, stages)
+    return BuildResult(out, manifest.bundle_id, time.perf_counter() - start, stages)

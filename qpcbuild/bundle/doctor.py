@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import BundleError, UsageError
 from ..export.graph_form import graph_form
+from .manifest import Manifest, RoleIO
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "qefficient_dialect.json"
 
@@ -141,7 +142,7 @@ def check_model(model, ref: dict[str, Any] | None = None) -> tuple[dict[str, Any
     return form, findings
 
 
-def check_graph(path: Path, io: dict | None = None) -> dict[str, Any]:
+def check_graph(path: Path, io: RoleIO | None = None) -> dict[str, Any]:
     """One ONNX file; `io`: the manifest's I/O signature of its role, checked against it."""
     import numpy as np
     import onnx
@@ -155,13 +156,13 @@ def check_graph(path: Path, io: dict | None = None) -> dict[str, Any]:
     form, findings = check_model(model)
     if io is not None:
         dtypes = form["io_dtypes"]
-        for entry in [*io.get("inputs", []), *io.get("outputs", [])]:
-            have = dtypes.get(entry["name"])
-            want = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(entry["dtype"]))
+        for entry in [*io.inputs, *io.outputs]:
+            have = dtypes.get(entry.name)
+            want = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(entry.dtype))
             if have is None:
-                findings.append(f"the manifest lists I/O {entry['name']}, the graph has none")
+                findings.append(f"the manifest lists I/O {entry.name}, the graph has none")
             elif have != want:
-                findings.append(f"I/O {entry['name']}: the manifest says {entry['dtype']}, the "
+                findings.append(f"I/O {entry.name}: the manifest says {entry.dtype}, the "
                                 f"graph {onnx.helper.tensor_dtype_to_np_dtype(have)}")
     return {"graph": str(path), "opsets": form["opsets"],
             "functions": {name: {k: f[k] for k in ("domain", "inputs", "attributes",
@@ -171,7 +172,7 @@ def check_graph(path: Path, io: dict | None = None) -> dict[str, Any]:
             "findings": findings}
 
 
-def doctor(target: Path, manifest: dict | None) -> dict[str, Any]:
+def doctor(target: Path, manifest: Manifest | None) -> dict[str, Any]:
     """A bundle (with its manifest) or, with `manifest` None, one loose .onnx file."""
     if manifest is None:
         try:
@@ -181,10 +182,10 @@ def doctor(target: Path, manifest: dict | None) -> dict[str, Any]:
         return {"graph": str(target), "roles": {"graph": report}, "checked": 1,
                 "clean": not report["findings"]}
     roles = {}
-    for role, entry in manifest["roles"].items():
+    for role, entry in manifest.roles.items():
         graph = target / role / "onnx" / "model.onnx"
         if graph.is_file():
-            roles[role] = check_graph(graph, entry.get("io"))
+            roles[role] = check_graph(graph, entry.io)
         else:
             roles[role] = {"graph": None, "findings": [], "note": "no card graph: the bundle was "
                            "built without the qaic backend (add qaic to backends, or "

@@ -11,14 +11,14 @@ import fcntl
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from .. import __version__
-from ..compile.qaic import QPC_FILE
+from ..compile.qaic import QPC_FILE, QaicBackend
 from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import hash_tree
-from .manifest import changed_fields, read_manifest, write_manifest
+from .manifest import Manifest, SealedManifest, write_manifest
 from .verify import actual_files, compare_files
 
 ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
@@ -38,7 +38,7 @@ def _hash_folders(bundle: Path, folders: tuple[str, ...]) -> dict[str, dict]:
 
 
 def finish_bundle(bundle: Path, roles: list[str] | None = None,
-                  compiler: str | None = None) -> dict[str, Any]:
+                  compiler: str | None = None) -> Manifest:
     """Record each role's QPC (files, digests, log, SDK versions), mark it compiled, re-seal.
     Returns the new manifest. Finishes of one bundle take turns (two compile.sh run at once,
     one per role, each end in a finish): each reads the manifest the other wrote."""
@@ -64,9 +64,10 @@ def _locked(bundle: Path) -> Iterator[None]:
 
 
 def _finish(bundle: Path, roles: list[str] | None,
-            compiler_id: dict[str, str] | None) -> dict[str, Any]:
-    m = read_manifest(bundle)
-    qaic_roles = [r for r, info in m["roles"].items() if "qaic" in info["backends"]]
+            compiler_id: dict[str, str] | None) -> Manifest:
+    sealed = SealedManifest(bundle)
+    m = sealed.checked()
+    qaic_roles = [r for r, info in m.roles.items() if info.backends.qaic is not None]
     if not qaic_roles:
         raise UsageError(f"{bundle}: not built for the qaic backend; there is no QPC to finish")
     roles = roles or qaic_roles
@@ -77,7 +78,7 @@ def _finish(bundle: Path, roles: list[str] | None,
     adopting = tuple(f"{role}/{part}" for role in roles for part in ADOPTED)
     # Another role's QPC that is not finished yet stays out of this manifest.
     pending = tuple(f"{role}/{part}" for role in qaic_roles if role not in roles
-                    and m["roles"][role]["backends"]["qaic"].get("status") != "compiled"
+                    and m.roles[role].backends.qaic.status != "compiled"
                     for part in ADOPTED)
     # Only what compile.sh wrote is hashed (the QPCs and logs: the rest of the bundle is
     # sealed and may be tens of GB); the rest must be present with its sealed sizes (`verify`
@@ -86,8 +87,8 @@ def _finish(bundle: Path, roles: list[str] | None,
         found = {**actual_files(bundle, fast=True), **_hash_folders(bundle, adopting)}
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
         raise BundleError(f"{bundle} cannot be finished: {exc}") from None
-    problems = [p for p in changed_fields(m) + compare_files(m["files"], found, fast=True,
-                                                              adopting=adopting + pending)
+    problems = [p for p in sealed.changed_fields() + compare_files(sealed.files, found, fast=True,
+                                                                   adopting=adopting + pending)
                 if not any(f": {folder}/" in p for folder in adopting)]
     if problems:
         raise BundleError(f"{bundle} does not match its manifest, so it cannot be finished: "
@@ -99,18 +100,13 @@ def _finish(bundle: Path, roles: list[str] | None,
             raise BundleError(f"the {role} QPC {state} ({role}/qpc/{QPC_FILE}); run "
                               f"`bash {role}/qaic/compile.sh` in the bundle on a machine with the "
                               "Cloud AI SDK first")
-    files = {p: meta if _under(p, adopting) else m["files"][p] for p, meta in found.items()
+    files = {p: meta if _under(p, adopting) else sealed.files[p] for p, meta in found.items()
              if not _under(p, pending)}
     sdk = qaic_sdk_versions()
-    for role in roles:
-        entry = m["roles"][role]["backends"]["qaic"]
-        log = f"{role}/logs/qaic-compile.log"
-        entry.update({"status": "compiled", "qpc": f"{role}/qpc",
+    entries = {role: {"status": "compiled", "qpc": f"{role}/qpc",
                       "qpc_files": sorted(p for p in files if p.startswith(f"{role}/qpc/")),
-                      "log": log if log in files else None,
+                      "log": log if (log := f"{role}/logs/qaic-compile.log") in files else None,
                       "compiler": compiler_id,
-                      "sdk": sdk, "finished_by": f"qpcbuild {__version__}"})
-    if sdk is not None:
-        m["toolchain"]["qaic_sdk"] = sdk
-    m["files"] = files
-    return write_manifest(bundle, m)
+                      "sdk": sdk, "finished_by": f"qpcbuild {__version__}"} for role in roles}
+    return write_manifest(bundle, m.with_built(QaicBackend.name, entries, files,
+                                               {} if sdk is None else {"qaic_sdk": sdk}))

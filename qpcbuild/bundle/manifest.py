@@ -18,16 +18,16 @@ import hashlib
 import json
 import re
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import Any, Iterator
 
 from ..errors import BundleError, UsageError
+# The typed model, importable from here too (readers need only this module's name).
+from .manifest_model import (MANIFEST_SCHEMA, GraphIO, Manifest, OrtBackend,  # noqa: F401
+                             QaicBackend, Role, RoleIO)
 
 MANIFEST = "manifest.json"
 SIGNATURES = "signatures.json"  # beside the manifest, outside what it seals (signature.py)
 UNSEALED_FILES = (MANIFEST, SIGNATURES)  # the bundle's files its file list leaves out
-MANIFEST_SCHEMA = 2
 SEAL_ALGORITHM = "sha256-canonical-json"
 UNSEALED = ("bundle_id", "seal")
 # Keys whose string values are paths inside the bundle (files or folders).
@@ -88,13 +88,13 @@ def changed_fields(manifest: dict[str, Any]) -> list[str]:
                      "(the content itself matches the seal)"]
 
 
-def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(folder: Path, manifest: "Manifest") -> "Manifest":
     """Seal and write atomically; returns the sealed manifest."""
-    sealed = seal(manifest)
+    sealed = seal(manifest.to_json_dict())
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(sealed, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     tmp.replace(folder / MANIFEST)
-    return sealed
+    return Manifest.check(sealed, str(folder / MANIFEST))
 
 
 # ---------------------------------------------------------------- reading
@@ -153,203 +153,8 @@ def check_structure(m: Any, source: str) -> None:
                               "bundle's files")
 
 
-# ---------------------------------------------------------------- the typed manifest
-# What the runtime relies on, typed and bounded. The seal says a manifest was not changed since
-# it was sealed, not that what was sealed is sane: anyone who can write a bundle can re-seal an
-# edit, so every value a reader acts on is checked here before anything is loaded. Fields not
-# declared are kept (extra="allow"), so readers can move onto this model one at a time.
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
-
-
-class Shapes(_Part):
-    batch_size: int = Field(ge=1, le=4096)
-    full_batch_size: Optional[int] = Field(default=None, ge=1, le=4096)
-    prefill_seq_len: int = Field(ge=1)
-    ctx_len: int = Field(ge=2, le=1 << 21)
-
-    @property
-    def kv_batch(self) -> int:
-        """Rows of the KV cache: the continuous-batching slots, else the batch size."""
-        return self.full_batch_size or self.batch_size
-
-
-class Speculation(_Part):
-    method: Literal["draft_model", "ngram", "suffix"]
-    options: dict[str, Any] = {}
-    num_speculative_tokens: list[int] = Field(min_length=1)
-    # docs/adaptive.md; absent in bundles built with the defaults
-    policy: Literal["auto", "fixed", "off"] = "fixed"
-    draft_p_min: float = Field(default=0.0, ge=0, le=1)
-    k_schedule: Optional[dict[str, int]] = None  # live batch size (as text) -> K
-
-    @field_validator("k_schedule")
-    @classmethod
-    def _batch_sizes(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
-        bad = [b for b in v or {} if not (b.isascii() and b.isdigit() and 0 < int(b) <= 4096)]
-        if bad:
-            raise ValueError(f"batch size {bad[0]!r} must be a whole number in 1..4096")
-        return v
-
-
-class Arch(_Part):
-    num_layers: int = Field(ge=1, le=1024)
-    num_kv_heads: int = Field(ge=1, le=4096)
-    head_dim: int = Field(ge=1, le=65536)
-    vocab_size: int = Field(ge=1, le=1 << 24)
-    param_count: int = Field(ge=0)
-    eos_token_ids: list[int]
-
-
-class Specialization(_Part):
-    name: str
-    symbols: dict[str, str]
-
-    @field_validator("symbols")
-    @classmethod
-    def _sizes(cls, v: dict[str, str]) -> dict[str, str]:
-        missing = {"batch_size", "seq_len", "ctx_len"} - set(v)
-        if missing:
-            raise ValueError(f"lacks {', '.join(sorted(missing))}")
-        bad = [k for k, n in v.items() if not (n.isascii() and n.isdigit() and 0 < int(n) < 1 << 24)]
-        if bad:
-            raise ValueError(f"{bad[0]} must be a positive whole number, got {v[bad[0]]!r}")
-        return v
-
-    def size(self, symbol: str) -> int:
-        return int(self.symbols[symbol])
-
-
-class OrtRole(_Part):
-    artifact: str
-    batch_size: int = Field(ge=1)
-    ctx_len: int = Field(ge=2)
-    core_share: float = Field(gt=0, le=1)
-    intra_op_threads: Optional[int] = Field(default=None, ge=1, le=1024)
-
-
-class OrtBackend(_Part):
-    status: Literal["compiled"]
-    artifact: str
-    kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
-    weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
-
-
-class QaicBackend(_Part):
-    status: Literal["emitted", "compiled"]
-    qpc: Optional[str] = None
-
-
-class Backends(_Part):
-    onnxruntime: Optional[OrtBackend] = None
-    qaic: Optional[QaicBackend] = None
-
-
-class Role(_Part):
-    arch: Arch
-    specializations: list[Specialization] = Field(min_length=1)
-    compiled_ks: list[int]
-    ort: Optional[OrtRole] = None
-    backends: Backends
-
-
-class TokenizerInfo(_Part):
-    verdict: str
-
-
-class Manifest(_Part):
-    """A bundle's manifest, checked field by field and across fields (see _disagreements)."""
-
-    schema_version: Literal[2] = Field(alias="schema")
-    bundle_id: str = Field(pattern=r"^[0-9a-f]{64}$")
-    name: str = Field(min_length=1)
-    speculation: Speculation
-    shapes: Shapes
-    roles: dict[Literal["target", "draft"], Role]
-    tokenizer: TokenizerInfo
-
-    @classmethod
-    def check(cls, raw: dict[str, Any], source: str) -> "Manifest":
-        """The typed manifest, or BundleError naming the first field that is wrong."""
-        try:
-            m = cls.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors(include_url=False, include_input=False)[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise BundleError(f"{source}: manifest field {where}: {first['msg']}") from None
-        problems = m._disagreements()
-        if problems:
-            raise BundleError(f"{source}: the manifest contradicts itself: "
-                              + "; ".join(problems[:3]))
-        return m
-
-    def _disagreements(self) -> list[str]:
-        out: list[str] = []
-        shapes, ks = self.shapes, self.speculation.num_speculative_tokens
-        if "target" not in self.roles:
-            out.append("roles has no target")
-            return out
-        if (self.speculation.method == "draft_model") != ("draft" in self.roles):
-            out.append(f"speculation.method {self.speculation.method} "
-                       + ("needs a draft role" if "draft" not in self.roles else
-                          "takes no draft role"))
-        target = self.roles["target"]
-        if target.compiled_ks != ks:
-            out.append(f"roles.target.compiled_ks {target.compiled_ks} differs from "
-                       f"speculation.num_speculative_tokens {ks}")
-        if ks != sorted(set(ks)) or ks[0] < 0 or ks[-1] + 1 >= shapes.ctx_len:
-            out.append(f"speculation.num_speculative_tokens {ks}: expected distinct Ks in "
-                       f"increasing order, each in 0..{shapes.ctx_len - 2}")
-        schedule = self.speculation.k_schedule or {}
-        off_list = {b: k for b, k in schedule.items() if k not in ks}
-        if off_list:
-            b, k = next(iter(off_list.items()))
-            out.append(f"speculation.k_schedule {b}: K={k} is not among "
-                       f"speculation.num_speculative_tokens {ks}")
-        if shapes.prefill_seq_len > shapes.ctx_len:
-            out.append(f"shapes.prefill_seq_len {shapes.prefill_seq_len} exceeds ctx_len "
-                       f"{shapes.ctx_len}")
-        if "draft" in self.roles and self.roles["draft"].arch.vocab_size > \
-                target.arch.vocab_size:
-            out.append("roles.draft.arch.vocab_size exceeds the target's")
-        for name, role in self.roles.items():
-            out += _role_disagreements(name, role, shapes, ks if name == "target" else [])
-        return out
-
-
-def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) -> list[str]:
-    where, out = f"roles.{name}", []
-    for spec in role.specializations:
-        if spec.size("ctx_len") != shapes.ctx_len:
-            out.append(f"{where}.specializations {spec.name}: ctx_len {spec.size('ctx_len')} "
-                       f"is not shapes.ctx_len {shapes.ctx_len}")
-        if spec.size("batch_size") not in (1, shapes.batch_size, shapes.kv_batch):
-            out.append(f"{where}.specializations {spec.name}: batch_size "
-                       f"{spec.size('batch_size')} is not the bundle's")
-    seq_lens = {spec.size("seq_len") for spec in role.specializations}
-    missing = [k for k in ks if k + 1 not in seq_lens]
-    if missing:
-        out.append(f"{where}.specializations: none decodes K={missing[0]} (seq_len "
-                   f"{missing[0] + 1})")
-    ort = role.backends.onnxruntime
-    if ort is not None and (role.ort is None or role.ort.artifact != ort.artifact):
-        out.append(f"{where}.ort.artifact is not backends.onnxruntime.artifact")
-    if role.backends.qaic is not None and role.backends.qaic.status == "compiled" and \
-            not role.backends.qaic.qpc:
-        out.append(f"{where}.backends.qaic: compiled, but names no qpc")
-    if role.ort is not None and (role.ort.ctx_len, role.ort.batch_size) != \
-            (shapes.ctx_len, shapes.kv_batch):
-        out.append(f"{where}.ort: built for ctx_len {role.ort.ctx_len}, batch "
-                   f"{role.ort.batch_size}; shapes say {shapes.ctx_len}, {shapes.kv_batch}")
-    if any(not 0 <= e < role.arch.vocab_size for e in role.arch.eos_token_ids):
-        out.append(f"{where}.arch.eos_token_ids: outside the vocabulary")
-    return out
-
-
-def read_manifest(bundle: Path, check_values: bool = True) -> dict[str, Any]:
-    """The manifest of a bundle folder, structurally checked and (check_values) its values
-    checked by the typed Manifest. Verification turns the value check off, to report a broken
-    seal first: an edit that was not re-sealed is named by the field it changed."""
+def _read_json(bundle: Path) -> dict[str, Any]:
+    """The manifest of a bundle folder as JSON, structurally checked (not its values)."""
     bundle = Path(bundle)
     path = bundle / MANIFEST
     # A wrong argument is bad input (exit 2); a damaged bundle is a bundle failure (exit 1).
@@ -364,12 +169,53 @@ def read_manifest(bundle: Path, check_values: bool = True) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise BundleError(f"{path}: corrupted manifest ({exc})") from None
     schema = manifest.get("schema") if isinstance(manifest, dict) else None
+    if isinstance(schema, int) and not isinstance(schema, bool) and 0 < schema < MANIFEST_SCHEMA:
+        # An older qpcbuild's bundle: a usage problem (which qpcbuild reads it), not damage.
+        raise UsageError(f"{path}: manifest schema {schema} was written by an older qpcbuild; "
+                         f"this one reads schema {MANIFEST_SCHEMA} only (schema 3 records the "
+                         "compiled Ks and shapes once): rebuild the bundle from its recipe.yaml "
+                         "with this qpcbuild")
     if schema != MANIFEST_SCHEMA:
-        hint = "; rebuild it with this qpcbuild" if isinstance(schema, int) and \
-            schema < MANIFEST_SCHEMA else ""
         raise BundleError(f"{path}: manifest schema {schema!r} is not supported (this qpcbuild "
-                          f"reads schema {MANIFEST_SCHEMA}){hint}")
+                          f"reads schema {MANIFEST_SCHEMA})")
     check_structure(manifest, str(path))
-    if check_values:
-        Manifest.check(manifest, str(path))
     return manifest
+
+
+class SealedManifest:
+    """A bundle's manifest as read, before its values are trusted: verification compares the
+    seal and the file list first, so that an edit that was not re-sealed is named by the field
+    it changed; `checked()` then gives the typed Manifest."""
+
+    def __init__(self, bundle: Path):
+        self.bundle = Path(bundle)
+        self._raw = _read_json(self.bundle)
+
+    @property
+    def bundle_id(self) -> Any:
+        return self._raw.get("bundle_id")
+
+    @property
+    def files(self) -> dict[str, Any]:
+        return self._raw["files"]
+
+    def changed_fields(self) -> list[str]:
+        return changed_fields(self._raw)
+
+    def checked(self) -> Manifest:
+        return Manifest.check(self._raw, str(self.bundle / MANIFEST))
+
+
+def read_manifest(bundle: Path) -> Manifest:
+    """The typed manifest of a bundle folder, its structure and values checked."""
+    return SealedManifest(bundle).checked()
+
+
+def manifest_from_json(raw: bytes, source: str) -> Manifest:
+    """A manifest held as bytes (a registry's config blob), checked like one read from disk."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise BundleError(f"{source}: corrupted manifest ({exc})") from None
+    check_structure(data, source)
+    return Manifest.check(data, source)

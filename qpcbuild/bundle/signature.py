@@ -135,7 +135,7 @@ def sign_bundle(bundle: Path, key_path: Path) -> dict[str, Any]:
     if problems:
         raise BundleError(f"{bundle} does not match its manifest, so it is not signed: "
                           + "; ".join(problems[:3]))
-    bundle_id = read_manifest(bundle)["bundle_id"]
+    bundle_id = read_manifest(bundle).bundle_id
     kid = key_id(key.public_key())
     entry = {"algorithm": ALGORITHM, "key_id": kid, "bundle_id": bundle_id,
              "signature": base64.b64encode(key.sign(_message(bundle_id))).decode("ascii")}

@@ -9,15 +9,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache import Cache
+from ..compile.backends import get_backend
 from ..errors import UsageError
-from ..plan import BuildPlan, digest, find_compiler
-from .build import CACHE_KIND, artifact_key_inputs, unit_name, weight_files
+from ..plan import BuildPlan, digest
+from .build import artifact_key_inputs, unit_name, weight_files
 
 
 @dataclass(frozen=True)
 class Unit:
     name: str
-    stage: str  # export | onnxruntime | qaic
+    stage: str  # export, or a backend's name
     role: str
     kind: str  # the cache kind it lands in
     key: str
@@ -34,18 +35,18 @@ def plan_units(plan: BuildPlan, cache: Cache, compiler: str | None = None) -> li
     """Every unit of the plan, keys computed as `compile` computes them (this reads the
     weights once to digest them; the digest is remembered per file state)."""
     cache.ensure_usable()
-    backends = list(plan.recipe.backends)
-    path = find_compiler(compiler)[0] if "qaic" in backends else None
+    backends = {name: get_backend(name) for name in plan.recipe.backends}
     exports, artifacts = [], []
     for rp in plan.roles:
         ref = getattr(plan.recipe, rp.role)
         inputs = artifact_key_inputs(rp, cache.weights_digest(weight_files(rp, ref.allow_pickle)),
-                                     path)
+                                     backends, compiler)
         export = unit_name("export", rp.role)
         exports.append(Unit(export, "export", rp.role, "exports", digest(inputs["export"]), (),
                             inputs["export"]))
-        artifacts += [Unit(unit_name(b, rp.role), b, rp.role, CACHE_KIND[b],
-                           digest(inputs[b]), (export,), inputs[b]) for b in backends]
+        artifacts += [Unit(unit_name(name, rp.role), name, rp.role, b.cache_kind,
+                           digest(inputs[name]), (export,), inputs[name])
+                      for name, b in backends.items()]
     return exports + artifacts
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import BundleError, QpcbuildError
 from ..tree import hash_tree, walk
-from .manifest import MANIFEST, UNSEALED_FILES, Manifest, changed_fields, read_manifest
+from .manifest import UNSEALED_FILES, SealedManifest
 
 
 def actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
@@ -47,15 +47,15 @@ def verify_bundle(bundle: Path, fast: bool = False) -> list[str]:
     """Problems found (empty = intact). `fast` checks presence and sizes, not digests (nor the
     seal, whose content includes the digests)."""
     bundle = Path(bundle)
-    manifest = read_manifest(bundle, check_values=False)
-    problems = [] if fast else changed_fields(manifest)
+    manifest = SealedManifest(bundle)
+    problems = [] if fast else manifest.changed_fields()
     if not problems:  # an intact seal over values the runtime cannot use (re-sealed edits)
         try:
-            Manifest.check(manifest, MANIFEST)
+            manifest.checked()
         except BundleError as exc:
             problems.append(str(exc))
     try:
         actual = actual_files(bundle, fast)
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
         return problems + [str(exc)]
-    return problems + compare_files(manifest["files"], actual, fast)
+    return problems + compare_files(manifest.files, actual, fast)

@@ -34,7 +34,7 @@ def verify(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     problems, bundle_id = [], None
     try:
         problems = verify_bundle(bundle, fast=fast)
-        bundle_id = read_manifest(bundle)["bundle_id"]
+        bundle_id = read_manifest(bundle).bundle_id
         if key is not None and not problems:
             check_signature(bundle, bundle_id, key)
     except BundleError as exc:
@@ -89,12 +89,12 @@ def finish(bundle: Path = typer.Argument(..., help="Bundle folder built with --e
     from ..bundle import finish_bundle
 
     m = finish_bundle(bundle, list(role or []) or None, compiler)
-    for name, info in m["roles"].items():
-        q = info["backends"].get("qaic")
+    for name, info in m.roles.items():
+        q = info.backends.qaic
         if q:
-            console.print(f"{name}: {q['status']}" + (f", {len(q['qpc_files'])} QPC files in "
-                                                      f"{q['qpc']}" if q.get("qpc") else ""))
-    console.print(f"[green]✓[/] {bundle}: new bundle id {m['bundle_id']}")
+            console.print(f"{name}: {q.status}" + (f", {len(q.qpc_files or [])} QPC files in "
+                                                   f"{q.qpc}" if q.qpc else ""))
+    console.print(f"[green]✓[/] {bundle}: new bundle id {m.bundle_id}")
 
 
 @app.command()
@@ -107,7 +107,7 @@ def inspect(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     from .render import show_manifest
 
     m = read_manifest(bundle_folder(bundle, insecure, quiet=json_out))
-    emit_json(m) if json_out else show_manifest(m)
+    emit_json(m.to_json_dict()) if json_out else show_manifest(m)
 
 
 @app.command()
@@ -157,7 +157,7 @@ def package(bundle: Path = typer.Argument(..., help="Bundle folder."),
     from ..bundle.archive import pack
     from ..bundle import read_manifest
 
-    pack(bundle, out, top=read_manifest(bundle)["name"])
+    pack(bundle, out, top=read_manifest(bundle).name)
     console.print(f"wrote {out} ({out.stat().st_size:,} bytes)")
 
 

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:  # the plan's imports (onnx, numpy) would slow every command's start
+    from ..bundle.manifest import Manifest
     from ..plan import BuildPlan
 
 console = Console(highlight=False)
@@ -114,43 +115,43 @@ def show_plan(plan: BuildPlan) -> None:
         console.print(f"[yellow]warning:[/] {w}")
 
 
-def smoke_roles(m: dict[str, Any]) -> list[str]:
-    return [role for role, info in m["roles"].items() if info["source"].get("smoke_weights")]
+def smoke_roles(m: Manifest) -> list[str]:
+    return [role for role, info in m.roles.items() if info.source.smoke_weights]
 
 
-def show_manifest(m: dict[str, Any]) -> None:
-    spd = m["speculation"]
-    console.print(f"[bold]{m['name']}[/]  bundle id {m['bundle_id']}")
+def show_manifest(m: Manifest) -> None:
+    spd = m.speculation
+    console.print(f"[bold]{m.name}[/]  bundle id {m.bundle_id}")
     smoke = smoke_roles(m)
     if smoke:
         console.print(f"[bold red]RANDOM SMOKE WEIGHTS[/] ({', '.join(smoke)}): built with "
                       "--smoke-weights to check the toolchain; its outputs are noise, never "
                       "serve it")
-    console.print(f"method {spd['method']}  K={spd['num_speculative_tokens']}  "
-                  f"shapes {m['shapes']}  backends {m['backends']}")
-    console.print(f"tokenizer: {m['tokenizer']['verdict']} ({m['tokenizer']['detail']})")
+    console.print(f"method {spd.method}  K={spd.num_speculative_tokens}  "
+                  f"shapes {m.shapes.model_dump()}  backends {m.backends}")
+    console.print(f"tokenizer: {m.tokenizer.verdict} ({m.tokenizer.detail})")
     t = Table("role", "model", "arch", "params", "specializations", "cores x QIDs", "backends",
               title="roles", title_justify="left")
-    for role, info in m["roles"].items():
-        specs = ", ".join(f"{s['name']}({s['symbols']['seq_len']})" for s in info["specializations"])
-        t.add_row(role, info["source"]["ref"], info["arch"]["architecture"],
-                  f"{info['arch']['param_count']:,}", specs,
-                  f"{info['num_cores']} x {info['device_group']}",
-                  ", ".join(f"{k}: {v['status']}" for k, v in info["backends"].items()))
+    for role, info in m.roles.items():
+        specs = ", ".join(f"{s.name}({s.symbols['seq_len']})" for s in info.specializations)
+        t.add_row(role, info.source.ref, info.arch.architecture,
+                  f"{info.arch.param_count:,}", specs,
+                  f"{info.num_cores} x {info.device_group}",
+                  ", ".join(f"{k}: {v.status}" for k, v in info.backends.built().items()))
     console.print(t)
-    for role, info in m["roles"].items():
-        q = info["backends"].get("qaic")
-        if q and q.get("status") == "compiled":
-            qpc_bytes = sum(m["files"][p]["size"] for p in q.get("qpc_files") or [])
-            console.print(f"{role} QPC: {q['qpc']} ({len(q.get('qpc_files') or [])} files, "
+    for role, info in m.roles.items():
+        q = info.backends.qaic
+        if q and q.status == "compiled":
+            qpc_bytes = sum(m.files[p].size for p in q.qpc_files or [])
+            console.print(f"{role} QPC: {q.qpc} ({len(q.qpc_files or [])} files, "
                           f"{qpc_bytes / 2**20:.1f} MiB)"
-                          + (f", log {q['log']}" if q.get("log") else ""))
+                          + (f", log {q.log}" if q.log else ""))
         elif q:
-            console.print(f"{role} QPC: not compiled yet; run `bash {q['compile_script']}` on a "
+            console.print(f"{role} QPC: not compiled yet; run `bash {q.compile_script}` on a "
                           "machine with the Cloud AI SDK")
-    size = sum(f["size"] for f in m["files"].values())
-    console.print(f"{len(m['files'])} files, {size / 2**20:.1f} MiB; toolchain: "
-                  + ", ".join(f"{k} {v}" for k, v in m["toolchain"].items()
+    size = sum(f.size for f in m.files.values())
+    console.print(f"{len(m.files)} files, {size / 2**20:.1f} MiB; toolchain: "
+                  + ", ".join(f"{k} {v}" for k, v in m.toolchain.items()
                               if isinstance(v, str)))
 
 

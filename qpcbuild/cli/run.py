@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
 from .render import console
+
+if TYPE_CHECKING:
+    from ..bundle.manifest import Manifest
 
 RequireSignatureOpt = typer.Option(None, "--require-signature", metavar="PUBLIC_KEY",
                                    help="Refuse the bundle unless it carries a valid signature "
@@ -108,8 +111,9 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
               "prompts": prompts, "batches": [r.to_dict() for r in results],
               "total": combine([r.stats for r in results])}
-    if backend == "onnxruntime":  # exact float32, or the card's formats emulated
-        report["numerics"] = numerics_of(gen.manifest)
+    numerics = numerics_of(gen.manifest, backend)
+    if numerics:  # ONNX Runtime: exact float32, or the card's formats emulated
+        report["numerics"] = numerics
     if compare_baseline:
         spd = sum(r.stats["e2e_s"] for r in results)
         base = sum(b.stats["e2e_s"] for b in baselines)
@@ -125,14 +129,18 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         show_run(report, show_text=not stream)
 
 
-def numerics_of(manifest: dict) -> dict:
-    """Per role: the onnxruntime artifact's numerics (exact | emulated) and formats."""
+def numerics_of(manifest: Manifest, backend: str) -> dict:
+    """Per role run on the host (ONNX Runtime): its artifact's numerics (exact | emulated) and
+    formats. Empty for a backend whose numerics are the card's own."""
+    from ..bundle.manifest import OrtBackend as OrtEntry
+
     out = {}
-    for role, info in manifest["roles"].items():
-        o = info["backends"].get("onnxruntime") or {}
-        out[role] = {"numerics": o.get("numerics", "exact"),
-                     **(o.get("numerics_formats") or {"weights": "float32", "kv": "float32"}),
-                     "matmul_weights": o.get("weights", "float32")}
+    for role, info in manifest.roles.items():
+        o = info.backends.built().get(backend)
+        if isinstance(o, OrtEntry):
+            out[role] = {"numerics": o.numerics or "exact",
+                         **(o.numerics_formats or {"weights": "float32", "kv": "float32"}),
+                         "matmul_weights": o.weights}
     return out
 
 

@@ -1,42 +1,14 @@
 """Compile backends: each turns a role's portable ONNX graph into its own compiled form.
 
-Both sit behind one small interface so `bundle` never knows which one it is driving:
-`check()` fails fast (before any export) when the backend cannot run here, and `build()`
-writes the role's artifacts under the staging bundle and returns what the manifest records.
+A backend is one module behind one interface, found by name (backends.py: BACKENDS,
+get_backend), so the bundle builder and the unit planner never know which one they drive:
+- `check()` fails fast (before any export) when the backend cannot run here;
+- `key_inputs()` is what its artifact's cache key is the digest of;
+- `build_cached()` writes the role's artifacts under the staging bundle (from the cache when an
+  entry exists) and returns the manifest entry that describes them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
-
-from ..plan import BuildPlan, RolePlan
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    plan: BuildPlan
-    staging: Path  # bundle root being assembled; every path in argv is relative to it
-    emit_only: bool = False
-    compiler: str | None = None
-
-
-class Backend(Protocol):
-    name: str
-
-    def check(self, ctx: BuildContext) -> dict[str, Any]:
-        """Raise ToolchainError when this backend cannot build here; else describe the toolchain."""
-
-    def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
-        """Write `<role>/...` artifacts into ctx.staging; return the manifest entry."""
-
-
-def get_backend(name: str) -> Backend:
-    if name == "onnxruntime":
-        from .onnxruntime import OrtBackend
-        return OrtBackend()
-    if name == "qaic":
-        from .qaic import QaicBackend
-        return QaicBackend()
-    raise ValueError(f"unknown backend '{name}'")
+from .backends import BACKENDS, DEFAULT_BACKEND, backend_names, get_backend  # noqa: F401
+from .interface import Backend, BuildContext  # noqa: F401

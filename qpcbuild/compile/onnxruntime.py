@@ -11,16 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import onnx
 
 from ..errors import Terminated, ToolchainError
 from ..export import DATA_FILE, GRAPH_FILE
 from ..export.dialect import for_onnxruntime
-from ..plan import RolePlan
+from ..cache import META, Cache
+from ..plan import ORT_LOWERING_VERSION, RolePlan
 from ..toolchain import _pkg
-from . import BuildContext
+from .interface import BuildContext
 from .ort_graph import PortableWeights, build_ort_graph
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
@@ -40,6 +41,8 @@ def fix_dims(model_path: Path, fixed: dict[str, int], out_path: Path) -> None:
 
 class OrtBackend:
     name = "onnxruntime"
+    cache_kind = "ort"
+    ships_graph = False  # the artifact holds its own weights
 
     def check(self, ctx: BuildContext) -> dict[str, Any]:
         try:
@@ -49,6 +52,23 @@ class OrtBackend:
                 raise Terminated() from None
             raise ToolchainError(f"onnxruntime is not importable: {exc}") from None
         return {"onnxruntime": _pkg("onnxruntime"), "optimization_level": ORT_LEVEL}
+
+    def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
+                   compiler: str | None, emit_only: bool) -> dict[str, Any]:
+        return {"export": export_digest, "settings": role.cache_keys[self.name],
+                "lowering": ORT_LOWERING_VERSION, "onnxruntime": tools["onnxruntime"],
+                "onnx": tools["onnx"]}
+
+    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
+                     inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
+        # Built in the cache's scratch folder, then delivered into the bundle.
+        def build(tmp: Path) -> dict[str, Any]:
+            return self.build(BuildContext(ctx.plan, tmp, ctx.emit_only, ctx.compiler), role,
+                              onnx_dir())
+
+        entry, info, reused = cache.get_or_build(self.cache_kind, key, build, inputs)
+        cache.deliver(entry, ctx.staging, skip=(META,), known=ctx.delivered)
+        return info, reused
 
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         if role.ort["graph"] == "fused":

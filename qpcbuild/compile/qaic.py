@@ -9,12 +9,14 @@ import os
 import shlex
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ToolchainError
+from ..cache import META, Cache
 from ..plan import RolePlan, find_compiler
 from ..toolchain import compiler_identity, qaic_sdk_versions
-from . import BuildContext
+from ..tree import copy_tree
+from .interface import BuildContext
 
 QPC_FILE = "programqpc.bin"
 
@@ -28,6 +30,8 @@ def missing_compiler_message(tried: list[str]) -> str:
 
 class QaicBackend:
     name = "qaic"
+    cache_kind = "qpc"
+    ships_graph = True  # the compiler inputs and compile.sh refer to the bundle's graph
 
     def check(self, ctx: BuildContext) -> dict[str, Any]:
         compiler, tried = find_compiler(ctx.compiler)
@@ -36,6 +40,33 @@ class QaicBackend:
         # By name and content: where the SDK is installed must not change the bundle id.
         return {"compiler": None if ctx.emit_only else compiler_identity(compiler),
                 "sdk": qaic_sdk_versions(), "emit_only": ctx.emit_only}
+
+    def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
+                   compiler: str | None, emit_only: bool) -> dict[str, Any]:
+        path = None if emit_only else find_compiler(compiler)[0]
+        return {"export": export_digest, "settings": role.cache_keys[self.name],
+                "sdk": tools["qaic_sdk"], "compiler": compiler_identity(path)}
+
+    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
+                     inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
+        graph = onnx_dir()  # inside the staging bundle (ships_graph)
+        if ctx.emit_only or not cache.keeps:
+            # (without a cache the QPC stays where the compiler wrote it: no copy)
+            return self.build(ctx, role, graph), False
+
+        # The compiler runs in the staging bundle (its paths are bundle-relative); the cache
+        # keeps the QPC and its log.
+        def keep_qpc(tmp: Path) -> dict[str, Any]:
+            result = self.build(ctx, role, graph)
+            for part in ("qpc", "logs"):
+                copy_tree(ctx.staging / role.role / part, tmp / role.role / part)
+            return result
+
+        entry, info, reused = cache.get_or_build(self.cache_kind, key, keep_qpc, inputs)
+        if reused:
+            self.write_inputs(ctx, role)
+            cache.deliver(entry, ctx.staging, skip=(META,), known=ctx.delivered)
+        return info, reused
 
     def write_inputs(self, ctx: BuildContext, role: RolePlan) -> list[str]:
         r = ctx.plan.recipe

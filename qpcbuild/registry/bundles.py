@@ -20,7 +20,8 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from ..bundle.manifest import MANIFEST, SIGNATURES, changed_fields, read_manifest
+from ..bundle.manifest import (MANIFEST, SIGNATURES, Manifest, SealedManifest,
+                               manifest_from_json)
 from ..bundle.signature import (check_signature, parse_signatures, read_public_key,
                                 read_signatures, write_signatures)
 from ..bundle.staging import publish, remove_debris, staging_folder
@@ -44,14 +45,13 @@ def store_dir() -> Path:
     return Path(os.environ.get("QPCBUILD_STORE") or Path(user_data_dir("qpcbuild")) / "bundles")
 
 
-def bundle_annotations(m: dict) -> dict[str, str]:
-    spec = m["speculation"]
-    return {f"{ANNOTATION}id": m["bundle_id"], f"{ANNOTATION}name": m["name"],
-            f"{ANNOTATION}method": str(spec.get("method")),
-            f"{ANNOTATION}ks": ",".join(str(k) for k in spec.get("num_speculative_tokens", [])),
-            f"{ANNOTATION}toolchain": json.dumps(m.get("toolchain"), sort_keys=True,
+def bundle_annotations(m: Manifest) -> dict[str, str]:
+    return {f"{ANNOTATION}id": m.bundle_id, f"{ANNOTATION}name": m.name,
+            f"{ANNOTATION}method": m.speculation.method,
+            f"{ANNOTATION}ks": ",".join(str(k) for k in m.ks),
+            f"{ANNOTATION}toolchain": json.dumps(m.toolchain, sort_keys=True,
                                                  separators=(",", ":")),
-            "org.opencontainers.image.title": m["name"]}
+            "org.opencontainers.image.title": m.name}
 
 
 def push_bundle(bundle: Path, ref: Reference, client: RegistryClient,
@@ -65,13 +65,13 @@ def push_bundle(bundle: Path, ref: Reference, client: RegistryClient,
     content."""
     if ref.digest:
         raise UsageError(f"{ref}: push to a tag; the registry gives the digest")
-    problems = changed_fields(read_manifest(bundle)) + verify_bundle(bundle, fast=True)
+    problems = SealedManifest(bundle).changed_fields() + verify_bundle(bundle, fast=True)
     if problems:
         raise BundleError(f"{bundle} does not match its manifest, so it is not pushed: "
                           + "; ".join(problems[:5]))
     raw = (Path(bundle) / MANIFEST).read_bytes()
-    m = json.loads(raw)
-    files = {**m["files"], MANIFEST: {"size": len(raw), "sha256": _hex(raw)}}
+    m = manifest_from_json(raw, str(Path(bundle) / MANIFEST))
+    files = {**m.file_list(), MANIFEST: {"size": len(raw), "sha256": _hex(raw)}}
     signed = read_signatures(bundle)  # a damaged file stops the push before any upload
     transfer = push_folder(client, ref.repository, ref.pinned, Path(bundle), files, raw,
                            BUNDLE_CONFIG, BUNDLE_ARTIFACT, bundle_annotations(m), say)
@@ -138,15 +138,16 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
     with staging_folder(out) as staging:
         (staging / MANIFEST).write_bytes(raw)
         try:
-            m = read_manifest(staging)
+            sealed = SealedManifest(staging)
+            m = sealed.checked()
         except (BundleError, UsageError) as exc:
             raise BundleError(f"{where}: its config is not a bundle manifest ({exc})") from None
-        problems = changed_fields(m)
-        if problems or (oci.get("annotations") or {}).get(f"{ANNOTATION}id") != m["bundle_id"]:
+        problems = sealed.changed_fields()
+        if problems or (oci.get("annotations") or {}).get(f"{ANNOTATION}id") != m.bundle_id:
             raise BundleError(f"{where}: the manifest does not hash to its bundle id, or the "
                               "artifact's bundle id annotation differs; refusing it"
                               + (f" ({'; '.join(problems[:3])})" if problems else ""))
-        _check_layers(files, m["files"], raw, where)
+        _check_layers(files, m.file_list(), raw, where)
         download_folder(client, ref.repository,
                         {rel: meta for rel, meta in files.items() if rel != MANIFEST},
                         staging, say)
@@ -155,9 +156,9 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
         if signatures:
             write_signatures(staging, signatures)
         if signed_by is not None:
-            check_signature(staging, m["bundle_id"], signed_by, where=f"{where} ({digest})")
+            check_signature(staging, m.bundle_id, signed_by, where=f"{where} ({digest})")
         publish(staging, out)
-    return m["bundle_id"], digest, len(signatures)
+    return m.bundle_id, digest, len(signatures)
 
 
 def _check_layers(layers: dict[str, dict], sealed: dict[str, dict], raw: bytes,

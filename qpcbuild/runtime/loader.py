@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bundle import read_manifest, verify_bundle
-from ..bundle.manifest import MANIFEST, Manifest
+from ..bundle import verify_bundle
+from ..bundle.manifest import Manifest, SealedManifest
+from ..bundle.manifest import OrtBackend as OrtEntry, QaicBackend as QaicEntry
 from ..bundle.signature import check_signature
+from ..compile.backends import DEFAULT_BACKEND, backend_names
 from ..errors import BundleError, UsageError
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
@@ -41,33 +43,49 @@ class GenerationResult:
                             for t, r in zip(self.texts, self.rows)], "stats": self.stats}
 
 
-def _open_session(bundle: Path, manifest: dict, role: str, backend: str):
-    if backend not in ("onnxruntime", "qaic"):
-        raise UsageError(f"unknown backend '{backend}' (onnxruntime | qaic)")
-    info = manifest["roles"][role]
-    b = info["backends"].get(backend)
-    if b is None:
-        raise BundleError(f"{bundle}: the {role} was not built for backend '{backend}' (built: "
-                          f"{', '.join(info['backends'])})")
-    specs = [Specialization.from_manifest(s) for s in info["specializations"]]
-    arch = info["arch"]
-    batch = manifest["shapes"].get("full_batch_size") or manifest["shapes"]["batch_size"]
-    kv_shape = (batch, arch["num_kv_heads"], manifest["shapes"]["ctx_len"], arch["head_dim"])
-    if backend == "onnxruntime":
-        path = bundle / b["artifact"]
-        if not path.is_file():
-            raise BundleError(f"{bundle}: missing {b['artifact']}")
-        threads = thread_count(info["ort"]["core_share"], info["ort"].get("intra_op_threads"))
-        return OrtSession(path, role, specs, kv_shape, arch["num_layers"], arch["vocab_size"],
-                          threads, in_place=b.get("kv_binding") == "in_place")
-    if b.get("status") != "compiled":
+def _open_ort(bundle: Path, manifest: Manifest, role: str, entry: OrtEntry):
+    info, shapes = manifest.roles[role], manifest.shapes
+    arch = info.arch
+    path = bundle / entry.artifact
+    if not path.is_file():
+        raise BundleError(f"{bundle}: missing {entry.artifact}")
+    threads = thread_count(info.ort.core_share, info.ort.intra_op_threads)
+    return OrtSession(path, role, [Specialization.from_manifest(s) for s in info.specializations],
+                      (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim),
+                      arch.num_layers, arch.vocab_size, threads,
+                      in_place=entry.kv_binding == "in_place")
+
+
+def _open_qaic(bundle: Path, manifest: Manifest, role: str, entry: QaicEntry):
+    info = manifest.roles[role]
+    if entry.status != "compiled":
         raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "
-                          f"{b.get('status')}); on a machine with the Cloud AI SDK run "
+                          f"{entry.status}); on a machine with the Cloud AI SDK run "
                           f"`bash {role}/qaic/compile.sh` in the bundle (it ends with "
-                          "`qpcbuild finish`), or use --backend onnxruntime")
+                          f"`qpcbuild finish`), or use --backend {DEFAULT_BACKEND}")
     from .qaic_session import QaicSession
-    return QaicSession(bundle / b["qpc"], role, specs, info["device_group"],
-                       arch["num_layers"], arch["vocab_size"])
+    return QaicSession(bundle / entry.qpc, role,
+                       [Specialization.from_manifest(s) for s in info.specializations],
+                       info.device_group, info.arch.num_layers, info.arch.vocab_size)
+
+
+# How each kind of compiled artifact is opened: by the manifest entry that describes it.
+OPENERS = {OrtEntry: _open_ort, QaicEntry: _open_qaic}
+
+
+def _backend_entry(bundle: Path, manifest: Manifest, role: str, backend: str):
+    if backend not in backend_names():
+        raise UsageError(f"unknown backend '{backend}' ({' | '.join(backend_names())})")
+    built = manifest.roles[role].backends.built()
+    if backend not in built:
+        raise BundleError(f"{bundle}: the {role} was not built for backend '{backend}' (built: "
+                          f"{', '.join(built)})")
+    return built[backend]
+
+
+def _open_session(bundle: Path, manifest: Manifest, role: str, backend: str):
+    entry = _backend_entry(bundle, manifest, role, backend)
+    return OPENERS[type(entry)](bundle, manifest, role, entry)
 
 
 def _available_memory() -> int | None:
@@ -80,35 +98,35 @@ def _available_memory() -> int | None:
     return None
 
 
-def check_memory(bundle: Path, manifest: dict, roles: list[str]) -> None:
+def check_memory(bundle: Path, manifest: Manifest, roles: list[str], backend: str) -> None:
     """Refuse before allocating when weights and KV cache cannot fit in this machine's memory
-    (the onnxruntime artifacts hold float32 weights and a float32 KV cache)."""
-    shapes = manifest["shapes"]
-    batch = shapes.get("full_batch_size") or shapes["batch_size"]
+    (the ONNX Runtime artifacts hold float32 weights and a float32 KV cache; a card's memory is
+    the compiler's business)."""
+    shapes = manifest.shapes
+    batch = shapes.kv_batch
     need = 0.0
     for role in roles:
-        info = manifest["roles"][role]
-        arch, ort = info["arch"], info["backends"].get("onnxruntime")
-        if ort is None:
-            continue  # _open_session says the role was not built for onnxruntime
-        copies = 1 if ort.get("kv_binding") == "in_place" else 2  # ping-pong binds two
-        kv = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4.0
-        need += arch["param_count"] * 4.0 + copies * kv * shapes["ctx_len"] * batch
+        info = manifest.roles[role]
+        arch, ort = info.arch, info.backends.built().get(backend)
+        if not isinstance(ort, OrtEntry):
+            continue  # host memory is not where it runs, or _open_session says it is not built
+        copies = 1 if ort.kv_binding == "in_place" else 2  # ping-pong binds two
+        kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4.0
+        need += arch.param_count * 4.0 + copies * kv * shapes.ctx_len * batch
     free = _available_memory()
     if free is not None and need > free:
         raise BundleError(f"{bundle}: running it needs about {need / 2**30:.1f} GiB (float32 "
-                          f"weights and KV cache for ctx_len {shapes['ctx_len']} x batch "
+                          f"weights and KV cache for ctx_len {shapes.ctx_len} x batch "
                           f"{batch}), but only {free / 2**30:.1f} GiB is available here")
 
 
 class Generator:
-    def __init__(self, bundle: Path, manifest: dict, backend: str, method: str,
+    def __init__(self, bundle: Path, manifest: Manifest, backend: str, method: str,
                  k: int | None, spec_policy: str | None = None):
         from tokenizers import Tokenizer
 
         self.bundle, self.manifest, self.backend, self.method = bundle, manifest, backend, method
-        target_info = manifest["roles"]["target"]
-        self.ks = tuple(target_info["compiled_ks"])
+        self.ks = manifest.ks
         if k is not None and k not in self.ks:
             raise UsageError(f"--k {k} is not compiled in this bundle (compiled Ks: "
                              f"{list(self.ks)}); rebuild with speculation.num_speculative_tokens")
@@ -124,14 +142,13 @@ class Generator:
                               f"({str(exc).splitlines()[0][:200] if str(exc) else exc!r})") \
                 from None
         self._chat: ChatTemplate | None = None
-        self.eos_ids = set(target_info["arch"]["eos_token_ids"])
+        self.eos_ids = set(manifest.target.arch.eos_token_ids)
         gen_cfg = bundle / "tokenizer" / "generation_config.json"
         if gen_cfg.is_file():
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
             self.eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if backend == "onnxruntime":
-            check_memory(bundle, manifest, ["target"] + (["draft"] if method == "draft_model"
-                                                          else []))
+        check_memory(bundle, manifest, ["target"] + (["draft"] if method == "draft_model"
+                                                      else []), backend)
         self.target = _open_session(bundle, manifest, "target", backend)
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
@@ -209,31 +226,30 @@ class Generator:
         return GenerationResult(texts, rows, summarize(rows, times, method))
 
 
-def new_proposer(manifest: dict, method: str | None):
+def new_proposer(manifest: Manifest, method: str | None):
     """The proposer of an ngram/suffix method with the bundle's options for it (its own
     method) or the defaults (another one); None for draft_model and target-only."""
     if method not in ("ngram", "suffix"):
         return None
-    spd = manifest["speculation"]
-    return make_proposer(method, spd["options"] if spd["method"] == method else {})
+    spd = manifest.speculation
+    return make_proposer(method, spd.options if spd.method == method else {})
 
 
-def build_decoder(manifest: dict, target, draft, method: str | None,
+def build_decoder(manifest: Manifest, target, draft, method: str | None,
                   eos_ids: set[int], spec_policy: str | None = None) -> SpecDecoder:
     """The one way a SpecDecoder is made from a bundle: its compiled Ks, prefill chunk and
     continuous batching, with `method`'s proposer (method None: target-only, no proposer),
     and how it speculates (the bundle's policy unless `spec_policy` says otherwise)."""
-    shapes, spd = manifest["shapes"], manifest["speculation"]
-    ks = tuple(manifest["roles"]["target"]["compiled_ks"])
-    schedule = {int(b): k for b, k in (spd.get("k_schedule") or {}).items() if k in ks}
+    shapes, spd, ks = manifest.shapes, manifest.speculation, manifest.ks
+    schedule = {b: k for b, k in spd.schedule.items() if k in ks}
     return SpecDecoder(target, draft, new_proposer(manifest, method), ks,
-                       shapes["prefill_seq_len"], eos_ids, method or "target_only",
-                       bool(shapes.get("full_batch_size")),
-                       policy=spec_policy or spd.get("policy", "fixed"),
-                       draft_p_min=float(spd.get("draft_p_min", 0.0)), k_schedule=schedule)
+                       shapes.prefill_seq_len, eos_ids, method or "target_only",
+                       bool(shapes.full_batch_size),
+                       policy=spec_policy or spd.policy,
+                       draft_p_min=float(spd.draft_p_min), k_schedule=schedule)
 
 
-def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = None,
+def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None = None,
          k: int | None = None, verify: str = "full", ctx_len: int | None = None,
          batch_size: int | None = None, signed_by: str | Path | None = None,
          spec_policy: str | None = None) -> Generator:
@@ -247,27 +263,27 @@ def load(bundle: str | Path, backend: str = "onnxruntime", method: str | None = 
     if signed_by is not None and verify != "full":
         raise UsageError("a signature vouches for the bundle id, which only full verification "
                          "ties to the files: drop --verify or use --verify full")
-    manifest = read_manifest(bundle, check_values=False)
+    sealed = SealedManifest(bundle)
     if verify != "none":
         problems = verify_bundle(bundle, fast=verify == "fast")
         if problems:
             raise BundleError(f"{bundle} does not match its manifest: " + "; ".join(problems[:5])
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     if signed_by is not None:
-        check_signature(bundle, manifest["bundle_id"], Path(signed_by))
-    Manifest.check(manifest, str(bundle / MANIFEST))  # sealed is not sane: values checked
-    if manifest["tokenizer"]["verdict"] == "incompatible":
+        check_signature(bundle, sealed.bundle_id, Path(signed_by))
+    manifest = sealed.checked()  # sealed is not sane: values checked
+    if manifest.tokenizer.verdict == "incompatible":
         raise BundleError(f"{bundle}: target and draft tokenizers are incompatible")
-    shapes = manifest["shapes"]
     for key, want in (("ctx_len", ctx_len), ("batch_size", batch_size)):
-        if want is not None and shapes[key] != want:
-            raise BundleError(f"{bundle} was compiled for {key}={shapes[key]}, not {want}; "
+        have = getattr(manifest.shapes, key)
+        if want is not None and have != want:
+            raise BundleError(f"{bundle} was compiled for {key}={have}, not {want}; "
                               f"rebuild it with --set shapes.{key}={want}")
-    built_method = manifest["speculation"]["method"]
+    built_method = manifest.speculation.method
     method = method or built_method
     if method not in METHODS:
         raise UsageError(f"unknown method '{method}' ({' | '.join(METHODS)})")
-    if method == "draft_model" and "draft" not in manifest["roles"]:
+    if method == "draft_model" and manifest.draft is None:
         raise UsageError(f"this bundle has no draft model (built for '{built_method}'); use "
                          "--method ngram or --method suffix")
     if spec_policy is not None and spec_policy not in POLICIES:

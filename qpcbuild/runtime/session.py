@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -28,10 +28,10 @@ class Specialization:
     num_logits: int  # logits rows returned: num_logits_to_keep (target) or 1
 
     @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> "Specialization":
-        s = {k: int(v) for k, v in entry["symbols"].items()}
-        return cls(entry["name"], s["batch_size"], s["seq_len"], s["ctx_len"],
-                   s.get("num_logits_to_keep", 1))
+    def from_manifest(cls, entry) -> "Specialization":
+        """From a manifest's (bundle.manifest.Specialization) symbols."""
+        return cls(entry.name, entry.size("batch_size"), entry.size("seq_len"),
+                   entry.size("ctx_len"), int(entry.symbols.get("num_logits_to_keep", 1)))
 
 
 class ModelSession(Protocol):

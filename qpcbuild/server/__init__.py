@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..compile.backends import DEFAULT_BACKEND
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str = "onnxruntime",
+def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str = DEFAULT_BACKEND,
           verify: str = "full", model_name: str | None = None, log_level: str = "info",
           **load_options) -> None:
     """Checks the arguments and takes the port before the (slow) bundle load, so a typo or a busy
@@ -24,6 +26,6 @@ def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str 
         from .app import build_app
 
         gen = load(bundle, backend=backend, verify=verify, **load_options)
-        run_until_signalled(build_app(gen, model_name or gen.manifest["name"]), sock, log_level)
+        run_until_signalled(build_app(gen, model_name or gen.manifest.name), sock, log_level)
     finally:
         sock.close()

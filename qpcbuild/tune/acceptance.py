@@ -18,7 +18,7 @@ from .model import conditional_acceptance
 def summed_run(gen, ids: list[list[int]], max_new_tokens: int, k: int | None,
          target_only: bool = False) -> dict[str, Any]:
     """Greedy generation over `ids` in batches; summed statistics."""
-    batch, prefill = gen.target.batch_size, gen.manifest["shapes"]["prefill_seq_len"]
+    batch, prefill = gen.target.batch_size, gen.manifest.shapes.prefill_seq_len
     ctx_len = gen.target.ctx_len
     t = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0,
          "target_s": 0.0, "draft_s": 0.0, "e2e_s": 0.0, "prefill_s": 0.0, "host_s": 0.0,

@@ -1,0 +1,318 @@
+"""The typed bundle manifest: what manifest.json may contain, checked field by field and across
+fields, with the facts recorded once and the rest derived. manifest.py seals, reads and writes
+it; every other module reads a `Manifest`'s attributes, never the JSON by key. Its JSON Schema is
+docs/manifest-schema.json (scripts/manifest_schema.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import BundleError
+
+MANIFEST_SCHEMA = 3  # 3: Ks and shapes recorded once (no roles.*.compiled_ks, no ort shapes)
+
+# ---------------------------------------------------------------- the typed manifest
+# What the runtime relies on, typed and bounded. The seal says a manifest was not changed since
+# it was sealed, not that what was sealed is sane: anyone who can write a bundle can re-seal an
+# edit, so every value a reader acts on is checked here before anything is loaded. Fields not
+# declared are kept (extra="allow"), so readers can move onto this model one at a time.
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+
+class Shapes(_Part):
+    batch_size: int = Field(ge=1, le=4096)
+    full_batch_size: Optional[int] = Field(default=None, ge=1, le=4096)
+    prefill_seq_len: int = Field(ge=1)
+    ctx_len: int = Field(ge=2, le=1 << 21)
+
+    @property
+    def kv_batch(self) -> int:
+        """Rows of the KV cache: the continuous-batching slots, else the batch size."""
+        return self.full_batch_size or self.batch_size
+
+
+class Speculation(_Part):
+    method: Literal["draft_model", "ngram", "suffix"]
+    options: dict[str, Any] = {}
+    # The compiled Ks: the one place a bundle records them (the target decodes K+1 per step).
+    num_speculative_tokens: list[int] = Field(min_length=1)
+    # docs/adaptive.md; absent in bundles built with the defaults
+    policy: Literal["auto", "fixed", "off"] = "fixed"
+    draft_p_min: float = Field(default=0.0, ge=0, le=1)
+    k_schedule: Optional[dict[str, int]] = None  # live batch size (as text) -> K
+
+    @field_validator("k_schedule")
+    @classmethod
+    def _batch_sizes(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        bad = [b for b in v or {} if not (b.isascii() and b.isdigit() and 0 < int(b) <= 4096)]
+        if bad:
+            raise ValueError(f"batch size {bad[0]!r} must be a whole number in 1..4096")
+        return v
+
+    @property
+    def schedule(self) -> dict[int, int]:
+        """k_schedule with batch sizes as numbers."""
+        return {int(b): k for b, k in (self.k_schedule or {}).items()}
+
+
+class Arch(_Part):
+    architecture: str = ""
+    num_layers: int = Field(ge=1, le=1024)
+    num_kv_heads: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=65536)
+    vocab_size: int = Field(ge=1, le=1 << 24)
+    param_count: int = Field(ge=0)
+    eos_token_ids: list[int]
+
+
+class Specialization(_Part):
+    name: str
+    symbols: dict[str, str]
+
+    @field_validator("symbols")
+    @classmethod
+    def _sizes(cls, v: dict[str, str]) -> dict[str, str]:
+        missing = {"batch_size", "seq_len", "ctx_len"} - set(v)
+        if missing:
+            raise ValueError(f"lacks {', '.join(sorted(missing))}")
+        bad = [k for k, n in v.items() if not (n.isascii() and n.isdigit() and 0 < int(n) < 1 << 24)]
+        if bad:
+            raise ValueError(f"{bad[0]} must be a positive whole number, got {v[bad[0]]!r}")
+        return v
+
+    def size(self, symbol: str) -> int:
+        return int(self.symbols[symbol])
+
+
+class GraphIO(_Part):
+    name: str
+    dtype: str
+    shape: list[Union[int, str]]
+
+
+class RoleIO(_Part):
+    """The role's graph inputs and outputs as the plan declared them (symbolic dims as names)."""
+    inputs: list[GraphIO] = []
+    outputs: list[GraphIO] = []
+
+
+class Source(_Part):
+    ref: str
+    revision: Optional[str] = None
+    origin: Optional[str] = None
+    weights_digest: Optional[str] = None
+    smoke_weights: bool = False
+    # Never sealed: where this machine holds the model (Manifest.with_model_paths, for bench).
+    path: Optional[str] = None
+
+
+class Precision(_Part):
+    weights: str = "none"
+    kv_cache: str = "float16"
+
+
+class OrtRole(_Part):
+    """How the runtime drives a role's ONNX Runtime artifact (its shapes are the bundle's)."""
+    core_share: float = Field(gt=0, le=1)
+    intra_op_threads: Optional[int] = Field(default=None, ge=1, le=1024)
+
+
+class OrtBackend(_Part):
+    status: Literal["compiled"]
+    artifact: str
+    graph: Optional[str] = None  # fused (qpcbuild's lowering) | portable (ORT-optimized export)
+    kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
+    weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
+    numerics: Optional[str] = None
+    numerics_formats: Optional[dict[str, str]] = None
+
+
+class QaicBackend(_Part):
+    status: Literal["emitted", "compiled"]
+    inputs: Optional[str] = None  # the folder of compiler inputs (specializations, custom I/O)
+    compile_script: Optional[str] = None
+    compiler_args: list[str] = []
+    qpc: Optional[str] = None
+    qpc_files: Optional[list[str]] = None
+    log: Optional[str] = None
+
+
+class Backends(_Part):
+    onnxruntime: Optional[OrtBackend] = None
+    qaic: Optional[QaicBackend] = None
+
+    def built(self) -> dict[str, _Part]:
+        """Backend name -> its entry, for the backends this role was built for."""
+        return {name: entry for name in type(self).model_fields
+                if (entry := getattr(self, name)) is not None}
+
+
+class Role(_Part):
+    source: Source
+    arch: Arch
+    io: RoleIO = RoleIO()
+    specializations: list[Specialization] = Field(min_length=1)
+    num_cores: Optional[int] = None
+    device_group: list[int] = []
+    precision: Precision = Precision()
+    ort: Optional[OrtRole] = None
+    backends: Backends
+
+
+class TokenizerInfo(_Part):
+    files: str = "tokenizer/"
+    verdict: str
+    detail: str = ""
+
+
+class FileEntry(_Part):
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    executable: bool = False
+
+
+class TunedBatch(_Part):
+    batch_size: int
+    chosen_k: int
+
+
+class Tuning(_Part):
+    """`compile --tune`'s evidence for the chosen K (tune/); typed where a reader acts on it."""
+    per_batch: Optional[list[TunedBatch]] = None
+
+
+class Manifest(_Part):
+    """A bundle's manifest, checked field by field and across fields (see _disagreements).
+    The one place that knows the JSON: everything else reads attributes."""
+
+    schema_version: Literal[MANIFEST_SCHEMA] = Field(alias="schema")
+    bundle_id: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # None: unsealed
+    name: str = Field(min_length=1)
+    speculation: Speculation
+    shapes: Shapes
+    hardware: dict[str, Any] = {}
+    backends: list[str] = []
+    roles: dict[Literal["target", "draft"], Role]
+    tokenizer: TokenizerInfo
+    toolchain: dict[str, Any] = {}
+    files: dict[str, FileEntry] = {}
+    tuning: Optional[Tuning] = None
+    seal: Optional[dict[str, Any]] = None
+
+    # -------------------------------------------------------- derived facts
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The compiled Ks (speculation.num_speculative_tokens), in increasing order."""
+        return tuple(self.speculation.num_speculative_tokens)
+
+    @property
+    def target(self) -> Role:
+        return self.roles["target"]
+
+    @property
+    def draft(self) -> Optional[Role]:
+        return self.roles.get("draft")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The manifest exactly as its JSON holds it (fields a file leaves out stay out)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True,
+                               exclude={"roles": {r: {"source": {"path"}} for r in self.roles}})
+
+    def file_list(self) -> dict[str, dict[str, Any]]:
+        """path -> {size, sha256[, executable]} as the JSON records them."""
+        return self.to_json_dict()["files"]
+
+    def with_model_paths(self, paths: dict[str, Path]) -> "Manifest":
+        """The same manifest with each role's local model folder known (never sealed)."""
+        roles = {name: role.model_copy(update={"source": role.source.model_copy(
+            update={"path": str(paths[name])})}) if name in paths else role
+            for name, role in self.roles.items()}
+        return self.model_copy(update={"roles": roles})
+
+    def with_built(self, backend: str, entries: dict[str, dict[str, Any]],
+                   files: dict[str, dict[str, Any]], toolchain: dict[str, Any]) -> "Manifest":
+        """An unsealed copy in which each role of `entries` records what `backend` built for
+        it (fields merged into its entry; `finish` adopting QPCs), the file list is `files` and
+        `toolchain` is merged into the toolchain record."""
+        raw = self.to_json_dict()  # (sealing drops the old id and seal)
+        for role, update in entries.items():
+            raw["roles"][role]["backends"][backend].update(update)
+        raw["toolchain"].update(toolchain)
+        raw["files"] = files
+        return Manifest.unsealed(raw)
+
+    @classmethod
+    def unsealed(cls, raw: dict[str, Any]) -> "Manifest":
+        """A manifest being built (no id or seal yet), checked like a sealed one."""
+        return cls.check(json.loads(json.dumps(raw)), "the manifest being written")
+
+    @classmethod
+    def check(cls, raw: dict[str, Any], source: str) -> "Manifest":
+        """The typed manifest, or BundleError naming the first field that is wrong."""
+        try:
+            m = cls.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False, include_input=False)[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise BundleError(f"{source}: manifest field {where}: {first['msg']}") from None
+        problems = m._disagreements()
+        if problems:
+            raise BundleError(f"{source}: the manifest contradicts itself: "
+                              + "; ".join(problems[:3]))
+        return m
+
+    def _disagreements(self) -> list[str]:
+        out: list[str] = []
+        shapes, ks = self.shapes, self.speculation.num_speculative_tokens
+        if "target" not in self.roles:
+            out.append("roles has no target")
+            return out
+        if (self.speculation.method == "draft_model") != ("draft" in self.roles):
+            out.append(f"speculation.method {self.speculation.method} "
+                       + ("needs a draft role" if "draft" not in self.roles else
+                          "takes no draft role"))
+        if ks != sorted(set(ks)) or ks[0] < 0 or ks[-1] + 1 >= shapes.ctx_len:
+            out.append(f"speculation.num_speculative_tokens {ks}: expected distinct Ks in "
+                       f"increasing order, each in 0..{shapes.ctx_len - 2}")
+        off_list = {b: k for b, k in self.speculation.schedule.items() if k not in ks}
+        if off_list:
+            b, k = next(iter(off_list.items()))
+            out.append(f"speculation.k_schedule {b}: K={k} is not among "
+                       f"speculation.num_speculative_tokens {ks}")
+        if shapes.prefill_seq_len > shapes.ctx_len:
+            out.append(f"shapes.prefill_seq_len {shapes.prefill_seq_len} exceeds ctx_len "
+                       f"{shapes.ctx_len}")
+        if self.draft is not None and self.draft.arch.vocab_size > self.target.arch.vocab_size:
+            out.append("roles.draft.arch.vocab_size exceeds the target's")
+        for name, role in self.roles.items():
+            out += _role_disagreements(name, role, shapes, ks if name == "target" else [])
+        return out
+
+
+def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) -> list[str]:
+    where, out = f"roles.{name}", []
+    for spec in role.specializations:
+        if spec.size("ctx_len") != shapes.ctx_len:
+            out.append(f"{where}.specializations {spec.name}: ctx_len {spec.size('ctx_len')} "
+                       f"is not shapes.ctx_len {shapes.ctx_len}")
+        if spec.size("batch_size") not in (1, shapes.batch_size, shapes.kv_batch):
+            out.append(f"{where}.specializations {spec.name}: batch_size "
+                       f"{spec.size('batch_size')} is not the bundle's")
+    seq_lens = {spec.size("seq_len") for spec in role.specializations}
+    missing = [k for k in ks if k + 1 not in seq_lens]
+    if missing:
+        out.append(f"{where}.specializations: none decodes K={missing[0]} (seq_len "
+                   f"{missing[0] + 1})")
+    if role.backends.onnxruntime is not None and role.ort is None:
+        out.append(f"{where}: built for onnxruntime, but has no ort settings")
+    if role.backends.qaic is not None and role.backends.qaic.status == "compiled" and \
+            not role.backends.qaic.qpc:
+        out.append(f"{where}.backends.qaic: compiled, but names no qpc")
+    if any(not 0 <= e < role.arch.vocab_size for e in role.arch.eos_token_ids):
+        out.append(f"{where}.arch.eos_token_ids: outside the vocabulary")
+    return out

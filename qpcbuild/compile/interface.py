@@ -1,0 +1,42 @@
+"""The interface every compile backend implements (see compile/__init__.py). A module of its
+own, so a backend imports it without importing the registry that finds the backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from ..cache import Cache, DeliveredFiles
+    from ..plan import BuildPlan, RolePlan
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    plan: BuildPlan
+    staging: Path  # bundle root being assembled; every path in argv is relative to it
+    emit_only: bool = False
+    compiler: str | None = None
+    # files the cache delivers into `staging` with the digests its entries recorded (the seal
+    # does not read them again); None where nothing is sealed from them
+    delivered: DeliveredFiles | None = None
+
+
+class Backend(Protocol):
+    name: str
+    cache_kind: str  # the cache's folder for this backend's artifacts
+    ships_graph: bool  # the bundle carries the portable ONNX graph (its artifact refers to it)
+
+    def check(self, ctx: BuildContext) -> dict[str, Any]:
+        """Raise ToolchainError when this backend cannot build here; else describe the toolchain."""
+
+    def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
+                   compiler: str | None, emit_only: bool) -> dict[str, Any]:
+        """What the role's artifact's cache key is the digest of."""
+
+    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
+                     inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
+        """Put `<role>/...` artifacts into ctx.staging, from the cache or built; return (the
+        manifest entry, whether the cache's entry was reused)."""
+
