@@ -245,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"{bundle}: not built for continuous batching "
                              "(shapes.full_batch_size); rebuild with --set "
                              "shapes.full_batch_size=8")
-        if max(args.concurrency) > slots:
-            raise UsageError(f"--concurrency {max(args.concurrency)} exceeds the bundle's "
-                             f"{slots} KV slots")
         if schedule is None:
             recorded = gen.manifest["speculation"].get("k_schedule") or {}
             schedule = {int(b): k for b, k in recorded.items()}
         check_schedule(schedule, gen.decoder.ks, str(bundle))
+        if max(args.concurrency) > slots:
+            raise UsageError(f"--concurrency {max(args.concurrency)} exceeds the bundle's "
+                             f"{slots} KV slots")
     except QpcbuildError as exc:
         say(f"error: {exc}")
         return 2
