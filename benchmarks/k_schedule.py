@@ -87,16 +87,19 @@ def scheduled_k(schedule: dict[int, int], live: int, k_max: int) -> int:
     return schedule[max(sizes)] if sizes else k_max
 
 
-def tuned_schedule(k_max: int, slots: int, sizes: list[int]) -> tuple[dict[int, int], list]:
-    """`qpcbuild tune --per-batch` on the CB recipe: its best K per batch size."""
+def tuned_schedule(k_max: int, slots: int, sizes: list[int], rounds: int
+                   ) -> tuple[dict[int, int], dict]:
+    """`qpcbuild tune --per-batch` on the CB recipe: its best K per batch size, and the
+    command and its per_batch record."""
     cmd = QPCBUILD + ["tune", str(ROOT / "recipes" / "demo.yaml"), "--set",
                       f"shapes.full_batch_size={slots}", "--per-batch",
                       ",".join(map(str, sizes)), "--k-max", str(k_max), "--num-prompts", "4",
-                      "--max-new-tokens", "48", "--rounds", "5", "--json"]
-    say("tune: " + " ".join(cmd[2:]))
+                      "--max-new-tokens", "48", "--rounds", str(rounds), "--json"]
+    say("tune: " + " ".join(cmd[len(QPCBUILD):]))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     per_batch = json.loads(out)["per_batch"]
-    return {p["batch_size"]: p["chosen_k"] for p in per_batch}, per_batch
+    return ({p["batch_size"]: p["chosen_k"] for p in per_batch},
+            {"command": "qpcbuild " + " ".join(cmd[len(QPCBUILD):]), "per_batch": per_batch})
 
 
 def build_bundle(out: Path, k_max: int, slots: int, schedule: dict[int, int]) -> None:
@@ -105,7 +108,7 @@ def build_bundle(out: Path, k_max: int, slots: int, schedule: dict[int, int]) ->
                       "--set", f"shapes.full_batch_size={slots}",
                       "--set", f"speculation.num_speculative_tokens={list(range(k_max + 1))}",
                       "--set", f"speculation.num_speculative_tokens_per_batch_size={flow}"]
-    say("build: " + " ".join(cmd[2:]))
+    say("build: " + " ".join(cmd[len(QPCBUILD):]))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -213,6 +216,8 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64, help="tokens kept of each prompt")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tune-rounds", type=int, default=20,
+                    help="tune's timed calls per K and batch size (its --rounds)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /
                     "k_schedule.json")
     args = ap.parse_args(argv)
@@ -235,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         bundle = args.bundle
         if bundle is None:
             if schedule is None:
-                schedule, tuned = tuned_schedule(args.k_max, args.slots, [1, 2, 4, 8])
+                schedule, tuned = tuned_schedule(args.k_max, args.slots, [1, 2, 4, 8],
+                                                 args.tune_rounds)
             check_schedule(schedule, tuple(range(args.k_max + 1)), "the bundle to build")
             bundle = ROOT / "build" / "k-schedule-bench"
             build_bundle(bundle, args.k_max, args.slots, schedule)
@@ -264,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
               "schedule": {str(b): k for b, k in schedule.items()},
               "schedule_source": "--schedule" if args.schedule else
               "tune --per-batch" if tuned else "bundle manifest",
-              "tune_per_batch": tuned, "compiled_ks": list(gen.decoder.ks),
+              "tune": tuned, "compiled_ks": list(gen.decoder.ks),
               "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
               "prompt_tokens": args.prompt_tokens, "repeats": args.repeats,
               "loadavg_at_start": [round(x, 2) for x in load_start],
