@@ -229,6 +229,13 @@ def test_k_follows_the_number_of_live_rows():
     r2 = new_row(counting_prompt(20), 60, 256, SamplingParams(), 1)
     times = mixed.run_rows([r1, r2])
     assert times.windows.get(1, 0) >= 3 and times.windows.get(4, 0) >= 3
+    # each step's K by its live rows: K=1 while both run, K=4 once r1 has ended
+    assert set(times.step_ks) == {(2, 1), (1, 4)} and times.step_ks[2, 1] >= 3
+    fixed = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
+                    k_schedule={1: 4, 2: 1}).run_rows(
+        [new_row(counting_prompt(3), 8, 256, SamplingParams(), 0),
+         new_row(counting_prompt(20), 60, 256, SamplingParams(), 1)], k=4)
+    assert set(fixed.step_ks) == {(2, 4), (1, 4)}  # a fixed K overrides the schedule
     assert r2.tokens == counting_prompt(20, 5 + 60)
 
 

@@ -232,6 +232,7 @@ class SpecDecoder:
         k_step = run.k_fixed if run.k_fixed is not None else self.k_for(len(live), max(self.ks))
         mode = "plain" if gate is None else gate.choose([r.rate for r in live])
         k_now = k_step if mode == "spec" else 0
+        run.times.step_ks[len(live), k_now] = run.times.step_ks.get((len(live), k_now), 0) + 1
         room = [0 if r.done else max(0, min(k_now, r.limit - len(r.tokens) - 1)) for r in slots]
         proposals, q = self._propose(slots, room, run.use_draft, run.times)
         before = [len(r.tokens) for r in live]

@@ -87,6 +87,9 @@ class LoopTimes:
     draft_calls: int = 0
     catch_up_calls: int = 0  # draft prefill-window calls over tokens decoded without it
     windows: dict[int, int] = field(default_factory=dict)  # verify steps per window K
+    # verify steps per (live rows, the K the step allowed; 0 when the gate ran it plain):
+    # shows the K schedule following the rows as they come and go
+    step_ks: dict[tuple[int, int], int] = field(default_factory=dict)
     gate: dict = field(default_factory=dict)  # the goodput gate's steps and switches
 
 
