@@ -246,14 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             bundle = ROOT / "build" / "k-schedule-bench"
             build_bundle(bundle, args.k_max, args.slots, schedule)
         gen = qpcbuild.load(bundle, method="draft_model")
-        slots = gen.manifest["shapes"].get("full_batch_size")
+        slots = gen.manifest.shapes.full_batch_size
         if not slots:
             raise UsageError(f"{bundle}: not built for continuous batching "
                              "(shapes.full_batch_size); rebuild with --set "
                              "shapes.full_batch_size=8")
         if schedule is None:
-            recorded = gen.manifest["speculation"].get("k_schedule") or {}
-            schedule = {int(b): k for b, k in recorded.items()}
+            schedule = gen.manifest.speculation.schedule
         check_schedule(schedule, gen.decoder.ks, str(bundle))
         if max(args.concurrency) > slots:
             raise UsageError(f"--concurrency {max(args.concurrency)} exceeds the bundle's "
