@@ -1,6 +1,8 @@
 """qpcbuild: build and package speculative-decoding model pairs for Cloud AI 100 and ONNX Runtime."""
 
-__version__ = "0.1.0"
+from .version import __version__
+
+__all__ = ["__version__", "load"]
 
 
 def load(bundle, **options):

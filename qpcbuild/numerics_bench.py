@@ -188,7 +188,7 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
                  f"{window}-token windows)")
     if loadavg() is not None:
         machine["loadavg_at_end"] = loadavg()
-    from . import __version__
+    from .version import __version__
     return {"schema": NUMERICS_SCHEMA, "tool": "qpcbuild bench --numerics",
             "qpcbuild_version": __version__, "name": g0.manifest.name,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import __version__
+from .version import __version__
 from .arch import ArchSpec, arch_from_config
 from .checkpoint import checkpoint_problems
 from .errors import Problem, RecipeError, UsageError

@@ -10,7 +10,7 @@ import stat
 from importlib import metadata
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 
 SDK_VERSION_FILES = ("/opt/qti-aic/versions/apps.xml", "/opt/qti-aic/versions/platform.xml")
 

@@ -147,3 +147,12 @@ def test_the_ast_reading_sees_imports_inside_functions():
     graph = _package_graph()
     assert "qpcbuild.measuring" in graph["qpcbuild.tune.calibrate"]  # inside `tune`
     assert "qpcbuild.runtime.loader" in graph["qpcbuild"]  # inside `load`
+
+
+def test_the_version_module_agrees_with_pyproject():
+    import tomllib
+
+    from qpcbuild.version import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == __version__

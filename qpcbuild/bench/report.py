@@ -126,7 +126,7 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
             ours, peer_objs, notes, gen, machine, bandwidth=None,
             sampled: bool = False) -> dict[str, Any]:
-    from .. import __version__
+    from ..version import __version__
 
     base = ours[0][0]
     ref = None if sampled else base.outputs  # sampled outputs differ from run to run

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .. import __version__
+from ..version import __version__
 from ..cache import Cache, DeliveredFiles, ScratchCache
 from ..compile import Backend, BuildContext, get_backend
 from ..errors import UsageError

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .. import __version__
+from ..version import __version__
 from ..compile.qaic import QPC_FILE, QaicBackend
 from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions

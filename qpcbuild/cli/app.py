@@ -23,7 +23,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def _show_version(value: bool) -> None:
     if value:
-        from .. import __version__
+        from ..version import __version__
         sys.stdout.write(f"qpcbuild {__version__}\n")
         raise typer.Exit()
 

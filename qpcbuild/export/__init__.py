@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .. import __version__
+from ..version import __version__
 from ..arch import ArchSpec, arch_from_config
 from ..errors import QpcbuildError, UsageError
 from ..progress import step
