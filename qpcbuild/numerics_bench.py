@@ -16,6 +16,7 @@ from typing import Any
 
 from .bench.measure import _add_stats
 from .bench.report import _r, _short, write_outputs
+from .compile.backends import HOST_BACKEND
 from .errors import UsageError
 from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                         loadavg, machine_info)
@@ -31,7 +32,7 @@ def _numerics_changes(r) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]
     graph at batch 1 with float32 draft weights (the card has no int8-draft option); the
     emulated one with the recipe's card formats, or mxfp6 + mxint8 when the recipe asks for
     none."""
-    common = {"backends": ["onnxruntime"], "onnxruntime.graph": "fused", "shapes.batch_size": 1,
+    common = {"backends": [HOST_BACKEND], "onnxruntime.graph": "fused", "shapes.batch_size": 1,
               "shapes.full_batch_size": None, "onnxruntime.draft_weights": "float32"}
     fp32 = {"precision.quantization": "none", "precision.kv_cache_dtype": "float16",
             "onnxruntime.target_weights": "float32"}
