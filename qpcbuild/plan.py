@@ -285,8 +285,9 @@ def _vocab_subset(r: Recipe, arch: ArchSpec) -> dict[str, Any]:
             "sha256": subset_digest(ids)}
 
 
-def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
-    """Resolve models (configs only), check what needs them, and decide everything."""
+def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], dict[str, Any] | None]:
+    """Each role's model (its config; weights checked against it where present) and the
+    draft's vocabulary subset; every problem found at once, as one RecipeError."""
     problems: list[Problem] = []
     sources: dict[str, ModelSource] = {}
     subset: dict[str, Any] | None = None
@@ -320,7 +321,35 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                                     "within the window", r.line_of("shapes.ctx_len")))
     if problems:
         raise RecipeError(r.source, problems)
+    return sources, subset
 
+
+def _per_qid(roles: list[RolePlan], card: dict[str, Any],
+             warnings: list[str]) -> tuple[list[dict], list[dict]]:
+    """Cores and memory per device (QID) the roles use; a warning where a QID's memory does not
+    hold its weights and KV cache."""
+    qids = sorted({q for rp in roles for q in rp.device_group})
+    core_rows, mem_rows = [], []
+    for q in qids:
+        row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
+        row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
+        core_rows.append(row)
+        mem = {"qid": q}
+        for rp in roles:
+            if q in rp.device_group:
+                mem[f"{rp.role}_weights"] = round(rp.memory["weights_gib"], 3)
+                mem[f"{rp.role}_kv"] = round(rp.memory["kv_cache_gib"], 3)
+        mem["total"] = round(sum(v for k, v in mem.items() if k != "qid"), 3)
+        mem_rows.append(mem)
+        if mem["total"] > card["dram_gib_per_qid"]:
+            warnings.append(f"QID {q}: estimated {mem['total']:.1f} GiB of weights and KV cache "
+                            f"exceed its {card['dram_gib_per_qid']} GiB of on-board memory")
+    return core_rows, mem_rows
+
+
+def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
+    """Resolve models (configs only), check what needs them, and decide everything."""
+    sources, subset = _resolve_sources(r)
     warnings = [str(w) for w in r.warnings]
     configs = {role: src.config for role, src in sources.items()}
     for name, backend in BACKEND_PLANS.items():
@@ -353,22 +382,7 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                             f"target ({t:,}); speculation will not pay off")
 
     card = CARDS[r.hardware.card]
-    qids = sorted({q for rp in roles for q in rp.device_group})
-    core_rows, mem_rows = [], []
-    for q in qids:
-        row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
-        row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
-        core_rows.append(row)
-        mem = {"qid": q}
-        for rp in roles:
-            if q in rp.device_group:
-                mem[f"{rp.role}_weights"] = round(rp.memory["weights_gib"], 3)
-                mem[f"{rp.role}_kv"] = round(rp.memory["kv_cache_gib"], 3)
-        mem["total"] = round(sum(v for k, v in mem.items() if k != "qid"), 3)
-        mem_rows.append(mem)
-        if mem["total"] > card["dram_gib_per_qid"]:
-            warnings.append(f"QID {q}: estimated {mem['total']:.1f} GiB of weights and KV cache "
-                            f"exceed its {card['dram_gib_per_qid']} GiB of on-board memory")
+    core_rows, mem_rows = _per_qid(roles, card, warnings)
     return BuildPlan(recipe=r, roles=tuple(roles), method=r.draft.method,
                      method_options=r.method_options, ks=r.compiled_ks, tokenizer=tok,
                      cores_per_qid=core_rows, memory_per_qid=mem_rows,

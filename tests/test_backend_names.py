@@ -13,7 +13,7 @@ from typing import get_args
 
 from qpcbuild.compile.backends import BACKENDS
 from qpcbuild.plan_backends import BACKEND_PLANS
-from qpcbuild.recipe import Backend
+from qpcbuild.recipe_schema import Backend
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qpcbuild"
 NAME = re.compile(r"""(?<![\w.])["'](qaic|onnxruntime)["']""")
@@ -23,7 +23,8 @@ ALLOWED = ("compile/",                 # the backends and their registry
            "runtime/qaic_session.py",  # the Cloud AI session
            "cli/",                     # the CLI's --backend choices and help
            "plan_backends.py",         # each backend's plan-time facts (below the plan)
-           "recipe.py",                # the recipe's list of valid names
+           "recipe.py",                # the recipe's checks of the names it lists
+           "recipe_schema.py",         # the recipe's list of valid names
            "toolchain.py")             # tool versions, by package name
 LEFT = 0
 
