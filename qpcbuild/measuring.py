@@ -10,8 +10,10 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .compile.backends import HOST_BACKEND
 from .errors import UsageError
 from .prompts import read_prompt_file
+from .toolchain import HOST_RUNTIME
 
 if TYPE_CHECKING:  # the recipe module is read when a bundle is built, not at start-up
     from .recipe import RecipeChanges
@@ -94,10 +96,10 @@ def measurement_changes(r, numerics: str) -> tuple[dict[str, Any], str]:
 
 
 def _card_changes(r, numerics: str) -> tuple[dict[str, Any], str]:
-    if r.backends == ["onnxruntime"]:
+    if r.backends == [HOST_BACKEND]:
         return {}, ("ONNX Runtime, the recipe's numerics (emulated)" if uses_card_formats(r)
                     else "ONNX Runtime, exact float32")
-    extra: dict[str, Any] = {"backends": ["onnxruntime"]}
+    extra: dict[str, Any] = {"backends": [HOST_BACKEND]}
     if not uses_card_formats(r):
         return extra, "ONNX Runtime, exact float32 (as the recipe)"
     if numerics == "card":
@@ -200,7 +202,7 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "onnxruntime": _pkg_version("onnxruntime")}
+            "python": platform.python_version(), HOST_RUNTIME: _pkg_version(HOST_RUNTIME)}
     if loadavg() is not None:
         info["loadavg_at_start"] = loadavg()
     return info

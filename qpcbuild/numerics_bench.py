@@ -16,6 +16,7 @@ from typing import Any
 
 from .bench.measure import _add_stats
 from .bench.report import _r, _short, write_outputs
+from .compile.backends import HOST_BACKEND
 from .errors import UsageError
 from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                         loadavg, machine_info)
@@ -31,7 +32,7 @@ def _numerics_changes(r) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]
     graph at batch 1 with float32 draft weights (the card has no int8-draft option); the
     emulated one with the recipe's card formats, or mxfp6 + mxint8 when the recipe asks for
     none."""
-    common = {"backends": ["onnxruntime"], "onnxruntime.graph": "fused", "shapes.batch_size": 1,
+    common = {"backends": [HOST_BACKEND], "onnxruntime.graph": "fused", "shapes.batch_size": 1,
               "shapes.full_batch_size": None, "onnxruntime.draft_weights": "float32"}
     fp32 = {"precision.quantization": "none", "precision.kv_cache_dtype": "float16",
             "onnxruntime.target_weights": "float32"}
@@ -119,11 +120,24 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     return col, outputs
 
 
+def _host_model(gen, prompt: list[int], max_new_tokens: int, ctx_len: int):
+    """The host time per step of this bundle's loop, from a short run at K=1 and at K=8."""
+    from .tune import host_model
+
+    h = {}
+    for kk in (1, max(NUMERICS_TUNE_KS)):
+        st = gen.generate([prompt], max_new_tokens, temperature=0.0, k=kk).stats
+        steps = max(1, st["target_calls"] - prefill_calls(
+            [prompt], gen.manifest.shapes.prefill_seq_len, ctx_len))
+        h[kk] = st["host_overhead_s"] / steps
+    return host_model(h)
+
+
 def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, prompt_label: str,
                  k: int, max_new_tokens: int, tune_k: bool = True, rounds: int = 10,
                  say: Say | None = None) -> dict[str, Any]:
     from .runtime.loader import load
-    from .tune import host_model, measure_costs
+    from .tune import measure_costs
 
     say = say or (lambda m: None)
     machine = machine_info()
@@ -154,18 +168,8 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
     columns, outs = [], {}
     for label, gen in gens.items():
         gen.generate([prompt_ids[0]], min(16, max_new_tokens), k=k)  # warm-up, not counted
-        if costs is not None:
-            # host time per step of this loop, from a short run at K=1 and at K=8
-            h = {}
-            for kk in (1, max(NUMERICS_TUNE_KS)):
-                res = gen.generate([prompt_ids[0]], max_new_tokens, temperature=0.0, k=kk)
-                st = res.stats
-                steps = max(1, st["target_calls"] - prefill_calls(
-                    [prompt_ids[0]], gen.manifest.shapes.prefill_seq_len, ctx_len))
-                h[kk] = st["host_overhead_s"] / steps
-            col_costs = (costs[0], costs[1], host_model(h))
-        else:
-            col_costs = None
+        col_costs = None if costs is None else \
+            (costs[0], costs[1], _host_model(gen, prompt_ids[0], max_new_tokens, ctx_len))
         col, outs[label] = _numerics_column(gen, label, prompt_ids, max_new_tokens, k, method,
                                             col_costs, say)
         columns.append(col)

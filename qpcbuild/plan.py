@@ -17,6 +17,7 @@ from .version import __version__
 from .arch import ArchSpec, arch_from_config
 from .checkpoint import checkpoint_problems
 from .errors import Problem, RecipeError, UsageError
+from .plan_backends import BACKEND_PLANS, ORT_LOWERING_VERSION, ort_graph  # noqa: F401
 from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
 from .source import ModelSource, resolve
 from .toolchain import executable
@@ -24,7 +25,6 @@ from .tokenizer_check import alignment
 from .vocab_subset import read_vocab_subset, subset_digest
 
 EXPORTER_VERSION = "4"  # bump when the exported graph changes for the same inputs
-ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the same graph
 QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 KV_BYTES = {"float16": 2.0, "mxint8": 33 / 32}  # mxint8: 8-bit values + one scale per 32
 WEIGHT_BYTES = {"none": 2.0, "mxfp6": 25 / 32}  # the card runs fp16; mxfp6: 6 bits + scale/32
@@ -202,15 +202,6 @@ def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: st
     return argv
 
 
-def ort_graph(r: Recipe) -> str:
-    """The fused lowering needs one row per call: ORT's CPU GroupQueryAttention refuses
-    batch > 1 for multi-token windows over a cache, and only the portable graph has the
-    batch_index input of continuous batching."""
-    if r.shapes.full_batch_size is not None or r.shapes.batch_size > 1:
-        return "portable"
-    return r.onnxruntime.graph
-
-
 def ort_numerics(r: Recipe) -> dict[str, Any]:
     """What the onnxruntime artifact computes with: `exact` float32, or `emulated` card formats
     (qpcbuild.numerics) when the recipe asks for mxfp6 / mxint8. Emulation exists in the fused
@@ -261,18 +252,10 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
            "weights": getattr(r.onnxruntime, f"{role}_weights"),
            "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
            "intra_op_threads": r.onnxruntime.intra_op_threads, **ort_numerics(r)}
-    # The settings part of each artifact's cache key; the build adds the weights' content
-    # digest and the toolchain versions. Only what changes the artifact is in: K and threads
-    # do not change an onnxruntime artifact, so they are not in its key.
+    # The settings part of each artifact's cache key, one per backend (plan_backends.py).
     cache_keys = {"export": export_key,
-                  "onnxruntime": digest({"export": export_key, "lowering": ORT_LOWERING_VERSION,
-                                         **{k: ort[k] for k in ("graph", "batch_size", "ctx_len",
-                                                                "kv_dtype", "weights")},
-                                         # emulated card formats (exact builds keep their key)
-                                         **({"numerics": ort["numerics_formats"]}
-                                            if ort["numerics"] == "emulated" else {})}),
-                  "qaic": digest({"export": export_key, "argv": argv[1:], "specs": specs,
-                                  "custom_io": kv_prec, "fmt": r.hardware.specializations_format})}
+                  **{name: digest(backend.settings(r, export_key, ort, argv, specs))
+                     for name, backend in BACKEND_PLANS.items()}}
     io = io_signature(role, arch, cb)
     return RolePlan(
         role=role, source=source, arch=arch, ks=ks if role == "target" else (),
@@ -302,8 +285,9 @@ def _vocab_subset(r: Recipe, arch: ArchSpec) -> dict[str, Any]:
             "sha256": subset_digest(ids)}
 
 
-def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
-    """Resolve models (configs only), check what needs them, and decide everything."""
+def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], dict[str, Any] | None]:
+    """Each role's model (its config; weights checked against it where present) and the
+    draft's vocabulary subset; every problem found at once, as one RecipeError."""
     problems: list[Problem] = []
     sources: dict[str, ModelSource] = {}
     subset: dict[str, Any] | None = None
@@ -337,27 +321,40 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                                     "within the window", r.line_of("shapes.ctx_len")))
     if problems:
         raise RecipeError(r.source, problems)
+    return sources, subset
 
+
+def _per_qid(roles: list[RolePlan], card: dict[str, Any],
+             warnings: list[str]) -> tuple[list[dict], list[dict]]:
+    """Cores and memory per device (QID) the roles use; a warning where a QID's memory does not
+    hold its weights and KV cache."""
+    qids = sorted({q for rp in roles for q in rp.device_group})
+    core_rows, mem_rows = [], []
+    for q in qids:
+        row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
+        row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
+        core_rows.append(row)
+        mem = {"qid": q}
+        for rp in roles:
+            if q in rp.device_group:
+                mem[f"{rp.role}_weights"] = round(rp.memory["weights_gib"], 3)
+                mem[f"{rp.role}_kv"] = round(rp.memory["kv_cache_gib"], 3)
+        mem["total"] = round(sum(v for k, v in mem.items() if k != "qid"), 3)
+        mem_rows.append(mem)
+        if mem["total"] > card["dram_gib_per_qid"]:
+            warnings.append(f"QID {q}: estimated {mem['total']:.1f} GiB of weights and KV cache "
+                            f"exceed its {card['dram_gib_per_qid']} GiB of on-board memory")
+    return core_rows, mem_rows
+
+
+def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
+    """Resolve models (configs only), check what needs them, and decide everything."""
+    sources, subset = _resolve_sources(r)
     warnings = [str(w) for w in r.warnings]
-    if "onnxruntime" in r.backends and r.onnxruntime.graph == "fused" and ort_graph(r) != "fused":
-        warnings.append("onnxruntime: batch_size > 1 or continuous batching uses the portable "
-                        "graph (the fused GroupQueryAttention lowering runs one row per call)")
-    if "onnxruntime" in r.backends and ort_graph(r) != "fused" and (
-            r.precision.quantization != "none" or r.precision.kv_cache_dtype != "float16"):
-        warnings.append("onnxruntime: the portable graph runs exact float32; the mxfp6/mxint8 "
-                        "numerics preview exists in the fused graph only (batch_size 1)")
-    if "qaic" in r.backends and r.precision.export_dtype == "float16":
-        warnings.append("qaic: export_dtype float16 Casts each stored weight up to float32 in "
-                        "front of its MatMul, a form QEfficient's graphs never have (`qpcbuild "
-                        "doctor` flags it; whether -mxfp6-matmul compresses such weights is "
-                        "unknown): prefer float32 for a card bundle")
-    if "qaic" in r.backends and r.hardware.aic_hw_version == "ai200":
-        for role, src in sources.items():
-            if (src.config.get("torch_dtype") or src.config.get("dtype")) == "bfloat16":
-                warnings.append(f"{role}: a bfloat16 checkpoint on ai200 runs in bfloat16 under "
-                                "QEfficient (no -convert-to-fp16, bfloat16 KV); this bundle's "
-                                "graph is its exact float32 upcast, compiled to float16 as "
-                                "QEfficient compiles float32 checkpoints")
+    configs = {role: src.config for role, src in sources.items()}
+    for name, backend in BACKEND_PLANS.items():
+        if name in r.backends:
+            warnings += backend.warnings(r, configs)
     tok = alignment(sources["target"], sources.get("draft"))
     if tok["verdict"] == "incompatible":
         raise RecipeError(r.source, [Problem("draft.model", "target and draft "
@@ -385,22 +382,7 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                             f"target ({t:,}); speculation will not pay off")
 
     card = CARDS[r.hardware.card]
-    qids = sorted({q for rp in roles for q in rp.device_group})
-    core_rows, mem_rows = [], []
-    for q in qids:
-        row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
-        row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
-        core_rows.append(row)
-        mem = {"qid": q}
-        for rp in roles:
-            if q in rp.device_group:
-                mem[f"{rp.role}_weights"] = round(rp.memory["weights_gib"], 3)
-                mem[f"{rp.role}_kv"] = round(rp.memory["kv_cache_gib"], 3)
-        mem["total"] = round(sum(v for k, v in mem.items() if k != "qid"), 3)
-        mem_rows.append(mem)
-        if mem["total"] > card["dram_gib_per_qid"]:
-            warnings.append(f"QID {q}: estimated {mem['total']:.1f} GiB of weights and KV cache "
-                            f"exceed its {card['dram_gib_per_qid']} GiB of on-board memory")
+    core_rows, mem_rows = _per_qid(roles, card, warnings)
     return BuildPlan(recipe=r, roles=tuple(roles), method=r.draft.method,
                      method_options=r.method_options, ks=r.compiled_ks, tokenizer=tok,
                      cores_per_qid=core_rows, memory_per_qid=mem_rows,

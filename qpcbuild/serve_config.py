@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .compile.backends import backend_info, vllm_backend
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -104,7 +105,8 @@ def vllm_argv(m: Manifest, legacy: bool = False, qpc_root: Path | None = None,
     inside a container)."""
     target, shapes = m.target, m.shapes
     models = models or {}
-    argv = ["vllm", "serve", models.get("target") or served_model(target), "--device", "qaic",
+    argv = ["vllm", "serve", models.get("target") or served_model(target), "--device",
+            backend_info(vllm_backend()).vllm_device,
             # The same model id as `qpcbuild serve`, so one client test runs against both.
             "--served-model-name", m.name,
             "--max-model-len", str(shapes.ctx_len),
@@ -136,7 +138,7 @@ def vllm_argv(m: Manifest, legacy: bool = False, qpc_root: Path | None = None,
 def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE) -> str:
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not '{fmt}'")
-    if "qaic" not in m.backends:
+    if vllm_backend() not in m.backends:
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")
     statuses = {r: info.backends.qaic.status for r, info in m.roles.items()

@@ -15,6 +15,9 @@ from .version import __version__
 SDK_VERSION_FILES = ("/opt/qti-aic/versions/apps.xml", "/opt/qti-aic/versions/platform.xml")
 
 
+HOST_RUNTIME = "onnxruntime"  # the package the host backend runs on (bench records its version)
+
+
 def _pkg(name: str) -> str | None:
     try:
         return metadata.version(name)

@@ -156,3 +156,59 @@ def test_the_version_module_agrees_with_pyproject():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["version"] == __version__
+
+
+# Size: a function over 80 lines or a module over 400 reads as one block where named steps would
+# read better; where it does not, a comment says why, right above the function (above its
+# decorators) or in the module's header (before its first import).
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 400
+FUNCTION_REASON, MODULE_REASON = "# Over 80 lines:", "# Over 400 lines:"
+
+
+def _comment_above(lines: list[str], first: int) -> str:
+    """The block of comment lines directly above line `first` (1-based)."""
+    block, i = [], first - 2
+    while i >= 0 and lines[i].strip().startswith("#"):
+        block.append(lines[i].strip())
+        i -= 1
+    return "\n".join(reversed(block))
+
+
+def oversized(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        if len(lines) > MAX_MODULE_LINES:
+            first_import = next((n.lineno for n in tree.body
+                                 if isinstance(n, (ast.Import, ast.ImportFrom))), len(lines) + 1)
+            if not any(line.strip().startswith(MODULE_REASON)
+                       for line in lines[:first_import - 1]):
+                found.append(f"{rel}: {len(lines)} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if length > MAX_FUNCTION_LINES and \
+                        FUNCTION_REASON not in _comment_above(lines, first):
+                    found.append(f"{rel}:{node.lineno}: {node.name} {length} lines")
+    return found
+
+
+def test_no_long_function_or_module_without_a_reason():
+    assert oversized(PACKAGE) == []
+
+
+def test_the_size_check_finds_what_it_should(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    (tmp_path / "long.py").write_text(
+        "import os\n\n\ndef long_one():\n" + body +
+        "\n\n# Over 80 lines: one table, splitting it hides nothing\n@staticmethod\n"
+        "def explained():\n" + body +
+        "\n\ndef short():\n    return 1\n")
+    (tmp_path / "big.py").write_text("x = 1\n" * 401)
+    (tmp_path / "big_ok.py").write_text('"""Doc."""\n# Over 400 lines: one table\nimport os\n'
+                                        + "x = 1\n" * 400)
+    assert oversized(tmp_path) == ["big.py: 401 lines", "long.py:4: long_one 81 lines"]

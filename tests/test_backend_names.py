@@ -1,17 +1,19 @@
-"""Backends sit behind one interface (qpcbuild/compile/__init__.py: BACKENDS, get_backend): the
-bundle builder, the unit planner, the loader, run and serve dispatch through it and never name
-a backend. A source scan for the names as string literals outside the places allowed to hold
-them: the backend modules themselves, the CLI's choices and the recipe's list of valid names.
-
-Not every module is there yet (issue 29, item 2): the plan still builds the qaic command line
-and the ONNX Runtime settings, tune picks where to time calls, serve-config is the vllm-qaic
-hand-off. LEFT is how many such lines remain; it may only go down (set it to the new count
-when you move one behind the interface), and the target is zero."""
+"""Backends sit behind one interface (qpcbuild/compile/backends.py: BACKENDS, get_backend): the
+bundle builder, the unit planner, the loader, run, serve, measuring and tune dispatch through it
+and never name a backend. A source scan for the names as string literals outside the places
+allowed to hold them: the backend modules themselves (with their plan-time half,
+plan_backends.py, which sits below the plan), the CLI's choices and the recipe's list of valid
+names. LEFT is how many such lines remain elsewhere: none, so any new one fails."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import get_args
+
+from qpcbuild.compile.backends import BACKENDS
+from qpcbuild.plan_backends import BACKEND_PLANS
+from qpcbuild.recipe_schema import Backend
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qpcbuild"
 NAME = re.compile(r"""(?<![\w.])["'](qaic|onnxruntime)["']""")
@@ -20,9 +22,11 @@ ALLOWED = ("compile/",                 # the backends and their registry
            "runtime/session.py",       # the ONNX Runtime session
            "runtime/qaic_session.py",  # the Cloud AI session
            "cli/",                     # the CLI's --backend choices and help
-           "recipe.py",                # the recipe's list of valid names
+           "plan_backends.py",         # each backend's plan-time facts (below the plan)
+           "recipe.py",                # the recipe's checks of the names it lists
+           "recipe_schema.py",         # the recipe's list of valid names
            "toolchain.py")             # tool versions, by package name
-LEFT = 19
+LEFT = 0
 
 
 def backend_name_lines(root: Path) -> list[str]:
@@ -55,3 +59,7 @@ def test_the_scan_finds_a_backend_name(tmp_path):
         'version = _pkg("onnxruntime")\n'
         'path = "target/qaic/compile.sh"\n')
     assert [line.split(":")[1] for line in backend_name_lines(tmp_path)] == ["1", "3"]
+
+
+def test_the_recipe_the_plan_and_the_registry_know_the_same_backends():
+    assert list(BACKENDS) == list(BACKEND_PLANS) == list(get_args(Backend))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..toolchain import HOST_RUNTIME
+
 
 # Over 80 lines: one figure drawn panel by panel; splitting it would pass the axes around.
 def plot_report(report: dict[str, Any], path: Path) -> Path:
@@ -84,7 +86,7 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"qpcbuild bench: {report['name']}, {s['prompts']} prompts "
                  f"({Path(str(s['prompt_set'])).name}), {s['max_new_tokens']} new tokens, greedy, "
                  f"repeats={s['repeats']}; qpcbuild target-only {base_tps:,.0f} tokens/s\n"
-                 f"{m['cpu']}, {m['cpu_count']} CPUs, onnxruntime {m.get('onnxruntime')}, "
+                 f"{m['cpu']}, {m['cpu_count']} CPUs, {HOST_RUNTIME} {m.get(HOST_RUNTIME)}, "
                  f"load average {load} at start", fontsize=10)
     fig.tight_layout()
     path = Path(path)

@@ -179,6 +179,133 @@ def _subset_ids(role: RolePlan):
     return ids
 
 
+@dataclass
+class _Build:
+    """One build's state across its steps: the cache keys and inputs per role, each role's
+    export (made on first use), and the stages done so far."""
+    plan: BuildPlan
+    cache: Cache
+    backends: dict[str, Backend]
+    ctx: BuildContext
+    units: set[str] | None
+    say: Progress
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    keys: dict[str, dict[str, str]] = field(default_factory=dict)
+    inputs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    graphs: dict[str, tuple[Path, dict[str, Any]]] = field(default_factory=dict)
+    onnx_dirs: dict[str, Callable[[], Path]] = field(default_factory=dict)
+
+    def record(self, stage: str, reused: bool, t0: float, origin: str) -> None:
+        self.stages.append({"stage": stage, "reused": reused, "from": origin,
+                            "seconds": round(time.perf_counter() - t0, 2)})
+        self.say(stage, {"local": "reused", "remote": "pulled"}.get(origin, "built"),
+                 time.perf_counter() - t0)
+
+    def wanted(self, stage: str, role: str) -> bool:
+        return self.units is None or unit_name(stage, role) in self.units
+
+    def export(self, role: RolePlan) -> tuple[str, dict[str, Any]]:
+        """The role's cache keys, and its export's record: from the cache's record alone where
+        nothing built here needs the graph, else the export entry (from the cache or built)."""
+        t0 = time.perf_counter()
+        r, cache, backends = self.plan.recipe, self.cache, self.backends
+        ref = r.target if role.role == "target" else r.draft
+        allow_pickle = ref.allow_pickle
+        self.inputs[role.role] = inputs = artifact_key_inputs(
+            role, cache.weights_digest(weight_files(role, allow_pickle)), backends,
+            self.ctx.compiler, self.ctx.emit_only)
+        self.keys[role.role] = keys = {stage: digest(i) for stage, i in inputs.items()}
+        src = resolve(role.source["path"], role.source["revision"], allow_known=False)
+
+        def build(tmp: Path) -> dict[str, Any]:
+            res = export_model(src, role.role, tmp / "onnx",
+                               continuous_batching=r.shapes.full_batch_size is not None,
+                               weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,
+                               allow_unused=ref.allow_unused_weights,
+                               vocab_subset=_subset_ids(role))
+            return {"weights_digest": res.weights_digest, "metadata": res.metadata}
+
+        key = keys["export"]
+
+        def graph(t0: float = t0) -> tuple[Path, dict[str, Any]]:
+            """The export entry, from the cache or built, on first use."""
+            if role.role not in self.graphs:
+                entry, meta, reused = cache.get_or_build("exports", key, build, inputs["export"])
+                self.record(f"export {role.role}", reused, t0,
+                            cache.origin("exports", key, reused))
+                self.graphs[role.role] = entry, meta
+            return self.graphs[role.role]
+
+        self.onnx_dirs[role.role] = lambda: graph(time.perf_counter())[0] / "onnx"
+        # When every artifact made from the graph is cached and the bundle does not carry
+        # the graph, the entry's record is enough: a new runner does not fetch a graph it
+        # would not use. A backend that must rebuild after all fetches it then.
+        made = [(b.cache_kind, keys[name]) for name, b in backends.items()
+                if self.wanted(name, role.role)]
+        meta = None
+        if made and not any(b.ships_graph for b in backends.values()) and \
+                all(cache.has(*m) for m in made):
+            meta = cache.record_meta("exports", key)
+        if meta is None:
+            return role.role, graph()[1]
+        self.record(f"export {role.role}", True, t0, cache.origin("exports", key, True))
+        return role.role, meta
+
+    def build_artifacts(self, roles: list[RolePlan]) -> dict[str, dict[str, Any]]:
+        """Each wanted backend's artifacts for each role, into the staging bundle; returns
+        {backend: {role: its manifest entry}}."""
+        staging, cache = self.ctx.staging, self.cache
+        built: dict[str, dict[str, Any]] = {name: {} for name in self.backends}
+        for rp in roles:
+            todo = {name: b for name, b in self.backends.items() if self.wanted(name, rp.role)}
+            if any(b.ships_graph for b in todo.values()):  # every backend builds from it
+                onnx_dir = staging / rp.role / "onnx"
+                cache.deliver(self.onnx_dirs[rp.role](), onnx_dir, known=self.ctx.delivered)
+                self.onnx_dirs[rp.role] = lambda onnx_dir=onnx_dir: onnx_dir
+            for name, backend in todo.items():
+                t0 = time.perf_counter()
+                key = self.keys[rp.role][name]
+                info, reused = backend.build_cached(self.ctx, rp, cache, key,
+                                                    self.inputs[rp.role][name],
+                                                    self.onnx_dirs[rp.role])
+                built[name][rp.role] = info
+                self.record(f"{name} {rp.role}" + (" (emit only)" if info.get("status") ==
+                                                   "emitted" else ""), reused, t0,
+                            cache.origin(backend.cache_kind, key, reused))
+        return built
+
+
+def _target_dir(plan: BuildPlan) -> Path:
+    """The target's model folder, which must hold the tokenizer the bundle carries."""
+    target = plan.role("target")
+    target_dir = Path(target.source["path"])
+    # Random smoke weights stand in for a model whose tokenizer is not on this machine.
+    if not (target_dir / "tokenizer.json").is_file() and not target.source["smoke_of"]:
+        raise UsageError(f"target.model: {target_dir} has no tokenizer.json; a bundle carries the "
+                         "target's tokenizer (run and serve need it)")
+    return target_dir
+
+
+def _assemble_and_seal(run: _Build, out: Path, target_dir: Path, exports: dict[str, dict],
+                       built: dict[str, dict[str, Any]], tools: dict[str, Any],
+                       manifest_extra: dict[str, Any]) -> Manifest:
+    """Tokenizer and recipe next to the artifacts, every file hashed (what the cache delivered
+    by its recorded digests), the manifest sealed over them."""
+    staging = run.ctx.staging
+    shutil.rmtree(staging / SCRATCH, ignore_errors=True)
+    tok_dir = staging / "tokenizer"
+    tok_dir.mkdir()
+    for f in tokenizer_files(target_dir):
+        shutil.copyfile(f, tok_dir / f.name)
+    (staging / "recipe.yaml").write_text(_bundle_recipe(run.plan))
+    known = run.ctx.delivered.unchanged()  # hashed by the cache already: not read again
+    files = hash_tree(staging, exclude=[*UNSEALED_FILES, *known], what=f"hashing {out}")
+    files = dict(sorted({**files, **known}.items()))
+    return write_manifest(staging, _manifest(
+        run.plan, exports, built, {**artifact_versions(), "backends": tools}, files,
+        manifest_extra))
+
+
 def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = None,
                  emit_only: bool = False, compiler: str | None = None, jobs: int = 1,
                  progress: Progress | None = None,
@@ -186,30 +313,15 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                  units: set[str] | None = None) -> BuildResult:
     """`cache=None`: build everything afresh and move it into the bundle (`--no-cache`).
     `manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K).
-    `units`: build only these units (unit_name) into the cache, and no bundle."""
+    `units`: build only these units (unit_name) into the cache, and no bundle.
+    Steps: check the toolchains -> export each role -> build each backend's artifacts ->
+    assemble and seal -> publish."""
     start = time.perf_counter()
     r = plan.recipe
     out = Path(out) if out else r.output_dir()
-    say = progress or (lambda *a: None)
-    stages: list[dict[str, Any]] = []
-
-    def record(stage: str, reused: bool, t0: float, origin: str) -> None:
-        stages.append({"stage": stage, "reused": reused, "from": origin,
-                       "seconds": round(time.perf_counter() - t0, 2)})
-        say(stage, {"local": "reused", "remote": "pulled"}.get(origin, "built"),
-            time.perf_counter() - t0)
-
-    def wanted(stage: str, role: str) -> bool:
-        return units is None or unit_name(stage, role) in units
-
     _require_weights(plan)
     backends = {name: get_backend(name) for name in r.backends}
-    target = plan.role("target")
-    target_dir = Path(target.source["path"])
-    # Random smoke weights stand in for a model whose tokenizer is not on this machine.
-    if not (target_dir / "tokenizer.json").is_file() and not target.source["smoke_of"]:
-        raise UsageError(f"target.model: {target_dir} has no tokenizer.json; a bundle carries the "
-                         "target's tokenizer (run and serve need it)")
+    target_dir = _target_dir(plan)
     _check_output(out)
     remove_debris(out)
     with staging_folder(out) as staging:
@@ -218,92 +330,16 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         cache.remove_debris()
         delivered = DeliveredFiles(staging)  # what the cache put here, with checked digests
         ctx = BuildContext(plan, staging, emit_only, compiler, delivered)
-        tool = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
-        keys: dict[str, dict[str, str]] = {}
-        inputs: dict[str, dict[str, dict[str, Any]]] = {}
+        tools = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
+        run = _Build(plan, cache, backends, ctx, units, progress or (lambda *a: None))
         roles = [rp for rp in plan.roles
-                 if any(wanted(stage, rp.role) for stage in ("export", *backends))]
-
-        def export(role: RolePlan):
-            t0 = time.perf_counter()
-            ref = r.target if role.role == "target" else r.draft
-            allow_pickle = ref.allow_pickle
-            inputs[role.role] = artifact_key_inputs(
-                role, cache.weights_digest(weight_files(role, allow_pickle)), backends, compiler,
-                emit_only)
-            keys[role.role] = {stage: digest(i) for stage, i in inputs[role.role].items()}
-            src = resolve(role.source["path"], role.source["revision"], allow_known=False)
-
-            def build(tmp: Path) -> dict[str, Any]:
-                res = export_model(src, role.role, tmp / "onnx",
-                                   continuous_batching=r.shapes.full_batch_size is not None,
-                                   weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,
-                                   allow_unused=ref.allow_unused_weights,
-                                   vocab_subset=_subset_ids(role))
-                return {"weights_digest": res.weights_digest, "metadata": res.metadata}
-
-            key = keys[role.role]["export"]
-
-            def graph(t0: float = t0) -> tuple[Path, dict[str, Any]]:
-                """The export entry, from the cache or built, on first use."""
-                if role.role not in graphs:
-                    entry, meta, reused = cache.get_or_build("exports", key, build,
-                                                             inputs[role.role]["export"])
-                    record(f"export {role.role}", reused, t0,
-                           cache.origin("exports", key, reused))
-                    graphs[role.role] = entry, meta
-                return graphs[role.role]
-
-            onnx_dirs[role.role] = lambda: graph(time.perf_counter())[0] / "onnx"
-            # When every artifact made from the graph is cached and the bundle does not carry
-            # the graph, the entry's record is enough: a new runner does not fetch a graph it
-            # would not use. A backend that must rebuild after all fetches it then.
-            made = [(b.cache_kind, keys[role.role][name]) for name, b in backends.items()
-                    if wanted(name, role.role)]
-            meta = None
-            if made and not any(b.ships_graph for b in backends.values()) and \
-                    all(cache.has(*m) for m in made):
-                meta = cache.record_meta("exports", key)
-            if meta is None:
-                return role.role, graph()[1]
-            record(f"export {role.role}", True, t0, cache.origin("exports", key, True))
-            return role.role, meta
-
-        graphs: dict[str, tuple[Path, dict[str, Any]]] = {}
-        onnx_dirs: dict[str, Callable[[], Path]] = {}
+                 if any(run.wanted(stage, rp.role) for stage in ("export", *backends))]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            exports = dict(pool.map(export, roles))
-
-        built: dict[str, dict[str, Any]] = {name: {} for name in backends}
-        for rp in roles:
-            todo = {name: b for name, b in backends.items() if wanted(name, rp.role)}
-            if any(b.ships_graph for b in todo.values()):  # every backend builds from it
-                onnx_dir = staging / rp.role / "onnx"
-                cache.deliver(onnx_dirs[rp.role](), onnx_dir, known=delivered)
-                onnx_dirs[rp.role] = lambda onnx_dir=onnx_dir: onnx_dir
-            for name, backend in todo.items():
-                t0 = time.perf_counter()
-                key = keys[rp.role][name]
-                info, reused = backend.build_cached(ctx, rp, cache, key, inputs[rp.role][name],
-                                                    onnx_dirs[rp.role])
-                built[name][rp.role] = info
-                record(f"{name} {rp.role}" + (" (emit only)" if info.get("status") == "emitted"
-                                             else ""), reused, t0,
-                       cache.origin(backend.cache_kind, key, reused))
+            exports = dict(pool.map(run.export, roles))
+        built = run.build_artifacts(roles)
         if units is not None:  # the units are in the cache; no bundle is assembled
-            return BuildResult(None, None, time.perf_counter() - start, stages)
-
-        shutil.rmtree(staging / SCRATCH, ignore_errors=True)
-        tok_dir = staging / "tokenizer"
-        tok_dir.mkdir()
-        for f in tokenizer_files(target_dir):
-            shutil.copyfile(f, tok_dir / f.name)
-        (staging / "recipe.yaml").write_text(_bundle_recipe(plan))
-        known = delivered.unchanged()  # hashed by the cache already: not read again
-        files = hash_tree(staging, exclude=[*UNSEALED_FILES, *known], what=f"hashing {out}")
-        files = dict(sorted({**files, **known}.items()))
-        manifest = write_manifest(staging, _manifest(
-            plan, exports, built, {**artifact_versions(), "backends": tool}, files,
-            manifest_extra or {}))
+            return BuildResult(None, None, time.perf_counter() - start, run.stages)
+        manifest = _assemble_and_seal(run, out, target_dir, exports, built, tools,
+                                      manifest_extra or {})
         publish(staging, out)
-    return BuildResult(out, manifest.bundle_id, time.perf_counter() - start, stages)
+    return BuildResult(out, manifest.bundle_id, time.perf_counter() - start, run.stages)

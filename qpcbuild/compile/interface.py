@@ -31,6 +31,9 @@ class Backend(Protocol):
     def check(self, ctx: BuildContext) -> dict[str, Any]:
         """Raise ToolchainError when this backend cannot build here; else describe the toolchain."""
 
+    def runtime_problem(self) -> str | None:
+        """Why this backend's sessions cannot run here (None: they can)."""
+
     def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
         """What the role's artifact's cache key is the digest of."""

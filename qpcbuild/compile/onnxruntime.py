@@ -53,6 +53,9 @@ class OrtBackend:
             raise ToolchainError(f"onnxruntime is not importable: {exc}") from None
         return {"onnxruntime": _pkg("onnxruntime"), "optimization_level": ORT_LEVEL}
 
+    def runtime_problem(self) -> str | None:
+        return None  # onnxruntime is a dependency: it runs wherever qpcbuild does
+
     def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
         return {"export": export_digest, "settings": role.cache_keys[self.name],

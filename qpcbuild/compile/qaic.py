@@ -4,6 +4,7 @@ runnable compile.sh per role). It never writes a programqpc.bin of its own."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -32,6 +33,16 @@ class QaicBackend:
     name = "qaic"
     cache_kind = "qpc"
     ships_graph = True  # the compiler inputs and compile.sh refer to the bundle's graph
+
+    def runtime_problem(self) -> str | None:
+        """Why sessions cannot run on a card here (None: they can)."""
+        try:
+            importlib.import_module("qaicrt")
+        except Exception as exc:
+            return f"qaicrt is not importable ({type(exc).__name__})"
+        if find_compiler()[0] is None:
+            return "no qaic-compile/qaic-exec found"
+        return None
 
     def check(self, ctx: BuildContext) -> dict[str, Any]:
         compiler, tried = find_compiler(ctx.compiler)

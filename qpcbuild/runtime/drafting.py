@@ -19,7 +19,7 @@ import numpy as np
 
 from .rows import LoopTimes, Row
 from .sampling import probabilities, sample
-from .session import ModelSession
+from .model_session import ModelSession
 
 
 class DraftingDecoder(Protocol):

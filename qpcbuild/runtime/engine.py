@@ -24,7 +24,7 @@ from .proposers import Proposer
 from .rows import (LoopTimes, Row, RowStats, TokenCallback, new_row, prefill_calls,  # noqa: F401
                    prefill_feeds)
 from .sampling import SamplingParams, accept_greedy, accept_sampling, probabilities, sample
-from .session import ModelSession
+from .model_session import ModelSession
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ToolchainError
-from .session import Specialization, pick_specialization
+from .model_session import Specialization, pick_specialization
 
 SDK_PYTHON = "/opt/qti-aic/dev/lib/x86_64"  # where the SDK installs qaicrt and aicapi
 

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from ..compile.backends import backend_info
 from ..errors import UsageError
 from .acceptance import replayed, summed_run
 from .model import (P_MIN_GRID, best_k_per_batch, choose_k, confidence_stop_table, host_model,
@@ -249,7 +250,8 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
                              "were measured on ONNX Runtime on this CPU, so the K is this "
                              "CPU's; on the card it may differ (`tune --cost-model` estimates "
                              "the card)")
-            same = backend == "onnxruntime" and \
+            on_card = not backend_info(backend).runs_on_host
+            same = not on_card and \
                 measurement_changes(r, "exact")[0] == measurement_changes(r, "card")[0]
             for b in batches:
                 if b == batch and same:
@@ -257,7 +259,7 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
                 extra = {} if b == batch else {"shapes.batch_size": b,
                                                "shapes.full_batch_size": None}
                 out = tmp / f"costs-b{b}"
-                if backend == "qaic":
+                if on_card:
                     from ..measuring import build_on_card
                     build_on_card(recipe_path, list(overrides), ks, out, cache_dir, say,
                                   changes=extra)

@@ -10,11 +10,11 @@
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import time
 from typing import Any
 
+from ..compile.backends import HOST_BACKEND, backend_info, card_backend, get_backend
 from ..errors import UsageError
 
 ROOFLINE_ASSUMPTIONS = [
@@ -92,28 +92,17 @@ def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
     return t_verify, t_draft, detail
 
 
-def qaic_runtime() -> str | None:
-    """Why call costs cannot be measured on a card here (None: they can)."""
-    from ..plan import find_compiler
-
-    try:
-        importlib.import_module("qaicrt")
-    except Exception as exc:
-        return f"qaicrt is not importable ({type(exc).__name__})"
-    if find_compiler()[0] is None:
-        return "no qaic-compile/qaic-exec found"
-    return None
-
-
 def cost_backend(r) -> tuple[str, str, str | None]:
     """(backend to time on, cost_source, why not the card): the card when the recipe builds for
-    qaic and its runtime and compiler are here, else ONNX Runtime on this CPU."""
-    if "qaic" in r.backends:
-        why = qaic_runtime()
-        if why is None:
-            return "qaic", "qaic-card", None
-        return "onnxruntime", "onnxruntime-cpu", why
-    return "onnxruntime", "onnxruntime-cpu", None
+    one and its runtime and compiler are here, else the host backend on this CPU."""
+    host = HOST_BACKEND, backend_info(HOST_BACKEND).cost_source
+    card = card_backend(r.backends)
+    if card is None:
+        return *host, None
+    why = get_backend(card).runtime_problem()
+    if why is None:
+        return card, backend_info(card).cost_source, None
+    return *host, why
 
 
 def roofline_figures(r, bandwidth_gbs: float | None = None,

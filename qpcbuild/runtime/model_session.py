@@ -1,0 +1,49 @@
+"""What every model session shares (the ONNX Runtime session, session.py, and the Cloud AI
+one, qaic_session.py): the interface the decode loop drives and the compiled specializations it
+picks from. A module of its own so the two sessions need not know each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class Specialization:
+    name: str
+    batch_size: int
+    seq_len: int
+    ctx_len: int
+    num_logits: int  # logits rows returned: num_logits_to_keep (target) or 1
+
+    @classmethod
+    def from_manifest(cls, entry) -> "Specialization":
+        """From a manifest's (bundle.manifest.Specialization) symbols."""
+        return cls(entry.name, entry.size("batch_size"), entry.size("seq_len"),
+                   entry.size("ctx_len"), int(entry.symbols.get("num_logits_to_keep", 1)))
+
+
+class ModelSession(Protocol):
+    role: str
+    batch_size: int
+    ctx_len: int
+    vocab_size: int
+    specializations: list[Specialization]
+
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
+            batch_index: np.ndarray | None = None) -> np.ndarray:
+        """[B,S] int64 each (+ [B,1] KV slots with continuous batching) -> logits
+        [B, num_logits, V], valid until the next call."""
+
+
+def pick_specialization(specs: list[Specialization], batch: int, seq_len: int) -> Specialization:
+    for s in specs:
+        if s.batch_size == batch and s.seq_len == seq_len:
+            return s
+    have = ", ".join(f"{s.name}(batch {s.batch_size}, seq_len {s.seq_len})" for s in specs)
+    raise UsageError(f"no compiled specialization for batch {batch}, seq_len {seq_len}; "
+                     f"this bundle has: {have}")
