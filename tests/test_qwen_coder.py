@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -43,7 +44,7 @@ FIDELITY_TEXT = ("import json\n\n\ndef load_config(path):\n    with open(path) a
                  "        return json.load(fh)\n")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(qwen_pair) -> dict:
     """transformers' greedy continuations and float32 logits, computed once, model freed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,20 +73,27 @@ def reference(qwen_pair) -> dict:
     return ref
 
 
-@pytest.fixture(scope="session")
-def bundle(reference, tmp_path_factory) -> Path:
+@pytest.fixture(scope="module")
+def bundle(reference, tmp_path_factory):
+    """Built once for this module and removed after it: the pair's bundle and build take
+    ~15 GB of disk, which the tests after this module must not find already spent."""
     out = tmp_path_factory.mktemp("qwen") / "qwen-coder"
-    # $QPCBUILD_CACHE when set (a machine that built this recipe before skips the 1.5B export)
-    cache = os.environ.get("QPCBUILD_CACHE") or str(out.parent / "cache")
-    built = CliRunner().invoke(app, ["compile", str(RECIPE), "-o", str(out), "--cache-dir",
-                                     cache])
+    # $QPCBUILD_CACHE when set (a machine that built this recipe before skips the 1.5B export);
+    # otherwise no cache: a throwaway one would hold a second copy of every graph.
+    cache = os.environ.get("QPCBUILD_CACHE")
+    where = ["--cache-dir", cache] if cache else ["--no-cache"]
+    built = CliRunner().invoke(app, ["compile", str(RECIPE), "-o", str(out), *where])
     assert built.exit_code == 0, built.output
-    return out
+    yield out
+    shutil.rmtree(out.parent, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def generator(bundle):
-    return load(bundle, verify="fast")
+    loaded = load(bundle, verify="fast")
+    yield loaded
+    del loaded  # its sessions map the bundle's weights: free them before the bundle goes
+    gc.collect()
 
 
 def test_fetched_folders_record_the_pinned_sources(qwen_pair):
