@@ -58,7 +58,7 @@ def build(recipe: Path, cache: Path, out: Path, *overrides: str, **kw) -> BuildR
 STAND_IN = '''\
 #!{python}
 """Stand-in for qaic-compile: records how it was called and what it was given."""
-import json, os, signal, sys
+import fcntl, json, os, signal, sys
 
 LOG, MODE, FAIL_ROLE = {log!r}, {mode!r}, {fail_role!r}
 opts = dict(a.split("=", 1) for a in sys.argv[1:] if a.startswith("-") and "=" in a)
@@ -80,13 +80,16 @@ for flag in ("-m", "-network-specialization-config", "-custom-IO-list-file",
     else:
         with open(path) as fh:
             record["inputs"][flag] = fh.read()
-calls = []
-if os.path.exists(LOG):
-    with open(LOG) as fh:
-        calls = json.load(fh)
-calls.append(record)
-with open(LOG, "w") as fh:
-    json.dump(calls, fh)
+# One compile.sh per role may run at once: read, append and write the log under a lock.
+with open(LOG + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    calls = []
+    if os.path.exists(LOG):
+        with open(LOG) as fh:
+            calls = json.load(fh)
+    calls.append(record)
+    with open(LOG, "w") as fh:
+        json.dump(calls, fh)
 print(f"stand-in compiling {{role}}: {{len(sys.argv) - 1}} arguments", flush=True)
 if role == FAIL_ROLE:
     if MODE == "exit1":
