@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,89 @@ def peer_manifest():
             "roles": {r: role(p, threads, ctx) for r, p in paths.items()}})
         return m.with_model_paths(paths) if local else m
     return make
+
+
+# ==================================================================================================
+# The qaic backend's tiny pair (test_qaic_backend.py, test_finish_handoff.py; the recipe, build and
+# stand-in compiler are in tests/helpers_qaic.py). no_qaic_sdk is not autouse: those modules ask
+# for it in their pytestmark.
+# ==================================================================================================
+
+@pytest.fixture(scope="session")
+def qaic_models(tmp_path_factory) -> dict[str, Path]:
+    """A two-layer Llama target and a one-layer draft sharing a word-level tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers_qaic import LAYERS
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    root = tmp_path_factory.mktemp("qaic-models")
+    out = {}
+    for seed, (role, hidden) in enumerate((("target", 64), ("draft", 32))):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=LAYERS[role], num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=256,
+                             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        folder = root / role
+        LlamaForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
+        tok.save(str(folder / "tokenizer.json"))
+        out[role] = folder
+    return out
+
+
+@pytest.fixture
+def no_qaic_sdk(monkeypatch, tmp_path) -> tuple[str, str]:
+    """This machine has no SDK; make sure the tests behave the same on one that does."""
+    import qpcbuild.plan as plan_mod
+
+    fake = (str(tmp_path / "sdk" / "qaic-compile"), str(tmp_path / "sdk" / "qaic-exec"))
+    monkeypatch.setattr(plan_mod, "QAIC_COMPILERS", fake)
+    monkeypatch.delenv("QAIC_COMPILER", raising=False)
+    return fake
+
+
+@pytest.fixture
+def qaic_recipe(qaic_models, tmp_path) -> Path:
+    from helpers_qaic import write_recipe
+
+    return write_recipe(tmp_path, qaic_models)
+
+
+# ==================================================================================================
+# A real OCI registry and the demo bundle to push to it (test_registry.py,
+# test_registry_signatures.py; the server is tests/registry_server.py, compile and push are in
+# tests/helpers_registry.py), each started or built once per session. Every test pushes under
+# repository names of its own, so the modules share one registry.
+# ==================================================================================================
+
+@pytest.fixture(scope="session")
+def demo_checkout(tmp_path_factory) -> Path:
+    """A copy of the checkout's models/demo and recipes: the recipes name the models relatively."""
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path_factory.mktemp("checkout")
+    shutil.copytree(repo / "models" / "demo", root / "models" / "demo")
+    shutil.copytree(repo / "recipes", root / "recipes")
+    return root
+
+
+@pytest.fixture(scope="session")
+def oci_registry(tmp_path_factory):
+    from registry_server import start_registry
+
+    server = start_registry(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def registry_demo_bundle(demo_checkout, tmp_path_factory) -> Path:
+    from helpers_registry import compile_demo
+
+    out = tmp_path_factory.mktemp("bundles") / "demo"
+    compile_demo(demo_checkout, out, out.parent / "cache")
+    return out

@@ -1,7 +1,8 @@
 """The package's layers as a contract: `lint-imports` (import-linter, configured in
 .importlinter) keeps every import pointing down the layers, bench and tune apart and the
 backends apart; a plain reading of the source with `ast` finds no import cycle. Imports inside
-functions count in both."""
+functions count in both. The tests themselves: no test module imports another (shared helpers
+live in tests/helpers_*.py, shared fixtures in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -147,6 +148,62 @@ def test_the_ast_reading_sees_imports_inside_functions():
     graph = _package_graph()
     assert "qpcbuild.measuring" in graph["qpcbuild.tune.calibrate"]  # inside `tune`
     assert "qpcbuild.runtime.loader" in graph["qpcbuild"]  # inside `load`
+
+
+# ---------------------------------------------------------------- tests import no test module
+TESTS = ROOT / "tests"
+
+
+def imported_test_modules(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every test module (a `test_*` name) that `source` imports, at any depth
+    of its code, with `import`, `from ... import` or `importlib.import_module`. A test module
+    imported by another has its fixtures defined, and built, a second time and its tests
+    collected twice; shared code belongs in a helpers_* module, shared fixtures in conftest.py."""
+    def is_test(name: str) -> bool:
+        return any(part.startswith("test_") for part in name.split("."))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):  # `from . import test_x` names the module last
+            names = [node.module or ""] + [a.name for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
+                and ast.unparse(node.func) in ("importlib.import_module", "import_module",
+                                               "__import__"):
+            names = [node.args[0].value]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names if is_test(name)]
+    return sorted(found)
+
+
+def test_no_test_module_imports_another():
+    offenders = {path.name: found for path in sorted(TESTS.glob("*.py"))
+                 if (found := imported_test_modules(path.read_text(encoding="utf-8")))}
+    assert offenders == {}, f"test modules imported by other modules (line, module): {offenders}"
+
+
+def test_the_test_import_check_finds_imports_at_any_depth():
+    source = (
+        "import os\n"
+        "from helpers_engine import Scripted\n"
+        "from test_engine_rules import decoder\n"
+        "import test_export as exported\n"
+        "\n\n"
+        "def test_something():\n"
+        "    from test_server import LiveServer\n"
+        "    import importlib\n"
+        "    return importlib.import_module('test_registry')\n"
+        "\n\n"
+        "class Helper:\n"
+        "    def method(self):\n"
+        "        from . import test_qaic_backend\n")
+    assert imported_test_modules(source) == [
+        (3, "test_engine_rules"), (4, "test_export"), (8, "test_server"), (10, "test_registry"),
+        (15, "test_qaic_backend")]
+    assert imported_test_modules("import os\nfrom helpers_server import free_port\n") == []
 
 
 def test_the_version_module_agrees_with_pyproject():

@@ -21,6 +21,8 @@ from qpcbuild.recipe import load_recipe, recipe_from_text
 from qpcbuild.runtime.replay import replay as engine_replay
 from qpcbuild.runtime.sampling import SamplingParams
 
+from helpers_engine import EOS, Scripted, decoder
+
 ROOT = Path(__file__).resolve().parents[1]
 # QPCBUILD_TEST_DEMO: another folder holding target/ and draft/ of the same shapes (for
 # development while models/demo is being trained).
@@ -389,8 +391,6 @@ def _disagreements(real: dict, replayed: dict) -> list[str]:
 def test_replay_on_a_toy_model_equals_the_real_loop():
     """A target whose greedy next token is token + 1 (an EOS at 5 ends some rows) and a proposer
     that is right, then wrong: replaying the known outputs counts exactly what running does."""
-    from test_engine_rules import EOS, Scripted, decoder
-
     for proposal, prompt in (([3, 4, 9, 9], [1, 2]), ([8, 9, 10, 11], [6, 7]),
                              ([9, 10, 1, 12], [7, 8])):
         for k in (1, 2, 4):
@@ -462,8 +462,6 @@ def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_repla
 
 
 def test_replay_refuses_an_output_that_is_too_short():
-    from test_engine_rules import Scripted, decoder
-
     d = decoder(Scripted([9, 9]), ks=(0, 2))
     with pytest.raises(UsageError, match="past the given output"):
         engine_replay(d, [[6, 7]], [[8, 9]], 8, 2)  # 8 new tokens asked, 2 known, no EOS

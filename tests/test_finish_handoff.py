@@ -13,10 +13,12 @@ from typer.testing import CliRunner
 
 from qpcbuild.bundle import read_manifest, verify_bundle
 from qpcbuild.cli import app
-from test_qaic_backend import ROLES, StandIn, build, models, no_sdk, recipe  # noqa: F401
+
+from helpers_qaic import ROLES, StandIn, build
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+# The SDK's compilers are patched away in every test (no_qaic_sdk, conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_qaic_sdk")]
 runner = CliRunner()
 
 
@@ -35,9 +37,9 @@ def sdk_path(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("round_", range(3))
 def test_two_compile_sh_in_parallel_with_the_compiler_on_path_both_get_adopted(
-        recipe, tmp_path, round_):
+        qaic_recipe, tmp_path, round_):
     out = tmp_path / "bundle"
-    build(recipe, tmp_path / "cache", out, emit_only=True)
+    build(qaic_recipe, tmp_path / "cache", out, emit_only=True)
     env = sdk_path(tmp_path)
     procs = [subprocess.Popen([str(out / role / "qaic" / "compile.sh")], env=env, cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -61,9 +63,10 @@ def test_two_compile_sh_in_parallel_with_the_compiler_on_path_both_get_adopted(
     ("/dev/zero", "not a regular file"),
     ("{tmp}/not-executable", "not executable"),
 ])
-def test_finish_refuses_a_compiler_that_cannot_be_one_quickly(recipe, tmp_path, compiler, says):
+def test_finish_refuses_a_compiler_that_cannot_be_one_quickly(qaic_recipe, tmp_path, compiler,
+                                                              says):
     out = tmp_path / "bundle"
-    build(recipe, tmp_path / "cache", out, emit_only=True)
+    build(qaic_recipe, tmp_path / "cache", out, emit_only=True)
     (tmp_path / "not-executable").write_text("#!/bin/sh\n")
     before = (out / "manifest.json").read_bytes()
     result = runner.invoke(app, ["finish", str(out), "--compiler",
@@ -73,9 +76,9 @@ def test_finish_refuses_a_compiler_that_cannot_be_one_quickly(recipe, tmp_path, 
     assert (out / "manifest.json").read_bytes() == before
 
 
-def test_compile_finds_a_compiler_named_on_path(recipe, tmp_path, monkeypatch):
+def test_compile_finds_a_compiler_named_on_path(qaic_recipe, tmp_path, monkeypatch):
     env = sdk_path(tmp_path)
     monkeypatch.setenv("PATH", env["PATH"])
-    result = build(recipe, tmp_path / "cache", tmp_path / "bundle", compiler="qaic-compile")
+    result = build(qaic_recipe, tmp_path / "cache", tmp_path / "bundle", compiler="qaic-compile")
     entry = read_manifest(result.bundle).to_json_dict()["roles"]["target"]["backends"]["qaic"]
     assert entry["status"] == "compiled" and entry["compiler"]["name"] == "qaic-compile"

@@ -12,7 +12,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import onnx
@@ -22,96 +21,21 @@ from typer.testing import CliRunner
 
 import qpcbuild.bundle.build as bundle_mod
 import qpcbuild.compile.qaic as qaic_mod
-import qpcbuild.plan as plan_mod
 from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
-from qpcbuild.cache import Cache
 from qpcbuild.cli import app
 from qpcbuild.errors import ToolchainError
 from qpcbuild.plan import make_plan
 from qpcbuild.recipe import load_recipe
 
-pytestmark = pytest.mark.slow
+from helpers_qaic import LAYERS, ROLES, StandIn, build, write_recipe
+
+# The SDK's compilers are patched away in every test (no_qaic_sdk, conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_qaic_sdk")]
 
 runner = CliRunner()
-ROLES = ("target", "draft")
-LAYERS = {"target": 2, "draft": 1}
 
 
-# ---------------------------------------------------------------- fixture models and recipes
-@pytest.fixture(scope="session")
-def models(tmp_path_factory) -> dict[str, Path]:
-    import torch
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    root = tmp_path_factory.mktemp("qaic-models")
-    out = {}
-    for seed, (role, hidden) in enumerate((("target", 64), ("draft", 32))):
-        torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=LAYERS[role], num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=256,
-                             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-        folder = root / role
-        LlamaForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
-        tok.save(str(folder / "tokenizer.json"))
-        out[role] = folder
-    return out
-
-
-@pytest.fixture(autouse=True)
-def no_sdk(monkeypatch, tmp_path) -> tuple[str, str]:
-    """This machine has no SDK; make sure the tests behave the same on one that does."""
-    fake = (str(tmp_path / "sdk" / "qaic-compile"), str(tmp_path / "sdk" / "qaic-exec"))
-    monkeypatch.setattr(plan_mod, "QAIC_COMPILERS", fake)
-    monkeypatch.delenv("QAIC_COMPILER", raising=False)
-    return fake
-
-
-def write_recipe(folder: Path, models: dict[str, Path], *, k="3", kv="float16",
-                 fmt="named", target_hw="{device_group: [0], num_cores: 10}",
-                 draft_hw="{device_group: [0], num_cores: 6}", num_cards=1) -> Path:
-    path = folder / "tiny-qaic.yaml"
-    path.write_text(f"""\
-schema: 1
-name: tiny-qaic
-target:
-  model: {models["target"]}
-draft:
-  method: draft_model
-  model: {models["draft"]}
-speculation:
-  num_speculative_tokens: {k}
-shapes:
-  batch_size: 1
-  prefill_seq_len: 8
-  ctx_len: 64
-precision:
-  kv_cache_dtype: {kv}
-hardware:
-  card: cloud-ai-100-ultra
-  num_cards: {num_cards}
-  target: {target_hw}
-  draft: {draft_hw}
-  specializations_format: {fmt}
-backends: [qaic, onnxruntime]
-""")
-    return path
-
-
-@pytest.fixture
-def recipe(models, tmp_path) -> Path:
-    return write_recipe(tmp_path, models)
-
-
-def build(recipe: Path, cache: Path, out: Path, *overrides: str, **kw) -> BuildResult:
-    plan = make_plan(load_recipe(recipe, list(overrides)))
-    return build_bundle(plan, cache=Cache(cache), out=out, **kw)
-
-
+# ---------------------------------------------------------------- helpers
 def plan_argv(recipe: Path, role: str, *overrides: str) -> list[str]:
     return make_plan(load_recipe(recipe, list(overrides))).role(role).compiler_argv
 
@@ -132,89 +56,22 @@ def snapshot(folder: Path) -> dict[str, bytes]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-# ---------------------------------------------------------------- stand-in compiler
-STAND_IN = '''\
-#!{python}
-"""Stand-in for qaic-compile: records how it was called and what it was given."""
-import json, os, signal, sys
-
-LOG, MODE, FAIL_ROLE = {log!r}, {mode!r}, {fail_role!r}
-opts = dict(a.split("=", 1) for a in sys.argv[1:] if a.startswith("-") and "=" in a)
-role = opts.get("-m", "?").split("/")[0]
-record = {{"argv": sys.argv, "cwd": os.getcwd(), "role": role, "inputs": {{}}}}
-for flag in ("-m", "-network-specialization-config", "-custom-IO-list-file",
-             "-mdp-load-partition-config"):
-    if flag not in opts:
-        continue
-    path = opts[flag]
-    if not os.path.isfile(path):
-        print(f"stand-in: {{flag}} names {{path}}, which does not exist", file=sys.stderr)
-        sys.exit(3)
-    if flag == "-m":
-        data = path + ".data"
-        record["inputs"][flag] = {{"size": os.path.getsize(path),
-                                   "data_size": os.path.getsize(data) if os.path.isfile(data)
-                                   else None}}
-    else:
-        with open(path) as fh:
-            record["inputs"][flag] = fh.read()
-calls = []
-if os.path.exists(LOG):
-    with open(LOG) as fh:
-        calls = json.load(fh)
-calls.append(record)
-with open(LOG, "w") as fh:
-    json.dump(calls, fh)
-print(f"stand-in compiling {{role}}: {{len(sys.argv) - 1}} arguments", flush=True)
-if role == FAIL_ROLE:
-    if MODE == "exit1":
-        print(f"ERROR: lowering failed in {{role}} at node /model/layers.0/self_attn", flush=True)
-        sys.exit(1)
-    if MODE == "sigsegv":
-        print(f"about to crash while compiling {{role}}", flush=True)
-        import resource
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the bundle
-        os.kill(os.getpid(), signal.SIGSEGV)
-    if MODE == "no-qpc":
-        print(f"finished {{role}} without writing a program", flush=True)
-        sys.exit(0)
-out = opts["-aic-binary-dir"]
-os.makedirs(out, exist_ok=True)
-with open(os.path.join(out, "programqpc.bin"), "wb") as fh:
-    fh.write(b"QPC stand-in " + role.encode())
-'''
-
-
-class StandIn:
-    def __init__(self, folder: Path, mode: str = "ok", fail_role: str | None = None):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"qaic-compile-{mode}"
-        self.log = folder / f"calls-{mode}.json"
-        self.path.write_text(STAND_IN.format(python=sys.executable, log=str(self.log),
-                                             mode=mode, fail_role=fail_role))
-        self.path.chmod(0o755)
-
-    @property
-    def calls(self) -> list[dict]:
-        return json.loads(self.log.read_text()) if self.log.exists() else []
-
-
 @pytest.fixture
 def stand_in(tmp_path) -> StandIn:
     return StandIn(tmp_path / "bin")
 
 
 # ---------------------------------------------------------------- no compiler
-def test_missing_compiler_fails_before_any_export(recipe, tmp_path, monkeypatch, no_sdk):
+def test_missing_compiler_fails_before_any_export(qaic_recipe, tmp_path, monkeypatch, no_qaic_sdk):
     def no_export(*args, **kwargs):
         raise AssertionError("export started although the compiler is missing")
 
     monkeypatch.setattr(bundle_mod, "export_model", no_export)
     cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
     with pytest.raises(ToolchainError) as info:
-        build(recipe, cache, out)
+        build(qaic_recipe, cache, out)
     msg = str(info.value)
-    for looked_for in no_sdk:
+    for looked_for in no_qaic_sdk:
         assert looked_for in msg
     for hint in ("--compiler", "QAIC_COMPILER", "--emit-only"):
         assert hint in msg
@@ -222,14 +79,15 @@ def test_missing_compiler_fails_before_any_export(recipe, tmp_path, monkeypatch,
     assert not out.exists() and leftovers(out) == []
 
 
-def test_missing_compiler_cli_exit_1_lists_env_candidate(recipe, tmp_path, monkeypatch, no_sdk):
+def test_missing_compiler_cli_exit_1_lists_env_candidate(qaic_recipe, tmp_path, monkeypatch,
+                                                         no_qaic_sdk):
     missing = str(tmp_path / "nowhere" / "qaic-compile")
     monkeypatch.setenv("QAIC_COMPILER", missing)
     cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
-    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+    result = runner.invoke(app, ["compile", str(qaic_recipe), "-o", str(out), "--cache-dir",
                                  str(cache)])
     assert result.exit_code == 1, result.output
-    for looked_for in (missing, *no_sdk):
+    for looked_for in (missing, *no_qaic_sdk):
         assert looked_for in result.stderr
     for hint in ("--compiler", "QAIC_COMPILER", "--emit-only"):
         assert hint in result.stderr
@@ -252,10 +110,10 @@ def _compile_sh_args(script: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("kv", ["float16", "mxint8"])
-def test_emit_only_writes_compiler_inputs(models, tmp_path, monkeypatch, stand_in, kv):
+def test_emit_only_writes_compiler_inputs(qaic_models, tmp_path, monkeypatch, stand_in, kv):
     # A compiler that is present must still not run with --emit-only.
     monkeypatch.setenv("QAIC_COMPILER", str(stand_in.path))
-    recipe = write_recipe(tmp_path, models, k="[1, 3]", kv=kv)
+    recipe = write_recipe(tmp_path, qaic_models, k="[1, 3]", kv=kv)
     cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
     result = build(recipe, cache, out, emit_only=True)
     assert stand_in.calls == []
@@ -305,8 +163,8 @@ def test_emit_only_writes_compiler_inputs(models, tmp_path, monkeypatch, stand_i
     assert m["toolchain"]["backends"]["qaic"]["emit_only"] is True
 
 
-def test_emit_only_flat_specializations(models, tmp_path):
-    recipe = write_recipe(tmp_path, models, fmt="flat")
+def test_emit_only_flat_specializations(qaic_models, tmp_path):
+    recipe = write_recipe(tmp_path, qaic_models, fmt="flat")
     out = tmp_path / "out" / "tiny-qaic"
     build(recipe, tmp_path / "cache", out, emit_only=True)
     plan = make_plan(load_recipe(recipe))
@@ -337,8 +195,8 @@ def _break_card_graph(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", [None, "cos-node", "renamed-function", "reordered-inputs"])
 def test_doctor_lists_the_card_vocabulary_and_flags_what_qefficient_does_not_emit(
-        models, tmp_path, how):
-    recipe = write_recipe(tmp_path, models)
+        qaic_models, tmp_path, how):
+    recipe = write_recipe(tmp_path, qaic_models)
     out = tmp_path / "out" / "tiny-qaic"
     build(recipe, tmp_path / "cache", out, emit_only=True)
     if how:
@@ -360,8 +218,8 @@ def test_doctor_lists_the_card_vocabulary_and_flags_what_qefficient_does_not_emi
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_emit_only_mdp_partition_for_multi_qid_group(models, tmp_path, n):
-    recipe = write_recipe(tmp_path, models, num_cards=2,
+def test_emit_only_mdp_partition_for_multi_qid_group(qaic_models, tmp_path, n):
+    recipe = write_recipe(tmp_path, qaic_models, num_cards=2,
                           target_hw=f"{{device_group: {list(range(n))}, num_cores: 16}}",
                           draft_hw=f"{{device_group: [{n}], num_cores: 16}}")
     out = tmp_path / "out" / "tiny-qaic"
@@ -385,9 +243,9 @@ def test_emit_only_mdp_partition_for_multi_qid_group(models, tmp_path, n):
     assert verify_bundle(out) == []
 
 
-def test_emitted_compile_sh_runs_the_planned_command(recipe, tmp_path, stand_in):
+def test_emitted_compile_sh_runs_the_planned_command(qaic_recipe, tmp_path, stand_in):
     out = tmp_path / "out" / "tiny-qaic"
-    build(recipe, tmp_path / "cache", out, emit_only=True)
+    build(qaic_recipe, tmp_path / "cache", out, emit_only=True)
     copy = tmp_path / "elsewhere" / "tiny-qaic"  # a real copy: the cache's files stay as they are
     shutil.copytree(out, copy)
     env = {**os.environ, "QAIC_COMPILER": str(stand_in.path)}
@@ -400,20 +258,20 @@ def test_emitted_compile_sh_runs_the_planned_command(recipe, tmp_path, stand_in)
     calls = stand_in.calls
     assert [c["role"] for c in calls] == list(ROLES)
     for call in calls:
-        assert call["argv"] == [str(stand_in.path), *plan_argv(recipe, call["role"])[1:]]
+        assert call["argv"] == [str(stand_in.path), *plan_argv(qaic_recipe, call["role"])[1:]]
         assert Path(call["cwd"]) == copy
 
 
 # ---------------------------------------------------------------- with a (stand-in) compiler
-def test_stand_in_compiler_gets_the_planned_argv(recipe, tmp_path, stand_in):
+def test_stand_in_compiler_gets_the_planned_argv(qaic_recipe, tmp_path, stand_in):
     cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
-    result = build(recipe, cache, out, compiler=str(stand_in.path))
+    result = build(qaic_recipe, cache, out, compiler=str(stand_in.path))
     calls = stand_in.calls
     assert [c["role"] for c in calls] == list(ROLES)
     for call in calls:
         role = call["role"]
         # The plan was made without a compiler on this machine; only argv[0] differs.
-        assert call["argv"] == [str(stand_in.path), *plan_argv(recipe, role)[1:]]
+        assert call["argv"] == [str(stand_in.path), *plan_argv(qaic_recipe, role)[1:]]
         cwd = Path(call["cwd"])
         assert cwd.parent == out.parent and cwd.name.startswith(".tiny-qaic.building-")
         assert not cwd.exists()  # the staging folder became the bundle
@@ -436,7 +294,7 @@ def test_stand_in_compiler_gets_the_planned_argv(recipe, tmp_path, stand_in):
         assert entry["status"] == "compiled"
         assert entry["qpc"] == f"{role}/qpc"
         assert entry["log"] == f"{role}/logs/qaic-compile.log"
-        assert entry["compiler_args"] == plan_argv(recipe, role)[1:]
+        assert entry["compiler_args"] == plan_argv(qaic_recipe, role)[1:]
         assert entry["compiler"]["name"] == stand_in.path.name
         assert entry["qpc_files"] == [f"{role}/qpc/programqpc.bin"]
         assert f"{role}/qpc/programqpc.bin" in m["files"]
@@ -447,9 +305,9 @@ def test_stand_in_compiler_gets_the_planned_argv(recipe, tmp_path, stand_in):
 
 
 @pytest.mark.parametrize("how", ["--compiler", "QAIC_COMPILER"])
-def test_cli_finds_the_compiler(recipe, tmp_path, monkeypatch, stand_in, how):
+def test_cli_finds_the_compiler(qaic_recipe, tmp_path, monkeypatch, stand_in, how):
     out = tmp_path / "out" / "tiny-qaic"
-    args = ["compile", str(recipe), "-o", str(out), "--cache-dir", str(tmp_path / "cache"),
+    args = ["compile", str(qaic_recipe), "-o", str(out), "--cache-dir", str(tmp_path / "cache"),
             "--json"]
     if how == "--compiler":
         args += ["--compiler", str(stand_in.path)]
@@ -474,15 +332,15 @@ def test_cli_finds_the_compiler(recipe, tmp_path, monkeypatch, stand_in, how):
     ("sigsegv", ["signal 11", "about to crash while compiling {role}"]),
     ("no-qpc", ["wrote no {role}/qpc/programqpc.bin", "finished {role} without writing"]),
 ])
-def test_failing_compiler_leaves_no_bundle(recipe, tmp_path, stand_in, mode, says, role):
+def test_failing_compiler_leaves_no_bundle(qaic_recipe, tmp_path, stand_in, mode, says, role):
     out = tmp_path / "out" / "tiny-qaic"
-    build(recipe, tmp_path / "good-cache", out, compiler=str(stand_in.path))
+    build(qaic_recipe, tmp_path / "good-cache", out, compiler=str(stand_in.path))
     before = snapshot(out)
 
     bad = StandIn(tmp_path / "bad-bin", mode, fail_role=role)
     cache = tmp_path / "cache"
     with pytest.raises(ToolchainError) as info:
-        build(recipe, cache, out, compiler=str(bad.path))
+        build(qaic_recipe, cache, out, compiler=str(bad.path))
     msg = str(info.value)
     assert role in msg
     for text in says:
@@ -496,10 +354,10 @@ def test_failing_compiler_leaves_no_bundle(recipe, tmp_path, stand_in, mode, say
     assert cached == (["target"] if role == "draft" else [])
 
 
-def test_failing_compiler_first_build_cli_exit_1(recipe, tmp_path):
+def test_failing_compiler_first_build_cli_exit_1(qaic_recipe, tmp_path):
     bad = StandIn(tmp_path / "bad-bin", "exit1", fail_role="target")
     out = tmp_path / "out" / "tiny-qaic"
-    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+    result = runner.invoke(app, ["compile", str(qaic_recipe), "-o", str(out), "--cache-dir",
                                  str(tmp_path / "cache"), "--compiler", str(bad.path)])
     assert result.exit_code == 1, result.output
     assert "qaic compile of the target failed" in result.stderr
@@ -507,11 +365,11 @@ def test_failing_compiler_first_build_cli_exit_1(recipe, tmp_path):
     assert not out.exists() and leftovers(out) == []
 
 
-def test_second_build_reuses_cached_qpc(recipe, tmp_path, stand_in):
+def test_second_build_reuses_cached_qpc(qaic_recipe, tmp_path, stand_in):
     cache = tmp_path / "cache"
-    first = build(recipe, cache, tmp_path / "one" / "tiny-qaic", compiler=str(stand_in.path))
+    first = build(qaic_recipe, cache, tmp_path / "one" / "tiny-qaic", compiler=str(stand_in.path))
     assert len(stand_in.calls) == 2
-    second = build(recipe, cache, tmp_path / "two" / "tiny-qaic", compiler=str(stand_in.path))
+    second = build(qaic_recipe, cache, tmp_path / "two" / "tiny-qaic", compiler=str(stand_in.path))
     assert len(stand_in.calls) == 2  # not called again
     assert all(reuse(second).values()), reuse(second)
     assert second.bundle_id == first.bundle_id
@@ -522,7 +380,7 @@ def test_second_build_reuses_cached_qpc(recipe, tmp_path, stand_in):
         assert (second.bundle / role / "qaic" / "compile.sh").is_file()
     assert verify_bundle(second.bundle) == []
     # A new K recompiles the target only: the draft's compiler inputs did not change.
-    third = build(recipe, cache, tmp_path / "three" / "tiny-qaic",
+    third = build(qaic_recipe, cache, tmp_path / "three" / "tiny-qaic",
                   "speculation.num_speculative_tokens=2", compiler=str(stand_in.path))
     assert [c["role"] for c in stand_in.calls] == ["target", "draft", "target"]
     r = reuse(third)
@@ -531,14 +389,14 @@ def test_second_build_reuses_cached_qpc(recipe, tmp_path, stand_in):
     assert verify_bundle(third.bundle) == []
 
 
-def test_compile_without_a_cache_gives_the_cached_builds_bundle(recipe, tmp_path, stand_in,
+def test_compile_without_a_cache_gives_the_cached_builds_bundle(qaic_recipe, tmp_path, stand_in,
                                                                 monkeypatch):
-    cached = build(recipe, tmp_path / "cache", tmp_path / "one" / "tiny-qaic",
+    cached = build(qaic_recipe, tmp_path / "cache", tmp_path / "one" / "tiny-qaic",
                    compiler=str(stand_in.path))
     copies = []
     monkeypatch.setattr(qaic_mod, "copy_tree", lambda *a, **kw: copies.append(a))
     out = tmp_path / "two" / "tiny-qaic"
-    fresh = build_bundle(make_plan(load_recipe(recipe)), cache=None, out=out,
+    fresh = build_bundle(make_plan(load_recipe(qaic_recipe)), cache=None, out=out,
                          compiler=str(stand_in.path))
     assert [c["role"] for c in stand_in.calls] == [*ROLES, *ROLES]  # compiled again
     assert copies == []  # the QPCs stay where the compiler wrote them
@@ -546,11 +404,11 @@ def test_compile_without_a_cache_gives_the_cached_builds_bundle(recipe, tmp_path
     assert read_manifest(out).files == read_manifest(cached.bundle).files
 
 
-def test_emit_only_after_compile_does_not_ship_the_cached_qpc(recipe, tmp_path, stand_in):
+def test_emit_only_after_compile_does_not_ship_the_cached_qpc(qaic_recipe, tmp_path, stand_in):
     cache = tmp_path / "cache"
-    build(recipe, cache, tmp_path / "one" / "tiny-qaic", compiler=str(stand_in.path))
+    build(qaic_recipe, cache, tmp_path / "one" / "tiny-qaic", compiler=str(stand_in.path))
     out = tmp_path / "two" / "tiny-qaic"
-    build(recipe, cache, out, emit_only=True)
+    build(qaic_recipe, cache, out, emit_only=True)
     assert not list(out.rglob("programqpc.bin"))
     m = read_manifest(out).to_json_dict()
     assert {m["roles"][r]["backends"]["qaic"]["status"] for r in ROLES} == {"emitted"}

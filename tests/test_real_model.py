@@ -22,7 +22,7 @@ from qpcbuild.export import export_model
 from qpcbuild.runtime.loader import load
 from qpcbuild.source import resolve
 
-from test_export import GraphDriver, hf_logits, prefill, run_mixed_batch
+from helpers_export import GraphDriver, hf_logits, prefill, run_mixed_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 ROOT = Path(__file__).resolve().parents[1]

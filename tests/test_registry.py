@@ -29,47 +29,13 @@ from qpcbuild.cli import app
 from qpcbuild.registry.client import RegistryClient
 from qpcbuild.registry.credentials import Credentials
 from qpcbuild.tree import hash_tree
+from helpers_registry import compile_demo, push
 from registry_server import RegistryServer, free_port, start_registry
 
+# oci_registry, registry_demo_bundle and demo_checkout are session fixtures (conftest.py).
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]
 runner = CliRunner()
-
-
-def compile_demo(root: Path, out: Path, cache: Path, *extra: str) -> dict:
-    result = runner.invoke(app, ["compile", str(root / "recipes" / "demo.yaml"), "-o", str(out),
-                                 "--cache-dir", str(cache), "--json", *extra])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
-@pytest.fixture(scope="module")
-def checkout_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("checkout")
-    shutil.copytree(REPO / "models" / "demo", root / "models" / "demo")
-    shutil.copytree(REPO / "recipes", root / "recipes")
-    return root
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    server = start_registry(tmp_path_factory.mktemp("registry"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def demo_bundle(checkout_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "demo"
-    compile_demo(checkout_dir, out, out.parent / "cache")
-    return out
-
-
-def push(bundle: Path, ref: str, **env) -> str:
-    result = runner.invoke(app, ["push", str(bundle), ref, "--quiet"], env=env or None)
-    assert result.exit_code == 0, result.output
-    return result.stdout.strip()
 
 
 def oci_manifest(registry: RegistryServer, repo: str, ref: str) -> tuple[dict, int]:
@@ -80,33 +46,35 @@ def oci_manifest(registry: RegistryServer, repo: str, ref: str) -> tuple[dict, i
 
 
 # ---------------------------------------------------------------- push and pull
-def test_push_pull_round_trip_is_byte_equal_by_tag_and_by_digest(registry, demo_bundle,
-                                                                  tmp_path):
-    ref = f"{registry.address}/team/demo:v1"
-    digest = push(demo_bundle, ref)
+def test_push_pull_round_trip_is_byte_equal_by_tag_and_by_digest(oci_registry, registry_demo_bundle,
+                                                                 tmp_path):
+    ref = f"{oci_registry.address}/team/demo:v1"
+    digest = push(registry_demo_bundle, ref)
     assert digest.startswith("sha256:") and len(digest) == 71
     # The same bundle pushed again is the same manifest, and nothing is uploaded.
-    again = runner.invoke(app, ["push", str(demo_bundle), ref, "--json"])
+    again = runner.invoke(app, ["push", str(registry_demo_bundle), ref, "--json"])
     assert json.loads(again.stdout)["digest"] == digest
     assert json.loads(again.stdout)["transferred_bytes"] == 0
-    for source in (ref, f"{registry.address}/team/demo@{digest}"):
+    for source in (ref, f"{oci_registry.address}/team/demo@{digest}"):
         out = tmp_path / source.rsplit("/", 1)[-1].replace(":", "-").replace("@", "-")
         result = runner.invoke(app, ["pull", source, "-d", str(out), "--json"])
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["bundle_id"] == read_manifest(demo_bundle).bundle_id
-        assert hash_tree(out) == hash_tree(demo_bundle)  # every file, byte for byte, and modes
+        assert json.loads(result.stdout)["bundle_id"] == \
+            read_manifest(registry_demo_bundle).bundle_id
+        # every file, byte for byte, and modes
+        assert hash_tree(out) == hash_tree(registry_demo_bundle)
         assert verify_bundle(out) == []
 
 
-def test_the_artifact_is_what_stock_oras_expects(registry, demo_bundle):
-    push(demo_bundle, f"{registry.address}/team/oras:v1")
-    m, _ = oci_manifest(registry, "team/oras", "v1")
-    sealed = read_manifest(demo_bundle).to_json_dict()
+def test_the_artifact_is_what_stock_oras_expects(oci_registry, registry_demo_bundle):
+    push(registry_demo_bundle, f"{oci_registry.address}/team/oras:v1")
+    m, _ = oci_manifest(oci_registry, "team/oras", "v1")
+    sealed = read_manifest(registry_demo_bundle).to_json_dict()
     titles = {layer["annotations"]["org.opencontainers.image.title"]: layer
               for layer in m["layers"]}
     assert set(titles) == set(sealed["files"]) | {MANIFEST}  # one layer per file
     for rel, layer in titles.items():
-        expected = hashlib.sha256((demo_bundle / rel).read_bytes()).hexdigest()
+        expected = hashlib.sha256((registry_demo_bundle / rel).read_bytes()).hexdigest()
         assert layer["digest"] == f"sha256:{expected}"
     assert m["config"]["mediaType"] == "application/vnd.qpcbuild.bundle.manifest.v1+json"
     assert m["config"]["digest"] == titles[MANIFEST]["digest"]
@@ -118,15 +86,15 @@ def test_the_artifact_is_what_stock_oras_expects(registry, demo_bundle):
     assert json.loads(a["vnd.qpcbuild.bundle.toolchain"]) == sealed["toolchain"]
 
 
-def test_a_layer_shared_by_two_bundles_is_stored_once(checkout_dir, tmp_path_factory):
+def test_a_layer_shared_by_two_bundles_is_stored_once(demo_checkout, tmp_path_factory):
     server = start_registry(tmp_path_factory.mktemp("registry-dedup"))
     try:
         root = tmp_path_factory.mktemp("dedup")
         a, b = root / "a", root / "b"
         cache = root / "cache"
-        compile_demo(checkout_dir, a, cache)
+        compile_demo(demo_checkout, a, cache)
         # B differs only in its draft (the target model drafting for itself).
-        compile_demo(checkout_dir, b, cache, "--set", "draft.model=../models/demo/target")
+        compile_demo(demo_checkout, b, cache, "--set", "draft.model=../models/demo/target")
         push(a, f"{server.address}/team/pair:a")
         stored_a = server.blob_bytes()
         push(b, f"{server.address}/team/pair:b")
@@ -143,11 +111,12 @@ def test_a_layer_shared_by_two_bundles_is_stored_once(checkout_dir, tmp_path_fac
         server.stop()
 
 
-def test_a_tampered_blob_in_the_registry_is_refused_on_pull(registry, demo_bundle, tmp_path):
-    ref = f"{registry.address}/team/tampered:v1"
-    push(demo_bundle, ref)
-    digest = read_manifest(demo_bundle).file_list()["target/ort/model.onnx.data"]["sha256"]
-    blob = registry.blob_path(digest)
+def test_a_tampered_blob_in_the_registry_is_refused_on_pull(oci_registry, registry_demo_bundle,
+                                                            tmp_path):
+    ref = f"{oci_registry.address}/team/tampered:v1"
+    push(registry_demo_bundle, ref)
+    digest = read_manifest(registry_demo_bundle).file_list()["target/ort/model.onnx.data"]["sha256"]
+    blob = oci_registry.blob_path(digest)
     original = blob.read_bytes()
     try:
         with open(blob, "r+b") as f:  # one byte, same size: only the digest can tell
@@ -181,10 +150,10 @@ def _resealed_with_big_file(bundle: Path, dest: Path, size: int) -> Path:
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_a_pull_killed_midway_leaves_nothing(registry, demo_bundle, tmp_path, how):
-    ref = f"{registry.address}/team/big:v1"
+def test_a_pull_killed_midway_leaves_nothing(oci_registry, registry_demo_bundle, tmp_path, how):
+    ref = f"{oci_registry.address}/team/big:v1"
     if how == signal.SIGTERM:  # pushed once for the three kills
-        push(_resealed_with_big_file(demo_bundle, tmp_path / "big", 384 << 20), ref)
+        push(_resealed_with_big_file(registry_demo_bundle, tmp_path / "big", 384 << 20), ref)
     dest_root = tmp_path / "dest"
     dest_root.mkdir()
     out = dest_root / "bundle"
@@ -208,9 +177,10 @@ def test_a_pull_killed_midway_leaves_nothing(registry, demo_bundle, tmp_path, ho
         assert list(dest_root.iterdir()) == []
 
 
-def test_pull_refuses_to_replace_a_folder_that_is_not_a_bundle(registry, demo_bundle, tmp_path):
-    ref = f"{registry.address}/team/demo:v1"
-    push(demo_bundle, ref)
+def test_pull_refuses_to_replace_a_folder_that_is_not_a_bundle(oci_registry, registry_demo_bundle,
+                                                               tmp_path):
+    ref = f"{oci_registry.address}/team/demo:v1"
+    push(registry_demo_bundle, ref)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine\n")
     result = runner.invoke(app, ["pull", ref, "-d", str(tmp_path / "notes")])
@@ -229,47 +199,49 @@ def test_bad_references_are_named(ref, named, tmp_path):
     assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output
 
 
-def test_unknown_tag_and_unreachable_registry(registry, tmp_path):
-    result = runner.invoke(app, ["pull", f"{registry.address}/team/demo:nosuchtag"])
+def test_unknown_tag_and_unreachable_registry(oci_registry, tmp_path):
+    result = runner.invoke(app, ["pull", f"{oci_registry.address}/team/demo:nosuchtag"])
     assert result.exit_code == 2 and "404" in result.output
     result = runner.invoke(app, ["pull", f"127.0.0.1:{free_port()}/team/demo:v1"])
     assert result.exit_code == 1 and "not reachable" in result.output
 
 
-def test_push_refuses_a_bundle_that_does_not_verify(registry, demo_bundle, tmp_path):
+def test_push_refuses_a_bundle_that_does_not_verify(oci_registry, registry_demo_bundle, tmp_path):
     copy = tmp_path / "copy"
-    shutil.copytree(demo_bundle, copy)
+    shutil.copytree(registry_demo_bundle, copy)
     (copy / "recipe.yaml").write_text("changed\n")
-    result = runner.invoke(app, ["push", str(copy), f"{registry.address}/team/bad:v1"])
+    result = runner.invoke(app, ["push", str(copy), f"{oci_registry.address}/team/bad:v1"])
     assert result.exit_code == 1 and "recipe.yaml" in result.output
-    assert httpx.get(f"http://{registry.address}/v2/team/bad/tags/list").status_code == 404
+    assert httpx.get(f"http://{oci_registry.address}/v2/team/bad/tags/list").status_code == 404
 
 
-def test_push_publishes_only_bytes_that_match_the_seal(registry, demo_bundle, tmp_path):
+def test_push_publishes_only_bytes_that_match_the_seal(oci_registry, registry_demo_bundle,
+                                                       tmp_path):
     """A same-size edit passes the size check; the registry refuses its bytes."""
     copy = tmp_path / "copy"
-    shutil.copytree(demo_bundle, copy)
+    shutil.copytree(registry_demo_bundle, copy)
     text = (copy / "recipe.yaml").read_bytes()
     (copy / "recipe.yaml").write_bytes(text.replace(b"demo", b"dEmo", 1))
-    result = runner.invoke(app, ["push", str(copy), f"{registry.address}/team/flipped:v1"])
+    result = runner.invoke(app, ["push", str(copy), f"{oci_registry.address}/team/flipped:v1"])
     assert result.exit_code == 1 and "recipe.yaml" in result.output
     assert "do not hash" in result.output and "Traceback" not in result.output
-    assert httpx.get(f"http://{registry.address}/v2/team/flipped/tags/list").status_code == 404
+    assert httpx.get(f"http://{oci_registry.address}/v2/team/flipped/tags/list").status_code == 404
 
 
 # ---------------------------------------------------------------- references as bundles
-def test_run_inspect_verify_take_a_reference_and_reuse_the_store(registry, demo_bundle,
-                                                                  tmp_path, monkeypatch):
-    ref = f"{registry.address}/team/demo:v1"
-    digest = push(demo_bundle, ref)
+def test_run_inspect_verify_take_a_reference_and_reuse_the_store(oci_registry, registry_demo_bundle,
+                                                                 tmp_path, monkeypatch):
+    ref = f"{oci_registry.address}/team/demo:v1"
+    digest = push(registry_demo_bundle, ref)
     monkeypatch.setenv("QPCBUILD_STORE", str(tmp_path / "store"))
     result = runner.invoke(app, ["verify", ref])
     assert result.exit_code == 0 and "pulling" in result.output, result.output
     stored = tmp_path / "store" / digest.replace(":", "-")
-    assert hash_tree(stored) == hash_tree(demo_bundle)
+    assert hash_tree(stored) == hash_tree(registry_demo_bundle)
     inspected = runner.invoke(app, ["inspect", ref, "--json"])
-    assert json.loads(inspected.stdout)["bundle_id"] == read_manifest(demo_bundle).bundle_id
-    ran = runner.invoke(app, ["run", f"{registry.address}/team/demo@{digest}", "--prompt",
+    assert json.loads(inspected.stdout)["bundle_id"] == \
+        read_manifest(registry_demo_bundle).bundle_id
+    ran = runner.invoke(app, ["run", f"{oci_registry.address}/team/demo@{digest}", "--prompt",
                               "w1 w2 w3", "--max-new-tokens", "4", "--json"])
     assert ran.exit_code == 0, ran.output
     assert "pulling" not in ran.output  # reused the store's copy
@@ -298,11 +270,11 @@ def auth_registry(tmp_path_factory):
     server.stop()
 
 
-def test_wrong_credentials_are_a_clear_error(auth_registry, demo_bundle, tmp_path):
+def test_wrong_credentials_are_a_clear_error(auth_registry, registry_demo_bundle, tmp_path):
     ref = f"{auth_registry.address}/team/demo:v1"
     for env in ({"QPCBUILD_REGISTRY_USERNAME": "ci", "QPCBUILD_REGISTRY_PASSWORD": "wrong-pw"},
                 {"DOCKER_CONFIG": str(tmp_path / "none")}):
-        result = runner.invoke(app, ["push", str(demo_bundle), ref], env=env)
+        result = runner.invoke(app, ["push", str(registry_demo_bundle), ref], env=env)
         assert result.exit_code == 2, result.output
         assert auth_registry.address in result.output and "Traceback" not in result.output
         assert "wrong-pw" not in result.output
@@ -312,11 +284,11 @@ def test_wrong_credentials_are_a_clear_error(auth_registry, demo_bundle, tmp_pat
     assert result.exit_code == 2 and "refused" in result.output and "as ci" in result.output
 
 
-def test_credentials_from_env_docker_config_and_a_helper(auth_registry, demo_bundle, tmp_path,
-                                                         monkeypatch):
+def test_credentials_from_env_docker_config_and_a_helper(auth_registry, registry_demo_bundle,
+                                                         tmp_path, monkeypatch):
     ref = f"{auth_registry.address}/team/demo:v1"
     env = {"QPCBUILD_REGISTRY_USERNAME": "ci", "QPCBUILD_REGISTRY_PASSWORD": "s3cret-pass"}
-    digest = push(demo_bundle, ref, **env)
+    digest = push(registry_demo_bundle, ref, **env)
     # Docker's config file: base64 user:password under auths, keyed as `docker login` writes.
     config = tmp_path / "docker"
     config.mkdir()
@@ -341,7 +313,7 @@ def test_credentials_from_env_docker_config_and_a_helper(auth_registry, demo_bun
     result = runner.invoke(app, ["pull", ref, "-d", str(tmp_path / "b")],
                            env={"DOCKER_CONFIG": str(config)})
     assert result.exit_code == 0, result.output
-    assert hash_tree(tmp_path / "b") == hash_tree(demo_bundle)
+    assert hash_tree(tmp_path / "b") == hash_tree(registry_demo_bundle)
 
 
 # ---------------------------------------------------------------- broken connections
@@ -397,9 +369,9 @@ class CuttingRelay:
         self.server.close()
 
 
-def test_a_broken_download_resumes_from_the_last_byte(registry, demo_bundle, tmp_path):
-    push(demo_bundle, f"{registry.address}/team/resume:v1")
-    relay = CuttingRelay(registry.address, "down", 5 << 20)  # past the first 4 MiB piece
+def test_a_broken_download_resumes_from_the_last_byte(oci_registry, registry_demo_bundle, tmp_path):
+    push(registry_demo_bundle, f"{oci_registry.address}/team/resume:v1")
+    relay = CuttingRelay(oci_registry.address, "down", 5 << 20)  # past the first 4 MiB piece
     try:
         result = runner.invoke(app, ["pull", f"{relay.address}/team/resume:v1", "-d",
                                      str(tmp_path / "out")])
@@ -409,20 +381,21 @@ def test_a_broken_download_resumes_from_the_last_byte(registry, demo_bundle, tmp
     assert relay.cut.is_set()
     resumed = re.findall(rb"[Rr]ange: bytes=(\d+)-", bytes(relay.requests))
     assert resumed and int(resumed[0]) > 0  # continued, not restarted
-    assert hash_tree(tmp_path / "out") == hash_tree(demo_bundle)
+    assert hash_tree(tmp_path / "out") == hash_tree(registry_demo_bundle)
 
 
-def test_a_broken_upload_is_sent_again(registry, demo_bundle, tmp_path):
-    relay = CuttingRelay(registry.address, "up", 3 << 20)
+def test_a_broken_upload_is_sent_again(oci_registry, registry_demo_bundle, tmp_path):
+    relay = CuttingRelay(oci_registry.address, "up", 3 << 20)
     try:
-        result = runner.invoke(app, ["push", str(demo_bundle), f"{relay.address}/team/up:v1"])
+        result = runner.invoke(app, ["push", str(registry_demo_bundle),
+                                     f"{relay.address}/team/up:v1"])
     finally:
         relay.close()
     assert result.exit_code == 0, result.output
     assert relay.cut.is_set()
-    pulled = runner.invoke(app, ["pull", f"{registry.address}/team/up:v1", "-d",
+    pulled = runner.invoke(app, ["pull", f"{oci_registry.address}/team/up:v1", "-d",
                                  str(tmp_path / "out")])
-    assert pulled.exit_code == 0 and hash_tree(tmp_path / "out") == hash_tree(demo_bundle)
+    assert pulled.exit_code == 0 and hash_tree(tmp_path / "out") == hash_tree(registry_demo_bundle)
 
 
 def test_where_credentials_are_found_and_in_which_order(tmp_path, monkeypatch):

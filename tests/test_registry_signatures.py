@@ -18,8 +18,11 @@ from typer.testing import CliRunner
 
 from qpcbuild.cli import app
 from qpcbuild.registry.client import RegistryClient
-from test_registry import checkout_dir, demo_bundle, push, registry  # noqa: F401 (fixtures)
 
+from helpers_registry import push
+
+# oci_registry and registry_demo_bundle are session fixtures (conftest.py), shared with
+# test_registry.py.
 pytestmark = pytest.mark.slow
 runner = CliRunner()
 INDEX = "application/vnd.oci.image.index.v1+json"
@@ -35,9 +38,9 @@ def keys(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def signed_bundle(demo_bundle, keys, tmp_path_factory) -> Path:
+def signed_bundle(registry_demo_bundle, keys, tmp_path_factory) -> Path:
     bundle = tmp_path_factory.mktemp("signed") / "demo"
-    shutil.copytree(demo_bundle, bundle)
+    shutil.copytree(registry_demo_bundle, bundle)
     result = runner.invoke(app, ["sign", str(bundle), "--key", str(keys / "a")])
     assert result.exit_code == 0, result.output
     return bundle
@@ -53,19 +56,19 @@ def get(registry, path: str, accept: str) -> httpx.Response:
     return resp
 
 
-def test_push_attaches_signatures_as_a_referrer_in_the_tag_schema(registry, signed_bundle):
-    ref = f"{registry.address}/sig/demo:v1"
+def test_push_attaches_signatures_as_a_referrer_in_the_tag_schema(oci_registry, signed_bundle):
+    ref = f"{oci_registry.address}/sig/demo:v1"
     result = runner.invoke(app, ["push", str(signed_bundle), ref])
     assert result.exit_code == 0, result.output
     assert "1 signature(s) attached" in result.output
     digest = result.stdout.strip().splitlines()[-1]
-    subject = get(registry, f"sig/demo/manifests/{digest}", MANIFEST).content
+    subject = get(oci_registry, f"sig/demo/manifests/{digest}", MANIFEST).content
     # The spec's fallback: an image index under the tag <alg>-<hex> of the subject.
-    index = get(registry, f"sig/demo/manifests/{digest.replace(':', '-')}", INDEX).json()
+    index = get(oci_registry, f"sig/demo/manifests/{digest.replace(':', '-')}", INDEX).json()
     assert index["mediaType"] == INDEX and len(index["manifests"]) == 1
     entry = index["manifests"][0]
     assert entry["artifactType"] == "application/vnd.qpcbuild.signatures.v1+json"
-    raw = get(registry, f"sig/demo/manifests/{entry['digest']}", MANIFEST).content
+    raw = get(oci_registry, f"sig/demo/manifests/{entry['digest']}", MANIFEST).content
     assert "sha256:" + hashlib.sha256(raw).hexdigest() == entry["digest"]
     assert entry["size"] == len(raw)
     referrer = json.loads(raw)
@@ -75,16 +78,16 @@ def test_push_attaches_signatures_as_a_referrer_in_the_tag_schema(registry, sign
                                   "digest": "sha256:" + hashlib.sha256(b"{}").hexdigest(),
                                   "size": 2}
     [layer] = referrer["layers"]
-    blob = get(registry, f"sig/demo/blobs/{layer['digest']}", "*/*").content
+    blob = get(oci_registry, f"sig/demo/blobs/{layer['digest']}", "*/*").content
     assert blob == (signed_bundle / "signatures.json").read_bytes()
     # Pushing again does not list the same referrer twice.
     assert runner.invoke(app, ["push", str(signed_bundle), ref, "-q"]).exit_code == 0
-    again = get(registry, f"sig/demo/manifests/{digest.replace(':', '-')}", INDEX).json()
+    again = get(oci_registry, f"sig/demo/manifests/{digest.replace(':', '-')}", INDEX).json()
     assert again["manifests"] == index["manifests"]
 
 
-def test_pull_require_signature_with_the_right_key(registry, signed_bundle, keys, tmp_path):
-    ref = f"{registry.address}/sig/demo:v2"
+def test_pull_require_signature_with_the_right_key(oci_registry, signed_bundle, keys, tmp_path):
+    ref = f"{oci_registry.address}/sig/demo:v2"
     push(signed_bundle, ref)
     out = tmp_path / "pulled"
     result = pull(ref, out, "--require-signature", str(keys / "a.pub"))
@@ -101,12 +104,12 @@ def test_pull_require_signature_with_the_right_key(registry, signed_bundle, keys
                                str(keys / "a.pub")]).exit_code == 0
 
 
-def test_unsigned_and_wrong_key_are_refused_leaving_nothing(registry, demo_bundle,
-                                                           signed_bundle, keys, tmp_path):
-    push(demo_bundle, f"{registry.address}/sig/unsigned:v1")
-    push(signed_bundle, f"{registry.address}/sig/demo:v3")
-    for ref, key in ((f"{registry.address}/sig/unsigned:v1", "a.pub"),
-                     (f"{registry.address}/sig/demo:v3", "b.pub")):
+def test_unsigned_and_wrong_key_are_refused_leaving_nothing(oci_registry, registry_demo_bundle,
+                                                            signed_bundle, keys, tmp_path):
+    push(registry_demo_bundle, f"{oci_registry.address}/sig/unsigned:v1")
+    push(signed_bundle, f"{oci_registry.address}/sig/demo:v3")
+    for ref, key in ((f"{oci_registry.address}/sig/unsigned:v1", "a.pub"),
+                     (f"{oci_registry.address}/sig/demo:v3", "b.pub")):
         out = tmp_path / key / "pulled"
         result = pull(ref, out, "--require-signature", str(keys / key))
         assert result.exit_code == 1, result.output
@@ -114,16 +117,16 @@ def test_unsigned_and_wrong_key_are_refused_leaving_nothing(registry, demo_bundl
         assert not out.exists() and os.listdir(out.parent) == []
 
 
-def test_a_forged_signature_referrer_is_refused(registry, demo_bundle, signed_bundle, keys,
-                                                tmp_path):
+def test_a_forged_signature_referrer_is_refused(oci_registry, registry_demo_bundle, signed_bundle,
+                                                keys, tmp_path):
     """A referrer pushed by hand (not through qpcbuild's own attach): key a's id, signature
     bytes key a never made, attached to an unsigned bundle."""
-    address, repo = registry.address, "sig/forged"
-    digest = push(demo_bundle, f"{address}/{repo}:v1")
+    address, repo = oci_registry.address, "sig/forged"
+    digest = push(registry_demo_bundle, f"{address}/{repo}:v1")
     entry = json.loads((signed_bundle / "signatures.json").read_text())["signatures"][0]
     forged = json.dumps({"signatures": [{**entry, "signature": base64.b64encode(
         bytes(64)).decode()}]}).encode()
-    subject = get(registry, f"{repo}/manifests/{digest}", MANIFEST).content
+    subject = get(oci_registry, f"{repo}/manifests/{digest}", MANIFEST).content
     with RegistryClient(address) as client:
         for blob in (b"{}", forged):
             client.push_blob(repo, "sha256:" + hashlib.sha256(blob).hexdigest(), len(blob),
@@ -159,25 +162,26 @@ def test_a_forged_signature_referrer_is_refused(registry, demo_bundle, signed_bu
     # The genuine signature pushed beside it (same manifest: signing leaves the bundle alone)
     # is added to the index, not put in the forged one's place, and it is what counts.
     assert push(signed_bundle, f"{address}/{repo}:v1") == digest
-    index = get(registry, f"{repo}/manifests/{digest.replace(':', '-')}", INDEX).json()
+    index = get(oci_registry, f"{repo}/manifests/{digest.replace(':', '-')}", INDEX).json()
     assert len(index["manifests"]) == 2
     again = tmp_path / "again"
     result = pull(f"{address}/{repo}:v1", again, "--require-signature", str(keys / "a.pub"))
     assert result.exit_code == 0, result.output
 
 
-def test_run_takes_a_reference_with_require_signature(registry, signed_bundle, demo_bundle,
-                                                      keys, tmp_path, monkeypatch):
+def test_run_takes_a_reference_with_require_signature(oci_registry, signed_bundle,
+                                                      registry_demo_bundle, keys, tmp_path,
+                                                      monkeypatch):
     """Both pushes are one manifest digest (signing leaves the bundle alone), so the store
     holds one copy: pulled unsigned first, it must pick up the signature attached in the other
     repository when a signature is required."""
     monkeypatch.setenv("QPCBUILD_STORE", str(tmp_path / "store"))
-    push(signed_bundle, f"{registry.address}/sig/run:v1")
-    push(demo_bundle, f"{registry.address}/sig/run-unsigned:v1")
+    push(signed_bundle, f"{oci_registry.address}/sig/run:v1")
+    push(registry_demo_bundle, f"{oci_registry.address}/sig/run-unsigned:v1")
     args = ["--require-signature", str(keys / "a.pub"), "--prompt", "w1 w2", "--max-new-tokens",
             "2", "--json"]
-    refused = runner.invoke(app, ["run", f"{registry.address}/sig/run-unsigned:v1", *args])
+    refused = runner.invoke(app, ["run", f"{oci_registry.address}/sig/run-unsigned:v1", *args])
     assert refused.exit_code == 1 and "no signature by the key" in refused.output
-    ran = runner.invoke(app, ["run", f"{registry.address}/sig/run:v1", *args])
+    ran = runner.invoke(app, ["run", f"{oci_registry.address}/sig/run:v1", *args])
     assert ran.exit_code == 0, ran.output
     assert "pulling" not in ran.output  # the store's copy, its signatures brought up to date

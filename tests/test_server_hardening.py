@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 from qpcbuild.cli import app
 from qpcbuild.server.app import Detokenizer, _prefix_at_end
 
+from helpers_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -30,12 +32,6 @@ runner = CliRunner()
 LAUNCH = ("import sys; import qpcbuild.server.http as h, qpcbuild.server.app as a; "
           "h.HEADER_TIMEOUT = 1.0; h.SHUTDOWN_GRACE = 2.0; a.BODY_TIMEOUT = 1.5; "
           "from qpcbuild.cli import app; sys.argv[0] = 'qpcbuild'; app()")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -4,7 +4,8 @@ the goodput gate's counters on /metrics."""
 from __future__ import annotations
 
 import pytest
-from test_server import PROMPTS, LiveServer, build
+
+from helpers_server import PROMPTS, LiveServer, build
 
 pytestmark = pytest.mark.slow
 

@@ -17,6 +17,8 @@ from typer.testing import CliRunner
 from qpcbuild.bundle.manifest import read_manifest, write_manifest
 from qpcbuild.cli import app
 
+from helpers_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -110,8 +112,6 @@ def test_signing_needs_an_intact_bundle_and_a_private_key(signed, tmp_path):
 
 
 def test_serve_refuses_an_unsigned_bundle(signed, tmp_path):
-    from test_server_hardening import free_port
-
     bundle, keys = signed
     copy = copy_of(bundle, tmp_path)
     (copy / "signatures.json").unlink()

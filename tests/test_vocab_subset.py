@@ -18,7 +18,7 @@ from qpcbuild.export import export_model
 from qpcbuild.export.decoder import MASKED
 from qpcbuild.source import resolve
 
-from test_export import GraphDriver
+from helpers_export import GraphDriver
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT = REPO / "models" / "demo" / "draft"
