@@ -101,19 +101,25 @@ def host_setup(m: Manifest) -> list[str]:
 
 def vllm_argv(m: Manifest, legacy: bool = False, qpc_root: Path | None = None,
               models: dict[str, str] | None = None) -> list[str]:
-    """models: the model each role is loaded from, when not its recorded reference (a path
+    """The `vllm serve` command for the vllm-qaic plugin on vLLM 0.15 (the plugin's release line
+    with speculative decoding), or with legacy=True for Qualcomm's older vLLM 0.8.5 fork.
+    tests/fixtures/vllm_cli_names.json holds each version's option names.
+
+    models: the model each role is loaded from, when not its recorded reference (a path
     inside a container)."""
     target, shapes = m.target, m.shapes
     models = models or {}
-    argv = ["vllm", "serve", models.get("target") or served_model(target), "--device",
-            backend_info(vllm_backend()).vllm_device,
+    argv = ["vllm", "serve", models.get("target") or served_model(target),
             # The same model id as `qpcbuild serve`, so one client test runs against both.
             "--served-model-name", m.name,
             "--max-model-len", str(shapes.ctx_len),
-            # Prompts longer than the compiled prefill chunk are prefilled chunk by chunk anyway.
+            # The plugin takes the compiled prefill chunk from this (longer prompts are
+            # prefilled chunk by chunk).
             "--long-prefill-token-threshold", str(shapes.prefill_seq_len),
-            "--max-num-seqs", str(shapes.kv_batch),
-            "--max-seq-len-to-capture", str(shapes.prefill_seq_len)]
+            "--max-num-seqs", str(shapes.kv_batch)]
+    if legacy:  # vLLM 0.15 has neither option (the plugin registers its platform itself)
+        argv += ["--device", backend_info(vllm_backend()).vllm_device,
+                 "--max-seq-len-to-capture", str(shapes.prefill_seq_len)]
     precision = target.precision
     if precision.weights == "mxfp6":
         argv += ["--quantization", "mxfp6"]

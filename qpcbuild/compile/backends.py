@@ -15,7 +15,9 @@ class BackendInfo:
     cls: str
     runs_on_host: bool  # runs on this machine's CPU (else on an accelerator card)
     cost_source: str  # what tune records as the source of call costs timed on it
-    vllm_device: str | None = None  # vLLM's --device for a bundle built for it (serve-config)
+    # --device for a bundle built for it in serve-config's legacy form (Qualcomm's vLLM 0.8.5
+    # fork; vLLM 0.15 has no --device); also marks the backend vLLM serves
+    vllm_device: str | None = None
 
 
 BACKENDS = {
