@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,15 +16,13 @@ from .version import __version__
 from .arch import ArchSpec, arch_from_config
 from .checkpoint import checkpoint_problems
 from .errors import Problem, RecipeError, UsageError
-from .plan_backends import BACKEND_PLANS, ORT_LOWERING_VERSION, ort_graph  # noqa: F401
+from .plan_backends import BACKEND_PLANS, RoleFacts
 from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
 from .source import ModelSource, resolve
-from .toolchain import executable
 from .tokenizer_check import alignment
 from .vocab_subset import read_vocab_subset, subset_digest
 
 EXPORTER_VERSION = "4"  # bump when the exported graph changes for the same inputs
-QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 KV_BYTES = {"float16": 2.0, "mxint8": 33 / 32}  # mxint8: 8-bit values + one scale per 32
 WEIGHT_BYTES = {"none": 2.0, "mxfp6": 25 / 32}  # the card runs fp16; mxfp6: 6 bits + scale/32
 
@@ -38,12 +35,14 @@ class RolePlan:
     ks: tuple[int, ...]  # target: compiled Ks; draft: ()
     specializations: list[dict[str, Any]]  # named form: {"name": ..., "symbols": {...}}
     io: dict[str, list[dict[str, Any]]]
-    custom_io: list[dict[str, str]]
-    mdp_partition: dict[str, Any] | None
+    custom_io: list[dict[str, str]]  # planned by a backend (plan_backends/qaic.py)
+    mdp_partition: dict[str, Any] | None  # planned by a backend (plan_backends/qaic.py)
     device_group: list[int]
     num_cores: int
-    compiler_argv: list[str]  # relative to the bundle root; argv[0] is the compiler
-    ort: dict[str, Any]
+    # planned by a backend (plan_backends/qaic.py): relative to the bundle root; argv[0] is the
+    # compiler
+    compiler_argv: list[str]
+    ort: dict[str, Any]  # planned by a backend (plan_backends/onnxruntime.py)
     memory: dict[str, float]
     cache_keys: dict[str, str]
     # draft only: {"ref": as the recipe wrote it, "path", "size", "sha256"} (vocab_subset.py)
@@ -94,21 +93,6 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
-    """The Qualcomm compiler: --compiler, $QAIC_COMPILER (a path, or a name found on PATH), then
-    the SDK's two known paths."""
-    tried = []
-    for candidate in (explicit, os.environ.get("QAIC_COMPILER"), *QAIC_COMPILERS):
-        if not candidate:
-            continue
-        tried.append(candidate)
-        try:
-            return executable(candidate), tried
-        except UsageError:
-            continue
-    return None, tried
-
-
 def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     s = r.shapes
     fbs = s.full_batch_size
@@ -157,73 +141,11 @@ def io_signature(role: str, arch: ArchSpec, continuous_batching: bool) -> dict:
     return {"inputs": inputs, "outputs": outputs}
 
 
-def kv_buffers(io: dict) -> list[str]:
-    """The KV cache's graph I/O names, from the declared I/O (each past input, then the output
-    that retains it): the buffers whose precision the card's custom_io.yaml sets."""
-    outputs = {e["name"] for e in io["outputs"]}
-    names = []
-    for e in io["inputs"]:
-        if e["name"].startswith("past_"):
-            retained = f"{e['name']}_RetainedState"
-            names += [e["name"]] + ([retained] if retained in outputs else [])
-    return names
-
-
-def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
-    if len(devices) < 2:
-        return None
-    n = len(devices)  # logical ids 0..n-1; physical QIDs are bound when the QPC is loaded
-    return {"connections": [{"devices": list(range(n)), "type": "p2p"}],
-            "partitions": [{"name": "Partition0",
-                            "devices": [{"deviceId": d, "numCores": cores} for d in range(n)]}]}
-
-
-def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: str) -> list[str]:
-    opts, q = r.hardware.compiler_options, f"{role}/qaic"
-    # QEfficient passes -convert-to-fp16 whenever its graph is not bfloat16; its graph is
-    # bfloat16 only for a bf16 checkpoint on ai200. The card graph here always computes in
-    # float32 (float16 weights are Cast up), so the flag is always QEfficient's choice for it.
-    argv = [compiler, "-aic-hw", f"-aic-hw-version={r.hardware.aic_hw_version}",
-            f"-m={role}/onnx/model.onnx", "-retained-state", "-convert-to-fp16"]
-    if r.precision.quantization == "mxfp6":
-        argv.append("-mxfp6-matmul")
-    argv.append(f"-aic-num-cores={cores}")
-    if opts.aic_enable_depth_first:
-        argv.append("-aic-enable-depth-first")
-    if opts.mos is not None:
-        argv.append(f"-mos={opts.mos}")
-    if opts.allow_mxint8_mdp_io:
-        argv.append("-allow-mxint8-mdp-io")
-    argv += list(opts.extra_flags)
-    if n_devices > 1:
-        argv.append(f"-mdp-load-partition-config={q}/mdp_ts_{n_devices}.json")
-    argv += [f"-network-specialization-config={q}/specializations.json",
-             f"-custom-IO-list-file={q}/custom_io.yaml", f"-aic-binary-dir={role}/qpc"]
-    return argv
-
-
-def ort_numerics(r: Recipe) -> dict[str, Any]:
-    """What the onnxruntime artifact computes with: `exact` float32, or `emulated` card formats
-    (qpcbuild.numerics) when the recipe asks for mxfp6 / mxint8. Emulation exists in the fused
-    lowering only; a portable ORT graph next to the qaic backend stays exact (recipe.py refuses
-    emulation on a portable graph without qaic)."""
-    from .numerics import KV_FORMAT, WEIGHT_FORMAT
-
-    p = r.precision
-    if (p.quantization == "none" and p.kv_cache_dtype == "float16") or ort_graph(r) != "fused":
-        return {"numerics": "exact", "numerics_formats": {"weights": "float32", "kv": "float32"}}
-    return {"numerics": "emulated", "numerics_formats": {
-        "weights": WEIGHT_FORMAT if p.quantization == "mxfp6" else "float32",
-        "kv": KV_FORMAT if p.kv_cache_dtype == "mxint8" else "float32"}}
-
-
 def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
-               compiler: str, vocab_subset: dict[str, Any] | None = None) -> RolePlan:
+               compiler: str | None, vocab_subset: dict[str, Any] | None = None) -> RolePlan:
     arch = arch_from_config(src.config, f"{src.ref}/config.json")
     hw = getattr(r.hardware, role)
     cb = r.shapes.full_batch_size is not None
-    kv_prec = r.precision.kv_cache_dtype
-    specs = specializations(role, r, ks)
     smoke_of = src.config.get("qpcbuild_smoke_of")  # random weights standing in for this model
     source = {"ref": src.ref, "revision": src.revision, "origin": src.origin,
               "path": str(src.path) if src.path else None, "config_digest": src.config_digest,
@@ -235,7 +157,6 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                          "dtype": r.precision.export_dtype,
                          # a subset changes the graph; its key stays as before without one
                          **({"vocab_subset": vocab_subset["sha256"]} if vocab_subset else {})})
-    argv = compiler_argv(role, r, cores, len(hw.device_group), compiler)
     batch = r.shapes.full_batch_size or r.shapes.batch_size
     n_dev = len(hw.device_group)
     memory = {
@@ -243,27 +164,34 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         "weights_gib": ((arch.param_count - arch.embedding_param_count)
                         * WEIGHT_BYTES[r.precision.quantization]
                         + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
-        "kv_cache_gib": arch.kv_bytes_per_token(KV_BYTES[kv_prec]) * r.shapes.ctx_len * batch
-        / 2**30 / n_dev,
+        "kv_cache_gib": arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype])
+        * r.shapes.ctx_len * batch / 2**30 / n_dev,
     }
-    ort = {"artifact": f"{role}/ort/model.onnx", "batch_size": batch, "ctx_len": r.shapes.ctx_len,
-           "kv_dtype": "float32",
-           "graph": ort_graph(r),
-           "weights": getattr(r.onnxruntime, f"{role}_weights"),
-           "core_share": cores / CARDS[r.hardware.card]["cores_per_qid"],
-           "intra_op_threads": r.onnxruntime.intra_op_threads, **ort_numerics(r)}
-    # The settings part of each artifact's cache key, one per backend (plan_backends.py).
-    cache_keys = {"export": export_key,
-                  **{name: digest(backend.settings(r, export_key, ort, argv, specs))
-                     for name, backend in BACKEND_PLANS.items()}}
-    io = io_signature(role, arch, cb)
+    facts = RoleFacts(role=role, cores=cores, device_group=list(hw.device_group),
+                      specializations=specializations(role, r, ks), io=io_signature(role, arch, cb),
+                      export_key=export_key)
+    planned, backend_keys = _backends_plan(r, facts, compiler)
     return RolePlan(
         role=role, source=source, arch=arch, ks=ks if role == "target" else (),
-        specializations=specs, io=io,
-        custom_io=[{"IOName": n, "Precision": kv_prec} for n in kv_buffers(io)],
-        mdp_partition=mdp_partition(hw.device_group, cores), device_group=list(hw.device_group),
-        num_cores=cores, compiler_argv=argv, ort=ort, memory=memory, cache_keys=cache_keys,
-        vocab_subset=vocab_subset)
+        specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
+        num_cores=cores, memory=memory, cache_keys={"export": export_key, **backend_keys},
+        vocab_subset=vocab_subset, **planned)
+
+
+def _backends_plan(r: Recipe, facts: RoleFacts,
+                   compiler: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every backend's part of the role's plan (RolePlan fields by name), and the settings part
+    of each backend's cache key, by backend name (plan_backends/)."""
+    planned: dict[str, Any] = {}
+    keys = {}
+    for name, backend in BACKEND_PLANS.items():
+        part = backend.plan_role(r, facts, compiler)
+        if planned.keys() & part.keys():
+            raise RuntimeError(f"backend {name} plans {sorted(planned.keys() & part.keys())}, "
+                               "which another backend already planned")
+        planned.update(part)
+        keys[name] = digest(backend.settings(r, facts, part))
+    return planned, keys
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
@@ -370,7 +298,6 @@ def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
                         "(greedy drafting only)")
 
     cores = resolved_cores(r)
-    compiler = compiler or find_compiler()[0] or "qaic-compile"
     roles = [_role_plan("target", r, sources["target"], r.compiled_ks, cores["target"],
                         compiler)]
     if "draft" in sources:

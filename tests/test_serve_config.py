@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qpcbuild import plan as plan_mod
+from qpcbuild.plan_backends import qaic as qaic_plan
 from qpcbuild.bundle import build_bundle, read_manifest
 from qpcbuild.cache import Cache
 from qpcbuild.cli import app
@@ -50,7 +50,7 @@ backends: [qaic]
 @pytest.fixture(scope="module", params=["draft_model", "ngram", "suffix"])
 def bundle(request, tiny_models, tmp_path_factory) -> Path:
     mp = pytest.MonkeyPatch()
-    mp.setattr(plan_mod, "QAIC_COMPILERS", ("/nonexistent/qaic-compile",))
+    mp.setattr(qaic_plan, "QAIC_COMPILERS", ("/nonexistent/qaic-compile",))
     mp.delenv("QAIC_COMPILER", raising=False)
     try:
         r = recipe_from_text(_recipe(tiny_models, request.param))

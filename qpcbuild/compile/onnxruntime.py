@@ -19,7 +19,8 @@ from ..errors import Terminated, ToolchainError
 from ..export import DATA_FILE, GRAPH_FILE
 from ..export.dialect import for_onnxruntime
 from ..cache import META, Cache
-from ..plan import ORT_LOWERING_VERSION, RolePlan
+from ..plan import RolePlan
+from ..plan_backends.onnxruntime import ORT_LOWERING_VERSION
 from ..toolchain import _pkg
 from .interface import BuildContext
 from .ort_graph import PortableWeights, build_ort_graph

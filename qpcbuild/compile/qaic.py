@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from ..errors import ToolchainError
 from ..cache import META, Cache
-from ..plan import RolePlan, find_compiler
+from ..plan import RolePlan
+from ..plan_backends.qaic import find_compiler
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import copy_tree
 from .interface import BuildContext

@@ -1,0 +1,68 @@
+"""The ONNX Runtime backend's planning: the role's `ort` settings (the artifact, its graph
+lowering, shapes and numerics, how the runtime drives it), its cache key and warnings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..recipe import CARDS, Recipe
+from .interface import RoleFacts
+
+ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the same graph
+
+
+def ort_graph(r: Recipe) -> str:
+    """The fused lowering needs one row per call: ORT's CPU GroupQueryAttention refuses
+    batch > 1 for multi-token windows over a cache, and only the portable graph has the
+    batch_index input of continuous batching."""
+    if r.shapes.full_batch_size is not None or r.shapes.batch_size > 1:
+        return "portable"
+    return r.onnxruntime.graph
+
+
+def ort_numerics(r: Recipe) -> dict[str, Any]:
+    """What the onnxruntime artifact computes with: `exact` float32, or `emulated` card formats
+    (qpcbuild.numerics) when the recipe asks for mxfp6 / mxint8. Emulation exists in the fused
+    lowering only; a portable ORT graph next to the qaic backend stays exact (recipe.py refuses
+    emulation on a portable graph without qaic)."""
+    from ..numerics import KV_FORMAT, WEIGHT_FORMAT
+
+    p = r.precision
+    if (p.quantization == "none" and p.kv_cache_dtype == "float16") or ort_graph(r) != "fused":
+        return {"numerics": "exact", "numerics_formats": {"weights": "float32", "kv": "float32"}}
+    return {"numerics": "emulated", "numerics_formats": {
+        "weights": WEIGHT_FORMAT if p.quantization == "mxfp6" else "float32",
+        "kv": KV_FORMAT if p.kv_cache_dtype == "mxint8" else "float32"}}
+
+
+class OrtPlan:
+    def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> dict[str, Any]:
+        role = facts.role
+        return {"ort": {
+            "artifact": f"{role}/ort/model.onnx",
+            "batch_size": r.shapes.full_batch_size or r.shapes.batch_size,
+            "ctx_len": r.shapes.ctx_len, "kv_dtype": "float32", "graph": ort_graph(r),
+            "weights": getattr(r.onnxruntime, f"{role}_weights"),
+            "core_share": facts.cores / CARDS[r.hardware.card]["cores_per_qid"],
+            "intra_op_threads": r.onnxruntime.intra_op_threads, **ort_numerics(r)}}
+
+    def settings(self, r: Recipe, facts: RoleFacts, planned: dict[str, Any]) -> dict[str, Any]:
+        ort = planned["ort"]
+        # Only what changes the artifact is in: K and threads do not change an onnxruntime
+        # artifact, so they are not in its key.
+        return {"export": facts.export_key, "lowering": ORT_LOWERING_VERSION,
+                **{k: ort[k] for k in ("graph", "batch_size", "ctx_len", "kv_dtype", "weights")},
+                # emulated card formats (exact builds keep their key)
+                **({"numerics": ort["numerics_formats"]} if ort["numerics"] == "emulated"
+                   else {})}
+
+    def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
+        out = []
+        if r.onnxruntime.graph == "fused" and ort_graph(r) != "fused":
+            out.append("onnxruntime: batch_size > 1 or continuous batching uses the portable "
+                       "graph (the fused GroupQueryAttention lowering runs one row per call)")
+        if ort_graph(r) != "fused" and (
+                r.precision.quantization != "none" or r.precision.kv_cache_dtype != "float16"):
+            out.append("onnxruntime: the portable graph runs exact float32; the mxfp6/mxint8 "
+                       "numerics preview exists in the fused graph only (batch_size 1)")
+        return out

@@ -1,0 +1,111 @@
+"""The Qualcomm Cloud AI backend's planning: where the compiler is, its command line, the KV
+buffers' precision (custom_io.yaml) and the multi-device partition (mdp_ts_N.json), the
+compile's cache key and the warnings a card build earns. compile/qaic.py writes the side files
+and runs the command exactly as planned here."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import UsageError
+from ..recipe import Recipe
+from ..toolchain import executable
+from .interface import RoleFacts
+
+QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
+DEFAULT_COMPILER = "qaic-compile"  # argv[0] when none is found: compile.sh runs it from PATH
+
+
+def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
+    """The Qualcomm compiler: --compiler, $QAIC_COMPILER (a path, or a name found on PATH), then
+    the SDK's two known paths."""
+    tried = []
+    for candidate in (explicit, os.environ.get("QAIC_COMPILER"), *QAIC_COMPILERS):
+        if not candidate:
+            continue
+        tried.append(candidate)
+        try:
+            return executable(candidate), tried
+        except UsageError:
+            continue
+    return None, tried
+
+
+def kv_buffers(io: dict) -> list[str]:
+    """The KV cache's graph I/O names, from the declared I/O (each past input, then the output
+    that retains it): the buffers whose precision the card's custom_io.yaml sets."""
+    outputs = {e["name"] for e in io["outputs"]}
+    names = []
+    for e in io["inputs"]:
+        if e["name"].startswith("past_"):
+            retained = f"{e['name']}_RetainedState"
+            names += [e["name"]] + ([retained] if retained in outputs else [])
+    return names
+
+
+def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
+    if len(devices) < 2:
+        return None
+    n = len(devices)  # logical ids 0..n-1; physical QIDs are bound when the QPC is loaded
+    return {"connections": [{"devices": list(range(n)), "type": "p2p"}],
+            "partitions": [{"name": "Partition0",
+                            "devices": [{"deviceId": d, "numCores": cores} for d in range(n)]}]}
+
+
+def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: str) -> list[str]:
+    opts, q = r.hardware.compiler_options, f"{role}/qaic"
+    # QEfficient passes -convert-to-fp16 whenever its graph is not bfloat16; its graph is
+    # bfloat16 only for a bf16 checkpoint on ai200. The card graph here always computes in
+    # float32 (float16 weights are Cast up), so the flag is always QEfficient's choice for it.
+    argv = [compiler, "-aic-hw", f"-aic-hw-version={r.hardware.aic_hw_version}",
+            f"-m={role}/onnx/model.onnx", "-retained-state", "-convert-to-fp16"]
+    if r.precision.quantization == "mxfp6":
+        argv.append("-mxfp6-matmul")
+    argv.append(f"-aic-num-cores={cores}")
+    if opts.aic_enable_depth_first:
+        argv.append("-aic-enable-depth-first")
+    if opts.mos is not None:
+        argv.append(f"-mos={opts.mos}")
+    if opts.allow_mxint8_mdp_io:
+        argv.append("-allow-mxint8-mdp-io")
+    argv += list(opts.extra_flags)
+    if n_devices > 1:
+        argv.append(f"-mdp-load-partition-config={q}/mdp_ts_{n_devices}.json")
+    argv += [f"-network-specialization-config={q}/specializations.json",
+             f"-custom-IO-list-file={q}/custom_io.yaml", f"-aic-binary-dir={role}/qpc"]
+    return argv
+
+
+class QaicPlan:
+    def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> dict[str, Any]:
+        compiler = compiler or find_compiler()[0] or DEFAULT_COMPILER
+        return {
+            "custom_io": [{"IOName": n, "Precision": r.precision.kv_cache_dtype}
+                          for n in kv_buffers(facts.io)],
+            "mdp_partition": mdp_partition(facts.device_group, facts.cores),
+            # relative to the bundle root; argv[0] is the compiler
+            "compiler_argv": compiler_argv(facts.role, r, facts.cores,
+                                           len(facts.device_group), compiler)}
+
+    def settings(self, r: Recipe, facts: RoleFacts, planned: dict[str, Any]) -> dict[str, Any]:
+        # argv[0] is left out: where the compiler is installed does not change the program
+        return {"export": facts.export_key, "argv": planned["compiler_argv"][1:],
+                "specs": facts.specializations, "custom_io": r.precision.kv_cache_dtype,
+                "fmt": r.hardware.specializations_format}
+
+    def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
+        out = []
+        if r.precision.export_dtype == "float16":
+            out.append("qaic: export_dtype float16 Casts each stored weight up to float32 in "
+                       "front of its MatMul, a form QEfficient's graphs never have (`qpcbuild "
+                       "doctor` flags it; whether -mxfp6-matmul compresses such weights is "
+                       "unknown): prefer float32 for a card bundle")
+        if r.hardware.aic_hw_version == "ai200":
+            for role, config in configs.items():
+                if (config.get("torch_dtype") or config.get("dtype")) == "bfloat16":
+                    out.append(f"{role}: a bfloat16 checkpoint on ai200 runs in bfloat16 under "
+                               "QEfficient (no -convert-to-fp16, bfloat16 KV); this bundle's "
+                               "graph is its exact float32 upcast, compiled to float16 as "
+                               "QEfficient compiles float32 checkpoints")
+        return out
