@@ -44,8 +44,8 @@ def test_the_contracts_catch_an_upward_import_inside_a_function(tmp_path):
     in a copy of the package, breaks the layers contract, and lint-imports names the import."""
     shutil.copytree(PACKAGE, tmp_path / "qpcbuild",
                     ignore=shutil.ignore_patterns("__pycache__", "data"))
-    recipe = tmp_path / "qpcbuild" / "recipe.py"
-    recipe.write_text(recipe.read_text() + "\n\ndef _upward():\n    from .cli import app\n"
+    recipe = tmp_path / "qpcbuild" / "recipe" / "__init__.py"
+    recipe.write_text(recipe.read_text() + "\n\ndef _upward():\n    from ..cli import app\n"
                       "    return app\n")
     run = _lint_imports(tmp_path)
     assert run.returncode != 0

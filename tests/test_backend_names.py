@@ -15,7 +15,7 @@ import pytest
 
 from qpcbuild.compile.backends import BACKENDS
 from qpcbuild.plan_backends import BACKEND_PLANS
-from qpcbuild.recipe_schema import Backend
+from qpcbuild.recipe.schema import Backend
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qpcbuild"
 NAME = re.compile(r"""(?<![\w.])["'](qaic|onnxruntime)["']""")
@@ -25,8 +25,8 @@ ALLOWED = ("compile/",                 # the backends and their registry
            "runtime/qaic_session.py",  # the Cloud AI session
            "cli/",                     # the CLI's --backend choices and help
            "plan_backends/",           # each backend's planning (below the plan)
-           "recipe.py",                # the recipe's checks of the names it lists
-           "recipe_schema.py",         # the recipe's list of valid names
+           "recipe/__init__.py",       # the recipe's checks of the names it lists
+           "recipe/schema.py",         # the recipe's list of valid names
            "toolchain.py")             # tool versions, by package name
 LEFT = 0
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from qpcbuild.cli import app
 from qpcbuild.errors import RecipeError
 from qpcbuild.recipe import Recipe, load_recipe, recipe_from_text, resolve_model_path
-from qpcbuild.recipe_file import MAX_RECIPE_BYTES
+from qpcbuild.recipe.file import MAX_RECIPE_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

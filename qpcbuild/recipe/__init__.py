@@ -1,7 +1,7 @@
 """Recipe: the one YAML file a user writes. Loading with line numbers, static checks, paths
-(the schema is recipe_schema.py; its names are importable from here too).
+(the schema is recipe/schema.py; its names are importable from here too).
 
-Loading never trusts the file (recipe_file.py reads it), validates it against a strict schema
+Loading never trusts the file (recipe/file.py reads it), validates it against a strict schema
 and reports every problem at once with its key path and line. Checks that need model configs
 live in `plan`.
 """
@@ -16,9 +16,9 @@ from typing import Any, Callable, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import Problem, RecipeError, UsageError
-from .recipe_file import dotted, parse_yaml, read_capped
-from .recipe_schema import (  # noqa: F401  (the schema's names, for recipe's importers)
+from ..errors import Problem, RecipeError, UsageError
+from .file import dotted, parse_yaml, read_capped
+from .schema import (  # noqa: F401  (the schema's names, for recipe's importers)
     MAX_K, MAX_CTX_LEN, CTX_LEN_MULTIPLE, CARDS, CARD_ROOFLINE_SOURCE, CARD_ROOFLINE, Method,
     Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
     vllm_lookup_range, Speculation, Shapes, Precision, RoleHardware, CompilerOptions, Hardware,

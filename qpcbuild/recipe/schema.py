@@ -1,6 +1,7 @@
 """The recipe's schema: the typed model of the one YAML file a user writes, with the cards it
-knows. A module of its own below recipe.py (which loads, validates and resolves a recipe and
-re-exports these names), so each stays under the size the project reads comfortably."""
+knows. A module of its own below the package's __init__.py (which loads, validates and resolves
+a recipe and re-exports these names), so each stays under the size the project reads
+comfortably."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from .errors import Problem
+from ..errors import Problem
 
 MAX_K = 32
 MAX_CTX_LEN = 1 << 20  # beyond any released model's context; a model's own limit is checked too

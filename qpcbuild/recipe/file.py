@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .errors import Problem, RecipeError
+from ..errors import Problem, RecipeError
 
 MAX_RECIPE_BYTES = 1 << 20
 
