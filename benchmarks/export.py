@@ -217,7 +217,7 @@ def version_of(pkg: str) -> str | None:
 
 
 def make_config(name: str, tiny: bool, layers: int | None) -> dict:
-    from qpcbuild.source import known_models
+    from qpcbuild.models.source import known_models
 
     config = dict(known_models()[name]["config"])
     if tiny:
@@ -231,7 +231,7 @@ def checkpoint_bytes(config: dict) -> int:
     """Bytes of the bf16/f16/f32 safetensors that smoke_model writes for `config`."""
     import numpy as np
 
-    from qpcbuild.arch import arch_from_config
+    from qpcbuild.models.arch import arch_from_config
 
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     size = 2 if dtype in ("bfloat16", "float16") else 4
@@ -309,7 +309,7 @@ def spawn_case(case: str, model: Path, out: Path, logs: Path, timeout: float | N
 
 
 def describe(config: dict) -> dict:
-    from qpcbuild.arch import arch_from_config
+    from qpcbuild.models.arch import arch_from_config
 
     a = arch_from_config(config)
     return {"layers": a.num_layers, "hidden_size": a.hidden_size, "vocab_size": a.vocab_size,
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return run_child(args.child, args.child_model, args.child_out, args.child_stats)
 
-    from qpcbuild.source import known_models
+    from qpcbuild.models.source import known_models
 
     if args.model not in known_models():
         say(f"--model {args.model!r} is not in qpcbuild's known models: "

@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .version import __version__
-from .arch import ArchSpec, arch_from_config
-from .checkpoint import checkpoint_problems
+from .models.arch import ArchSpec, arch_from_config
+from .models.checkpoint import checkpoint_problems
 from .errors import Problem, RecipeError, UsageError
 from .plan_backends import BACKEND_PLANS, RoleFacts
 from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
-from .source import ModelSource, resolve
-from .tokenizer_check import alignment
-from .vocab_subset import read_vocab_subset, subset_digest
+from .models.source import ModelSource, resolve
+from .models.tokenizer_check import alignment
+from .models.vocab_subset import read_vocab_subset, subset_digest
 
 EXPORTER_VERSION = "4"  # bump when the exported graph changes for the same inputs
 KV_BYTES = {"float16": 2.0, "mxint8": 33 / 32}  # mxint8: 8-bit values + one scale per 32

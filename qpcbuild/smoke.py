@@ -17,10 +17,10 @@ from typing import Callable
 
 import numpy as np
 
-from .arch import arch_from_config
+from .models.arch import arch_from_config
+from .models.source import resolve
 from .plan import digest
 from .recipe import Recipe, resolve_model_path
-from .source import resolve
 
 POOL_ELEMENTS = 1 << 22  # one pool of random values, cycled through every tensor
 

@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from qpcbuild.arch import arch_from_config
+from qpcbuild.models.arch import arch_from_config
 from qpcbuild.bundle import archive
 from qpcbuild.cli import app
 from qpcbuild.errors import QpcbuildError, UsageError
-from qpcbuild.safetensors_reader import read_header
+from qpcbuild.models.safetensors import read_header
 from qpcbuild.recipe import recipe_from_text
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from qpcbuild.bundle.manifest import GraphIO, RoleIO
 from qpcbuild.cli import app
 from qpcbuild.export import export_model
 from qpcbuild.export import dialect
-from qpcbuild.source import resolve
+from qpcbuild.models.source import resolve
 
 QEFF_GRAPHS = sorted((Path(__file__).parent / "fixtures" / "qefficient").glob("*/*/model.onnx"))
 runner = CliRunner()

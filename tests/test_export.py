@@ -25,7 +25,7 @@ from qpcbuild.errors import QpcbuildError, UsageError
 from qpcbuild.export import DATA_FILE, GRAPH_FILE, ExportResult, export_model
 from qpcbuild.bundle.doctor import check_model
 from qpcbuild.export.builder import GraphBuilder
-from qpcbuild.source import resolve, safetensors_files
+from qpcbuild.models.source import resolve, safetensors_files
 
 from helpers_export import GraphDriver, hf_logits, prefill, run_mixed_batch
 
@@ -96,7 +96,7 @@ def test_logits_match_transformers_for_prefill_padding_decode_and_verify(
 def test_llama3_rope_scaling_and_head_dim_are_read_from_saved_config(tiny_models):
     """The transformers-5 `rope_parameters` form reaches the exporter (else the fidelity test of
     this variant would not be testing scaled RoPE at all)."""
-    from qpcbuild.arch import arch_from_config
+    from qpcbuild.models.arch import arch_from_config
 
     config = json.loads((tiny_models["llama_untied_rope"] / "config.json").read_text())
     arch = arch_from_config(config)
@@ -580,7 +580,7 @@ def test_disk_full_while_writing_leaves_nothing_behind(where, tiny_models, tmp_p
 # ------------------------------------------------------------------ streamed weights
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
 def test_stored_tensor_finds_nan_and_inf_from_its_bits_like_numpy(dtype):
-    from qpcbuild.safetensors_reader import StoredTensor
+    from qpcbuild.models.safetensors import StoredTensor
 
     rng = np.random.default_rng(0)
     bits = np.uint32 if dtype == "F32" else np.uint16

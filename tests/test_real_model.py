@@ -20,7 +20,7 @@ from qpcbuild.bundle import read_manifest
 from qpcbuild.cli import app
 from qpcbuild.export import export_model
 from qpcbuild.runtime.loader import load
-from qpcbuild.source import resolve
+from qpcbuild.models.source import resolve
 
 from helpers_export import GraphDriver, hf_logits, prefill, run_mixed_batch
 

@@ -16,7 +16,7 @@ import qpcbuild
 from qpcbuild.cli import app
 from qpcbuild.export import export_model
 from qpcbuild.export.decoder import MASKED
-from qpcbuild.source import resolve
+from qpcbuild.models.source import resolve
 
 from helpers_export import GraphDriver
 

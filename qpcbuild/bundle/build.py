@@ -20,13 +20,13 @@ from ..cache import Cache, DeliveredFiles, ScratchCache
 from ..compile import Backend, BuildContext, get_backend
 from ..errors import UsageError
 from ..export import export_model
+from ..models.source import (resolve, safetensors_files, tokenizer_files,
+                             weights_missing_message)
+from ..models.vocab_subset import read_vocab_subset, subset_digest
 from ..plan import EXPORTER_VERSION, BuildPlan, RolePlan, digest
 from ..recipe import recipe_relative
-from ..source import (resolve, safetensors_files, tokenizer_files,
-                      weights_missing_message)
 from ..toolchain import artifact_versions
 from ..tree import hash_tree
-from ..vocab_subset import read_vocab_subset, subset_digest
 from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 from .staging import publish, refuse_to_replace, remove_debris, staging_folder
 

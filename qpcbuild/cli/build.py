@@ -72,7 +72,7 @@ def export(model: str = typer.Argument(..., help="Local model folder or Hugging 
 
     from ..export import export_model
     from ..errors import UsageError
-    from ..source import resolve
+    from ..models.source import resolve
 
     if role not in ("target", "draft"):
         raise UsageError(f"--role must be target or draft, not '{role}'")

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..arch import ArchSpec
+from ..models.arch import ArchSpec
 from ..export.builder import GraphBuilder
 from ..export.decoder import FLOAT, INT64, SUBSET_KEPT, VOCAB_SUBSET, logits_head
 from ..numerics import BLOCK as MX_BLOCK
@@ -138,7 +138,7 @@ class _Lowered:
             if self.mxfp6:  # the card's weights: float32 values on the MXFP6 grid
                 arr = mxfp6_weight(arr)
             return self.g.op("MatMul", x, self.g.weight(name, arr), out=out)
-        # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout (recipe.py refuses
+        # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout (the recipe refuses
         # int4 with mxfp6)
         q, scale = mxfp6_int8_blocks(arr) if self.mxfp6 else blockwise_nbits(arr, self.bits)
         g = self.g

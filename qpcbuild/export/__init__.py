@@ -20,12 +20,12 @@ import numpy as np
 import onnx
 
 from ..version import __version__
-from ..arch import ArchSpec, arch_from_config
 from ..errors import QpcbuildError, UsageError
+from ..models.arch import ArchSpec, arch_from_config
+from ..models.safetensors import WeightReader
+from ..models.source import ModelSource, safetensors_files, tokenizer_files
+from ..models.vocab_subset import subset_digest
 from ..progress import step
-from ..safetensors_reader import WeightReader
-from ..source import ModelSource, safetensors_files, tokenizer_files
-from ..vocab_subset import subset_digest
 from .builder import GraphBuilder, save
 from .decoder import Decoder
 
@@ -75,7 +75,7 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
     model_dir = source.require_path()
     arch = arch_from_config(source.config, f"{model_dir}/config.json")
     _check_tokenizer(model_dir, arch)
-    from ..checkpoint import checkpoint_problems  # it reads headers with this package's reader
+    from ..models.checkpoint import checkpoint_problems  # it reads headers with our own reader
 
     problems = checkpoint_problems(model_dir, arch, allow_pickle, allow_unused)
     if problems:

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from ..arch import ArchSpec
+from ..models.arch import ArchSpec
 from . import dialect
 from .dialect import INT32_MAX, INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX
 from .builder import GraphBuilder

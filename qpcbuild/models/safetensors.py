@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
 MAX_HEADER = 100 << 20

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 from .source import ModelSource
 
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from .arch import ArchSpec
-from .safetensors_reader import read_header
+from .safetensors import read_header
 from .source import safetensors_files
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

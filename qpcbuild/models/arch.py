@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)

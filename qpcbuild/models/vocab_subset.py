@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 MAX_FILE_BYTES = 16 << 20
 
