@@ -1,4 +1,10 @@
-"""qpcbuild: build and package speculative-decoding model pairs for Cloud AI 100 and ONNX Runtime."""
+"""qpcbuild: build and package speculative-decoding model pairs for Cloud AI 100 and ONNX Runtime.
+
+The pipeline, a package or module per stage: recipe/ (the YAML file a user writes) and models/
+(the model files it names) -> plan.py -> export/ (ONNX graphs) -> compile/ (one module per
+backend) -> bundle/ -> runtime/, served by server/ and shared through registry/; bench/ and tune/
+measure bundles and cli/ drives every stage. .importlinter lists the layers, and why each module
+left at this level is here."""
 
 from .version import __version__
 

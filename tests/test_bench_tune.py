@@ -549,7 +549,7 @@ def test_best_k_per_batch_is_the_argmax_of_each_batch_table():
 
 @needs_demo
 def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path, peer_manifest):
-    from qpcbuild.serve_config import host_setup
+    from qpcbuild.cli.serve_config import host_setup
 
     result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=1,
                        max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache",

@@ -19,7 +19,7 @@ from qpcbuild.cache import Cache
 from qpcbuild.cli import app
 from qpcbuild.plan import make_plan
 from qpcbuild.recipe import recipe_from_text
-from qpcbuild.serve_config import vllm_argv
+from qpcbuild.cli.serve_config import vllm_argv
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]

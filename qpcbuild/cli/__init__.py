@@ -3,7 +3,8 @@
 One module per group of commands, in the order `qpcbuild --help` lists them: build.py (plan,
 export, compile, version), bundles.py (verify, finish, inspect, doctor, package, unpack, cache),
 run.py (run, serve, serve-config), measure.py (bench, tune); app.py holds the Typer app and what
-they share; render.py the terminal views (nothing below the CLI imports it).
+they share; render.py the terminal views and serve_config.py what `serve-config` prints (a
+bundle's manifest as vLLM's settings); nothing below the CLI imports either.
 
 Exit codes: 0 success; 1 build, toolchain or bundle failure; 2 bad input (recipe, model folder,
 bundle path, CLI argument).

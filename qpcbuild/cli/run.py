@@ -180,7 +180,7 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
     from ..bundle import read_manifest
     from ..errors import UsageError
     from .render import smoke_roles
-    from ..serve_config import render
+    from .serve_config import render
 
     m = read_manifest(bundle)
     if smoke_roles(m):

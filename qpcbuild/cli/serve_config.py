@@ -11,11 +11,11 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .compile.backends import backend_info, vllm_backend
-from .errors import UsageError
+from ..compile.backends import backend_info, vllm_backend
+from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from .bundle.manifest import Manifest, Role
+    from ..bundle.manifest import Manifest, Role
 
 DEFAULT_IMAGE = "ghcr.io/quic/cloud_ai_inference_vllm:latest"
 FORMATS = ("vllm", "docker", "env", "legacy", "json")
