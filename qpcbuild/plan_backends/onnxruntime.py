@@ -23,7 +23,7 @@ def ort_graph(r: Recipe) -> str:
 def ort_numerics(r: Recipe) -> dict[str, Any]:
     """What the onnxruntime artifact computes with: `exact` float32, or `emulated` card formats
     (qpcbuild.numerics) when the recipe asks for mxfp6 / mxint8. Emulation exists in the fused
-    lowering only; a portable ORT graph next to the qaic backend stays exact (recipe.py refuses
+    lowering only; a portable ORT graph next to the qaic backend stays exact (the recipe refuses
     emulation on a portable graph without qaic)."""
     from ..numerics import KV_FORMAT, WEIGHT_FORMAT
 
