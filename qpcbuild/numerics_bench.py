@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench.measure import _add_stats
 from .bench.report import _r, _short, write_outputs
 from .compile.backends import HOST_BACKEND
 from .errors import UsageError
 from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                         loadavg, machine_info)
 from .runtime.rows import prefill_calls, prefill_feeds
+from .runtime.stats import SpecDecodingStats
 
 NUMERICS_SCHEMA = 1
 NUMERICS_TUNE_KS = tuple(range(1, 9))  # the Ks `tune` would consider (its default K_max 8)
@@ -85,28 +85,24 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
                for ids in prompt_ids]
     outputs = [r.tokens[len(r.prompt):] for r in outputs]
     gen.fresh_proposer()
-    acc: dict[str, Any] = {}
+    records, prefills = [], 0
     prefill, ctx_len = gen.manifest.shapes.prefill_seq_len, gen.target.ctx_len
     for ids in prompt_ids:
-        res = gen.generate([ids], max_new, temperature=0.0, k=k)
-        _add_stats(acc, res.stats)
-        acc["prefill_calls"] = acc.get("prefill_calls", 0) + prefill_calls([ids], prefill,
-                                                                            ctx_len)
-    drafts = acc.get("spec_decode_num_drafts", 0)
-    dtoks = acc.get("spec_decode_num_draft_tokens", 0)
-    accepted = acc.get("spec_decode_num_accepted_tokens", 0)
-    steps = acc.get("target_calls", 0) - acc.get("prefill_calls", 0)
+        records.append(gen.generate([ids], max_new, temperature=0.0, k=k).stats)
+        prefills += prefill_calls([ids], prefill, ctx_len)
+    st = SpecDecodingStats.merged(records)
+    steps = st.target_calls - prefills
     col = {"label": label, "numerics": info.numerics or "exact",
            "formats": info.numerics_formats or {"weights": "float32", "kv": "float32"},
            "target_weights": info.weights,
            "bundle_id": gen.manifest.bundle_id, "k": k, "method": method,
-           "acceptance_rate": _r(accepted / dtoks) if dtoks else None,
-           "acceptance_per_position": [_r(a / drafts) for a in acc.get("per_pos", [])]
-           if drafts else [],
-           "mean_acceptance_length": _r(1 + accepted / drafts) if drafts else None,
-           "tau": _r((acc["new_tokens"] - acc["requests"]) / steps) if steps > 0 else None,
-           "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted_tokens": accepted,
-           "new_tokens": acc.get("new_tokens", 0), "target_calls": acc.get("target_calls", 0)}
+           "acceptance_rate": _r(st.acceptance_rate),
+           "acceptance_per_position": [_r(a) for a in st.acceptance_per_position],
+           "mean_acceptance_length": _r(st.mean_acceptance_length),
+           "tau": _r(st.decode_tokens / steps) if steps > 0 else None,
+           "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+           "num_accepted_tokens": st.num_accepted_tokens,
+           "new_tokens": st.new_tokens, "target_calls": st.target_calls}
     if costs is not None:
         t_verify, t_draft, host = costs
         ks = [x for x in NUMERICS_TUNE_KS if x in t_verify]
@@ -127,9 +123,9 @@ def _host_model(gen, prompt: list[int], max_new_tokens: int, ctx_len: int):
     h = {}
     for kk in (1, max(NUMERICS_TUNE_KS)):
         st = gen.generate([prompt], max_new_tokens, temperature=0.0, k=kk).stats
-        steps = max(1, st["target_calls"] - prefill_calls(
+        steps = max(1, st.target_calls - prefill_calls(
             [prompt], gen.manifest.shapes.prefill_seq_len, ctx_len))
-        h[kk] = st["host_overhead_s"] / steps
+        h[kk] = st.host_overhead_s / steps
     return host_model(h)
 
 

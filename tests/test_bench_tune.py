@@ -423,14 +423,13 @@ def test_engine_replay_equals_real_spd_on_the_demo_pair_and_rejects_broken_repla
         gen.fresh_proposer()
         runs = [gen.generate([p], max_new, k=k) for p in prompts]
         real = {"per_pos": [sum(x) for x in zip(*[
-                    r.stats["spec_decode_num_accepted_tokens_per_pos"] + [0] * (
-                        k - len(r.stats["spec_decode_num_accepted_tokens_per_pos"]))
+                    list(r.stats.accepted_per_pos) + [0] * (k - len(r.stats.accepted_per_pos))
                     for r in runs])],
-                "drafts": sum(r.stats["spec_decode_num_drafts"] for r in runs),
-                "draft_tokens": sum(r.stats["spec_decode_num_draft_tokens"] for r in runs),
-                "accepted": sum(r.stats["spec_decode_num_accepted_tokens"] for r in runs),
-                "target_calls": sum(r.stats["target_calls"] for r in runs),
-                "draft_calls": sum(r.stats["draft_calls"] for r in runs),
+                "drafts": sum(r.stats.num_drafts for r in runs),
+                "draft_tokens": sum(r.stats.num_draft_tokens for r in runs),
+                "accepted": sum(r.stats.num_accepted_tokens for r in runs),
+                "target_calls": sum(r.stats.target_calls for r in runs),
+                "draft_calls": sum(r.stats.draft_calls for r in runs),
                 "tokens": [row.tokens for r in runs for row in r.rows]}
         assert real["drafts"] > 0 and any(real["per_pos"])
         got = _totals(*engine_replay(gen.sibling(method).decoder, prompts, outputs, max_new, k))

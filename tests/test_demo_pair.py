@@ -86,7 +86,7 @@ def test_draft_agreement_through_a_compiled_bundle(tmp_path_factory):
     accepted = drafts = 0
     for p in prompts[:20]:
         st = gen.generate([p], max_new_tokens=64).stats
-        accepted += st["spec_decode_num_accepted_tokens"]
-        drafts += st["spec_decode_num_drafts"]
+        accepted += st.num_accepted_tokens
+        drafts += st.num_drafts
     tau = 1 + accepted / drafts
     assert tau >= 2.3, tau

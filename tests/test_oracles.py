@@ -116,7 +116,7 @@ def test_greedy_output_equals_transformers_generate(case, tmp_path_factory, hf_t
     for start in range(0, len(ids), per_call):
         result = gen.generate(ids[start:start + per_call], max_new_tokens=40)
         got += [r.tokens[len(r.prompt):] for r in result.rows]
-        drafts.append(result.stats["spec_decode_num_drafts"])
+        drafts.append(result.stats.num_drafts)
     # speculation really ran (a gated run may have turned it off for later calls)
     assert all(drafts) if gen.decoder.policy == "fixed" else sum(drafts) > 0
     for n, prompt_ids in enumerate(ids):

@@ -138,7 +138,7 @@ def test_int8_draft_weights_change_the_proposals_never_the_output(tmp_path_facto
     for p in prompts[:8]:
         spd = gen.generate([p], max_new_tokens=48)
         assert _tokens(spd) == _tokens(gen.generate([p], max_new_tokens=48, target_only=True))
-        accepted += spd.stats["spec_decode_num_accepted_tokens"]
+        accepted += spd.stats.num_accepted_tokens
     assert accepted > 0
 
 
@@ -147,14 +147,14 @@ def test_draft_model_accepts_tokens_and_stats_are_consistent(bundle_k_list, prom
     totals = Counter()
     for p in prompts[:5]:
         st = gen.generate([p], max_new_tokens=48).stats
-        assert st["spec_decode_num_accepted_tokens"] <= st["spec_decode_num_draft_tokens"]
-        per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
+        assert st.num_accepted_tokens <= st.num_draft_tokens
+        per_pos = st.accepted_per_pos
         assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # acceptance is a prefix
-        assert sum(per_pos) == st["spec_decode_num_accepted_tokens"]
-        assert st["mean_acceptance_length"] == pytest.approx(
-            1 + st["spec_decode_num_accepted_tokens"] / st["spec_decode_num_drafts"], abs=1e-3)
-        totals.update(accepted=st["spec_decode_num_accepted_tokens"],
-                      calls=st["target_calls"], new=st["new_tokens"])
+        assert sum(per_pos) == st.num_accepted_tokens
+        assert st.mean_acceptance_length == pytest.approx(
+            1 + st.num_accepted_tokens / st.num_drafts, abs=1e-3)
+        totals.update(accepted=st.num_accepted_tokens, calls=st.target_calls,
+                      new=st.new_tokens)
     assert totals["accepted"] > 0
     assert totals["new"] / totals["calls"] > 1.5  # speculation actually saves target calls
 
@@ -210,7 +210,7 @@ def test_continuous_batching_refills_slots_and_keeps_every_request_exact(tmp_pat
         assert _tokens(out)[i] == _tokens(reference.generate([p], max_new_tokens=40,
                                                              target_only=True))[0], i
     # the slots were shared: fewer verify calls than 7 requests decoded one after another
-    assert out.stats["target_calls"] < sum(r.stats.target_calls for r in out.rows)
+    assert out.stats.target_calls < sum(r.stats.target_calls for r in out.rows)
     # requests that end at their first token still free their slot for the next ones
     one = gen.generate(batch, max_new_tokens=1)
     assert [len(t) for t in _tokens(one)] == [1] * 7

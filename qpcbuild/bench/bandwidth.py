@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..runtime.stats import SpecDecodingStats
+
 PROBE_ROWS = 1024          # inner dimension of the probe's MatMul
 PROBE_CALLS = 15           # timed calls; the median is reported
 PROBE_MAX_BYTES = 1 << 30  # 1 GiB caps the probe's matrix for larger targets
@@ -122,7 +124,7 @@ def make_probe(gen) -> StreamingProbe | None:
     return StreamingProbe(graph_bytes(Path(path)), gen.target.threads)
 
 
-def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[int],
+def target_only_bandwidth(gen, base_stats: SpecDecodingStats | None, prompt_lengths: list[int],
                           decode_tokens_per_s: float | None,
                           probe: StreamingProbe | None) -> dict[str, Any] | None:
     """Bytes per decoded token x target-only decode tokens/s, against the streaming probe's
@@ -132,7 +134,7 @@ def target_only_bandwidth(gen, base_stats: dict[str, Any], prompt_lengths: list[
         return None
     arch = gen.manifest.target.arch
     g = probe.graph
-    new = base_stats.get("new_tokens", 0) / max(1, base_stats.get("requests", 1))
+    new = base_stats.new_tokens / max(1, base_stats.requests)
     mean_positions = statistics.fmean(prompt_lengths) + new / 2
     kv_per_position = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
     kv = kv_per_position * mean_positions

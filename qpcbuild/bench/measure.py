@@ -20,33 +20,12 @@ DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 
 
-# ---------------------------------------------------------------- summed engine statistics
-SUM_KEYS = ("new_tokens", "target_calls", "draft_calls", "target_time_s", "draft_time_s",
-            "e2e_s", "host_overhead_s", "ttft_s", "spec_decode_num_drafts",
-            "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "requests")
-
-
-def _add_stats(acc: dict[str, Any], st: dict[str, Any]) -> None:
-    for key in SUM_KEYS:
-        acc[key] = acc.get(key, 0) + (st.get(key) or 0)
-    gate = st.get("speculation")
-    if gate:  # a gated row: how often it speculated, and how often it changed its mind
-        for key in ("steps_with_speculation", "steps_without_speculation"):
-            acc[key] = acc.get(key, 0) + gate[key]
-        acc["policy_switches"] = acc.get("policy_switches", 0) + len(gate["policy_switches"])
-    per_pos = acc.setdefault("per_pos", [])
-    for j, v in enumerate(st.get("spec_decode_num_accepted_tokens_per_pos") or []):
-        if j >= len(per_pos):
-            per_pos.append(0)
-        per_pos[j] += v
-
-
 def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int,
                 policy: str | None = None, temperature: float = 0.0) -> Callable:
     target_only = method == "target_only"
     prefill, ctx_len = gen.manifest.shapes.prefill_seq_len, gen.target.ctx_len
 
-    def run(prompt_ids: list[list[int]], acc: dict[str, Any] | None) -> tuple[list, int, float]:
+    def run(prompt_ids: list[list[int]], acc: Measure | None) -> tuple[list, int, float]:
         outs, tokens, seconds = [], 0, 0.0
         for start in range(0, len(prompt_ids), batch):
             chunk = prompt_ids[start:start + batch]
@@ -57,11 +36,9 @@ def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int,
             seconds += time.perf_counter() - t0
             for row in res.rows:
                 outs.append(row.tokens[len(row.prompt):])
-            tokens += res.stats["new_tokens"]
+            tokens += res.stats.new_tokens
             if acc is not None:
-                _add_stats(acc, res.stats)
-                acc["prefill_calls"] = acc.get("prefill_calls", 0) + \
-                    prefill_calls(chunk, prefill, ctx_len)
+                acc.add_engine(res.stats, prefill_calls(chunk, prefill, ctx_len))
         return outs, tokens, seconds
     return run
 
@@ -142,8 +119,8 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     warmup = prompt_ids[:batch]
     probe = make_probe(gen)
     _run_interleaved(cases, ours[0][0], gens, gated, warmup, prompt_ids, repeats, probe, say)
-    base_decode = decode_figures(ours[0][0].stats)
-    bandwidth = target_only_bandwidth(gen, ours[0][0].stats, [len(p) for p in prompt_ids],
+    base_decode = decode_figures(ours[0][0])
+    bandwidth = target_only_bandwidth(gen, ours[0][0].engine, [len(p) for p in prompt_ids],
                                       base_decode and base_decode["tokens_per_s"], probe)
     del probe
     report = build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens,
@@ -235,8 +212,11 @@ def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, g
             gc.collect()
             gc.disable()
             try:
+                # (our runner adds the engine's records to the Measure; a peer's adds its
+                # own counters to a dict)
+                sink = meas if meas.system == "qpcbuild" else meas.stats
                 outs, tokens, seconds = run(warmup if warm else prompt_ids,
-                                            None if warm else meas.stats)
+                                            None if warm else sink)
             except Exception as exc:
                 if meas.system == "qpcbuild":
                     raise

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from .bandwidth import bandwidth_line
 from ..measuring import loadavg
+from ..runtime.rates import acceptance_rate
 from .records import Measure
 
 REPORT_SCHEMA = 1
@@ -54,38 +55,34 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
         row["error"] = meas.error
     if meas.skipped:
         row["skipped"] = meas.skipped
-    st = meas.stats
-    if meas.system == "qpcbuild" and st:
-        drafts = st.get("spec_decode_num_drafts", 0)
-        dtoks = st.get("spec_decode_num_draft_tokens", 0)
-        acc = st.get("spec_decode_num_accepted_tokens", 0)
+    st, eng = meas.stats, meas.engine
+    if meas.system == "qpcbuild" and eng is not None:
         row.update({
-            "acceptance_rate": _r(acc / dtoks) if dtoks else None,
-            "mean_acceptance_length": _r(1 + acc / drafts) if drafts else None,
-            "acceptance_per_position": [_r(a / drafts) for a in st.get("per_pos", [])]
-            if drafts else [],
-            "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted_tokens": acc,
-            "target_calls": st.get("target_calls"), "draft_calls": st.get("draft_calls"),
-            "target_time_s": _r(st.get("target_time_s")), "draft_time_s": _r(st.get("draft_time_s")),
-            "host_overhead_fraction": _r(st["host_overhead_s"] / st["e2e_s"])
-            if st.get("e2e_s") else None,
+            "acceptance_rate": _r(eng.acceptance_rate),
+            "mean_acceptance_length": _r(eng.mean_acceptance_length),
+            "acceptance_per_position": [_r(a) for a in eng.acceptance_per_position],
+            "num_drafts": eng.num_drafts, "num_draft_tokens": eng.num_draft_tokens,
+            "num_accepted_tokens": eng.num_accepted_tokens,
+            "target_calls": eng.target_calls, "draft_calls": eng.draft_calls,
+            "target_time_s": _r(eng.target_s), "draft_time_s": _r(eng.draft_s),
+            "host_overhead_fraction": _r(eng.host_overhead_fraction) if eng.total_s else None,
         })
-        if "steps_with_speculation" in st:  # a gated row (docs/adaptive.md)
-            row["gate"] = {k: st[k] for k in ("steps_with_speculation",
-                                              "steps_without_speculation", "policy_switches")}
-        bst = base.stats
-        dec, bdec = decode_figures(st), decode_figures(bst)
+        if eng.gate is not None:  # a gated row (docs/adaptive.md)
+            row["gate"] = {"steps_with_speculation": eng.gate.steps_with_speculation,
+                           "steps_without_speculation": eng.gate.steps_without_speculation,
+                           "policy_switches": len(eng.gate.policy_switches)}
+        dec, bdec = decode_figures(meas), decode_figures(base)
         if dec and bdec:
             row["decode_tokens_per_s"] = _r(dec["tokens_per_s"], 2)
             row["decode_speedup"] = _r(dec["tokens_per_s"] / bdec["tokens_per_s"], 3)
-        if meas.method == "draft_model" and dec and bdec and st.get("draft_calls") and \
+        if meas.method == "draft_model" and dec and bdec and eng.draft_calls and \
                 meas.label.endswith(f"K={meas.k}"):  # a fixed K: gated rows have no one ideal
             # Over decode steps only (prefill is the same for every configuration and not part
             # of the speculation's economics). The draft's per-call time includes its prefill
             # chunks, so the ideal is slightly pessimistic for the draft.
             t_base = bdec["target_s_per_call"]
             t_spd = dec["target_s_per_call"]
-            t_draft = st["draft_time_s"] / st["draft_calls"]
+            t_draft = eng.draft_s / eng.draft_calls
             ideal = dec["tokens_per_step"] * t_base / (meas.k * t_draft + t_spd)
             row["ideal_speedup"] = _r(ideal, 3)
             row["measured_over_ideal"] = _r(row["decode_speedup"] / ideal, 3) \
@@ -95,7 +92,8 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
     elif st:
         row["peer_stats"] = dict(st)
         if st.get("draft_tokens_proposed"):
-            row["acceptance_rate"] = _r(st["draft_tokens_accepted"] / st["draft_tokens_proposed"])
+            row["acceptance_rate"] = _r(acceptance_rate(st["draft_tokens_accepted"],
+                                                        st["draft_tokens_proposed"]))
     return row
 
 
@@ -104,17 +102,18 @@ def _decoding(settings: dict) -> str:
     return f"sampled at temperature {t:g}" if t else "greedy"
 
 
-def decode_figures(st: dict[str, Any]) -> dict[str, float] | None:
-    """Decode-phase figures from summed engine statistics: after each request's first token
-    (ttft_s is the target prefill and the first token; decode steps are the target calls that
-    are not prefill chunks)."""
-    steps = st.get("target_calls", 0) - st.get("prefill_calls", 0)
-    decode_s = st.get("e2e_s", 0.0) - st.get("ttft_s", 0.0)
-    tokens = st.get("new_tokens", 0) - st.get("requests", 0)
-    if steps <= 0 or decode_s <= 0 or tokens <= 0:
+def decode_figures(meas: Measure) -> dict[str, float] | None:
+    """Decode-phase figures of our summed engine statistics: after each request's first token
+    (the prefill time is the target prefill and the first token; decode steps are the target
+    calls that are not prefill chunks)."""
+    eng = meas.engine
+    if eng is None:
         return None
-    return {"tokens_per_s": tokens / decode_s, "tokens_per_step": tokens / steps,
-            "target_s_per_call": (st["target_time_s"] - st["ttft_s"]) / steps}
+    steps = eng.target_calls - meas.prefill_calls
+    if steps <= 0 or eng.decode_s <= 0 or eng.decode_tokens <= 0:
+        return None
+    return {"tokens_per_s": eng.decode_tokens_per_s, "tokens_per_step": eng.decode_tokens / steps,
+            "target_s_per_call": (eng.target_s - eng.prefill_s) / steps}
 
 
 def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:

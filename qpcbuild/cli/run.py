@@ -76,7 +76,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     from ..progress import step
     from .render import show_run
     from ..runtime.loader import load
-    from ..runtime.stats import combine
+    from ..runtime.stats import SpecDecodingStats
 
     prompts = _read_prompts(prompt, prompt_file)
     if max_new_tokens <= 0:
@@ -110,17 +110,18 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
               "prompts": prompts, "batches": [r.to_dict() for r in results],
-              "total": combine([r.stats for r in results])}
+              "total": SpecDecodingStats.merged([r.stats for r in results]).totals_json()}
     numerics = numerics_of(gen.manifest, backend)
     if numerics:  # ONNX Runtime: exact float32, or the card's formats emulated
         report["numerics"] = numerics
     if compare_baseline:
-        spd = sum(r.stats["e2e_s"] for r in results)
-        base = sum(b.stats["e2e_s"] for b in baselines)
+        spd = sum(r.stats.total_s for r in results)
+        base = sum(b.stats.total_s for b in baselines)
         same = all(a.rows[i].tokens == b.rows[i].tokens for a, b in zip(results, baselines)
                    for i in range(len(a.rows)))
         report["baseline"] = {"batches": [b.to_dict() for b in baselines],
-                              "total": combine([b.stats for b in baselines]),
+                              "total": SpecDecodingStats.merged(
+                                  [b.stats for b in baselines]).totals_json(),
                               "speedup_e2e": round(base / max(spd, 1e-9), 3),
                               "outputs_match": same if temperature == 0 else None}
     if json_out:

@@ -26,7 +26,7 @@ from .gate import POLICIES
 from .proposers import make_proposer
 from .sampling import SamplingParams
 from .session import OrtSession, Specialization, thread_count
-from .stats import summarize
+from .stats import SpecDecodingStats
 
 METHODS = ("draft_model", "ngram", "suffix")
 
@@ -35,12 +35,13 @@ METHODS = ("draft_model", "ngram", "suffix")
 class GenerationResult:
     texts: list[str]
     rows: list[Row]
-    stats: dict[str, Any]
+    stats: SpecDecodingStats
 
     def to_dict(self) -> dict[str, Any]:
         return {"outputs": [{"text": t, "token_ids": r.tokens[len(r.prompt):],
                              "prompt_tokens": len(r.prompt), "finish_reason": r.finish_reason}
-                            for t, r in zip(self.texts, self.rows)], "stats": self.stats}
+                            for t, r in zip(self.texts, self.rows)],
+                "stats": self.stats.to_json()}
 
 
 def _open_ort(bundle: Path, manifest: Manifest, role: str, entry: OrtEntry):
@@ -223,7 +224,7 @@ class Generator:
                                             policy)
         texts = [self.tokenizer.decode(r.tokens[len(r.prompt):]) for r in rows]
         method = "target_only" if target_only else self.method
-        return GenerationResult(texts, rows, summarize(rows, times, method))
+        return GenerationResult(texts, rows, SpecDecodingStats.from_rows(rows, times, method))
 
 
 def new_proposer(manifest: Manifest, method: str | None):

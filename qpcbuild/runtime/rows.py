@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .gate import RowRate
+from .rates import acceptance_rate, mean_acceptance_length
 from .sampling import SamplingParams
 
 # (prompt index, new token ids); ids are empty when a cancelled row ends
@@ -34,13 +35,16 @@ class RowStats:
     spec_steps: int = 0  # verify steps this row took with speculation on (goodput gate)
     plain_steps: int = 0  # ... and with it off
 
+    # A request's own figures (the server's per-request response): 0 and 1 without drafts.
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        rate = acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+        return 0.0 if rate is None else rate
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        length = mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
+        return 1.0 if length is None else length
 
 
 @dataclass

@@ -1,87 +1,235 @@
-"""Acceptance and speed statistics, under vLLM's metric names where they exist."""
+"""Acceptance and speed statistics, under vLLM's metric names where they exist.
+
+One record, `SpecDecodingStats` (as vLLM's SpecDecodingStats): the engine fills it from a
+generate call's rows and timings, records add up (`merged`), and every reader (run, bench,
+tune, numerics) takes its counts and its derived figures from it. The figures are properties
+computed here and nowhere else; the acceptance formulas themselves are in rates.py, which the
+per-request counters (rows.RowStats) share."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
+from .rates import acceptance_rate, mean_acceptance_length, per_position_acceptance
 from .rows import LoopTimes, Row
 
-
-def summarize(rows: list[Row], times: LoopTimes, method: str) -> dict[str, Any]:
-    drafts = sum(r.stats.num_drafts for r in rows)
-    draft_tokens = sum(r.stats.num_draft_tokens for r in rows)
-    accepted = sum(r.stats.num_accepted_tokens for r in rows)
-    width = max((len(r.stats.accepted_per_pos) for r in rows), default=0)
-    per_pos = [sum(r.stats.accepted_per_pos[j] for r in rows if j < len(r.stats.accepted_per_pos))
-               for j in range(width)]
-    new_tokens = sum(r.stats.new_tokens for r in rows)
-    decode_s = max(times.total_s - times.prefill_s, 1e-9)
-    model_s = times.draft_s + times.target_s
-    return {
-        "method": method,
-        "requests": len(rows),
-        "new_tokens": new_tokens,
-        "ttft_s": round(times.prefill_s, 4),
-        "e2e_s": round(times.total_s, 4),
-        "decode_tokens_per_s": round(max(new_tokens - len(rows), 0) / decode_s, 2),
-        "e2e_tokens_per_s": round(new_tokens / max(times.total_s, 1e-9), 2),
-        "draft_time_s": round(times.draft_s, 4),
-        "target_time_s": round(times.target_s, 4),
-        "host_overhead_s": round(times.total_s - model_s, 4),
-        "host_overhead_fraction": round((times.total_s - model_s) / max(times.total_s, 1e-9), 4),
-        "target_calls": times.target_calls,
-        "draft_calls": times.draft_calls,
-        "spec_decode_num_drafts": drafts,
-        "spec_decode_num_draft_tokens": draft_tokens,
-        "spec_decode_num_accepted_tokens": accepted,
-        "spec_decode_num_accepted_tokens_per_pos": per_pos,
-        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
-        "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
-        # the goodput gate (docs/adaptive.md): steps with and without speculation, switches
-        **({"speculation": times.gate} if times.gate else {}),
-        "verify_windows": {str(k): n for k, n in sorted(times.windows.items())},
-        "draft_catch_up_calls": times.catch_up_calls,
-        "per_request": [{"prompt_tokens": r.stats.prompt_tokens, "new_tokens": r.stats.new_tokens,
-                         "finish_reason": r.finish_reason, "ttft_s": round(r.stats.ttft_s, 4),
-                         "e2e_s": round(r.stats.e2e_s, 4),
-                         "spec_decode_num_drafts": r.stats.num_drafts,
-                         "spec_decode_num_draft_tokens": r.stats.num_draft_tokens,
-                         "spec_decode_num_accepted_tokens": r.stats.num_accepted_tokens,
-                         "acceptance_rate": round(r.stats.acceptance_rate, 4),
-                         "mean_acceptance_length": round(r.stats.mean_acceptance_length, 4),
-                         "steps_with_speculation": r.stats.spec_steps,
-                         "steps_without_speculation": r.stats.plain_steps}
-                        for r in rows],
-    }
+_TINY_S = 1e-9  # a divisor for a time that may be 0
 
 
-def combine(batches: list[dict[str, Any]]) -> dict[str, Any]:
-    """The statistics of several batches (as `summarize` returned them) as of one run: counts
-    and times add up, rates are recomputed from the sums, time to first token is the mean."""
-    def total(key: str) -> float:
-        return sum(b[key] for b in batches)
+def _sum_per_position(lists: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    width = max((len(x) for x in lists), default=0)
+    return tuple(sum(x[j] for x in lists if j < len(x)) for j in range(width))
 
-    new_tokens, requests, e2e = total("new_tokens"), total("requests"), total("e2e_s")
-    decode_s = max(e2e - total("ttft_s"), 1e-9)
-    drafts, draft_tokens = total("spec_decode_num_drafts"), total("spec_decode_num_draft_tokens")
-    accepted = total("spec_decode_num_accepted_tokens")
-    width = max((len(b["spec_decode_num_accepted_tokens_per_pos"]) for b in batches), default=0)
-    return {
-        "requests": requests, "new_tokens": new_tokens,
-        "ttft_s": round(total("ttft_s") / len(batches), 4), "e2e_s": round(e2e, 4),
-        "decode_tokens_per_s": round(sum(max(b["new_tokens"] - b["requests"], 0)
-                                         for b in batches) / decode_s, 2),
-        "e2e_tokens_per_s": round(new_tokens / max(e2e, 1e-9), 2),
-        "draft_time_s": round(total("draft_time_s"), 4),
-        "target_time_s": round(total("target_time_s"), 4),
-        "host_overhead_s": round(total("host_overhead_s"), 4),
-        "host_overhead_fraction": round(total("host_overhead_s") / max(e2e, 1e-9), 4),
-        "target_calls": total("target_calls"), "draft_calls": total("draft_calls"),
-        "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
-        "spec_decode_num_accepted_tokens": accepted,
-        "spec_decode_num_accepted_tokens_per_pos": [
-            sum(b["spec_decode_num_accepted_tokens_per_pos"][j] for b in batches
-                if j < len(b["spec_decode_num_accepted_tokens_per_pos"])) for j in range(width)],
-        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
-        "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
-    }
+
+@dataclass(frozen=True)
+class GateStats:
+    """The goodput gate's share of a call (docs/adaptive.md): verify steps with and without
+    speculation, and the switches between them."""
+    policy: str
+    steps_with_speculation: int
+    steps_without_speculation: int
+    policy_switches: tuple[dict, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"policy": self.policy, "steps_with_speculation": self.steps_with_speculation,
+                "steps_without_speculation": self.steps_without_speculation,
+                "policy_switches": list(self.policy_switches)}
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """One request's counters as the call ended (a snapshot of its RowStats)."""
+    prompt_tokens: int
+    new_tokens: int
+    finish_reason: str
+    ttft_s: float
+    e2e_s: float
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    spec_steps: int
+    plain_steps: int
+
+    @classmethod
+    def from_row(cls, row: Row) -> RequestStats:
+        s = row.stats
+        return cls(s.prompt_tokens, s.new_tokens, row.finish_reason, s.ttft_s, s.e2e_s,
+                   s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.spec_steps,
+                   s.plain_steps)
+
+    @property
+    def acceptance_rate(self) -> float:  # 0 and 1 without drafts, as RowStats
+        rate = acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+        return 0.0 if rate is None else rate
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        length = mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
+        return 1.0 if length is None else length
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "finish_reason": self.finish_reason, "ttft_s": round(self.ttft_s, 4),
+                "e2e_s": round(self.e2e_s, 4),
+                "spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "steps_with_speculation": self.spec_steps,
+                "steps_without_speculation": self.plain_steps}
+
+
+@dataclass(frozen=True)
+class SpecDecodingStats:
+    """The counts and times of one generate call, or of several added up (`merged`)."""
+    method: str = ""
+    generate_calls: int = 1  # generate calls added up in this record
+    requests: int = 0
+    new_tokens: int = 0
+    decode_tokens: int = 0  # new tokens after each request's first (the decode phase's)
+    prefill_s: float = 0.0  # summed over the calls
+    total_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    target_calls: int = 0  # prefill chunks included
+    draft_calls: int = 0
+    num_drafts: int = 0  # verify steps that carried at least one proposed token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    verify_windows: dict[int, int] = field(default_factory=dict)  # verify steps per window K
+    catch_up_calls: int = 0  # draft prefill-window calls over tokens decoded without it
+    gate: GateStats | None = None  # None: the goodput gate did not run
+    per_request: tuple[RequestStats, ...] = ()
+
+    @classmethod
+    def from_rows(cls, rows: list[Row], times: LoopTimes, method: str) -> SpecDecodingStats:
+        """The record of one generate call: its finished rows and the loop's timings."""
+        new_tokens = sum(r.stats.new_tokens for r in rows)
+        gate = None
+        if times.gate:
+            g = times.gate
+            gate = GateStats(g["policy"], g["steps_with_speculation"],
+                             g["steps_without_speculation"], tuple(g["policy_switches"]))
+        return cls(
+            method=method, requests=len(rows), new_tokens=new_tokens,
+            decode_tokens=max(new_tokens - len(rows), 0), prefill_s=times.prefill_s,
+            total_s=times.total_s, draft_s=times.draft_s, target_s=times.target_s,
+            target_calls=times.target_calls, draft_calls=times.draft_calls,
+            num_drafts=sum(r.stats.num_drafts for r in rows),
+            num_draft_tokens=sum(r.stats.num_draft_tokens for r in rows),
+            num_accepted_tokens=sum(r.stats.num_accepted_tokens for r in rows),
+            accepted_per_pos=_sum_per_position([r.stats.accepted_per_pos for r in rows]),
+            verify_windows=dict(sorted(times.windows.items())),
+            catch_up_calls=times.catch_up_calls, gate=gate,
+            per_request=tuple(RequestStats.from_row(r) for r in rows))
+
+    @classmethod
+    def merged(cls, records: Sequence[SpecDecodingStats]) -> SpecDecodingStats:
+        """Several records as one run's: counts and times add up, the figures follow from the
+        sums (time to first token is the mean over the calls)."""
+        if not records:
+            raise ValueError("no records to merge")
+        gates = [r.gate for r in records if r.gate is not None]
+        windows: dict[int, int] = {}
+        for r in records:
+            for k, n in r.verify_windows.items():
+                windows[k] = windows.get(k, 0) + n
+
+        def total(name: str):
+            return sum(getattr(r, name) for r in records)
+
+        return cls(
+            method=records[0].method if all(r.method == records[0].method for r in records)
+            else "", generate_calls=total("generate_calls"), requests=total("requests"),
+            new_tokens=total("new_tokens"), decode_tokens=total("decode_tokens"),
+            prefill_s=total("prefill_s"), total_s=total("total_s"), draft_s=total("draft_s"),
+            target_s=total("target_s"), target_calls=total("target_calls"),
+            draft_calls=total("draft_calls"), num_drafts=total("num_drafts"),
+            num_draft_tokens=total("num_draft_tokens"),
+            num_accepted_tokens=total("num_accepted_tokens"),
+            accepted_per_pos=_sum_per_position([r.accepted_per_pos for r in records]),
+            verify_windows=dict(sorted(windows.items())), catch_up_calls=total("catch_up_calls"),
+            gate=GateStats(gates[0].policy, sum(g.steps_with_speculation for g in gates),
+                           sum(g.steps_without_speculation for g in gates),
+                           tuple(s for g in gates for s in g.policy_switches)) if gates else None,
+            per_request=tuple(q for r in records for q in r.per_request))
+
+    def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
+        return SpecDecodingStats.merged([self, other])
+
+    # ------------------------------------------------------------ derived figures
+    @property
+    def acceptance_rate(self) -> float | None:
+        return acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return per_position_acceptance(self.accepted_per_pos, self.num_drafts)
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: the prefill of a call, the mean over merged calls."""
+        return self.prefill_s / self.generate_calls
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / max(self.decode_s, _TINY_S)
+
+    @property
+    def e2e_tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.total_s, _TINY_S)
+
+    @property
+    def host_overhead_s(self) -> float:
+        """Wall time outside the model calls: the loop's own work on the host."""
+        return self.total_s - (self.draft_s + self.target_s)
+
+    @property
+    def host_overhead_fraction(self) -> float:
+        return self.host_overhead_s / max(self.total_s, _TINY_S)
+
+    # ------------------------------------------------------------ JSON
+    def totals_json(self) -> dict[str, Any]:
+        """The summed figures (`qpcbuild run --json`'s "total")."""
+        return {
+            "requests": self.requests, "new_tokens": self.new_tokens,
+            "ttft_s": round(self.ttft_s, 4), "e2e_s": round(self.total_s, 4),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "e2e_tokens_per_s": round(self.e2e_tokens_per_s, 2),
+            "draft_time_s": round(self.draft_s, 4), "target_time_s": round(self.target_s, 4),
+            "host_overhead_s": round(self.host_overhead_s, 4),
+            "host_overhead_fraction": round(self.host_overhead_fraction, 4),
+            "target_calls": self.target_calls, "draft_calls": self.draft_calls,
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": _round(self.acceptance_rate, 4),
+            "mean_acceptance_length": _round(self.mean_acceptance_length, 4),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """A generate call's statistics (GenerationResult's JSON): the totals, the method,
+        the gate's steps, the verify windows and each request's own."""
+        return {
+            "method": self.method, **self.totals_json(),
+            **({"speculation": self.gate.to_json()} if self.gate else {}),
+            "verify_windows": {str(k): n for k, n in sorted(self.verify_windows.items())},
+            "draft_catch_up_calls": self.catch_up_calls,
+            "per_request": [q.to_json() for q in self.per_request],
+        }
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from ..runtime.rates import acceptance_rate
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -81,8 +83,9 @@ class ServerMetrics:
             self.accepted_per_pos.labels(m, str(pos)).inc(n)
         self._drafted += st.num_draft_tokens
         self._accepted += st.num_accepted_tokens
-        if self._drafted:
-            self.acceptance_rate.labels(m).set(self._accepted / self._drafted)
+        rate = acceptance_rate(self._accepted, self._drafted)
+        if rate is not None:
+            self.acceptance_rate.labels(m).set(rate)
         self.prompt_tokens.labels(m).inc(st.prompt_tokens)
         self.generation_tokens.labels(m).inc(st.new_tokens)
         self.request_success.labels(m, openai_finish_reason(row.finish_reason)).inc()

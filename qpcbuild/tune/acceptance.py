@@ -11,7 +11,7 @@ from typing import Any
 
 from ..runtime.replay import replay
 from ..runtime.rows import prefill_calls
-from ..runtime.stats import summarize
+from ..runtime.stats import SpecDecodingStats
 from .model import conditional_acceptance
 
 
@@ -20,34 +20,23 @@ def summed_run(gen, ids: list[list[int]], max_new_tokens: int, k: int | None,
     """Greedy generation over `ids` in batches; summed statistics."""
     batch, prefill = gen.target.batch_size, gen.manifest.shapes.prefill_seq_len
     ctx_len = gen.target.ctx_len
-    t = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0,
-         "target_s": 0.0, "draft_s": 0.0, "e2e_s": 0.0, "prefill_s": 0.0, "host_s": 0.0,
-         "new_tokens": 0, "rows": 0, "prefill_calls": 0, "per_pos": []}
-    t["outputs"] = []
+    records, outputs, prefills = [], [], 0
     for start in range(0, len(ids), batch):
         chunk = ids[start:start + batch]
         res = gen.generate(chunk, max_new_tokens, k=k, target_only=target_only)
-        st = res.stats
-        t["outputs"] += [r.tokens[len(r.prompt):] for r in res.rows]
-        for key, src in (("drafts", "spec_decode_num_drafts"),
-                         ("draft_tokens", "spec_decode_num_draft_tokens"),
-                         ("accepted", "spec_decode_num_accepted_tokens"),
-                         ("target_calls", "target_calls"), ("draft_calls", "draft_calls"),
-                         ("target_s", "target_time_s"), ("draft_s", "draft_time_s"),
-                         ("e2e_s", "e2e_s"), ("prefill_s", "ttft_s"),
-                         ("host_s", "host_overhead_s"), ("new_tokens", "new_tokens"),
-                         ("rows", "requests")):
-            t[key] += st[src]
-        t["prefill_calls"] += prefill_calls(chunk, prefill, ctx_len)
-        for j, a in enumerate(st["spec_decode_num_accepted_tokens_per_pos"]):
-            if j >= len(t["per_pos"]):
-                t["per_pos"].append(0)
-            t["per_pos"][j] += a
-    t["steps"] = max(1, t["target_calls"] - t["prefill_calls"])
-    t["host_per_step"] = t["host_s"] / t["steps"]
-    decode_s = t["e2e_s"] - t["prefill_s"]
-    t["decode_tokens_per_s"] = (t["new_tokens"] - t["rows"]) / decode_s if decode_s > 0 else None
-    return t
+        records.append(res.stats)
+        outputs += [r.tokens[len(r.prompt):] for r in res.rows]
+        prefills += prefill_calls(chunk, prefill, ctx_len)
+    st = SpecDecodingStats.merged(records)
+    steps = max(1, st.target_calls - prefills)
+    return {"drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
+            "accepted": st.num_accepted_tokens, "target_calls": st.target_calls,
+            "draft_calls": st.draft_calls, "target_s": st.target_s, "draft_s": st.draft_s,
+            "e2e_s": st.total_s, "prefill_s": st.prefill_s, "host_s": st.host_overhead_s,
+            "new_tokens": st.new_tokens, "rows": st.requests, "prefill_calls": prefills,
+            "per_pos": list(st.accepted_per_pos), "outputs": outputs, "steps": steps,
+            "host_per_step": st.host_overhead_s / steps,
+            "decode_tokens_per_s": st.decode_tokens_per_s if st.decode_s > 0 else None}
 
 
 def replayed(gen, prompt_ids: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
@@ -58,15 +47,15 @@ def replayed(gen, prompt_ids: list[list[int]], outputs: list[list[int]], max_new
     g = gen.sibling(gen.method)
     g.decoder.draft_p_min = draft_p_min
     rows, times = replay(g.decoder, prompt_ids, outputs, max_new_tokens, k)
-    st = summarize(rows, times, gen.method)
-    per_pos = list(st["spec_decode_num_accepted_tokens_per_pos"])
+    st = SpecDecodingStats.from_rows(rows, times, gen.method)
+    per_pos = list(st.accepted_per_pos)
     per_pos += [0] * (k - len(per_pos))
     steps = sum(r.stats.target_calls for r in rows)  # verify steps (prefill not counted)
-    drafts = st["spec_decode_num_drafts"]
-    return {"k": k, "steps": steps, "drafts": drafts,
-            "draft_tokens": st["spec_decode_num_draft_tokens"],
-            "accepted": st["spec_decode_num_accepted_tokens"], "per_pos": per_pos,
-            "draft_calls": times.draft_calls, "tokens": st["new_tokens"] - len(rows),
+    drafts = st.num_drafts
+    return {"k": k, "steps": steps, "drafts": drafts, "draft_tokens": st.num_draft_tokens,
+            "accepted": st.num_accepted_tokens, "per_pos": per_pos,
+            "acceptance_rate": st.acceptance_rate,
+            "draft_calls": times.draft_calls, "tokens": st.new_tokens - len(rows),
             "alpha": conditional_acceptance(per_pos, drafts),
             "windows": dict(times.windows),
             "proposal_fraction": drafts / steps if steps else 0.0}

@@ -129,8 +129,7 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
                                         for a in top["per_pos"]],
             "alpha": [round(a, 4) for a in top["alpha"]],
             "proposal_fraction": round(top["proposal_fraction"], 4),
-            "acceptance_rate": round(top["accepted"] / top["draft_tokens"], 4)
-            if top["draft_tokens"] else None,
+            "acceptance_rate": _round(top["acceptance_rate"], 4),
             "by_k": {kk: {"steps": sims[kk]["steps"], "drafts": sims[kk]["drafts"],
                           "accepted": sims[kk]["accepted"],
                           "draft_calls": sims[kk]["draft_calls"],
