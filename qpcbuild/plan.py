@@ -48,15 +48,6 @@ class RolePlan:
     # draft only: {"ref": as the recipe wrote it, "path", "size", "sha256"} (vocab_subset.py)
     vocab_subset: dict[str, Any] | None = None
 
-    def specializations_file(self, fmt: str) -> dict[str, Any]:
-        if fmt == "flat":
-            return {"specializations": [s["symbols"] for s in self.specializations]}
-        return {"specializations": self.specializations}
-
-    def custom_io_yaml(self) -> str:
-        return "".join(f" - IOName: {e['IOName']}\n   Precision: {e['Precision']}\n\n"
-                       for e in self.custom_io)
-
 
 @dataclass(frozen=True)
 class BuildPlan:

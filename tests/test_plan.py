@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from qpcbuild.errors import RecipeError
 from qpcbuild.plan import BuildPlan, make_plan, specializations
+from qpcbuild.plan_backends.qaic import custom_io_yaml, specializations_file
 from qpcbuild.recipe import Shapes, load_recipe, recipe_from_text, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,8 +109,8 @@ def test_k_list_is_sorted_and_named_with_suffixes():
 
 def test_flat_and_named_specializations_files():
     target = plan_of().role("target")
-    named = target.specializations_file("named")
-    flat = target.specializations_file("flat")
+    named = specializations_file(target.specializations, "named")
+    flat = specializations_file(target.specializations, "flat")
     assert [e["name"] for e in named["specializations"]] == ["Prefill", "Decode"]
     assert flat == {"specializations": [
         {"batch_size": "4", "seq_len": "128", "ctx_len": "2048", "num_logits_to_keep": "1"},
@@ -166,7 +167,7 @@ def test_custom_io_two_entries_per_kv_tensor_per_layer_mxint8():
         assert len(rp.custom_io) == 4 * layers
         assert {e["Precision"] for e in rp.custom_io} == {"mxint8"}
     assert (p.role("target").arch.num_layers, p.role("draft").arch.num_layers) == (32, 16)
-    text = p.role("draft").custom_io_yaml()
+    text = custom_io_yaml(p.role("draft").custom_io)
     assert text.startswith(" - IOName: past_key.0\n   Precision: mxint8\n\n"
                            " - IOName: past_key.0_RetainedState\n   Precision: mxint8\n\n")
     assert yaml.safe_load(text) == p.role("draft").custom_io

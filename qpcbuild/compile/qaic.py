@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..errors import ToolchainError
 from ..cache import META, Cache
 from ..plan import RolePlan
-from ..plan_backends.qaic import find_compiler
+from ..plan_backends.qaic import custom_io_yaml, find_compiler, specializations_file
 from ..toolchain import compiler_identity, qaic_sdk_versions
 from ..tree import copy_tree
 from .interface import BuildContext
@@ -84,9 +84,9 @@ class QaicBackend:
         r = ctx.plan.recipe
         qdir = ctx.staging / role.role / "qaic"
         qdir.mkdir(parents=True, exist_ok=True)
-        spec = role.specializations_file(r.hardware.specializations_format)
+        spec = specializations_file(role.specializations, r.hardware.specializations_format)
         (qdir / "specializations.json").write_text(json.dumps(spec, indent=2) + "\n")
-        (qdir / "custom_io.yaml").write_text(role.custom_io_yaml())
+        (qdir / "custom_io.yaml").write_text(custom_io_yaml(role.custom_io))
         if role.mdp_partition:
             (qdir / f"mdp_ts_{len(role.device_group)}.json").write_text(
                 json.dumps(role.mdp_partition, indent=2) + "\n")

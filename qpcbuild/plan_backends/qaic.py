@@ -77,6 +77,20 @@ def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: st
     return argv
 
 
+def specializations_file(specs: list[dict[str, Any]], fmt: str) -> dict[str, Any]:
+    """specializations.json for qaic-compile: QEfficient's named entries, or the flat form
+    (each entry's symbols only) that older SDKs read."""
+    if fmt == "flat":
+        return {"specializations": [s["symbols"] for s in specs]}
+    return {"specializations": specs}
+
+
+def custom_io_yaml(custom_io: list[dict[str, str]]) -> str:
+    """custom_io.yaml: the precision of each KV input and its retained-state output."""
+    return "".join(f" - IOName: {e['IOName']}\n   Precision: {e['Precision']}\n\n"
+                   for e in custom_io)
+
+
 class QaicPlan:
     def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> dict[str, Any]:
         compiler = compiler or find_compiler()[0] or DEFAULT_COMPILER
