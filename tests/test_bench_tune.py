@@ -46,6 +46,9 @@ def test_conditional_acceptance_and_expected_tokens_by_hand():
     assert tune.expected_tokens(alphas, 1) == pytest.approx(1.8)
     assert tune.expected_tokens(alphas, 2) == pytest.approx(1 + 0.8 + 0.4)
     assert tune.expected_tokens(alphas, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    # the same by counting drafts by how many of their tokens were accepted: 20 none, 40 one,
+    # 30 two, 10 three: (40 + 60 + 30) / 100 = 1.3 accepted, plus the target's own token
+    assert tune.expected_tokens(alphas, 3) == pytest.approx(1 + (40 * 1 + 30 * 2 + 10 * 3) / 100)
     assert tune.expected_tokens(alphas, 5) == pytest.approx(2.3)  # no evidence beyond 3: 0
     assert tune.all_accepted(alphas, 2) == pytest.approx(0.4)
     assert tune.conditional_acceptance([0, 0], 0) == [0.0, 0.0]
@@ -57,21 +60,52 @@ def test_predict_draft_model_cost_by_hand():
     rows = tune.predict("draft_model", alphas, 0.1e-3, t_verify, 0.05e-3, 1.0, [1, 2],
                         host_target_only=0.05e-3)
     r1, r2 = rows
-    # K=1: E = 1.8; cost = (1 + 0.8) draft steps + verify(1) + host
+    # Target-only: 1 token per 1.0 + 0.05 ms = 952.38 tokens/s.
+    # K=1: E = 1 + .8 = 1.8; draft 1 step + a catch-up step when it was accepted (p .8):
+    # 1.8 x 0.1 = 0.18 ms; cost 0.18 + 1.2 + 0.05 = 1.43 ms; 1.8 / 1.43 ms = 1258.74 tokens/s,
+    # x 1.05 / 1 ms = 1.8 x 1.05 / 1.43 = 1.3217 over target-only.
     assert r1["expected_tokens_per_step"] == pytest.approx(1.8)
-    assert r1["cost_ms"] == pytest.approx(1.8 * 0.1 + 1.2 + 0.05, abs=1e-3)
-    assert r1["tokens_per_s"] == pytest.approx(1.8 / ((1.8 * 0.1 + 1.2 + 0.05) * 1e-3), rel=1e-3)
-    # K=2: E = 2.2; catch-up probability 0.4
-    assert r2["cost_ms"] == pytest.approx(2.4 * 0.1 + 1.5 + 0.05, abs=1e-3)
-    base = 1 / (1.05e-3)
-    assert r2["predicted_speedup"] == pytest.approx(r2["tokens_per_s"] / base, rel=1e-3)
+    assert r1["draft_ms"] == pytest.approx(0.18, abs=1e-4)
+    assert r1["cost_ms"] == pytest.approx(1.43, abs=1e-4)
+    assert r1["tokens_per_s"] == pytest.approx(1258.74, abs=0.01)
+    assert r1["predicted_speedup"] == pytest.approx(1.322, abs=1e-3)
+    # K=2: E = 1 + .8 + .8 x .5 = 2.2; catch-up probability .4: (2 + .4) x 0.1 = 0.24 ms;
+    # cost 0.24 + 1.5 + 0.05 = 1.79 ms; 2.2 / 1.79 ms = 1229.05 tokens/s; 2.2 x 1.05 / 1.79 =
+    # 1.2905. K=1 wins: K=2's 0.4 more tokens (+22%) cost 0.36 ms more (+25%).
+    assert r2["expected_tokens_per_step"] == pytest.approx(2.2)
+    assert r2["draft_ms"] == pytest.approx(0.24, abs=1e-4)
+    assert r2["cost_ms"] == pytest.approx(1.79, abs=1e-4)
+    assert r2["tokens_per_s"] == pytest.approx(1229.05, abs=0.01)
+    assert r2["predicted_speedup"] == pytest.approx(1.2905, abs=1e-3)
+    assert r2["vs_best"] == pytest.approx(1229.05 / 1258.74 - 1, abs=1e-4)  # -2.4%
+    assert tune.choose_k(rows) == 1
+    # K draft steps measured together (a dict): K=2's two steps take 0.25 ms, and the catch-up
+    # call costs one step's share, 0.25 / 2, with probability .4: 0.25 x (1 + .4 / 2) = 0.30 ms.
+    per_k = tune.predict("draft_model", alphas, {1: 0.1e-3, 2: 0.25e-3}, t_verify, 0.05e-3,
+                         1.0, [1, 2], host_target_only=0.05e-3)
+    assert [r["draft_ms"] for r in per_k] == pytest.approx([0.18, 0.30], abs=1e-4)
+    assert per_k[1]["cost_ms"] == pytest.approx(1.85, abs=1e-4)  # 0.30 + 1.5 + 0.05
 
 
 def test_predict_model_free_counts_steps_without_a_proposal():
     rows = tune.predict("ngram", [1.0], None, {0: 1e-3, 1: 2e-3}, 0.0, 0.5, [1])
-    # half the steps: 2 tokens at 2 ms; the other half: 1 token at 1 ms
+    # half the steps: 2 tokens at 2 ms; the other half: 1 token at 1 ms. 1.5 tokens per 1.5 ms
+    # is 1000 tokens/s, what target-only does (1 per 1 ms): break-even, speedup 1.
     assert rows[0]["expected_tokens_per_step"] == pytest.approx(1.5)
     assert rows[0]["cost_ms"] == pytest.approx(1.5)
+    assert rows[0]["tokens_per_s"] == pytest.approx(1000.0)
+    assert rows[0]["predicted_speedup"] == pytest.approx(1.0)
+    # 0.5 ms of host time per step on both sides: 1.5 tokens per 2.0 ms = 750 tokens/s against
+    # 1 per 1.5 ms = 666.67: the fixed host time dilutes the cost of the wider window, 1.125x.
+    # Proposals on 80% of the steps with alpha .5 and K=2: E = 1 + .5 + .25 = 1.75, tokens
+    # .8 x 1.75 + .2 = 1.6 per .8 x 3 + .2 x 1 = 2.6 ms (no host time).
+    host = tune.predict("ngram", [1.0], None, {0: 1e-3, 1: 2e-3}, 0.5e-3, 0.5, [1])
+    assert host[0]["tokens_per_s"] == pytest.approx(750.0)
+    assert host[0]["predicted_speedup"] == pytest.approx(1.125)
+    two = tune.predict("suffix", [0.5, 0.5], None, {0: 1e-3, 2: 3e-3}, 0.0, 0.8, [2])
+    assert two[0]["expected_tokens_per_step"] == pytest.approx(1.6)
+    assert two[0]["cost_ms"] == pytest.approx(2.6)
+    assert two[0]["tokens_per_s"] == pytest.approx(1.6 / 2.6e-3, abs=0.01)  # 615.38
 
 
 def test_host_model_is_linear_between_the_measured_points():
@@ -245,10 +279,13 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     assert rows[0]["method"] == "target_only" and rows[0]["k"] == 0
     got = {(r["method"], r["k"]) for r in rows[1:]}
     assert got == {(m, k) for m in ("draft_model", "ngram", "suffix") for k in (1, 2)}
-    base = rows[0]["tokens_per_s"]["mean"]
+    base_s = rows[0]["seconds_per_repeat"][0]
     for r in rows:
         assert r["tokens_per_s"]["mean"] > 0
-        assert r["speedup"]["mean"] == pytest.approx(r["tokens_per_s"]["mean"] / base, rel=2e-3)
+        # every row makes the same 2 x 16 tokens in one repeat: the speedup is the inverse
+        # ratio of the wall times (recorded to 0.1 ms)
+        assert r["speedup"]["mean"] == pytest.approx(base_s / r["seconds_per_repeat"][0],
+                                                     rel=1e-2)
         assert r["greedy_matches_target_only"] is True
         assert r["new_tokens_per_repeat"] == 2 * 16
     assert report["all_greedy_outputs_match"] is True
@@ -278,10 +315,22 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     with safe_open(str(DEMO / "target" / "model.safetensors"), "np") as f:
         params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert bw["weights_mb"] == pytest.approx(params * 4 / 1e6, rel=1e-3)
-    assert bw["achieved_gbs"] == pytest.approx(
-        bw["bytes_per_token_mb"] * bw["decode_tokens_per_s"] / 1e3, rel=1e-2)
+    # Bytes per token: those weights, one embedding row (256 x 4 bytes) and the float32 KV,
+    # 2 x 6 layers x 2 heads x 32 x 4 bytes = 3,072 per position, at the mean context: the
+    # prompts' mean length plus half of the 16 new tokens. At the target-only decode rate (the
+    # row's), in GB/s (1e9 bytes).
+    from qpcbuild.runtime.loader import load
+    tokenizer = load(tiny_bundle)
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    positions = sum(map(len, prompt_ids)) / len(prompt_ids) + 16 / 2
+    assert bw["mean_valid_positions"] == pytest.approx(positions, abs=0.05)
+    per_token = params * 4 + 256 * 4 + 3_072 * positions
+    assert bw["bytes_per_token_mb"] == pytest.approx(per_token / 1e6, abs=0.006)
+    assert bw["decode_tokens_per_s"] == rows[0]["decode_tokens_per_s"]
+    achieved = per_token * rows[0]["decode_tokens_per_s"] / 1e9
+    assert bw["achieved_gbs"] == pytest.approx(achieved, rel=1e-2)
     assert bw["probe"]["gbs"] > 0 and bw["fraction_of_probe"] == pytest.approx(
-        bw["achieved_gbs"] / bw["probe"]["gbs"], rel=1e-2)
+        achieved / bw["probe"]["gbs"], rel=1e-2)
     assert "GB/s" in bench.markdown_table(report)
     assert report["machine"]["threads"]["qpcbuild_target"] == bw["probe"]["threads"] >= 1
 
@@ -327,14 +376,27 @@ def test_bench_cli_on_a_bundle(tiny_bundle, tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "not compiled" in bad.output
 
 
+def _assert_chosen_is_the_fastest(chosen_k: int, table: list[dict]) -> None:
+    """No row of the evidence is faster than the chosen K, and none as fast has a smaller K."""
+    chosen = next(row for row in table if row["k"] == chosen_k)
+    for row in table:
+        assert row["tokens_per_s"] <= chosen["tokens_per_s"], (chosen_k, table)
+        if row["tokens_per_s"] == chosen["tokens_per_s"]:
+            assert row["k"] >= chosen_k, (chosen_k, table)
+
+
 @needs_demo
 def test_tune_measures_and_writes_a_recipe(tmp_path):
     result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=2,
                        max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache")
     assert result["chosen_k"] in (1, 2)
     assert [r["k"] for r in result["table"]] == [1, 2]
-    assert result["chosen_k"] == max(result["table"], key=lambda r: r["tokens_per_s"])["k"]
+    _assert_chosen_is_the_fastest(result["chosen_k"], result["table"])
     cal = result["calibration"]
+    for row in result["table"]:  # E(K) = 1 + sum of P(first i accepted) = accepted_i / drafts
+        shares = cal["by_k"][row["k"]]["acceptance_per_position"]
+        assert row["expected_tokens_per_step"] == pytest.approx(1 + sum(shares[:row["k"]]),
+                                                                abs=1e-3)
     assert len(cal["alpha"]) == 2 and cal["num_drafts"] > 0
     assert set(result["costs"]["verify_ms"]) == {0, 1, 2}
     for check in result["model_check"][1:]:  # greedy: the replayed loop is the real loop
@@ -519,13 +581,35 @@ def test_tune_cost_model_prints_and_records_its_assumptions(tmp_path):
     costs = result["costs"]
     assert costs["assumptions"] == tune.ROOFLINE_ASSUMPTIONS
     assert costs["figures"]["dram_gbs_per_qid"] == 137.0
-    r = load_recipe(ROOT / "recipes" / "demo.yaml", demo_overrides())
-    t_verify, t_draft, _ = tune.roofline_costs(r, [1, 2], costs["position"], 1,
-                                               costs["figures"])
-    for row in result["table"]:  # the decision's numbers are the model's, host time 0
+    # The decision's numbers by hand, from the assumptions (the demo recipe is float16 weights
+    # and KV on one QID at 137 GB/s; host time 0). Target: 5,205,248 params (see the test above)
+    # x 2 bytes = 10,410,496 bytes; KV 2 x 6 layers x 2 heads x 32 x 2 bytes = 1,536 per token.
+    # Draft: 887,424 x 2 = 1,774,848 bytes; KV 2 x 2 x 2 x 32 x 2 = 512 per token. Memory bound
+    # (a 3-token verify is 2 x 5,205,248 x 3 FLOPs = 0.43 us at 72.5 TFLOPS, against ~76 us).
+    pos, bw = costs["position"], 137e9
+    verify_s = {k: (10_410_496 + 1_536 * (pos + k + 1)) / bw for k in (0, 1, 2)}
+    step_s = (1_774_848 + 512 * (pos + 1)) / bw
+    # the recorded costs (6 decimals of a ms: one KV token, 1,536 bytes, is 1.1e-5 ms)
+    assert costs["verify_ms"] == pytest.approx({k: t * 1e3 for k, t in verify_s.items()},
+                                               abs=2e-6)
+    assert costs["draft_step_ms"] == pytest.approx(step_s * 1e3, abs=2e-6)
+    by_k = result["calibration"]["by_k"]
+    for row in result["table"]:
         k = row["k"]
-        assert row["verify_ms"] == pytest.approx(t_verify[k] * 1e3, abs=1e-4)
+        # P(first i drafts accepted) = accepted at position i / drafts (the product of the
+        # conditional alphas telescopes), so E(K) = 1 + the sum of those shares
+        shares = by_k[k]["acceptance_per_position"]
+        tokens = 1 + sum(shares[:k])
+        draft_s = (k + shares[k - 1]) * step_s  # K steps, + a catch-up step when all accepted
+        rate = tokens / (draft_s + verify_s[k])
+        assert row["expected_tokens_per_step"] == pytest.approx(tokens, abs=1e-3)
+        assert row["verify_ms"] == pytest.approx(verify_s[k] * 1e3, abs=1e-4)
+        assert row["draft_ms"] == pytest.approx(draft_s * 1e3, abs=1e-4)
         assert row["host_ms"] == 0
+        assert row["tokens_per_s"] == pytest.approx(rate, rel=2e-3)
+        assert row["predicted_speedup"] == pytest.approx(rate * verify_s[0], rel=2e-3)
+    chosen = next(row for row in result["table"] if row["k"] == result["chosen_k"])
+    assert all(row["tokens_per_s"] <= chosen["tokens_per_s"] for row in result["table"])
     buf = StringIO()
     tune.show_tune(result, Console(file=buf, width=300, force_terminal=True, color_system=None,
                                    highlight=False))
@@ -556,7 +640,7 @@ def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path, peer
     pb = result["per_batch"]
     assert [p["batch_size"] for p in pb] == [1, 2]
     for p in pb:
-        assert p["chosen_k"] == max(p["table"], key=lambda r: (r["tokens_per_s"], -r["k"]))["k"]
+        _assert_chosen_is_the_fastest(p["chosen_k"], p["table"])
     assert pb[0]["chosen_k"] == result["chosen_k"]  # the recipe's batch is 1
     line = f"# tune: best K per batch size: 1:{pb[0]['chosen_k']}, 2:{pb[1]['chosen_k']}"
     assert line in tune.evidence_comment(result)
