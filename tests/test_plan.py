@@ -8,7 +8,6 @@ import copy
 import json
 import shlex
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -363,14 +362,11 @@ def _shipped_plannable() -> list[Path]:
     return out
 
 
-def test_shipped_recipes_plan_quickly_and_serialize():
+def test_shipped_recipes_plan_and_serialize():
     shipped = _shipped_plannable()
     assert {REFERENCE, NGRAM} <= set(shipped)
     for path in shipped:
-        start = time.perf_counter()
         p = make_plan(load_recipe(path))
-        elapsed = time.perf_counter() - start
-        assert elapsed < 5.0, f"{path.name}: plan took {elapsed:.1f} s"
         doc = json.loads(json.dumps(p.to_dict()))
         assert doc["ks"] == list(p.ks) and set(doc["roles"]) == {rp.role for rp in p.roles}
         for rp in p.roles:

@@ -92,11 +92,10 @@ def server(bundle, tmp_path_factory):
 # ------------------------------------------------------------------ item 1: stop strings
 def test_megabyte_stop_strings_are_refused_and_the_server_stays_responsive(server):
     body = {"model": "demo", "prompt": "the", "max_tokens": 4, "stop": ["ab" * 500_000] * 4}
-    t0 = time.perf_counter()
+    # the old code froze for 95 s on this body: the request's own 60 s limit catches that hang
     r = server.post(body, timeout=60)
     assert r.status_code == 400 and "stop" in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-    assert time.perf_counter() - t0 < 20  # the old code froze for 95 s on this body
 
 
 def naive_hold(text: str, stop: str) -> int:
@@ -172,9 +171,8 @@ def test_a_half_sent_body_gets_408_and_a_half_sent_head_is_closed(server):
         assert b" 408 " in s.recv(4096).split(b"\r\n")[0]
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
-        t0 = time.perf_counter()
-        assert s.recv(4096) == b""  # closed by the server, not by our 10 s timeout
-        assert time.perf_counter() - t0 < 8
+        # b"": closed by the server (our 10 s socket timeout would raise instead)
+        assert s.recv(4096) == b""
 
 
 def test_sigterm_stops_the_server_while_a_client_stalls(bundle, tmp_path):
