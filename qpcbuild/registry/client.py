@@ -15,6 +15,7 @@ import base64
 import hashlib
 import json
 import re
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import urljoin
@@ -26,6 +27,7 @@ from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, R
                      RegistryUnavailable, transport_error)
 from .rawget import open_blob, read_pieces
 from .reference import is_loopback
+from .retry import IDEMPOTENT_READS, MAX_PAUSE_S, RETRY_DELAYS_S, retry_after, transient
 from .writer import BackgroundWriter
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -59,6 +61,8 @@ def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
 
 class RegistryClient:
     """One registry (host[:port]); every call names its repository."""
+
+    retry_delays: tuple[float, ...] = RETRY_DELAYS_S  # pauses before each repeat of a read
 
     def __init__(self, registry: str, insecure: bool = False,
                  credentials: Credentials | None = None, timeout: float = 60.0):
@@ -138,8 +142,22 @@ class RegistryClient:
               body: Callable[[], object] | None = None, headers: dict | None = None,
               stream: bool = False) -> httpx.Response:
         """One request, authenticated on demand (a 401 is answered once, then the request
-        repeats; `body` makes a fresh body for that repeat). Transport failures become
-        RegistryUnavailable; HTTP errors are the caller's to read."""
+        repeats; `body` makes a fresh body for that repeat). A read (GET, HEAD) answered with
+        a transient error status is repeated after a pause (registry/retry.py); a registry that
+        cannot be reached fails at once, so a remote cache falls back without waiting. Transport failures
+        become RegistryUnavailable; HTTP errors are the caller's to read."""
+        delays = iter(self.retry_delays if method in IDEMPOTENT_READS else ())
+        while True:
+            resp = self._send_once(method, url, repo, push, body, headers, stream)
+            pause = next(delays, None) if transient(resp.status_code) else None
+            if pause is None:
+                return resp
+            resp.close()
+            time.sleep(min(retry_after(resp, pause), MAX_PAUSE_S))
+
+    def _send_once(self, method: str, url: str, repo: str, push: bool,
+                   body: Callable[[], object] | None, headers: dict | None,
+                   stream: bool) -> httpx.Response:
         scope = f"repository:{repo}:{'pull,push' if push else 'pull'}"
         url = urljoin(self.base + "/", url)
         for attempt in (0, 1):
