@@ -15,6 +15,7 @@ from typing import Any
 from .version import __version__
 from .models.arch import ArchSpec, arch_from_config
 from .models.checkpoint import checkpoint_problems
+from .models.graph_io import graph_io
 from .errors import Problem, RecipeError, UsageError
 from .plan_backends import BACKEND_PLANS, RoleFacts
 from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
@@ -107,31 +108,6 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[dict[str,
             for n, e in zip(names, entries)]
 
 
-def io_signature(role: str, arch: ArchSpec, continuous_batching: bool) -> dict:
-    """The card graph's inputs and outputs. The graph computes in float32 whatever the stored
-    weights' dtype (float16 weights are Cast up), so its KV I/O is float32; on the card
-    custom_io.yaml sets the KV buffers' precision."""
-    dtype = "float32"
-    kv_batch = "full_batch_size" if continuous_batching else "batch_size"
-    kv_shape = [kv_batch, arch.num_kv_heads, "ctx_len", arch.head_dim]
-    inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]},
-              {"name": "position_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]}]
-    if continuous_batching:
-        inputs.append({"name": "batch_index", "dtype": "int64", "shape": ["batch_size", 1]})
-    outputs = [{"name": "logits", "dtype": "float32",
-                "shape": ["batch_size", "num_logits_to_keep" if role == "target" else 1,
-                          arch.vocab_size]}]
-    for i in range(arch.num_layers):
-        for kind in ("key", "value"):
-            inputs.append({"name": f"past_{kind}.{i}", "dtype": dtype, "shape": kv_shape})
-            outputs.append({"name": f"past_{kind}.{i}_RetainedState", "dtype": dtype,
-                            "shape": kv_shape})
-    if role == "target":
-        inputs.append({"name": "num_logits_to_keep", "dtype": "int64",
-                       "shape": ["num_logits_to_keep", 1]})
-    return {"inputs": inputs, "outputs": outputs}
-
-
 def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
                compiler: str | None, vocab_subset: dict[str, Any] | None = None) -> RolePlan:
     arch = arch_from_config(src.config, f"{src.ref}/config.json")
@@ -159,7 +135,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         * r.shapes.ctx_len * batch / 2**30 / n_dev,
     }
     facts = RoleFacts(role=role, cores=cores, device_group=list(hw.device_group),
-                      specializations=specializations(role, r, ks), io=io_signature(role, arch, cb),
+                      specializations=specializations(role, r, ks), io=graph_io(role, arch, cb),
                       export_key=export_key)
     planned, backend_keys = _backends_plan(r, facts, compiler)
     return RolePlan(

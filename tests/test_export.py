@@ -426,13 +426,17 @@ def test_float16_weight_export_stays_close_to_transformers(tiny_models, exported
               if t.data_location == onnx.TensorProto.EXTERNAL}
     assert {n for n, t in stored.items() if t != onnx.TensorProto.FLOAT16} == \
         {"rope.cos_cached", "rope.sin_cached"}
-    # the plan and manifest describe the graph's I/O as the graph has it
-    from qpcbuild.plan import io_signature
+    # the plan and manifest describe the graph's I/O as the graph has it, in its order
+    from qpcbuild.models.graph_io import graph_io
 
-    graph_io = {v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
-                for v in [*model.graph.input, *model.graph.output]}
-    planned = io_signature("target", result.arch, False)
-    assert {e["name"]: e["dtype"] for e in planned["inputs"] + planned["outputs"]} == graph_io
+    def described(values):
+        return [(v.name, onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+                 [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+                for v in values]
+
+    planned = graph_io("target", result.arch, False)
+    for side, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
+        assert [(e["name"], e["dtype"], e["shape"]) for e in planned[side]] == described(values)
 
 
 # ------------------------------------------------------------------ 7. bad input

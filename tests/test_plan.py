@@ -138,7 +138,7 @@ def test_continuous_batching_specializations_and_io():
     assert "batch_index" not in {i["name"] for i in plan_of().role("target").io["inputs"]}
 
 
-def test_io_signature_pairs_every_kv_input_with_retained_state():
+def test_graph_io_pairs_every_kv_input_with_retained_state():
     p = plan_of()
     for rp in p.roles:
         ins = [i["name"] for i in rp.io["inputs"]]

@@ -32,7 +32,8 @@ from onnx import TensorProto, helper
 
 from ..models.arch import ArchSpec
 from ..export.builder import GraphBuilder
-from ..export.decoder import FLOAT, INT64, SUBSET_KEPT, VOCAB_SUBSET, logits_head
+from ..export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
+from ..models.graph_io import declare, graph_io
 from ..numerics import BLOCK as MX_BLOCK
 from ..numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 
@@ -168,13 +169,12 @@ class _Lowered:
 
     def build(self, role: str) -> None:
         g, a, b, c = self.g, self.a, self.batch, self.ctx
-        kv_shape = [b, a.num_kv_heads, c, a.head_dim]
-        ids = g.input("input_ids", INT64, [b, "seq_len"])
-        pos = g.input("position_ids", INT64, [b, "seq_len"])
-        past = [(g.input(f"past_key.{i}", FLOAT, kv_shape), g.input(f"past_value.{i}", FLOAT,
-                 kv_shape)) for i in range(a.num_layers)]
-        nlk = g.input("num_logits_to_keep", INT64, ["num_logits_to_keep", 1]) \
-            if role == "target" else None
+        # the portable graph's I/O with batch and ctx_len fixed (no continuous batching here)
+        io, fixed = graph_io(role, a, False), {"batch_size": b, "ctx_len": c}
+        given = declare(g, io["inputs"], output=False, fixed=fixed)
+        ids, pos = given["input_ids"], given["position_ids"]
+        past = [(given[f"past_key.{i}"], given[f"past_value.{i}"]) for i in range(a.num_layers)]
+        nlk = given.get("num_logits_to_keep")
 
         seq = g.op("Shape", ids, start=1, end=2)  # [1]
         start = g.op("Squeeze", g.op("Slice", pos, g.const([0]), g.const([1]), g.const([1])),
@@ -202,9 +202,7 @@ class _Lowered:
                 else "model.norm.weight"
             h, x = self.skip_norm(x, delta, nxt)
         self.head(h, pos, nlk)
-        for i in range(a.num_layers):
-            for kind in ("key", "value"):
-                g.output(f"past_{kind}.{i}_RetainedState", FLOAT, kv_shape)
+        declare(g, io["outputs"], output=True, fixed=fixed)
 
     def attention(self, i: int, h: str, past: tuple[str, str], seqlens: str, total: str,
                   cos: str, sin: str) -> str:
@@ -305,6 +303,6 @@ class _Lowered:
         lm = self.w.get(name)
         ids = None if not name.endswith("[subset]") else self.g.weight(
             VOCAB_SUBSET, np.flatnonzero(self.w.get(SUBSET_KEPT)).astype(np.int64).reshape(-1, 1))
-        logits_head(self.g, x, pos, nlk, None, self.a, self.batch,
+        logits_head(self.g, x, pos, nlk, None, self.a,
                     matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out),
                     vocab_subset=ids)

@@ -20,6 +20,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from ..models.arch import ArchSpec
+from ..models.graph_io import declare, graph_io
 from . import dialect
 from .dialect import INT32_MAX, INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX
 from .builder import GraphBuilder
@@ -87,16 +88,12 @@ class Decoder:
     # ------------------------------------------------------------ the graph
     def build(self, role: str, continuous_batching: bool) -> None:
         g, a = self.g, self.a
-        kv_batch = "full_batch_size" if continuous_batching else "batch_size"
-        kv_shape = [kv_batch, a.num_kv_heads, "ctx_len", a.head_dim]
-        ids = g.input("input_ids", INT64, ["batch_size", "seq_len"])
-        pos = g.input("position_ids", INT64, ["batch_size", "seq_len"])
-        batch_index = g.input("batch_index", INT64, ["batch_size", 1]) if continuous_batching \
-            else None
-        past = [(g.input(f"past_key.{i}", FLOAT, kv_shape), g.input(f"past_value.{i}", FLOAT,
-                 kv_shape)) for i in range(a.num_layers)]
-        nlk_input = g.input("num_logits_to_keep", INT64, ["num_logits_to_keep", 1]) \
-            if role == "target" else None
+        io = graph_io(role, a, continuous_batching)
+        given = declare(g, io["inputs"], output=False)
+        ids, pos = given["input_ids"], given["position_ids"]
+        batch_index = given.get("batch_index")
+        past = [(given[f"past_key.{i}"], given[f"past_value.{i}"]) for i in range(a.num_layers)]
+        nlk_input = given.get("num_logits_to_keep")
 
         ctx_len = g.op("Gather", g.op("Shape", past[0][0]), g.const(2))  # [] = C
         ctx = g.op("Unsqueeze", ctx_len, g.const([0]))  # [1] = C
@@ -132,9 +129,7 @@ class Decoder:
             x = self.layer(i, x, cos, sin, mask, kv, past[i], ctx)
         x = self.rms_norm(x, self.load("model.norm.weight", (a.hidden_size,), False))
         self.head(x, pos, nlk_input)
-        for i in range(a.num_layers):
-            for kind in ("key", "value"):
-                g.output(f"past_{kind}.{i}_RetainedState", FLOAT, kv_shape)
+        declare(g, io["outputs"], output=True)
 
     def layer(self, i: int, x: str, cos: str, sin: str, mask: str, kv: "_KvAccess",
               past: tuple[str, str], ctx: str) -> str:
@@ -183,7 +178,7 @@ class Decoder:
             kept[self.vocab_subset] = True
             subset = (self.g.weight(SUBSET_COLUMN, column.reshape(1, -1)),
                       self.g.weight(SUBSET_KEPT, kept))
-        logits_head(self.g, x, pos, nlk_input, lm, a, "batch_size", subset_columns=subset)
+        logits_head(self.g, x, pos, nlk_input, lm, a, subset_columns=subset)
 
 
 def dim(g: GraphBuilder, x: str, axis: int) -> str:
@@ -226,7 +221,7 @@ class _KvAccess:
 
 
 def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str | None,
-                a: ArchSpec, batch_dim, matmul=None, vocab_subset: str | None = None,
+                a: ArchSpec, matmul=None, vocab_subset: str | None = None,
                 subset_columns: tuple[str, str] | None = None) -> None:
     """Logits for the last real token (draft) or the N tokens ending there (target), picked as
     QEfficient picks them: first row max(last + 1 - N, 0) written as a Where, rows Tiled over
@@ -270,5 +265,3 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
         full = g.op("ScatterND", g.op("ConstantOfShape", shape, value=helper.make_tensor(
             "value", FLOAT, [1], [MASKED])), vocab_subset, cols)  # [V, B]
         g.op("Unsqueeze", g.op("Transpose", full, perm=[1, 0]), g.const([1]), out="logits")
-    g.output("logits", FLOAT, [batch_dim, "num_logits_to_keep" if nlk_input else 1,
-                               a.vocab_size])

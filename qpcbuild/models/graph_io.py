@@ -1,0 +1,53 @@
+"""The decoder graph's inputs and outputs, declared once: the exporter and the ONNX Runtime
+lowering declare their graphs from it, and the plan records it in the manifest (the runtime
+checks a loaded graph against that record, and qaic's custom_io.yaml is derived from it).
+
+Dims are named as QEfficient names them; a lowering with fixed shapes passes the values it
+fixes (`fixed`). The graph computes in float32 whatever the stored weights' dtype (float16
+weights are Cast up), so its KV I/O is float32; on the card custom_io.yaml sets the KV
+buffers' precision."""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from .arch import ArchSpec
+
+ELEM_TYPES = {"int64": TensorProto.INT64, "float32": TensorProto.FLOAT}
+
+
+def graph_io(role: str, arch: ArchSpec, continuous_batching: bool) -> dict[str, list[dict]]:
+    """{"inputs": [...], "outputs": [...]}, each {"name", "dtype", "shape"}, in graph order."""
+    kv_batch = "full_batch_size" if continuous_batching else "batch_size"
+    kv_shape = [kv_batch, arch.num_kv_heads, "ctx_len", arch.head_dim]
+    inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]},
+              {"name": "position_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]}]
+    if continuous_batching:
+        inputs.append({"name": "batch_index", "dtype": "int64", "shape": ["batch_size", 1]})
+    outputs = [{"name": "logits", "dtype": "float32",
+                "shape": ["batch_size", "num_logits_to_keep" if role == "target" else 1,
+                          arch.vocab_size]}]
+    for i in range(arch.num_layers):
+        for kind in ("key", "value"):
+            inputs.append({"name": f"past_{kind}.{i}", "dtype": "float32", "shape": kv_shape})
+            outputs.append({"name": f"past_{kind}.{i}_RetainedState", "dtype": "float32",
+                            "shape": kv_shape})
+    if role == "target":
+        inputs.append({"name": "num_logits_to_keep", "dtype": "int64",
+                       "shape": ["num_logits_to_keep", 1]})
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def declare(g, entries: list[dict], output: bool, fixed: dict[str, int] | None = None) -> dict:
+    """Declare `entries` as the graph builder `g`'s inputs (or outputs), with the dims in
+    `fixed` replaced by their values; returns {name: the graph value's name}."""
+    fixed = fixed or {}
+    made = {}
+    for e in entries:
+        shape = [fixed.get(d, d) if isinstance(d, str) else d for d in e["shape"]]
+        if output:
+            g.output(e["name"], ELEM_TYPES[e["dtype"]], shape)
+            made[e["name"]] = e["name"]
+        else:
+            made[e["name"]] = g.input(e["name"], ELEM_TYPES[e["dtype"]], shape)
+    return made
