@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .gate import RowRate
-from .rates import acceptance_rate, mean_acceptance_length
+from .rates import RequestFigures
 from .sampling import SamplingParams
 
 # (prompt index, new token ids); ids are empty when a cancelled row ends
@@ -21,7 +21,7 @@ TokenCallback = Callable[[int, list[int]], None]
 
 
 @dataclass
-class RowStats:
+class RowStats(RequestFigures):
     prompt_tokens: int = 0
     new_tokens: int = 0
     ttft_s: float = 0.0
@@ -34,17 +34,6 @@ class RowStats:
     target_calls: int = 0
     spec_steps: int = 0  # verify steps this row took with speculation on (goodput gate)
     plain_steps: int = 0  # ... and with it off
-
-    # A request's own figures (the server's per-request response): 0 and 1 without drafts.
-    @property
-    def acceptance_rate(self) -> float:
-        rate = acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
-        return 0.0 if rate is None else rate
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        length = mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
-        return 1.0 if length is None else length
 
 
 @dataclass

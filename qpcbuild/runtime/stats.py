@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .rates import acceptance_rate, mean_acceptance_length, per_position_acceptance
+from .rates import RequestFigures, acceptance_rate, mean_acceptance_length, per_position_acceptance
 from .rows import LoopTimes, Row
 
 _TINY_S = 1e-9  # a divisor for a time that may be 0
@@ -38,7 +38,7 @@ class GateStats:
 
 
 @dataclass(frozen=True)
-class RequestStats:
+class RequestStats(RequestFigures):
     """One request's counters as the call ended (a snapshot of its RowStats)."""
     prompt_tokens: int
     new_tokens: int
@@ -57,16 +57,6 @@ class RequestStats:
         return cls(s.prompt_tokens, s.new_tokens, row.finish_reason, s.ttft_s, s.e2e_s,
                    s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.spec_steps,
                    s.plain_steps)
-
-    @property
-    def acceptance_rate(self) -> float:  # 0 and 1 without drafts, as RowStats
-        rate = acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
-        return 0.0 if rate is None else rate
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        length = mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
-        return 1.0 if length is None else length
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
