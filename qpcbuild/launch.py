@@ -5,12 +5,27 @@ module) takes a moment; Ctrl-C in that moment ends the command like Ctrl-C anywh
 import sys
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """A KeyboardInterrupt, or an error Python raised because one arrived mid-statement: an
+    interrupt inside a class body's __set_name__ (e.g. the stdlib's platform module, imported
+    by typer) comes out as RuntimeError("Error calling __set_name__ ...") caused by it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def main() -> None:
     try:
         from .cli import app
         # app() first builds the click command from every command's signature (a moment more)
         # before click's own Ctrl-C handling starts; an interrupt that escapes came from there.
         app()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as exc:
+        if not _interrupted(exc):
+            raise
         sys.stderr.write("interrupted\n")
         sys.exit(130)

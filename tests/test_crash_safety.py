@@ -113,6 +113,44 @@ def test_ctrl_c_during_start_up_is_no_traceback():
         assert "Traceback" not in err, (delay, err)
 
 
+def _interrupt_in_set_name() -> BaseException:
+    """What Python raises when Ctrl-C lands in a descriptor's __set_name__ while a class body is
+    being created (CI met it in the stdlib's platform module, which typer imports)."""
+    class Descriptor:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    try:
+        type("Victim", (), {"field": Descriptor()})
+    except BaseException as exc:  # noqa: BLE001 - the wrapped interrupt is what is wanted
+        return exc
+    raise AssertionError("no exception")
+
+
+def test_an_interrupt_python_wrapped_in_another_error_still_ends_as_interrupted(monkeypatch,
+                                                                                capsys):
+    import qpcbuild.cli as cli_mod
+    from qpcbuild.launch import main
+
+    wrapped = _interrupt_in_set_name()
+    assert not isinstance(wrapped, KeyboardInterrupt)  # Python's wrapping, not ours
+
+    def raise_it():
+        raise wrapped
+
+    monkeypatch.setattr(cli_mod, "app", raise_it)
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+    def fail():
+        raise RuntimeError("a real bug")
+
+    monkeypatch.setattr(cli_mod, "app", fail)
+    with pytest.raises(RuntimeError, match="a real bug"):  # anything else is not hidden
+        main()
+
+
 # SIGTERM while onnxruntime's extension initializes: the handler's exception comes out of the
 # import as an ImportError (the extension's initializer turns what is raised under it into one).
 # The signal is sent from an import hook as the extension is looked up, and the hook does that
