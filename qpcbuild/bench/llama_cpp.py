@@ -42,7 +42,7 @@ def _backend_threads(manifest: Manifest) -> int:
     from ..runtime.session import thread_count
 
     ort = manifest.target.ort
-    return thread_count(ort.core_share, ort.intra_op_threads) if ort else thread_count(1.0, None)
+    return thread_count(ort.intra_op_threads if ort else None)
 
 
 def _lookup_max_ngram(manifest: Manifest) -> int:

@@ -90,9 +90,11 @@ def show_plan(plan: BuildPlan) -> None:
                           f"{shlex.join(rp.compiler_argv)}")
         if "onnxruntime" in r.backends:
             o = rp.ort
+            threads = (f"{o['intra_op_threads']} CPU threads per role" if o.get("intra_op_threads")
+                       else "all CPU threads (one pool both roles share)")
             console.print(f"[bold]onnxruntime[/]: {o['artifact']} with batch_size={o['batch_size']},"
                           f" ctx_len={o['ctx_len']} fixed, {o['graph']} graph, {o['kv_dtype']} KV, "
-                          f"{o['core_share']:.0%} of the CPU threads"
+                          f"{threads}"
                           + (f"; numerics emulated (weights {o['numerics_formats']['weights']}, "
                              f"KV {o['numerics_formats']['kv']})"
                              if o.get("numerics") == "emulated" else ""))
