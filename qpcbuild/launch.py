@@ -20,7 +20,10 @@ def _interrupted(exc: BaseException) -> bool:
 
 def main() -> None:
     try:
+        from .ort_threads import allow_shared_pool
         from .cli import app
+
+        allow_shared_pool()  # this process owns its ONNX Runtime: see ort_threads
         # app() first builds the click command from every command's signature (a moment more)
         # before click's own Ctrl-C handling starts; an interrupt that escapes came from there.
         app()

@@ -139,6 +139,9 @@ def test_an_interrupt_python_wrapped_in_another_error_still_ends_as_interrupted(
         raise wrapped
 
     monkeypatch.setattr(cli_mod, "app", raise_it)
+    # main() would let this test process create ONNX Runtime's process-wide pool, which every
+    # later session in it would then have to join (see qpcbuild/ort_threads.py).
+    monkeypatch.setattr("qpcbuild.ort_threads.allow_shared_pool", lambda: None)
     with pytest.raises(SystemExit) as stop:
         main()
     assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..ort_threads import session_options
 from ..runtime.stats import SpecDecodingStats
 
 PROBE_ROWS = 1024          # inner dimension of the probe's MatMul
@@ -90,9 +91,7 @@ class StreamingProbe:
             [onnx.numpy_helper.from_array(weight, "w")])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         model.ir_version = 8
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
+        opts, _ = session_options(threads)  # the target's threads (its pool, if it has one)
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
         self.sess = ort.InferenceSession(model.SerializeToString(), opts,
                                          providers=["CPUExecutionProvider"])

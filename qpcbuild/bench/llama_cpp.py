@@ -39,7 +39,7 @@ TIMING_NOTE = ("tokens/s timed as ours: new tokens over the wall time of each pr
 
 def _backend_threads(manifest: Manifest) -> int:
     """The CPU threads our ONNX Runtime target session runs with for this bundle (same rule)."""
-    from ..runtime.session import thread_count
+    from ..ort_threads import thread_count
 
     ort = manifest.target.ort
     return thread_count(ort.intra_op_threads if ort else None)

@@ -21,6 +21,7 @@ from ..export.dialect import for_onnxruntime
 from ..cache import META, Cache
 from ..plan import RolePlan
 from ..plan_backends.onnxruntime import ORT_LOWERING_VERSION
+from ..ort_threads import session_options
 from ..toolchain import _pkg
 from .interface import BuildContext
 from .ort_graph import PortableWeights, build_ort_graph
@@ -115,14 +116,13 @@ class OrtBackend:
             shutil.copyfile(onnx_dir / DATA_FILE, work / DATA_FILE)
         fix_dims(onnx_dir / GRAPH_FILE, fixed, work / GRAPH_FILE)
 
-        so = ort.SessionOptions()
+        so, _ = session_options(1)  # optimizing a graph needs no threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         so.optimized_model_filepath = str(out / GRAPH_FILE)
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                     DATA_FILE)
         so.add_session_config_entry(
             "session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        so.intra_op_num_threads = 1
         try:
             ort.InferenceSession(str(work / GRAPH_FILE), so, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types

@@ -8,53 +8,13 @@ the cache in Python. Only the specializations compiled into the bundle are accep
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import BundleError
+from ..ort_threads import pool_threads, session_options
 from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401
-
-
-def host_threads() -> int:
-    """The CPUs this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def thread_count(explicit: int | None) -> int:
-    """CPU threads for a role's session: the recipe's `onnxruntime.intra_op_threads`, else all
-    of the host's. On the card the two programs hold separate cores (the recipe's core split);
-    on the host the draft and target calls never overlap, so each may use every core."""
-    return explicit or host_threads()
-
-
-# The process-wide pool the sessions without an explicit thread count share, and its size.
-# ONNX Runtime sizes it once per process; a second sizing raises.
-_shared_pool_threads: int | None = None
-
-
-def _join_shared_pool(so, threads: int) -> bool:
-    """Put a session on the shared pool. Why: with a pool per session, the pool that ran last
-    keeps its threads spinning while the other session runs, and on the host the two alternate
-    every few milliseconds (draft, draft, ..., verify); measured on the Qwen2.5-Coder pair, the
-    draft's call took 45 ms with per-session pools against 26-31 ms on one shared pool."""
-    global _shared_pool_threads
-    if _shared_pool_threads is None:
-        from onnxruntime.capi import _pybind_state
-
-        try:
-            _pybind_state.set_global_thread_pool_sizes(threads, 1)
-        except Exception:  # already sized elsewhere in this process: keep per-session pools
-            return False
-        _shared_pool_threads = threads
-    if _shared_pool_threads != threads:
-        return False
-    so.use_per_session_threads = False
-    return True
 
 
 def check_graph_io(sess, path: Path, role: str, kv_shape: tuple, num_layers: int,
@@ -89,19 +49,12 @@ class OrtSession:
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: tuple,
                  num_layers: int, vocab_size: int, threads: int | None = None,
                  in_place: bool = False):
-        """threads: a pool of this many for this session alone; None: the process's shared
-        pool over all of the host's CPUs."""
+        """threads: the recipe's `onnxruntime.intra_op_threads`; None: every CPU (see
+        ort_threads for how the two roles share them)."""
         import onnxruntime as ort
 
-        so = ort.SessionOptions()
-        if threads is None:
-            threads = host_threads()
-            shared = _join_shared_pool(so, threads)
-        else:
-            shared = False
-        if not shared:
-            so.intra_op_num_threads = threads
-            so.inter_op_num_threads = 1
+        so, shared = session_options(threads, role_session=True)
+        threads = pool_threads(threads)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.add_session_config_entry("session.intra_op.allow_spinning", "1")
         try:
