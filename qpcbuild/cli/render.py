@@ -90,7 +90,8 @@ def show_plan(plan: BuildPlan) -> None:
                           f"{shlex.join(rp.compiler_argv)}")
         if "onnxruntime" in r.backends:
             o = rp.ort
-            threads = (f"{o['intra_op_threads']} CPU threads per role" if o.get("intra_op_threads")
+            per_role = r.onnxruntime.intra_op_threads
+            threads = (f"{per_role} CPU threads per role" if per_role
                        else "all CPU threads (one pool both roles share)")
             console.print(f"[bold]onnxruntime[/]: {o['artifact']} with batch_size={o['batch_size']},"
                           f" ctx_len={o['ctx_len']} fixed, {o['graph']} graph, {o['kv_dtype']} KV, "

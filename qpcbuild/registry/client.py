@@ -27,7 +27,8 @@ from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, R
                      RegistryUnavailable, transport_error)
 from .rawget import open_blob, read_pieces
 from .reference import is_loopback
-from .retry import IDEMPOTENT_READS, MAX_PAUSE_S, RETRY_DELAYS_S, retry_after, transient
+from .retry import (IDEMPOTENT_READS, MAX_PAUSE_S, RETRY_DELAYS_S, blob_link_race, retry_after,
+                    transient)
 from .writer import BackgroundWriter
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -62,7 +63,7 @@ def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
 class RegistryClient:
     """One registry (host[:port]); every call names its repository."""
 
-    retry_delays: tuple[float, ...] = RETRY_DELAYS_S  # pauses before each repeat of a read
+    retry_delays: tuple[float, ...] = RETRY_DELAYS_S  # pauses before each repeat (retry.py)
 
     def __init__(self, registry: str, insecure: bool = False,
                  credentials: Credentials | None = None, timeout: float = 60.0):
@@ -231,11 +232,17 @@ class RegistryClient:
                      media_type: str = OCI_MANIFEST) -> str:
         """Store a manifest under a tag (or under its own digest); returns its digest."""
         data = encode_manifest(manifest)
-        resp = self._send("PUT", f"/v2/{repo}/manifests/{tag}", repo, push=True,
-                          body=lambda: data, headers={"Content-Type": media_type})
-        if resp.status_code != 201:
-            raise self._fail(resp, f"pushing the manifest of {self.registry}/{repo}:{tag}")
-        return sha256_digest(data)
+        pauses = iter(self.retry_delays)
+        while True:
+            resp = self._send("PUT", f"/v2/{repo}/manifests/{tag}", repo, push=True,
+                              body=lambda: data, headers={"Content-Type": media_type})
+            if resp.status_code == 201:
+                return sha256_digest(data)
+            error = self._fail(resp, f"pushing the manifest of {self.registry}/{repo}:{tag}")
+            pause = next(pauses, None) if blob_link_race(resp) else None
+            if pause is None:
+                raise error
+            time.sleep(pause)
 
     def referrers_api(self, repo: str, digest: str) -> dict | None:
         """The registry's referrers index for `digest` (OCI distribution 1.1), or None when the
