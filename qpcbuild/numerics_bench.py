@@ -55,8 +55,9 @@ def teacher_forced_logits(gen, prompt: list[int], output: list[int], window: int
     import numpy as np
 
     t = gen.target
-    for ids, pos, ends in prefill_feeds([prompt], gen.manifest.shapes.prefill_seq_len,
-                                        t.ctx_len, t.batch_size):
+    shapes = gen.manifest.shapes
+    for ids, pos, ends in prefill_feeds([prompt], shapes.prefill_seq_len, t.ctx_len,
+                                        t.batch_size, tuple(shapes.prefill_tail_seq_lens)):
         logits = t.run(ids, pos)
         if ends[0]:
             last = logits[0, 0].copy()

@@ -183,6 +183,7 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                      "batch_size": manifest.shapes.batch_size,
                      "ctx_len": manifest.shapes.ctx_len,
                      "prefill_seq_len": manifest.shapes.prefill_seq_len,
+                     "prefill_tail_seq_lens": manifest.shapes.prefill_tail_seq_lens,
                      "compiled_ks": list(manifest.ks),
                      "target_only_k": base.k,
                      "tokens_per_s": "new tokens / wall time of the generate calls (prefill "

@@ -122,7 +122,10 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
                         "num_speculative_tokens": list(plan.ks), **runtime_speculation(r)},
-        "shapes": r.shapes.model_dump(), "hardware": r.hardware.model_dump(mode="json"),
+        # (the tail windows only where the recipe has them: other bundles keep their ids)
+        "shapes": r.shapes.model_dump(exclude=None if r.shapes.prefill_tail_seq_lens
+                                      else {"prefill_tail_seq_lens"}),
+        "hardware": r.hardware.model_dump(mode="json"),
         "backends": list(r.backends), "roles": roles,
         "tokenizer": {"files": "tokenizer/", **plan.tokenizer},
         "toolchain": tools,

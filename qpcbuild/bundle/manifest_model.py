@@ -29,6 +29,8 @@ class Shapes(_Part):
     full_batch_size: Optional[int] = Field(default=None, ge=1, le=4096)
     prefill_seq_len: int = Field(ge=1)
     ctx_len: int = Field(ge=2, le=1 << 21)
+    # narrower windows compiled for a prompt's last prefill chunk; absent in bundles without
+    prefill_tail_seq_lens: list[int] = []
 
     @property
     def kv_batch(self) -> int:
@@ -287,6 +289,9 @@ class Manifest(_Part):
         if shapes.prefill_seq_len > shapes.ctx_len:
             out.append(f"shapes.prefill_seq_len {shapes.prefill_seq_len} exceeds ctx_len "
                        f"{shapes.ctx_len}")
+        if any(not 1 <= w < shapes.prefill_seq_len for w in shapes.prefill_tail_seq_lens):
+            out.append(f"shapes.prefill_tail_seq_lens {shapes.prefill_tail_seq_lens}: each "
+                       f"must be narrower than prefill_seq_len {shapes.prefill_seq_len}")
         if self.draft is not None and self.draft.arch.vocab_size > self.target.arch.vocab_size:
             out.append("roles.draft.arch.vocab_size exceeds the target's")
         for name, role in self.roles.items():
@@ -308,6 +313,10 @@ def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) ->
     if missing:
         out.append(f"{where}.specializations: none decodes K={missing[0]} (seq_len "
                    f"{missing[0] + 1})")
+    tails = [w for w in shapes.prefill_tail_seq_lens if w not in seq_lens]
+    if tails:
+        out.append(f"{where}.specializations: none prefills through shapes."
+                   f"prefill_tail_seq_lens {tails[0]}")
     if role.backends.onnxruntime is not None and role.ort is None:
         out.append(f"{where}: built for onnxruntime, but has no ort settings")
     if role.backends.qaic is not None and role.backends.qaic.status == "compiled" and \

@@ -103,6 +103,18 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
             "target's prefill specialization must hold a whole verify window")
     if s.prefill_seq_len > s.ctx_len:
         add("shapes.prefill_seq_len", f"{s.prefill_seq_len} is larger than ctx_len {s.ctx_len}")
+    tails = s.prefill_tail_seq_lens
+    if len(set(tails)) != len(tails):
+        add("shapes.prefill_tail_seq_lens", f"duplicate values in {tails}")
+    windows = {1} | {k + 1 for k in ks + list((r.speculation.num_speculative_tokens_per_batch_size
+                                               or {}).values()) if isinstance(k, int)}
+    for w in tails:
+        if not 1 <= w < s.prefill_seq_len:
+            add("shapes.prefill_tail_seq_lens", f"{w} is outside 1..{s.prefill_seq_len - 1}: a "
+                "tail window is narrower than prefill_seq_len")
+        elif w in windows:
+            add("shapes.prefill_tail_seq_lens", f"{w} is already a verify window (K+1 for K="
+                f"{w - 1}); one specialization per width")
     if s.ctx_len % CTX_LEN_MULTIPLE:
         add("shapes.ctx_len", f"{s.ctx_len} is not a multiple of {CTX_LEN_MULTIPLE} (see docs/recipe.md, "
             "'ctx_len rule')")

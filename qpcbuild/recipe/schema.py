@@ -109,6 +109,9 @@ class Shapes(_Strict):
     full_batch_size: int | None = Field(default=None, ge=1, le=1024)
     prefill_seq_len: int = Field(default=32, ge=1, le=MAX_CTX_LEN)
     ctx_len: int = Field(default=128, ge=1, le=MAX_CTX_LEN)
+    # Narrower prefill windows compiled next to prefill_seq_len: a prompt's last chunk goes
+    # through the narrowest that holds it (a 70-token prompt is not computed as 128)
+    prefill_tail_seq_lens: list[int] = []
 
 
 class Precision(_Strict):

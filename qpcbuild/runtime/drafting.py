@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .rows import LoopTimes, Row
+from .rows import LoopTimes, Row, prefill_window
 from .sampling import probabilities, sample
 from .model_session import ModelSession
 
@@ -27,6 +27,7 @@ class DraftingDecoder(Protocol):
     draft session, the prefill window, the confidence stop and the timed model call."""
     draft: ModelSession
     prefill_len: int
+    prefill_tails: tuple[int, ...]
     cb: bool
     draft_p_min: float
 
@@ -52,22 +53,25 @@ def catch_up(dec: DraftingDecoder, rows: list[Row], want: list[int], times: Loop
 
 def _catch_up_in_chunks(dec: DraftingDecoder, rows: list[Row], behind: list[int],
                         times: LoopTimes) -> None:
-    """Prefill-window calls over the rows' unseen tokens. A last chunk shorter than the window
-    is moved left over tokens already seen (recomputing identical KV), so no padding is
-    written after real tokens; with continuous batching each row goes alone into its slot."""
+    """Prefill-window calls (the narrowest compiled one that holds what is left) over the
+    rows' unseen tokens. A last chunk shorter than its window is moved left over tokens
+    already seen (recomputing identical KV), so no padding is written after real tokens; with
+    continuous batching each row goes alone into its slot."""
     p = dec.prefill_len
     groups = [[i] for i in behind] if dec.cb else [behind]
     for group in groups:
         b = 1 if dec.cb else dec.draft.batch_size
         index = np.array([[group[0]]], np.int64) if dec.cb else None
         while any(rows[i].draft_len < len(rows[i].tokens) - 1 for i in group):
-            ids, pos = np.zeros((b, p), np.int64), np.full((b, p), -1, np.int64)
+            w = prefill_window(max(len(rows[i].tokens) - 1 - rows[i].draft_len for i in group),
+                               p, dec.prefill_tails)
+            ids, pos = np.zeros((b, w), np.int64), np.full((b, w), -1, np.int64)
             for i in group:
                 r = rows[i]
-                end = min(r.draft_len + p, len(r.tokens) - 1)
+                end = min(r.draft_len + w, len(r.tokens) - 1)
                 if r.draft_len >= end:
                     continue
-                start = max(0, end - p)
+                start = max(0, end - w)
                 piece = r.tokens[start:end]
                 row = 0 if dec.cb else i
                 ids[row, :len(piece)] = piece

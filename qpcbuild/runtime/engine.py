@@ -46,8 +46,10 @@ class SpecDecoder:
                  proposer: Proposer | None, ks: tuple[int, ...], prefill_len: int,
                  eos_ids: set[int], method: str, continuous_batching: bool = False,
                  policy: str = "fixed", draft_p_min: float = 0.0,
-                 k_schedule: dict[int, int] | None = None):
+                 k_schedule: dict[int, int] | None = None,
+                 prefill_tails: tuple[int, ...] = ()):
         self.target, self.draft, self.proposer = target, draft, proposer
+        self.prefill_tails = tuple(sorted(prefill_tails))  # narrower last-chunk windows
         # speculation.policy (gate.py), draft_p_min (drafting.py) and the K per live batch
         # size (k_for): how each step speculates
         self.policy, self.draft_p_min = policy, draft_p_min
@@ -79,7 +81,8 @@ class SpecDecoder:
 
     def _prefill(self, session: ModelSession, rows: list[Row], times: LoopTimes,
                  kind: str, slot: int | None = None) -> np.ndarray:
-        """Chunks of prefill_len with -1 padding; returns each row's last-prompt-token logits.
+        """Chunks of prefill_len with -1 padding, the last through the narrowest compiled
+        window that holds it (rows.prefill_feeds); returns each row's last-prompt-token logits.
 
         A row whose prompt ended in an earlier chunk repeats its last chunk (rewriting identical
         KV) rather than sending an all-padding row, and a final chunk that would run past the
@@ -89,7 +92,7 @@ class SpecDecoder:
         index = None if slot is None else np.array([[slot]], np.int64)
         last = np.zeros((b, session.vocab_size), np.float32)
         for ids, pos, ends in prefill_feeds([r.prompt for r in rows], self.prefill_len,
-                                            self.ctx_len, b):
+                                            self.ctx_len, b, self.prefill_tails):
             logits = self._call(session, ids, pos, times, kind, index)
             for i, end in enumerate(ends):
                 if end:

@@ -246,7 +246,8 @@ def build_decoder(manifest: Manifest, target, draft, method: str | None,
                        shapes.prefill_seq_len, eos_ids, method or "target_only",
                        bool(shapes.full_batch_size),
                        policy=spec_policy or spd.policy,
-                       draft_p_min=float(spd.draft_p_min), k_schedule=schedule)
+                       draft_p_min=float(spd.draft_p_min), k_schedule=schedule,
+                       prefill_tails=tuple(shapes.prefill_tail_seq_lens))
 
 
 def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None = None,

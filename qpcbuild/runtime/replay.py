@@ -52,7 +52,8 @@ class KnownTarget(SpecDecoder):
 
     def __init__(self, base: SpecDecoder):
         super().__init__(base.target, base.draft, base.proposer, base.ks, base.prefill_len,
-                         base.eos_ids, base.method, base.cb, draft_p_min=base.draft_p_min)
+                         base.eos_ids, base.method, base.cb, draft_p_min=base.draft_p_min,
+                         prefill_tails=base.prefill_tails)
         self.known: dict[int, list[int]] = {}  # row index -> prompt + output
         self._in_slot: dict[int, list[int]] = {}
 

@@ -86,31 +86,42 @@ class LoopTimes:
     gate: dict = field(default_factory=dict)  # the goodput gate's steps and switches
 
 
-def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int):
+def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int,
+                  tails: tuple[int, ...] = ()):
     """The prefill calls for `prompts` (prompt i in batch row i): yields (ids, pos, ends) per
-    call, [batch, p] each with -1 padding, and ends[i] True when prompt i's last token is in
-    this call (its logits are row i's first). See `SpecDecoder._prefill` for the layout."""
-    chunks = [_chunk_starts(len(x), p, ctx_len) for x in prompts]
-    for c in range(max(len(x) for x in chunks)):
-        ids = np.zeros((batch, p), np.int64)
-        pos = np.full((batch, p), -1, np.int64)
+    call, [batch, w] each with -1 padding, and ends[i] True when prompt i's last token is in
+    this call (its logits are row i's first). Every call but a prompt's last is w = p wide; the
+    last goes through the narrowest compiled window that holds what is left (`tails`, the
+    recipe's shapes.prefill_tail_seq_lens, else p), so a 70-token prompt is not computed as
+    128. See `SpecDecoder._prefill` for the layout."""
+    lengths = [len(x) for x in prompts]
+    calls = max(len(range(0, n, p)) for n in lengths)
+    for c in range(calls):
+        # A narrower window only while no row has ended: a row that ended in an earlier call
+        # repeats its last chunk exactly as it was sent (width p), so its KV is rewritten
+        # with bit-identical values.
+        left = [n - c * p for n in lengths]
+        w = prefill_window(max(left), p, tails) if min(left) > 0 else p
+        ids = np.zeros((batch, w), np.int64)
+        pos = np.full((batch, w), -1, np.int64)
+        ends = []
         for i, prompt in enumerate(prompts):
-            start = chunks[i][min(c, len(chunks[i]) - 1)]
-            piece = prompt[start:start + p]
+            start = min(c, len(range(0, lengths[i], p)) - 1) * p  # done rows repeat their last
+            if start + w > ctx_len and lengths[i] >= w:
+                start = lengths[i] - w  # right-aligned over tokens already sent
+            piece = prompt[start:start + w]
             ids[i, :len(piece)] = piece
             pos[i, :len(piece)] = np.arange(start, start + len(piece))
-        yield ids, pos, [c == len(x) - 1 for x in chunks]
+            ends.append(c * p < lengths[i] <= (c + 1) * p)
+        yield ids, pos, ends
+
+
+def prefill_window(left: int, p: int, tails: tuple[int, ...]) -> int:
+    """The window a prefill call of `left` remaining tokens goes through: the narrowest
+    compiled one that holds them all, else the full prefill window p."""
+    return min((w for w in tails if w >= left), default=p)
 
 
 def prefill_calls(prompts: list[list[int]], p: int, ctx_len: int) -> int:
     """How many prefill calls `prefill_feeds` makes for these prompts (batched together)."""
-    return max(len(_chunk_starts(len(x), p, ctx_len)) for x in prompts)
-
-
-def _chunk_starts(n: int, p: int, ctx_len: int) -> list[int]:
-    """Start offsets of a prompt's prefill chunks; the last one is right-aligned when a padded
-    chunk would run past the buffer."""
-    starts = list(range(0, n, p))
-    if starts[-1] + p > ctx_len and n >= p:
-        starts[-1] = n - p
-    return starts
+    return max(len(range(0, len(x), p)) for x in prompts)
