@@ -87,10 +87,10 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     outputs = [r.tokens[len(r.prompt):] for r in outputs]
     gen.fresh_proposer()
     records, prefills = [], 0
-    prefill, ctx_len = gen.manifest.shapes.prefill_seq_len, gen.target.ctx_len
+    prefill = gen.manifest.shapes.prefill_seq_len
     for ids in prompt_ids:
         records.append(gen.generate([ids], max_new, temperature=0.0, k=k).stats)
-        prefills += prefill_calls([ids], prefill, ctx_len)
+        prefills += prefill_calls([ids], prefill)
     st = SpecDecodingStats.merged(records)
     steps = st.target_calls - prefills
     col = {"label": label, "numerics": info.numerics or "exact",
@@ -117,7 +117,7 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     return col, outputs
 
 
-def _host_model(gen, prompt: list[int], max_new_tokens: int, ctx_len: int):
+def _host_model(gen, prompt: list[int], max_new_tokens: int):
     """The host time per step of this bundle's loop, from a short run at K=1 and at K=8."""
     from .tune import host_model
 
@@ -125,7 +125,7 @@ def _host_model(gen, prompt: list[int], max_new_tokens: int, ctx_len: int):
     for kk in (1, max(NUMERICS_TUNE_KS)):
         st = gen.generate([prompt], max_new_tokens, temperature=0.0, k=kk).stats
         steps = max(1, st.target_calls - prefill_calls(
-            [prompt], gen.manifest.shapes.prefill_seq_len, ctx_len))
+            [prompt], gen.manifest.shapes.prefill_seq_len))
         h[kk] = st.host_overhead_s / steps
     return host_model(h)
 
@@ -166,7 +166,7 @@ def run_numerics(fp32_bundle: Path, emu_bundle: Path, prompts: list[str], *, pro
     for label, gen in gens.items():
         gen.generate([prompt_ids[0]], min(16, max_new_tokens), k=k)  # warm-up, not counted
         col_costs = None if costs is None else \
-            (costs[0], costs[1], _host_model(gen, prompt_ids[0], max_new_tokens, ctx_len))
+            (costs[0], costs[1], _host_model(gen, prompt_ids[0], max_new_tokens))
         col, outs[label] = _numerics_column(gen, label, prompt_ids, max_new_tokens, k, method,
                                             col_costs, say)
         columns.append(col)

@@ -98,12 +98,13 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[dict[str,
     else:
         decodes = [] if s.prefill_seq_len == 1 and not fbs else \
             [{"batch_size": decode_batch, "seq_len": 1, "ctx_len": s.ctx_len}]
-    tails = [{**prefill, "seq_len": w} for w in sorted(s.prefill_tail_seq_lens)]
+    tail_lens = sorted(s.prefill_tail_seq_lens)
+    tails = [{**prefill, "seq_len": w} for w in tail_lens]
     entries = [prefill] + tails + decodes
     if fbs:
         for e in entries:
             e["full_batch_size"] = fbs
-    names = ["Prefill"] + [f"Prefill_{w}" for w in sorted(s.prefill_tail_seq_lens)] + \
+    names = ["Prefill"] + [f"Prefill_{w}" for w in tail_lens] + \
         (["Decode"] if len(decodes) == 1 else [f"Decode_{i}" for i in range(len(decodes))])
     return [{"name": n, "symbols": {k: str(v) for k, v in e.items()}}
             for n, e in zip(names, entries)]

@@ -23,7 +23,7 @@ SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-
 def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int,
                 policy: str | None = None, temperature: float = 0.0) -> Callable:
     target_only = method == "target_only"
-    prefill, ctx_len = gen.manifest.shapes.prefill_seq_len, gen.target.ctx_len
+    prefill = gen.manifest.shapes.prefill_seq_len
 
     def run(prompt_ids: list[list[int]], acc: Measure | None) -> tuple[list, int, float]:
         outs, tokens, seconds = [], 0, 0.0
@@ -38,7 +38,7 @@ def _our_runner(gen, method: str, k: int | None, batch: int, max_new: int,
                 outs.append(row.tokens[len(row.prompt):])
             tokens += res.stats.new_tokens
             if acc is not None:
-                acc.add_engine(res.stats, prefill_calls(chunk, prefill, ctx_len))
+                acc.add_engine(res.stats, prefill_calls(chunk, prefill))
         return outs, tokens, seconds
     return run
 

@@ -96,8 +96,8 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
         add("speculation.draft_p_min", f"method '{r.draft.method}' has no draft model to be "
             "confident; remove this key")
     s = r.shapes
-    kmax = max(ks + list((r.speculation.num_speculative_tokens_per_batch_size or {}).values())
-               or [0])
+    compiled = ks + list((r.speculation.num_speculative_tokens_per_batch_size or {}).values())
+    kmax = max(compiled or [0])
     if s.prefill_seq_len < kmax + 1:
         add("shapes.prefill_seq_len", f"{s.prefill_seq_len} is less than K+1 = {kmax + 1}; the "
             "target's prefill specialization must hold a whole verify window")
@@ -106,8 +106,7 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
     tails = s.prefill_tail_seq_lens
     if len(set(tails)) != len(tails):
         add("shapes.prefill_tail_seq_lens", f"duplicate values in {tails}")
-    windows = {1} | {k + 1 for k in ks + list((r.speculation.num_speculative_tokens_per_batch_size
-                                               or {}).values()) if isinstance(k, int)}
+    windows = {1} | {k + 1 for k in compiled if isinstance(k, int)}
     for w in tails:
         if not 1 <= w < s.prefill_seq_len:
             add("shapes.prefill_tail_seq_lens", f"{w} is outside 1..{s.prefill_seq_len - 1}: a "

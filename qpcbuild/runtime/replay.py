@@ -75,8 +75,7 @@ class KnownTarget(SpecDecoder):
             seq = self.known[r.index]
             self._in_slot[slot if slot is not None else i] = seq
             last[i, self._next(seq, len(r.prompt) - 1)] = 1.0
-        times.target_calls += prefill_calls([r.prompt for r in rows], self.prefill_len,
-                                            self.ctx_len)
+        times.target_calls += prefill_calls([r.prompt for r in rows], self.prefill_len)
         return last
 
     def _call(self, session, ids, pos, times, kind, batch_index=None):

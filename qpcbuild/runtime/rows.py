@@ -95,8 +95,8 @@ def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int,
     recipe's shapes.prefill_tail_seq_lens, else p), so a 70-token prompt is not computed as
     128. See `SpecDecoder._prefill` for the layout."""
     lengths = [len(x) for x in prompts]
-    calls = max(len(range(0, n, p)) for n in lengths)
-    for c in range(calls):
+    last = [(n - 1) // p for n in lengths]  # each prompt's last call
+    for c in range(max(last) + 1):
         # A narrower window only while no row has ended: a row that ended in an earlier call
         # repeats its last chunk exactly as it was sent (width p), so its KV is rewritten
         # with bit-identical values.
@@ -106,13 +106,13 @@ def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int,
         pos = np.full((batch, w), -1, np.int64)
         ends = []
         for i, prompt in enumerate(prompts):
-            start = min(c, len(range(0, lengths[i], p)) - 1) * p  # done rows repeat their last
+            start = min(c, last[i]) * p  # a row that has ended repeats its last chunk
             if start + w > ctx_len and lengths[i] >= w:
                 start = lengths[i] - w  # right-aligned over tokens already sent
             piece = prompt[start:start + w]
             ids[i, :len(piece)] = piece
             pos[i, :len(piece)] = np.arange(start, start + len(piece))
-            ends.append(c * p < lengths[i] <= (c + 1) * p)
+            ends.append(c == last[i])
         yield ids, pos, ends
 
 
@@ -122,6 +122,6 @@ def prefill_window(left: int, p: int, tails: tuple[int, ...]) -> int:
     return min((w for w in tails if w >= left), default=p)
 
 
-def prefill_calls(prompts: list[list[int]], p: int, ctx_len: int) -> int:
+def prefill_calls(prompts: list[list[int]], p: int) -> int:
     """How many prefill calls `prefill_feeds` makes for these prompts (batched together)."""
-    return max(len(range(0, len(x), p)) for x in prompts)
+    return max((len(x) - 1) // p for x in prompts) + 1

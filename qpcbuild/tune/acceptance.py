@@ -19,14 +19,13 @@ def summed_run(gen, ids: list[list[int]], max_new_tokens: int, k: int | None,
          target_only: bool = False) -> dict[str, Any]:
     """Greedy generation over `ids` in batches; summed statistics."""
     batch, prefill = gen.target.batch_size, gen.manifest.shapes.prefill_seq_len
-    ctx_len = gen.target.ctx_len
     records, outputs, prefills = [], [], 0
     for start in range(0, len(ids), batch):
         chunk = ids[start:start + batch]
         res = gen.generate(chunk, max_new_tokens, k=k, target_only=target_only)
         records.append(res.stats)
         outputs += [r.tokens[len(r.prompt):] for r in res.rows]
-        prefills += prefill_calls(chunk, prefill, ctx_len)
+        prefills += prefill_calls(chunk, prefill)
     st = SpecDecodingStats.merged(records)
     steps = max(1, st.target_calls - prefills)
     return {"drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
