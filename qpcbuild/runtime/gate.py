@@ -10,13 +10,24 @@ the gate compares
     plain:      live rows / seconds_per_step(K=0)
 
 and runs the faster. The other mode is re-measured now and then (a probe of a few steps), with
-the gap between probes doubling each time a probe confirms the choice (backoff) and reset when
-it changes it. Which tokens come out never depends on the choice (every step is verified by the
-target as always), so output stays lossless.
+the gap between probes doubling each time a probe confirms the choice (backoff). Which tokens
+come out never depends on the choice (every step is verified by the target as always), so
+output stays lossless.
+
+Shadow proposals (model-free proposers only): while speculation is off, a row now and then asks
+its proposer what it would propose and matches that against the tokens the plain steps then
+produce. For a proposal that costs no model call this measures the row's acceptance for free,
+and it is the same measurement a speculative step makes: greedy verification accepts the
+proposal's prefix that equals the target's own tokens, and speculative sampling accepts a
+proposed token with the target's probability of it, which is the chance that the plain step
+samples that very token. Speculation then resumes as soon as acceptance recovers, and the gate
+no longer speculates to find out (its speculative probes only re-time a step, at the longest
+gap). Shadows are spaced so that they cost at most SHADOW_BUDGET of the plain steps' time.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 POLICIES = ("auto", "fixed", "off")
@@ -26,6 +37,7 @@ PROBE_STEPS = {"spec": 4, "plain": 2}  # a probe's length per mode (acceptance n
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # steps between probes of the losing mode
 MARGIN = 0.05  # the other mode must be this much faster to switch (noise is not a reason)
 SPIKE = 2.0  # a step slower than this x the estimate counts as this x (a busy machine's stall)
+SHADOW_BUDGET = 0.02  # shadow proposals may cost this share of the plain steps' time
 
 
 def ema(old: float | None, new: float) -> float:
@@ -38,13 +50,19 @@ def ema_clipped(old: float | None, new: float) -> float:
 
 @dataclass
 class RowRate:
-    """A row's new tokens per speculative step (EMA); None until it has taken one."""
+    """A row's new tokens per speculative step (EMA); None until it has taken one or had a
+    shadow proposal checked. `shadow`: a proposal made before a plain step and not verified,
+    of which the plain steps' tokens have matched `shadow_hits` so far."""
     tokens_per_step: float | None = None
+    shadow: list[int] | None = None
+    shadow_hits: int = 0
+    shadow_wait: int = 0  # plain steps before the row's next shadow proposal
 
 
 @dataclass
 class SpecGate:
     policy: str = "fixed"
+    shadowed: bool = False  # the proposer is model-free: plain steps check shadow proposals
     mode: str = "spec"  # "spec" | "plain"
     step_s: dict[str, float | None] = field(default_factory=lambda: {"spec": None,
                                                                      "plain": None})
@@ -52,6 +70,8 @@ class SpecGate:
     steps: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
     switches: list[dict] = field(default_factory=list)
+    shadow_checks: int = 0  # shadow proposals matched to the end
+    shadow_s: float | None = None  # seconds per shadow proposal (EMA)
     _probe_left: int = 0
     _probe_mode: str | None = None
     _next_probe: int = WARM_STEPS
@@ -88,8 +108,7 @@ class SpecGate:
         self.step_s[mode] = ema_clipped(self.step_s[mode], seconds)
         if mode == "spec":
             for rate, n in row_tokens:
-                rate.tokens_per_step = ema(rate.tokens_per_step, n)
-                self.pooled_tokens = ema(self.pooled_tokens, n)
+                self._learn(rate, n)
         if self.policy != "auto" or not self._probe_left:
             return
         self._probe_left -= 1
@@ -98,16 +117,63 @@ class SpecGate:
         best, why = self.compare([rate for rate, _ in row_tokens])
         if best == self.mode:  # the probe confirmed the choice: look again later
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
-            self._next_probe = self.steps + self._backoff
+            self._next_probe = self.steps + self._probe_gap()
         else:
             self._switch(best, why)
+
+    def _learn(self, rate: RowRate, tokens: int) -> None:
+        rate.tokens_per_step = ema(rate.tokens_per_step, tokens)
+        self.pooled_tokens = ema(self.pooled_tokens, tokens)
 
     def _switch(self, mode: str, why: str) -> None:
         # The gap to the next probe is kept, not reset: a gate that keeps changing its mind
         # (two modes about as fast, a noisy machine) probes ever more rarely all the same.
         self.switches.append({"step": self.steps, "to": mode, "reason": why})
         self.mode = mode
-        self._next_probe = self.steps + self._backoff
+        self._next_probe = self.steps + self._probe_gap()
+
+    def _probe_gap(self) -> int:
+        # With shadow proposals the acceptance is known without speculating; a speculative
+        # probe would only re-time the step, which changes slowly.
+        return MAX_BACKOFF if self.shadowed and self.mode == "plain" else self._backoff
+
+    # ---------------------------------------------------------------- shadow proposals
+    def shadow_due(self, rate: RowRate) -> bool:
+        """Whether this row makes a shadow proposal before the coming plain step."""
+        return self.policy == "auto" and self.shadowed and rate.shadow is None and \
+            rate.shadow_wait <= 0
+
+    def shadow_cost(self, seconds: float, proposals: int) -> None:
+        self.shadow_s = ema(self.shadow_s, seconds / proposals)
+
+    def observe_plain(self, rate: RowRate, token: int, live_rows: int) -> None:
+        """A plain step gave this row `token`: match it against the row's shadow proposal. The
+        proposal is settled at its first miss or its end, as verification would settle it:
+        its matched prefix plus the target's own token."""
+        if rate.shadow is None:
+            rate.shadow_wait -= 1
+            return
+        if rate.shadow_hits < len(rate.shadow) and token == rate.shadow[rate.shadow_hits]:
+            rate.shadow_hits += 1
+            if rate.shadow_hits < len(rate.shadow):
+                return
+        self._learn(rate, rate.shadow_hits + 1)
+        self.shadow_checks += 1
+        rate.shadow, rate.shadow_hits = None, 0
+        rate.shadow_wait = self._shadow_gap(live_rows)
+
+    def drop_shadow(self, rate: RowRate) -> None:
+        """The row ended, or speculated, before its shadow proposal was settled."""
+        rate.shadow, rate.shadow_hits = None, 0
+
+    def _shadow_gap(self, live_rows: int) -> int:
+        """Plain steps between a row's shadow proposals, so that `live_rows` rows' proposals
+        cost at most SHADOW_BUDGET of the plain steps' time."""
+        plain_s = self.step_s["plain"]
+        if self.shadow_s is None or not plain_s:
+            return 0
+        steps = math.ceil(live_rows * self.shadow_s / (SHADOW_BUDGET * plain_s))
+        return min(max(steps - 1, 0), MAX_BACKOFF)
 
     def compare(self, rates: list[RowRate]) -> tuple[str, str]:
         """The faster mode for these rows by the current estimates, and why."""
@@ -131,4 +197,5 @@ class SpecGate:
     def report(self) -> dict:
         return {"policy": self.policy, "steps_with_speculation": self.steps_by_mode["spec"],
                 "steps_without_speculation": self.steps_by_mode["plain"],
+                "shadow_checks": self.shadow_checks,
                 "policy_switches": list(self.switches)}

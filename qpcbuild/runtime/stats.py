@@ -25,15 +25,17 @@ def _sum_per_position(lists: Sequence[Sequence[int]]) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class GateStats:
     """The goodput gate's share of a call (docs/adaptive.md): verify steps with and without
-    speculation, and the switches between them."""
+    speculation, the switches between them, and the shadow proposals checked while it was off."""
     policy: str
     steps_with_speculation: int
     steps_without_speculation: int
     policy_switches: tuple[dict, ...] = ()
+    shadow_checks: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy, "steps_with_speculation": self.steps_with_speculation,
                 "steps_without_speculation": self.steps_without_speculation,
+                "shadow_checks": self.shadow_checks,
                 "policy_switches": list(self.policy_switches)}
 
 
@@ -102,7 +104,8 @@ class SpecDecodingStats:
         if times.gate:
             g = times.gate
             gate = GateStats(g["policy"], g["steps_with_speculation"],
-                             g["steps_without_speculation"], tuple(g["policy_switches"]))
+                             g["steps_without_speculation"], tuple(g["policy_switches"]),
+                             g["shadow_checks"])
         return cls(
             method=method, requests=len(rows), new_tokens=new_tokens,
             decode_tokens=max(new_tokens - len(rows), 0), prefill_s=times.prefill_s,
@@ -144,7 +147,8 @@ class SpecDecodingStats:
             verify_windows=dict(sorted(windows.items())), catch_up_calls=total("catch_up_calls"),
             gate=GateStats(gates[0].policy, sum(g.steps_with_speculation for g in gates),
                            sum(g.steps_without_speculation for g in gates),
-                           tuple(s for g in gates for s in g.policy_switches)) if gates else None,
+                           tuple(s for g in gates for s in g.policy_switches),
+                           sum(g.shadow_checks for g in gates)) if gates else None,
             per_request=tuple(q for r in records for q in r.per_request))
 
     def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
