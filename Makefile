@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # nothing of the user and buries the demo's own output in the log.
 PIP := $(BIN)/python -m pip install -qq
 
-.PHONY: demo demo-run test docs bench models qwen-coder smollm2 smollm2-gguf clean
+.PHONY: demo demo-run test docs bench models qwen-coder smollm2 smollm2-gguf peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -66,6 +66,13 @@ qwen-coder: $(VENV)/.dev
 # The same weights as a float32 GGUF (model-f32.gguf in that folder), for bench's llama.cpp peers.
 smollm2-gguf: smollm2
 	$(BIN)/python scripts/get_smollm2.py --gguf-f32
+
+# The systems bench compares against, on the Qwen2.5-Coder pair's own weights
+# (scripts/get_peers.py): llama.cpp built from the pinned llama-cpp-python sdist (10-25 minutes),
+# GGUF copies of both folders (f32 target, Q4_0 draft as our int4 one), vLLM's CPU build in its
+# own venv (~6 minutes, 3.4 GB). It prints the two variables `qpcbuild bench` reads.
+peers: qwen-coder
+	$(BIN)/python scripts/get_peers.py all
 
 # The documentation site (docs/ + mkdocs.yml) into site/; strict: a broken link or a page missing
 # from the navigation fails the build.

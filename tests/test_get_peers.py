@@ -1,0 +1,101 @@
+"""scripts/get_peers.py: the checks that guard the peers' set-up, without building anything
+(the llama.cpp build and the conversions are measured in docs/qwen-coder.md, not in CI)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import get_peers  # noqa: E402
+from get_peers import PeerError  # noqa: E402
+
+
+def _tarball(path: Path, members: dict[str, bytes], links: dict[str, str] | None = None) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, target in (links or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    return path
+
+
+def test_a_source_tarball_unpacks_into_its_one_folder(tmp_path):
+    archive = _tarball(tmp_path / "src.tar.gz", {"pkg-1.0/vendor/llama.cpp/CMakeLists.txt": b"x",
+                                                 "pkg-1.0/README": b"r"})
+    out = tmp_path / "out"
+    out.mkdir()
+    top = get_peers.extract_safely(archive, out)
+    assert top == out / "pkg-1.0"
+    assert (top / "vendor" / "llama.cpp" / "CMakeLists.txt").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("members, links", [({"../escaped.txt": b"2"}, None),
+                                            ({}, {"pkg-1.0/passwd": "/etc/passwd"}),
+                                            ({}, {"pkg-1.0/up": "../../escaped.txt"})])
+def test_a_member_reaching_outside_the_folder_is_refused(tmp_path, members, links):
+    archive = _tarball(tmp_path / "src.tar.gz", {"pkg-1.0/ok": b"1", **members}, links)
+    out = tmp_path / "deep" / "out"
+    out.mkdir(parents=True)
+    with pytest.raises(PeerError) as err:
+        get_peers.extract_safely(archive, out)
+    assert err.value.code == 2 and "unsafe member" in str(err.value)
+    assert not (tmp_path / "deep" / "escaped.txt").exists()
+    assert not (out / "pkg-1.0" / "passwd").exists()
+
+
+def test_an_sdist_with_the_wrong_digest_is_refused_and_removed(tmp_path, monkeypatch):
+    name, version, _ = get_peers.LLAMA_CPP_SDIST
+    cached = tmp_path / f"{name.replace('-', '_')}-{version}.tar.gz"
+    cached.write_bytes(b"not the pinned sdist")
+    with pytest.raises(PeerError) as err:
+        get_peers.obtain_sdist(tmp_path)
+    assert err.value.code == 2 and "pinned" in str(err.value)
+    assert not cached.exists()  # the next run downloads it again rather than trusting it
+
+
+def _model_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "conversion.json").write_text(json.dumps(
+        {"files": {"model.safetensors": "ab" * 32, "config.json": "cd" * 32}}))
+    return folder
+
+
+def test_a_gguf_this_script_did_not_write_is_never_replaced(tmp_path):
+    folder = _model_folder(tmp_path)
+    theirs = folder / "their-q5.gguf"
+    theirs.write_bytes(b"GGUF theirs")
+    with pytest.raises(PeerError) as err:
+        get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "")
+    assert err.value.code == 2 and "their-q5.gguf" in str(err.value)
+    assert theirs.read_bytes() == b"GGUF theirs"
+
+
+def test_a_gguf_already_written_from_the_same_weights_is_kept(tmp_path, monkeypatch):
+    folder = _model_folder(tmp_path)
+    ours = folder / "model-q4_0.gguf"
+    ours.write_bytes(b"GGUF ours")
+    (folder / get_peers.RECORD).write_text(json.dumps(
+        {"gguf": ours.name, "type": "q4_0", "safetensors": {"model.safetensors": "ab" * 32},
+         "llama_cpp": list(get_peers.LLAMA_CPP_SDIST[:2])}))
+    ran = []
+    monkeypatch.setattr(get_peers, "_run", lambda cmd, what, **kw: ran.append(what))
+    assert get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "") == ours
+    assert ran == [] and ours.read_bytes() == b"GGUF ours"
+    # Other weights (a new conversion) make it stale: the converter runs again.
+    (folder / "conversion.json").write_text(json.dumps({"files": {"model.safetensors": "ef" * 32}}))
+    with pytest.raises(FileNotFoundError):  # the stubbed converter wrote nothing to rename
+        get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "")
+    assert ran[0].startswith("converting") and ran[1].startswith("quantizing")
+    assert ours.read_bytes() == b"GGUF ours"  # a failed run leaves the old file in place
