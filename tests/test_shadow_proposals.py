@@ -75,11 +75,11 @@ def test_speculation_resumes_when_the_proposals_turn_good_without_probing_before
     assert modes[resumed:].count("plain") <= 4
 
     # without shadows the gate finds out only by probing: speculative steps spent on wrong
-    # proposals, and speculation back only at a probe long after the turn
+    # proposals. (When it resumes depends on where a probe lands, which the sleeps' timing
+    # under load moves: a probe can fall on the turn itself, so that is not compared.)
     row_p, _, probed = logged_run(Phased(turn), shadowed=False)
     assert row_p.tokens == row.tokens
     assert probed[:steps_before_turn].count("spec") > modes[:steps_before_turn].count("spec")
-    assert probed.index("spec", steps_before_turn) > resumed + 20
 
 
 def test_shadow_proposals_keep_to_their_time_budget():

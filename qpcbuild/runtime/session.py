@@ -61,8 +61,8 @@ class OrtSession:
         sides = 1 if in_place else 2
         self.kv_buffers = [[np.zeros(kv_shape, np.float32) for _ in self._kv_names]
                            for _ in range(sides)]
+        self._kv_shape, self._num_layers = kv_shape, num_layers
         self._open()
-        check_graph_io(self.sess, self.path, role, kv_shape, num_layers, vocab_size)
 
     def _open(self) -> None:
         """Load the artifact and bind every specialization's buffers (the KV buffers persist)."""
@@ -77,6 +77,10 @@ class OrtSession:
         except Exception as exc:
             raise BundleError(f"{self.path}: onnxruntime cannot load this artifact: {exc}") \
                 from None
+        # Before binding: an artifact whose inputs are not this role's is a clear error, not
+        # onnxruntime's binding failure.
+        check_graph_io(self.sess, self.path, self.role, self._kv_shape, self._num_layers,
+                       self.vocab_size)
         kv = [[ort.OrtValue.ortvalue_from_numpy(b) for b in side] for side in self.kv_buffers]
         graph_inputs = {i.name for i in self.sess.get_inputs()}
         has_nlk = "num_logits_to_keep" in graph_inputs
