@@ -25,7 +25,6 @@ write, 3 a build or conversion failed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,9 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from get_smollm2 import sha256  # noqa: E402  (the fetchers' one file digest)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36",
@@ -59,14 +61,6 @@ class PeerError(Exception):
 
 def log(msg: str) -> None:
     print(f"[get_peers] {msg}", flush=True)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _run(cmd: list[str], what: str, **kw) -> None:
