@@ -128,10 +128,10 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                          **({"vocab_subset": vocab_subset["sha256"]} if vocab_subset else {})})
     batch = r.shapes.full_batch_size or r.shapes.batch_size
     n_dev = len(hw.device_group)
+    head_rows = vocab_subset["size"] if vocab_subset else None
     memory = {
         # The compiler compresses matmul weights only; the embedding table stays fp16.
-        "weights_gib": ((arch.param_count - arch.embedding_param_count)
-                        * WEIGHT_BYTES[r.precision.quantization]
+        "weights_gib": (arch.matmul_param_count(head_rows) * WEIGHT_BYTES[r.precision.quantization]
                         + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
         "kv_cache_gib": arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype])
         * r.shapes.ctx_len * batch / 2**30 / n_dev,

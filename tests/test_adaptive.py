@@ -5,6 +5,8 @@ live batch size."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,28 @@ def test_gate_follows_acceptance_that_sinks_and_recovers():
     assert [s["to"] for s in gate.switches] == ["plain", "spec"]
 
 
+def test_gate_keeps_speculating_through_a_few_short_steps_under_sampling():
+    """Sampled decoding gives 1 to K+1 tokens a step. Here 5 steps of 4 and then 3 of 1 (2.9 a
+    step on average against the 1.9 at which the modes tie): speculation pays throughout, and
+    a few short steps in a row must not turn it off. (A weight of 0.3 for the newest step
+    switched off at the first run of short steps.)"""
+    gate = SpecGate("auto")
+    modes = drive(gate, 800, 0.010, 0.005, lambda n: 4 if n % 8 < 5 else 1)
+    assert not gate.switches
+    assert modes.count("plain") <= 12  # the plain probes only
+
+
+def test_gate_looks_again_soon_after_a_switch():
+    """After hundreds of steps that confirmed speculation (probes 512 steps apart), acceptance
+    sinks for 40 steps and recovers: speculation is back within a few probes, not 512 steps
+    later, and the probe's own steps decide it."""
+    gate = SpecGate("auto")
+    modes = drive(gate, 2300, 0.010, 0.005, lambda n: 1 if 2000 <= n < 2040 else 3)
+    assert [s["to"] for s in gate.switches] == ["plain", "spec"]
+    assert gate.switches[1]["step"] < 2100
+    assert modes[2100:2300].count("spec") > 190
+
+
 def test_fixed_and_off_never_change():
     assert set(drive(SpecGate("fixed"), 50, 0.010, 0.001, lambda n: 1.0)) == {"spec"}
     assert set(drive(SpecGate("off"), 50, 0.001, 0.010, lambda n: 5.0)) == {"plain"}
@@ -103,6 +127,27 @@ def test_the_draft_catches_up_after_steps_without_speculation(monkeypatch):
             assert r.tokens == counting_prompt(p[0], len(p) + 60)
             assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens > 0  # all right
         assert times.catch_up_calls >= 2  # the prompt, then 20 plain tokens: window calls
+
+
+def test_the_drafts_catch_up_is_not_counted_as_a_speculative_steps_time(monkeypatch):
+    """The catch-up after plain steps is paid once, on switching: the seconds per speculative
+    step the gate decides with leave it out (a draft whose window calls take 50 ms against a
+    toy step's fraction of a millisecond)."""
+    pattern = ["plain"] * 30 + ["spec"] * 200
+    monkeypatch.setattr(SpecGate, "choose", lambda self, rates: pattern[self.steps])
+
+    class SlowWindows(KVDraft):
+        def run(self, input_ids, position_ids, batch_index=None):
+            if input_ids.shape[1] > 1:
+                time.sleep(0.05)
+            return super().run(input_ids, position_ids, batch_index)
+
+    dec = decoder(Counting(), draft=SlowWindows(), policy="auto")
+    rows, times = dec.generate([counting_prompt(3)], 60, SamplingParams())
+    assert rows[0].tokens == counting_prompt(3, 65)
+    assert times.catch_up_calls >= 2 and times.catch_up_s >= 0.1  # the prompt, then 30 tokens
+    gate = dec.gate("auto", None)
+    assert gate.step_s["spec"] < 0.025
 
 
 def test_confidence_stop_shortens_proposals_into_the_smallest_window():

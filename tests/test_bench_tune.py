@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -267,6 +268,25 @@ def test_peers_find_the_recipes_checkpoints_although_the_bundle_records_no_paths
     assert _local_models(recipe, [], tmp_path / "b") == {
         "target": (ROOT / "models/demo/target").resolve(),
         "draft": (ROOT / "models/demo/draft").resolve()}
+
+
+@needs_demo
+def test_bench_repeats_alternate_the_order_of_configurations(tiny_bundle, monkeypatch):
+    """No configuration runs first in every measured pass: repeats go forward and in reverse by
+    turns (the warm-up and repeat 1 forward)."""
+    _no_peers(monkeypatch)
+    lines: list[str] = []
+    prompts = bench.load_prompts(prompt_set="code", limit=1)[1]
+    bench.run_bench(tiny_bundle, prompts, ks=[1], methods=["draft_model", "ngram"],
+                    max_new_tokens=4, repeats=3, say=lines.append)
+    passes: dict[str, list[str]] = {}
+    for line in lines:
+        if line.startswith(("warm-up qpcbuild ", "repeat ")):
+            head, label = line.split(" qpcbuild ", 1)
+            passes.setdefault(head, []).append(label.split(":")[0])
+    forward = ["target-only", "draft_model K=1", "ngram K=1"]
+    assert passes == {"warm-up": forward, "repeat 1/3": forward,
+                      "repeat 2/3": forward[::-1], "repeat 3/3": forward}
 
 
 @needs_demo
@@ -538,26 +558,27 @@ def test_roofline_costs_follow_from_the_assumptions_by_hand():
     t_verify, t_draft, detail = tune.roofline_costs(r, [1, 2], position=100, batch=1, fig=fig)
     # Demo target (config.json): H 256, 6 layers, 8 heads, 2 KV heads, head_dim 32, I 688,
     # V 4096, tied. Per layer 256*256 + 2*256*64 + 256*256 + 3*256*688 + 2*256 = 692,736;
-    # params 6 * 692,736 + 4096*256 + 256 = 5,205,248, of which the embedding 1,048,576.
-    # Weights: 4,156,672 matmul params * 25/32 + 1,048,576 * 2 = 5,344,552 bytes.
+    # params 6 * 692,736 + 4096*256 + 256 = 5,205,248, all of them MatMul weights (and norms) in
+    # the graph, the tied head included: 5,205,248 * 25/32 = 4,066,600 bytes, plus the fp16
+    # embedding row of each token (256 * 2 = 512 bytes), not the whole table.
     # KV: 2 * 6 * 2 * 32 * 33/32 = 792 bytes per token; K=2 at position 100: 103 tokens.
-    assert detail["target_call"]["weight_bytes"] == pytest.approx(5_344_552)
-    assert t_verify[2] == pytest.approx((5_344_552 + 792 * 103) / 100e9)  # memory bound
+    assert detail["target_call"]["weight_bytes"] == pytest.approx(4_066_600 + 512)  # K=0
+    assert t_verify[2] == pytest.approx((4_066_600 + 3 * 512 + 792 * 103) / 100e9)  # memory bound
     assert detail["verify_bound"][2] == "memory"
     assert 2 * 5_205_248 * 3 / 50e12 < t_verify[2]  # the compute roof is lower here
     # Demo draft: H 128, 2 layers, 4 heads, 2 KV heads, I 344, tied: per layer 181,504;
-    # params 887,424 (embedding 524,288): 363,136 * 25/32 + 524,288 * 2 = 1,332,276 bytes;
+    # params 887,424: 887,424 * 25/32 = 693,300 bytes + one embedding row of 256 bytes;
     # KV 2 * 2 * 2 * 32 * 33/32 = 264 bytes per token, 101 tokens for one step at 100.
-    step = (1_332_276 + 264 * 101) / 100e9
+    step = (693_300 + 256 + 264 * 101) / 100e9
     assert detail["draft_step_ms"] == pytest.approx(step * 1e3, abs=1e-6)
     assert t_draft[2] == pytest.approx(2 * step)
     # batch 128 at position 0: the compute roof takes over for the target's verify of 3 tokens
-    # (2 * 5,205,248 * 3 * 128 FLOPs = 80 us at 50 TFLOPS; 5,344,552 + 792 * 3 * 128 bytes =
-    # 56 us at 100 GB/s)
+    # (2 * 5,205,248 * 3 * 128 FLOPs = 80 us at 50 TFLOPS; 4,066,600 + (512 + 792) * 3 * 128
+    # bytes = 41 us at 100 GB/s)
     tc, _, dc = tune.roofline_costs(r, [2], position=0, batch=128, fig=fig)
     assert dc["verify_bound"][2] == "compute"
     assert tc[2] == pytest.approx(2 * 5_205_248 * 3 * 128 / 50e12)
-    assert (5_344_552 + 792 * 3 * 128) / 100e9 < tc[2]
+    assert (4_066_600 + (512 + 792) * 3 * 128) / 100e9 < tc[2]
     # the published table: Ultra 548 GB/s and 290 TFLOPS over 4 QIDs
     pub = tune.roofline_figures(r)
     assert (pub["dram_gbs_per_qid"], pub["fp16_tflops_per_qid"]) == (137.0, 72.5)
@@ -567,6 +588,39 @@ def test_roofline_costs_follow_from_the_assumptions_by_hand():
                         demo_overrides() + ["hardware.aic_hw_version=ai200"])
     with pytest.raises(UsageError, match="--card-bandwidth-gbs"):
         tune.roofline_figures(ai200)
+
+
+def test_roofline_reads_an_untied_head_and_only_a_drafts_subset_rows(tmp_path):
+    # The demo pair with its target untied (a head of its own beside the embedding) and a draft
+    # vocabulary subset of 1,000 tokens, at fp16 (2 bytes per weight).
+    from safetensors.numpy import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(DEMO / "target", target)
+    tensors = load_file(target / "model.safetensors")
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].copy()},
+              target / "model.safetensors")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    (tmp_path / "subset.json").write_text(json.dumps({"token_ids": list(range(1000))}))
+    r = load_recipe(ROOT / "recipes" / "demo.yaml",
+                    [f"target.model={target}", f"draft.model={DEMO / 'draft'}",
+                     f"draft.vocab_subset={tmp_path / 'subset.json'}", "backends=[qaic]",
+                     "precision.quantization=none", "precision.kv_cache_dtype=float16"])
+    fig = {"card": "test", "dram_gbs_per_qid": 100.0, "fp16_tflops_per_qid": 50.0,
+           "source": "test"}
+    _, _, detail = tune.roofline_costs(r, [1], position=0, batch=1, fig=fig)
+    # Untied target: 6 layers * 692,736 + final norm 256 + a head of 4096 * 256 = 5,205,248
+    # MatMul parameters (the separate 4096 x 256 embedding table is gathered: one row per token).
+    assert detail["target_call"]["weight_bytes"] == pytest.approx(5_205_248 * 2 + 512)
+    assert detail["target_call"]["flops"] == pytest.approx(2 * 5_205_248)
+    # Draft: 2 layers * 181,504 + norm 128 = 363,136, and a head of 1,000 (not 4,096) rows of 128.
+    assert detail["draft_call"]["weight_bytes"] == pytest.approx((363_136 + 128_000) * 2 + 256)
+    # The plan's memory estimate keeps the whole fp16 table resident beside the MatMul weights.
+    from qpcbuild.plan import make_plan
+
+    draft_gib = make_plan(r).role("draft").memory["weights_gib"]
+    assert draft_gib == pytest.approx(((363_136 + 128_000) * 2 + 4096 * 128 * 2) / 2**30)
 
 
 @needs_demo
@@ -583,12 +637,13 @@ def test_tune_cost_model_prints_and_records_its_assumptions(tmp_path):
     assert costs["figures"]["dram_gbs_per_qid"] == 137.0
     # The decision's numbers by hand, from the assumptions (the demo recipe is float16 weights
     # and KV on one QID at 137 GB/s; host time 0). Target: 5,205,248 params (see the test above)
-    # x 2 bytes = 10,410,496 bytes; KV 2 x 6 layers x 2 heads x 32 x 2 bytes = 1,536 per token.
-    # Draft: 887,424 x 2 = 1,774,848 bytes; KV 2 x 2 x 2 x 32 x 2 = 512 per token. Memory bound
-    # (a 3-token verify is 2 x 5,205,248 x 3 FLOPs = 0.43 us at 72.5 TFLOPS, against ~76 us).
+    # x 2 bytes = 10,410,496 bytes, + 512 bytes of embedding per token; KV 2 x 6 layers x 2 heads
+    # x 32 x 2 bytes = 1,536 per token. Draft: 887,424 x 2 = 1,774,848 bytes + 256 per token; KV
+    # 2 x 2 x 2 x 32 x 2 = 512 per token. Memory bound (a 3-token verify is 2 x 5,205,248 x 3
+    # FLOPs = 0.43 us at 72.5 TFLOPS, against ~76 us).
     pos, bw = costs["position"], 137e9
-    verify_s = {k: (10_410_496 + 1_536 * (pos + k + 1)) / bw for k in (0, 1, 2)}
-    step_s = (1_774_848 + 512 * (pos + 1)) / bw
+    verify_s = {k: (10_410_496 + 512 * (k + 1) + 1_536 * (pos + k + 1)) / bw for k in (0, 1, 2)}
+    step_s = (1_774_848 + 256 + 512 * (pos + 1)) / bw
     # the recorded costs (6 decimals of a ms: one KV token, 1,536 bytes, is 1.1e-5 ms)
     assert costs["verify_ms"] == pytest.approx({k: t * 1e3 for k, t in verify_s.items()},
                                                abs=2e-6)

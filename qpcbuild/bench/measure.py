@@ -196,8 +196,8 @@ def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, g
                      repeats: int, probe, say: Say, turns: MemoryTurns | None = None) -> None:
     """The timed passes, filling each case's Measure. Repeats interleaved: every repeat runs
     every configuration over the whole prompt set in turn (so each runs warm, as it would in
-    use), and drift spreads over all configurations. Repeat 0 is a warm-up on the first prompt
-    batch and is not counted."""
+    use), forward and reverse by turns, and drift spreads over all configurations. Repeat 0 is a
+    warm-up on the first prompt batch and is not counted."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()  # what is loaded now (models, libraries) stays out of the collections below
@@ -206,7 +206,12 @@ def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, g
     peer_of = {p.name: p for p in (turns.peers if turns else [])}
     for rep in range(repeats + 1):
         warm = rep == 0
-        for meas, run in cases:
+        # Measured repeats alternate forward and reverse order (A B C, C B A, ...): whichever
+        # configuration ran first in every pass would alone carry what running first costs
+        # (the previous pass's state, drift within a pass); over pairs of repeats each place in
+        # the order falls on every configuration.
+        order = cases[::-1] if rep % 2 == 0 and not warm else cases
+        for meas, run in order:
             if meas.error or meas.skipped:
                 continue
             if turns is not None:  # our bundle and a memory-heavy peer take turns in memory

@@ -70,6 +70,16 @@ class ArchSpec:
     def embedding_param_count(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def matmul_param_count(self, head_rows: int | None = None) -> int:
+        """Parameters of the compiled graph's MatMul weights (and norms): the layers and an LM
+        head of `head_rows` rows (default: the vocabulary; fewer with a draft's vocabulary
+        subset). A tied model's head is a MatMul weight of its own in our graphs (the compiler
+        compresses constant MatMul weights, not a Transpose of the embedding), so the head
+        counts once, tied or not; the embedding table, which is gathered, does not."""
+        tables = self.embedding_param_count * (1 if self.tie_word_embeddings else 2)
+        rows = self.vocab_size if head_rows is None else head_rows
+        return self.param_count - tables + rows * self.hidden_size
+
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 

@@ -13,6 +13,7 @@ draft's distribution, never on the token sampled from it, so speculative samplin
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import numpy as np
@@ -40,7 +41,9 @@ def catch_up(dec: DraftingDecoder, rows: list[Row], want: list[int], times: Loop
     behind = [i for i, r in enumerate(rows) if not r.done and want[i] > 0
               and r.draft_len < len(r.tokens) - 1]
     if any(len(rows[i].tokens) - 1 - rows[i].draft_len > 1 for i in behind):
+        t0 = time.perf_counter()
         _catch_up_in_chunks(dec, rows, behind, times)
+        times.catch_up_s += time.perf_counter() - t0
         behind = [i for i in behind if rows[i].draft_len < len(rows[i].tokens) - 1]
     if behind:  # one token each: one decode call
         b = dec.draft.batch_size

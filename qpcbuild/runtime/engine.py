@@ -233,7 +233,7 @@ class SpecDecoder:
     def _step(self, run: _Run) -> None:
         """One verify step over the slots: the gate's mode and the step's K, then propose ->
         verify -> commit; then the step's seconds and each row's new tokens go to the gate."""
-        t0 = time.perf_counter()
+        t0, caught_up = time.perf_counter(), run.times.catch_up_s
         slots, gate = run.slots, run.gate
         live = [r for r in slots if not r.done]
         k_step = run.k_fixed if run.k_fixed is not None else self.k_for(len(live), max(self.ks))
@@ -254,9 +254,12 @@ class SpecDecoder:
         self._commit_step(slots, proposals, q, logits, first_slot, run.on_token)
         if gate is None:
             return
-        # the draft catching up after plain steps is part of what speculating costs (the
-        # gate clips a step's time at twice its estimate, so it weighs in without swamping)
-        seconds = time.perf_counter() - t0
+        # The draft catching up on tokens decoded without it (after plain steps, or a prompt
+        # whose draft prefill waited for the first speculative step) is a cost of switching,
+        # paid once: it stays out of the seconds per speculative step, which decide whether
+        # to keep speculating (counted in, it made a good draft look twice as dear after each
+        # probe).
+        seconds = time.perf_counter() - t0 - (run.times.catch_up_s - caught_up)
         gate.record(mode, seconds, [(r.rate, len(r.tokens) - n) for r, n in zip(live, before)])
         if gate.shadowed:  # a shadow is matched against plain steps only, one after another
             for r in live:

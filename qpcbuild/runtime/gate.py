@@ -10,9 +10,12 @@ the gate compares
     plain:      live rows / seconds_per_step(K=0)
 
 and runs the faster. The other mode is re-measured now and then (a probe of a few steps), with
-the gap between probes doubling each time a probe confirms the choice (backoff). Which tokens
-come out never depends on the choice (every step is verified by the target as always), so
-output stays lossless.
+the gap between probes doubling each time a probe confirms the choice (backoff) and starting
+over after a switch. A speculative probe's own steps replace the acceptance estimate of its
+rows (fresh evidence, where the running estimate had stopped moving while speculation was off);
+between probes acceptance follows a slow running average, so that a few unlucky steps of
+sampled decoding do not turn speculation off. Which tokens come out never depends on the choice
+(every step is verified by the target as always), so output stays lossless.
 
 Shadow proposals (model-free proposers only): while speculation is off, a row now and then asks
 its proposer what it would propose and matches that against the tokens the plain steps then
@@ -31,7 +34,12 @@ import math
 from dataclasses import dataclass, field
 
 POLICIES = ("auto", "fixed", "off")
-EMA = 0.3  # weight of the newest step in the running estimates
+EMA = 0.3  # weight of the newest step in the step-time estimates
+# Weight of the newest speculative step in a row's tokens-per-step estimate: tokens per step
+# vary far more from step to step than a step's time (1 to K+1 under sampling), and with 0.3
+# a few short steps in a row turned speculation off on a pair where it paid 1.9x (Qwen2.5-Coder
+# at temperature 1.0, docs/adaptive.md).
+EMA_TOKENS = 0.1
 WARM_STEPS = 4  # speculative steps before the first plain probe
 PROBE_STEPS = {"spec": 4, "plain": 2}  # a probe's length per mode (acceptance needs a few)
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # steps between probes of the losing mode
@@ -40,8 +48,8 @@ SPIKE = 2.0  # a step slower than this x the estimate counts as this x (a busy m
 SHADOW_BUDGET = 0.02  # shadow proposals may cost this share of the plain steps' time
 
 
-def ema(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA * (new - old)
+def ema(old: float | None, new: float, weight: float = EMA) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def ema_clipped(old: float | None, new: float) -> float:
@@ -57,6 +65,7 @@ class RowRate:
     shadow: list[int] | None = None
     shadow_hits: int = 0
     shadow_wait: int = 0  # plain steps before the row's next shadow proposal
+    probe_tokens: list[int] = field(default_factory=list)  # its steps in a speculative probe
 
 
 @dataclass
@@ -106,14 +115,20 @@ class SpecGate:
         self.steps += 1
         self.steps_by_mode[mode] += 1
         self.step_s[mode] = ema_clipped(self.step_s[mode], seconds)
+        probing = self.policy == "auto" and self._probe_left > 0
         if mode == "spec":
             for rate, n in row_tokens:
-                self._learn(rate, n)
-        if self.policy != "auto" or not self._probe_left:
+                if probing:
+                    rate.probe_tokens.append(n)
+                else:
+                    self._learn(rate, n)
+        if not probing:
             return
         self._probe_left -= 1
         if self._probe_left:
             return
+        if mode == "spec":
+            self._take_probe([rate for rate, _ in row_tokens])
         best, why = self.compare([rate for rate, _ in row_tokens])
         if best == self.mode:  # the probe confirmed the choice: look again later
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
@@ -122,14 +137,27 @@ class SpecGate:
             self._switch(best, why)
 
     def _learn(self, rate: RowRate, tokens: int) -> None:
-        rate.tokens_per_step = ema(rate.tokens_per_step, tokens)
-        self.pooled_tokens = ema(self.pooled_tokens, tokens)
+        rate.tokens_per_step = ema(rate.tokens_per_step, tokens, EMA_TOKENS)
+        self.pooled_tokens = ema(self.pooled_tokens, tokens, EMA_TOKENS)
+
+    def _take_probe(self, rates: list[RowRate]) -> None:
+        """A speculative probe ended: each row's mean over its probe steps becomes its
+        estimate (the pooled one: the mean over all of them)."""
+        taken = [n for r in rates for n in r.probe_tokens]
+        for r in rates:
+            if r.probe_tokens:
+                r.tokens_per_step = sum(r.probe_tokens) / len(r.probe_tokens)
+                r.probe_tokens.clear()
+        if taken:
+            self.pooled_tokens = sum(taken) / len(taken)
 
     def _switch(self, mode: str, why: str) -> None:
-        # The gap to the next probe is kept, not reset: a gate that keeps changing its mind
-        # (two modes about as fast, a noisy machine) probes ever more rarely all the same.
+        # The backoff starts over: the estimates that decided this may have moved by chance,
+        # and a wrong choice kept for up to MAX_BACKOFF steps costs far more (a draft model's
+        # acceptance is not measured at all while speculation is off) than probing again soon.
         self.switches.append({"step": self.steps, "to": mode, "reason": why})
         self.mode = mode
+        self._backoff = FIRST_BACKOFF
         self._next_probe = self.steps + self._probe_gap()
 
     def _probe_gap(self) -> int:

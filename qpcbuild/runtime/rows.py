@@ -79,6 +79,7 @@ class LoopTimes:
     target_calls: int = 0
     draft_calls: int = 0
     catch_up_calls: int = 0  # draft prefill-window calls over tokens decoded without it
+    catch_up_s: float = 0.0  # their seconds
     windows: dict[int, int] = field(default_factory=dict)  # verify steps per window K
     # verify steps per (live rows, the K the step allowed; 0 when the gate ran it plain):
     # shows the K schedule following the rows as they come and go

@@ -18,14 +18,16 @@ from ..compile.backends import HOST_BACKEND, backend_info, card_backend, get_bac
 from ..errors import UsageError
 
 ROOFLINE_ASSUMPTIONS = [
-    "each call reads every weight of its role once: matmul weights at 2 bytes per parameter "
-    "(fp16) or 25/32 byte (mxfp6), the embedding table at 2 bytes (as `plan`'s memory estimate)",
+    "each call reads every matmul weight of its role once (the layers and the LM head, a tied "
+    "model's included; a draft's vocabulary subset keeps only its rows) at 2 bytes per "
+    "parameter (fp16) or 25/32 byte (mxfp6), and of the fp16 embedding table only its tokens' "
+    "rows",
     "each call reads the KV cache up to its position and writes its new tokens: 2 x layers x "
     "kv_heads x head_dim elements per token at 2 bytes (float16) or 33/32 byte (mxint8), times "
     "the batch",
     "weights and KV are split evenly over the role's device group; its QIDs work in parallel",
-    "compute: 2 FLOPs per parameter per token, at the card's fp16 peak per QID (attention "
-    "over the context and activations ignored)",
+    "compute: 2 FLOPs per matmul parameter per token, at the card's fp16 peak per QID "
+    "(attention over the context and activations ignored)",
     "a call takes max(bytes / bandwidth, FLOPs / peak): no launch, host-transfer or "
     "synchronisation time, and the host loop's own time per step is 0",
 ]
@@ -134,12 +136,13 @@ def roofline_call_s(role, r, tokens: int, position: int, batch: int,
     from ..plan import KV_BYTES, WEIGHT_BYTES
 
     arch, n_dev = role.arch, len(role.device_group)
-    weights = ((arch.param_count - arch.embedding_param_count)
-               * WEIGHT_BYTES[r.precision.quantization]
-               + arch.embedding_param_count * 2.0) / n_dev
+    head_rows = role.vocab_subset["size"] if role.vocab_subset else None
+    # A call reads every MatMul weight, but only the embedding rows of its own tokens.
+    weights = (arch.matmul_param_count(head_rows) * WEIGHT_BYTES[r.precision.quantization]
+               + tokens * batch * arch.hidden_size * 2.0) / n_dev
     kv = arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype]) \
         * (position + tokens) * batch / n_dev
-    flops = 2.0 * arch.param_count * tokens * batch / n_dev
+    flops = 2.0 * arch.matmul_param_count(head_rows) * tokens * batch / n_dev
     mem_s = (weights + kv) / (fig["dram_gbs_per_qid"] * 1e9)
     compute_s = flops / (fig["fp16_tflops_per_qid"] * 1e12)
     return {"weight_bytes": weights, "kv_bytes": kv, "flops": flops, "memory_s": mem_s,
