@@ -123,7 +123,8 @@ def settled_counts(monkeypatch, late: bool = False, calls: int = 25, batch: int 
     monkeypatch.setattr(SpecGate, "choose", lambda self, rates: "plain")
     monkeypatch.setattr(SpecGate, "_shadow_gap", lambda self, live_rows: 0)
     learned, settled = [], []
-    monkeypatch.setattr(SpecGate, "_learn", lambda self, rate, tokens: learned.append(tokens))
+    monkeypatch.setattr(SpecGate, "_learn",
+                        lambda self, rate, tokens, *weight: learned.append(tokens))
     observe = SpecGate.observe_plain
 
     def watched(self, rate, token, live_rows):

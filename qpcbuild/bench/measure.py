@@ -191,6 +191,14 @@ def _our_cases(gens: dict, methods: list[str], policies, draft_p_min: float | No
     return ours, gated
 
 
+def _pass_order(cases: list, rep: int) -> list:
+    """Measured repeats alternate forward and reverse order (A B C, C B A, ...): whichever
+    configuration ran first in every pass would alone carry what running first costs (the
+    previous pass's state, drift within a pass); over pairs of repeats each place in the order
+    falls on every configuration. Repeat 0, the warm-up, runs forward."""
+    return cases[::-1] if rep and rep % 2 == 0 else cases
+
+
 def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, gens: dict,
                      gated: dict, warmup: list[list[int]], prompt_ids: list[list[int]],
                      repeats: int, probe, say: Say, turns: MemoryTurns | None = None) -> None:
@@ -206,12 +214,7 @@ def _run_interleaved(cases: list[tuple[Measure, Callable]], baseline: Measure, g
     peer_of = {p.name: p for p in (turns.peers if turns else [])}
     for rep in range(repeats + 1):
         warm = rep == 0
-        # Measured repeats alternate forward and reverse order (A B C, C B A, ...): whichever
-        # configuration ran first in every pass would alone carry what running first costs
-        # (the previous pass's state, drift within a pass); over pairs of repeats each place in
-        # the order falls on every configuration.
-        order = cases[::-1] if rep % 2 == 0 and not warm else cases
-        for meas, run in order:
+        for meas, run in _pass_order(cases, rep):
             if meas.error or meas.skipped:
                 continue
             if turns is not None:  # our bundle and a memory-heavy peer take turns in memory

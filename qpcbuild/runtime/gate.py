@@ -136,9 +136,9 @@ class SpecGate:
         else:
             self._switch(best, why)
 
-    def _learn(self, rate: RowRate, tokens: int) -> None:
-        rate.tokens_per_step = ema(rate.tokens_per_step, tokens, EMA_TOKENS)
-        self.pooled_tokens = ema(self.pooled_tokens, tokens, EMA_TOKENS)
+    def _learn(self, rate: RowRate, tokens: int, weight: float = EMA_TOKENS) -> None:
+        rate.tokens_per_step = ema(rate.tokens_per_step, tokens, weight)
+        self.pooled_tokens = ema(self.pooled_tokens, tokens, weight)
 
     def _take_probe(self, rates: list[RowRate]) -> None:
         """A speculative probe ended: each row's mean over its probe steps becomes its
@@ -185,7 +185,9 @@ class SpecGate:
             rate.shadow_hits += 1
             if rate.shadow_hits < len(rate.shadow):
                 return
-        self._learn(rate, rate.shadow_hits + 1)
+        # The faster weight: shadows are how a row gets back to speculating, and a return by
+        # chance costs little (a plain probe re-checks it after FIRST_BACKOFF steps).
+        self._learn(rate, rate.shadow_hits + 1, EMA)
         self.shadow_checks += 1
         rate.shadow, rate.shadow_hits = None, 0
         rate.shadow_wait = self._shadow_gap(live_rows)
