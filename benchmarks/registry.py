@@ -36,12 +36,14 @@ from qpcbuild.registry.reference import parse_reference  # noqa: E402
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]
 
 
-def compile_(recipe: Path, out: Path, cache: Path, *extra: str) -> tuple[dict, float]:
-    """(compile --json result, wall seconds of the whole process)."""
+def compile_(recipe: Path, out: Path | None, cache: Path, *extra: str) -> tuple[dict, float]:
+    """(compile --json result, wall seconds of the whole process). `out` None: the build
+    pushes (--push in `extra`), staging under the cache's folder."""
     t0 = time.perf_counter()
-    done = subprocess.run([*QPCBUILD, "compile", str(recipe), "-o", str(out), "--cache-dir",
-                           str(cache), "--json", *extra], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run([*QPCBUILD, "compile", str(recipe), *(["-o", str(out)] if out else []),
+                           "--cache-dir", str(cache), "--json", *extra], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          cwd=cache.parent)
     wall = time.perf_counter() - t0
     if done.returncode:
         sys.exit(f"compile failed: {done.stderr}")
@@ -57,16 +59,30 @@ def builds(recipe: Path, work: Path, server: RegistryServer, rounds: int) -> lis
                                    "--remote-cache", remote)
         warm, warm_wall = compile_(recipe, work / f"warm{r}", work / f"cache-warm{r}",
                                    "--remote-cache", remote)
-        assert {s["from"] for s in warm["stages"]} == {"remote"}, warm["stages"]
-        assert cold["bundle_id"] == seed["bundle_id"] == warm["bundle_id"]
+        # The same pair as CI ships it: built and pushed (`compile --push`), cold, and on a
+        # runner whose cache is the registry (artifacts mounted, not downloaded).
+        cold_push, cold_push_wall = compile_(recipe, None, work / f"cache-cpush{r}", "--push",
+                                             f"{server.address}/bench/cold{r}:v1")
+        warm_push, warm_push_wall = compile_(recipe, None, work / f"cache-wpush{r}", "--push",
+                                             f"{server.address}/bench/warm{r}:v1",
+                                             "--remote-cache", remote)
+        assert {s["from"] for s in warm["stages"] + warm_push["stages"]} == {"remote"}
+        assert len({b["bundle_id"] for b in (cold, seed, warm, cold_push, warm_push)}) == 1
         rows.append({"round": r, "cold_build_s": cold["seconds"], "cold_wall_s": cold_wall,
                      "seed_build_and_push_s": seed["seconds"], "seed_wall_s": seed_wall,
                      "warm_build_s": warm["seconds"], "warm_wall_s": warm_wall,
                      "speedup_build": cold["seconds"] / warm["seconds"],
-                     "speedup_wall": cold_wall / warm_wall, "bundle_id": warm["bundle_id"]})
+                     "speedup_wall": cold_wall / warm_wall, "bundle_id": warm["bundle_id"],
+                     "cold_push_s": cold_push["seconds"], "cold_push_wall_s": cold_push_wall,
+                     "cold_push_uploaded": cold_push["pushed"]["transferred_bytes"],
+                     "warm_push_s": warm_push["seconds"], "warm_push_wall_s": warm_push_wall,
+                     "warm_push_uploaded": warm_push["pushed"]["transferred_bytes"],
+                     "speedup_push": cold_push["seconds"] / warm_push["seconds"],
+                     "speedup_push_wall": cold_push_wall / warm_push_wall,
+                     "speedup_folder_to_push": cold["seconds"] / warm_push["seconds"]})
         print(json.dumps(rows[-1]), flush=True)
         for name in (f"cache-cold{r}", f"cache-seed{r}", f"cache-warm{r}", f"seed{r}",
-                     f"warm{r}"):
+                     f"warm{r}", f"cache-cpush{r}", f"cache-wpush{r}"):
             shutil.rmtree(work / name)
     return rows
 
@@ -162,7 +178,7 @@ def dedup(recipe: Path, bundle: Path, work: Path, cache: Path) -> dict:
             "bundle_b_bytes": sum(f.size for f in b.values()),
             "shared_bytes": shared, "stored_after_a": after_a, "stored_after_b": after_b,
             "added_by_b": after_b - after_a,
-            "target_graph_bytes": sum(f["size"] for p, f in b.items()
+            "target_graph_bytes": sum(f.size for p, f in b.items()
                                       if p.startswith("target/"))}
 
 
@@ -189,7 +205,9 @@ def main() -> None:
     report["dedup"] = dedup(args.recipe, bundle, work, work / "cache-dedup")
     print(json.dumps(report["dedup"]), flush=True)
     report["medians"] = {name: statistics.median(row[name] for row in report[part])
-                         for part, names in (("builds", ("speedup_build", "speedup_wall")),
+                         for part, names in (("builds", ("speedup_build", "speedup_wall",
+                                                         "speedup_push", "speedup_push_wall",
+                                                         "speedup_folder_to_push")),
                                              ("transfers", ("push_vs_cp", "pull_vs_cp")))
                          for name in names}
     print(json.dumps(report["medians"]), flush=True)

@@ -30,7 +30,8 @@ from platformdirs import user_cache_dir
 
 from .errors import UsageError
 from .progress import step
-from .tree import copy_tree, file_digest, hash_tree, is_executable
+from .delivered import DeliveredFiles
+from .tree import copy_tree, file_digest, hash_tree
 
 META = "cache-entry.json"
 ENTRY_FORMAT = 2
@@ -177,29 +178,52 @@ class Cache:
             return None
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = (),
-                known: DeliveredFiles | None = None) -> None:
+                known: DeliveredFiles | None = None, copy: bool = False) -> None:
         """Put an entry's files (or a folder of them) into a bundle: copies, so the bundle can
         never reach the cache. `known` learns the digests the entry recorded for them: the
         entry was checked against its record by the get_or_build that returned it (hashed
-        when made or pulled, re-hashed when reused), and a copy has the same bytes."""
-        copy_tree(entry, dst, skip=skip)
-        if known is not None:
-            recorded = self._recorded_files(entry)
+        when made or pulled, re-hashed when reused), and a copy has the same bytes. A bundle
+        that is pushed as it is built (`known.by_reference`) gets no copies unless `copy`
+        (something will read them there): `known` learns where each file's bytes are."""
+        recorded = {rel: meta for rel, meta in
+                    (self._recorded_files(entry) if known is not None else {}).items()
+                    if rel not in skip and rel.split("/")[0] not in skip}
+        if known is not None and known.by_reference and recorded and not copy:
             for rel, meta in recorded.items():
-                if rel not in skip and rel.split("/")[0] not in skip:
-                    known.add(Path(dst) / rel, meta)
+                known.add_elsewhere(Path(dst) / rel, meta, self.source_of(entry, rel))
+            return
+        copy_tree(self.materialize(entry), dst, skip=skip)
+        for rel, meta in recorded.items():
+            known.add(Path(dst) / rel, meta)
+
+    def source_of(self, entry: Path, rel: str) -> object:
+        """Where the bytes of the entry's file `rel` are (a path; the remote tier may name a
+        blob in the registry instead)."""
+        return Path(entry) / rel
+
+    def materialize(self, entry: Path) -> Path:
+        """The entry's folder with its files in it (the remote tier may have only named them
+        so far: see RemoteCache.defer_remote_bytes)."""
+        return Path(entry)
+
+    def defer_remote_bytes(self) -> None:
+        """Entries only the remote tier has stay there until their bytes are needed here
+        (a local cache has nothing to defer)."""
 
     def _recorded_files(self, folder: Path) -> dict[str, dict]:
         """The record's digests of the files under `folder` (an entry or a folder in one),
         relative to it; {} when `folder` is not inside this cache or has no record."""
         try:
             kind, key, *sub = Path(folder).relative_to(self.root).parts
-            record = json.loads((self.entry(kind, key) / META).read_text())["files"]
+            record = self._record_files(kind, key)
         except (ValueError, OSError, KeyError, TypeError):
             return {}
         prefix = "".join(f"{part}/" for part in sub)
         return {rel[len(prefix):]: meta for rel, meta in record.items()
                 if rel.startswith(prefix)}
+
+    def _record_files(self, kind: str, key: str) -> dict[str, dict]:
+        return json.loads((self.entry(kind, key) / META).read_text())["files"]
 
     # ------------------------------------------------------------ weights identity
     def weights_digest(self, files: list[Path]) -> str:
@@ -274,39 +298,6 @@ class Cache:
         return removed
 
 
-def _file_state(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-class DeliveredFiles:
-    """Files a cache put into a folder being sealed, with the digests their entry recorded,
-    so the seal reads only the files nobody has hashed yet. A delivered file whose size,
-    modification time or inode has changed since (something wrote over it) is not among
-    them: the seal hashes it."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self._files: dict[str, tuple[dict, tuple[int, int, int]]] = {}
-
-    def add(self, path: Path, meta: dict) -> None:
-        state = _file_state(path)
-        if state is not None and state[0] == meta["size"] and \
-                is_executable(path) == bool(meta.get("executable")):
-            rel = Path(path).relative_to(self.root).as_posix()
-            self._files[rel] = ({k: meta[k] for k in ("size", "sha256", "executable")
-                                 if k in meta}, state)
-
-    def unchanged(self) -> dict[str, dict]:
-        """{path: recorded size, sha256[, executable]} of the delivered files still as they
-        were delivered: the seal takes these instead of reading the files again."""
-        return {rel: meta for rel, (meta, state) in self._files.items()
-                if _file_state(self.root / rel) == state}
-
-
 def _remove(path: Path) -> bool:
     """Remove an entry whatever it has become: a folder, a file, or a link (never its target).
     Returns whether it is gone."""
@@ -370,8 +361,14 @@ class ScratchCache:
         return False
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = (),
-                known: DeliveredFiles | None = None) -> None:
+                known: DeliveredFiles | None = None, copy: bool = False) -> None:
         copy_tree(entry, dst, skip=skip, move=True)  # built here, never hashed: nothing known
+
+    def materialize(self, entry: Path) -> Path:
+        return Path(entry)
+
+    def defer_remote_bytes(self) -> None:
+        pass
 
     def weights_digest(self, files: list[Path]) -> str:
         return weights_digest(files)

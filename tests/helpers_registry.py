@@ -1,10 +1,12 @@
-"""The registry tests' two CLI steps, shared by test_registry.py and test_registry_signatures.py
-(their registry and demo bundle are session fixtures in conftest.py; the registry server itself
-is registry_server.py): compiling the demo recipe of a checkout, and pushing a bundle."""
+"""The registry tests' CLI steps, shared by test_registry.py, test_registry_signatures.py,
+test_remote_cache.py and test_compile_push.py (their registry and demo bundle are session
+fixtures in conftest.py; the registry server itself is registry_server.py): a checkout of the
+demo recipe, compiling it, and pushing a bundle."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -12,6 +14,27 @@ from typer.testing import CliRunner
 from qpcbuild.cli import app
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def demo_checkout(root: Path) -> Path:
+    """The demo recipe in a copy of the checkout (recipes and demo models): its recipe."""
+    shutil.copytree(REPO / "models" / "demo", root / "models" / "demo")
+    shutil.copytree(REPO / "recipes", root / "recipes")
+    return root / "recipes" / "demo.yaml"
+
+
+def compile_json(recipe: Path, out: Path, cache: Path, *extra: str) -> tuple[dict, str]:
+    """`compile RECIPE -o OUT --cache-dir CACHE --json ...`: (its result, its stderr)."""
+    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
+                                 str(cache), "--json", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), result.stderr
+
+
+def origins(result: dict) -> dict[str, str]:
+    """Where each stage of a compile --json result came from (local | remote | built)."""
+    return {s["stage"]: s["from"] for s in result["stages"]}
 
 
 def compile_demo(root: Path, out: Path, cache: Path, *extra: str) -> dict:

@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 import qpcbuild.bundle.build as build_mod
-from qpcbuild.cache import META, Cache, DeliveredFiles
+from qpcbuild.cache import META, Cache
+from qpcbuild.delivered import DeliveredFiles
 from qpcbuild.cli import app
 from qpcbuild.registry.artifact import _largest_beside_rest
 from qpcbuild.registry.writer import BackgroundWriter

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,20 +21,17 @@ from qpcbuild.cli import app
 from qpcbuild.plan import make_plan
 from qpcbuild.recipe import load_recipe
 from qpcbuild.registry.remote_cache import RemoteCache
+from helpers_registry import compile_json, demo_checkout, origins
 from registry_server import free_port, start_registry
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("checkout")
-    shutil.copytree(REPO / "models" / "demo", root / "models" / "demo")
-    shutil.copytree(REPO / "recipes", root / "recipes")
-    return root / "recipes" / "demo.yaml"
+    return demo_checkout(tmp_path_factory.mktemp("checkout"))
 
 
 @pytest.fixture
@@ -43,17 +39,6 @@ def registry(tmp_path):
     server = start_registry(tmp_path / "registry")
     yield server
     server.stop()
-
-
-def compile_json(recipe: Path, out: Path, cache: Path, *extra: str) -> tuple[dict, str]:
-    result = runner.invoke(app, ["compile", str(recipe), "-o", str(out), "--cache-dir",
-                                 str(cache), "--json", *extra])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout), result.stderr
-
-
-def origins(result: dict) -> dict[str, str]:
-    return {s["stage"]: s["from"] for s in result["stages"]}
 
 
 def test_a_second_runner_builds_from_hits_and_tags_record_the_key_inputs(recipe, registry,

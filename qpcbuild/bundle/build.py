@@ -16,7 +16,8 @@ from typing import Any, Callable
 import yaml
 
 from ..version import __version__
-from ..cache import Cache, DeliveredFiles, ScratchCache
+from ..cache import Cache, ScratchCache
+from ..delivered import DeliveredFiles
 from ..compile import Backend, BuildContext, get_backend
 from ..errors import UsageError
 from ..export import export_model
@@ -35,16 +36,23 @@ SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 Progress = Callable[[str, str, float], None]
 
 
+# compile --push: (staging folder with the sealed manifest, {file: where its bytes are}) ->
+# what was pushed (as JSON)
+Publish = Callable[[Path, dict[str, object]], dict[str, Any]]
+
+
 @dataclass
 class BuildResult:
-    bundle: Path | None  # None: only build units were built (into the cache)
+    bundle: Path | None  # None: only build units were built (into the cache), or pushed
     bundle_id: str | None
     seconds: float
     stages: list[dict[str, Any]] = field(default_factory=list)
+    pushed: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"bundle": self.bundle and str(self.bundle), "bundle_id": self.bundle_id,
-                "seconds": round(self.seconds, 2), "stages": self.stages}
+                "seconds": round(self.seconds, 2), "stages": self.stages,
+                **({"pushed": self.pushed} if self.pushed else {})}
 
 
 # ---------------------------------------------------------------- cache keys
@@ -234,6 +242,7 @@ class _Build:
             """The export entry, from the cache or built, on first use."""
             if role.role not in self.graphs:
                 entry, meta, reused = cache.get_or_build("exports", key, build, inputs["export"])
+                entry = cache.materialize(entry)  # the graph's bytes are wanted here
                 self.record(f"export {role.role}", reused, t0,
                             cache.origin("exports", key, reused))
                 self.graphs[role.role] = entry, meta
@@ -263,7 +272,8 @@ class _Build:
             todo = {name: b for name, b in self.backends.items() if self.wanted(name, rp.role)}
             if any(b.ships_graph for b in todo.values()):  # every backend builds from it
                 onnx_dir = staging / rp.role / "onnx"
-                cache.deliver(self.onnx_dirs[rp.role](), onnx_dir, known=self.ctx.delivered)
+                cache.deliver(self.onnx_dirs[rp.role](), onnx_dir, known=self.ctx.delivered,
+                              copy=True)
                 self.onnx_dirs[rp.role] = lambda onnx_dir=onnx_dir: onnx_dir
             for name, backend in todo.items():
                 t0 = time.perf_counter()
@@ -313,10 +323,13 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
                  emit_only: bool = False, compiler: str | None = None, jobs: int = 1,
                  progress: Progress | None = None,
                  manifest_extra: dict[str, Any] | None = None,
-                 units: set[str] | None = None) -> BuildResult:
+                 units: set[str] | None = None, push: Publish | None = None) -> BuildResult:
     """`cache=None`: build everything afresh and move it into the bundle (`--no-cache`).
     `manifest_extra`: more top-level manifest keys (e.g. `tuning`, the evidence for K).
     `units`: build only these units (unit_name) into the cache, and no bundle.
+    `push`: publish the sealed bundle with this instead of writing a folder at `out` (the
+    staging folder still goes next to it); files the cache has are named, not copied, and
+    the remote tier's are not downloaded unless something here reads them.
     Steps: check the toolchains -> export each role -> build each backend's artifacts ->
     assemble and seal -> publish."""
     start = time.perf_counter()
@@ -325,13 +338,19 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
     _require_weights(plan)
     backends = {name: get_backend(name) for name in r.backends}
     target_dir = _target_dir(plan)
-    _check_output(out)
+    if push is None:
+        _check_output(out)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
     remove_debris(out)
     with staging_folder(out) as staging:
         cache = cache or ScratchCache(staging / SCRATCH)
         cache.ensure_usable()
         cache.remove_debris()
-        delivered = DeliveredFiles(staging)  # what the cache put here, with checked digests
+        if push is not None:
+            cache.defer_remote_bytes()
+        # what the cache put here (or, pushing, names), with checked digests
+        delivered = DeliveredFiles(staging, by_reference=push is not None)
         ctx = BuildContext(plan, staging, emit_only, compiler, delivered)
         tools = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
         run = _Build(plan, cache, backends, ctx, units, progress or (lambda *a: None))
@@ -344,5 +363,9 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
             return BuildResult(None, None, time.perf_counter() - start, run.stages)
         manifest = _assemble_and_seal(run, out, target_dir, exports, built, tools,
                                       manifest_extra or {})
+        if push is not None:
+            pushed = push(staging, delivered.sources())
+            return BuildResult(None, manifest.bundle_id, time.perf_counter() - start,
+                               run.stages, pushed)
         publish(staging, out)
     return BuildResult(out, manifest.bundle_id, time.perf_counter() - start, run.stages)

@@ -127,6 +127,10 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             unit: Optional[str] = typer.Option(None, "--unit", help="Build only this unit (name "
                                                "or index from `plan --units`) into the cache; "
                                                "no bundle."),
+            push_ref: Optional[str] = typer.Option(
+                None, "--push", help="REGISTRY/REPO:TAG: publish the bundle there instead of "
+                "writing a folder (print the digest to pin); with --remote-cache, files the "
+                "cache's registry holds are mounted, never downloaded."),
             json_out: bool = typer.Option(False, "--json", help="One JSON result at the end.")):
     """Build the bundle: export both models, compile for each backend, write the manifest."""
     import tempfile
@@ -148,6 +152,10 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     if smoke_weights and (cache_dir or remote_cache or unit):
         raise UsageError("--smoke-weights builds without the cache (random weights are a check, "
                          "not an artifact to keep); drop --cache-dir, --remote-cache and --unit")
+    if push_ref is not None and (out is not None or unit is not None):
+        raise UsageError("--push publishes the bundle to a registry instead of a folder, so it "
+                         "cannot be combined with -o or --unit; to keep a folder too, build "
+                         "with -o and run `qpcbuild push DIR REF`")
     if no_cache and tune_k:
         raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
                          "built through the cache")
@@ -167,6 +175,7 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
                               f"own check contradicts: {problem}", soft_wrap=True)
         set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
+    push_to = _pusher(push_ref, insecure, json_out)  # a bad reference fails before any work
     r = load_recipe(recipe, set_ or [])
     # Smoke weights are a check, not an artifact: their random checkpoints and graphs live
     # only as long as this build (checkpoints in $TMPDIR, graphs moved into the bundle), never
@@ -198,19 +207,52 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             units = {select_unit(plan_units(plan_, cache, compiler), unit).name}
         result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only,
                               compiler=compiler, jobs=jobs, progress=progress,
-                              manifest_extra={"tuning": tuning} if tuning else None, units=units)
+                              manifest_extra={"tuning": tuning} if tuning else None, units=units,
+                              push=push_to and push_to(scratch))
     if json_out:
         emit_json({**result.to_dict(), **({"tuning": {
             "chosen_k": tuning["chosen_k"], "recommended_ks": tuning["recommended_ks"],
             "file": tuning.get("file", "manifest.json")}} if tuning else {})})
     elif units:
         console.print(f"unit {', '.join(units)} is in the cache ({result.seconds:.1f} s)")
+    elif result.pushed:
+        p = result.pushed
+        console.print(f"bundle id {result.bundle_id[:16]} built in {result.seconds:.1f} s and "
+                      f"pushed to {push_ref} ({p['files']} files, {p['bytes']:,} bytes, "
+                      f"{p['transferred_bytes']:,} uploaded)")
+        print(p["pinned"])
     else:
         console.print(f"bundle [bold]{result.bundle}[/] id {result.bundle_id[:16]} built in "
                       f"{result.seconds:.1f} s")
         if tuning is not None:
             console.print(f"K={tuning['chosen_k']} from tuning; evidence in "
                           f"{tuning.get('file', 'the manifest (key tuning)')}")
+
+
+def _pusher(ref: str | None, insecure: bool, quiet: bool):
+    """For compile --push: None, or (exit stack -> the build's publish step) that pushes the
+    sealed bundle under `ref` with a client the stack closes."""
+    if ref is None:
+        return None
+    from ..errors import UsageError
+    from ..registry.bundles import push_assembled
+    from ..registry.client import RegistryClient
+    from ..registry.reference import parse_reference
+
+    reference = parse_reference(ref, "--push")
+    if reference.digest:
+        raise UsageError(f"--push {ref}: push to a tag; the registry gives the digest")
+
+    def publish_with(stack):
+        client = stack.enter_context(RegistryClient(reference.registry, insecure))
+
+        def publish(staging: Path, sources: dict) -> dict:
+            done = push_assembled(staging, sources, reference, client,
+                                  None if quiet else progress_line)
+            return {"reference": str(reference), **done.to_dict(),
+                    "pinned": f"{reference.registry}/{reference.repository}@{done.digest}"}
+        return publish
+    return publish_with
 
 
 @app.command()

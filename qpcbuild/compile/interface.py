@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from ..cache import Cache, DeliveredFiles
+    from ..cache import Cache
+    from ..delivered import DeliveredFiles
     from ..plan import BuildPlan, RolePlan
 
 

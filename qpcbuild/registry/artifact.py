@@ -60,16 +60,24 @@ def _largest_beside_rest(files: dict[str, dict], transfer: Callable[[str, dict],
 
 def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
                 files: dict[str, dict], config: bytes, config_type: str, artifact_type: str,
-                annotations: dict[str, str], say: Say | None = None) -> Transfer:
+                annotations: dict[str, str], say: Say | None = None,
+                sources: dict[str, object] | None = None) -> Transfer:
     """Upload `files` ({relative path: {size, sha256[, executable]}}) under `root` as layers,
     then the config and the manifest under `tag`. The registry checks each blob against the
-    digest we name, so a file that changed since it was hashed is refused, not published."""
+    digest we name, so a file that changed since it was hashed is refused, not published.
+    `sources`: files whose bytes are elsewhere, a path or a blob with a `copy_to` (a bundle
+    pushed as it is built: cache.DeliveredFiles.sources)."""
     say = say or (lambda m: None)
+    sources = sources or {}
 
     def upload(rel: str, meta: dict) -> bool:
         digest = f"sha256:{meta['sha256']}"
+        source = sources.get(rel, root / rel)
         try:
-            sent_now = client.push_blob(repo, digest, meta["size"], path=root / rel)
+            if isinstance(source, Path):
+                sent_now = client.push_blob(repo, digest, meta["size"], path=source)
+            else:
+                sent_now = source.copy_to(client, repo, digest, meta["size"], root)
         except RegistryDigestMismatch:
             raise BundleError(f"{root / rel}: its bytes do not hash to the recorded digest "
                               f"{digest} (the registry refused them); nothing was tagged") \

@@ -69,18 +69,27 @@ def push_bundle(bundle: Path, ref: Reference, client: RegistryClient,
     if problems:
         raise BundleError(f"{bundle} does not match its manifest, so it is not pushed: "
                           + "; ".join(problems[:5]))
-    raw = (Path(bundle) / MANIFEST).read_bytes()
-    m = manifest_from_json(raw, str(Path(bundle) / MANIFEST))
-    files = {**m.file_list(), MANIFEST: {"size": len(raw), "sha256": _hex(raw)}}
     signed = read_signatures(bundle)  # a damaged file stops the push before any upload
-    transfer = push_folder(client, ref.repository, ref.pinned, Path(bundle), files, raw,
-                           BUNDLE_CONFIG, BUNDLE_ARTIFACT, bundle_annotations(m), say)
+    transfer = push_assembled(Path(bundle), {}, ref, client, say)
     if signed:
         referrers.attach(client, ref.repository,
                          {"mediaType": OCI_MANIFEST, "digest": transfer.digest,
                           "size": transfer.manifest_size},
                          SIGNATURES_ARTIFACT, (Path(bundle) / SIGNATURES).read_bytes())
     return transfer, len(signed)
+
+
+def push_assembled(staging: Path, sources: dict[str, object], ref: Reference,
+                   client: RegistryClient, say: Say | None = None) -> Transfer:
+    """Push a bundle just sealed in `staging` (compile --push), whose delivered files may
+    still be where the cache keeps them (`sources`): files in the remote cache's repository
+    are mounted, not downloaded; the rest are read from their entry or the staging folder.
+    The registry checks every uploaded blob against the sealed digest."""
+    raw = (staging / MANIFEST).read_bytes()
+    m = manifest_from_json(raw, str(staging / MANIFEST))
+    files = {**m.file_list(), MANIFEST: {"size": len(raw), "sha256": _hex(raw)}}
+    return push_folder(client, ref.repository, ref.pinned, staging, files, raw, BUNDLE_CONFIG,
+                       BUNDLE_ARTIFACT, bundle_annotations(m), say, sources)
 
 
 def fetch_signatures(client: RegistryClient, repo: str, digest: str, where: str,

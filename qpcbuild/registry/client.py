@@ -1,8 +1,6 @@
 """A small OCI distribution client on httpx: just what bundles and cache entries need.
 
-Why our own and not the `oras` SDK: oras-py reads credentials and speaks to the registry
-through `requests` with no way to resume a blob whose download broke off, and it checks
-nothing we can hook a bundle's own digests into. Here every blob streams in bounded pieces
+Our own, not the `oras` SDK (docs/registry.md says why): every blob streams in bounded pieces
 (memory stays flat for multi-GB layers), its SHA-256 is computed while the bytes arrive, a
 broken download continues from the last byte received (HTTP Range) and a broken upload from
 the last byte the registry confirms (the upload session's Range), and tokens, Basic auth and
@@ -291,14 +289,24 @@ class RegistryClient:
                     raise
         raise AssertionError("unreachable")
 
+    def mount_blob(self, repo: str, digest: str, from_repo: str) -> bool:
+        """Add a blob the registry holds in `from_repo` to `repo` without moving bytes; False
+        when it will not (it then opens an ordinary upload, which is cancelled here)."""
+        resp = self._send("POST", f"/v2/{repo}/blobs/uploads/?mount={digest}&from={from_repo}",
+                          repo, push=True)
+        if resp.status_code == 202 and resp.headers.get("Location"):
+            self._send("DELETE", resp.headers["Location"], repo, push=True).close()
+        elif resp.status_code != 201:
+            raise self._fail(resp, f"mounting {digest} from {from_repo}")
+        return resp.status_code == 201
+
     def _start_upload(self, repo: str, digest: str) -> str:
         resp = self._send("POST", f"/v2/{repo}/blobs/uploads/", repo, push=True)
         if resp.status_code != 202:
             raise self._fail(resp, f"starting the upload of {digest}")
         return resp.headers["Location"]
 
-    def _upload_chunks(self, repo: str, location: str, digest: str, size: int,
-                       path: Path) -> bool:
+    def _upload_chunks(self, repo: str, location: str, digest: str, size: int, path: Path) -> bool:
         offset, failures = 0, 0
         while offset < size:
             length = min(UPLOAD_CHUNK, size - offset)

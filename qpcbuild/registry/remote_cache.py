@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ..cache import META, Cache
+from ..delivered import sealed_fields
 from ..errors import UsageError
 from .artifact import download_folder, layer_files, push_folder, read_artifact
 from .client import RegistryClient
@@ -50,6 +52,9 @@ class RemoteCache(Cache):
         self.origins: dict[tuple[str, str], str] = {}
         self._warned = threading.Lock()
         self._pulled: dict[Path, dict[str, dict]] = {}  # entry folder -> its checked digests
+        self._defer = False  # defer_remote_bytes: remote hits are named, not downloaded
+        # (kind, key) -> (its checked files, and how to get the entry when its bytes are needed)
+        self._deferred: dict[tuple[str, str], tuple[dict[str, dict], Callable, dict | None]] = {}
 
     def tag(self, kind: str, key: str) -> str:
         return f"{kind}-{key}"
@@ -96,9 +101,57 @@ class RemoteCache(Cache):
         # A pulled entry was hashed as it arrived; a built one is hashed now.
         return self._pulled.pop(tmp, None) or super()._files(tmp)
 
+    # ------------------------------------------------------------ entries left in the registry
+    def defer_remote_bytes(self) -> None:
+        """For a bundle pushed as it is built (compile --push): an entry only the registry
+        has is returned at its local path without being downloaded; its files are delivered
+        by reference (RemoteBlob) and the push mounts them from this repository. Whatever
+        needs the bytes here (a build from a graph) calls materialize() first."""
+        self._defer = True
+
+    def source_of(self, entry: Path, rel: str) -> object:
+        # A local entry is in the registry too (shared when it was used), so the push mounts
+        # it like a remote one and uploads the local file only where the mount is refused.
+        local = None if self._deferred_key(entry) else super().source_of(entry, rel)
+        return local if self.down else RemoteBlob(self.client, self.remote.repository, local)
+
+    def materialize(self, entry: Path) -> Path:
+        found = self._deferred_key(entry)
+        if found is None:
+            return Path(entry)
+        _, build, inputs = self._deferred[found]
+        entry = self._pull_or_build(*found, build, inputs)[0]
+        self._deferred.pop(found, None)  # its files are here now
+        return entry
+
+    def _deferred_key(self, entry: Path) -> tuple[str, str] | None:
+        try:
+            kind, key = Path(entry).relative_to(self.root).parts[:2]
+        except ValueError:
+            return None
+        return (kind, key) if (kind, key) in self._deferred else None
+
+    def _record_files(self, kind: str, key: str) -> dict[str, dict]:
+        if (kind, key) in self._deferred:
+            return self._deferred[(kind, key)][0]
+        return super()._record_files(kind, key)
+
     def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
                      inputs: dict[str, Any] | None = None
                      ) -> tuple[Path, dict[str, Any], bool]:
+        if self._defer and not super().has(kind, key):
+            found = self._remote_entry(kind, key)
+            if found is not None:
+                record, files = found
+                self._deferred[(kind, key)] = ({p: sealed_fields(m) for p, m in files.items()},
+                                               build, inputs)
+                self.origins[(kind, key)] = "remote"
+                return self.entry(kind, key), record["meta"], True
+        return self._pull_or_build(kind, key, build, inputs)
+
+    def _pull_or_build(self, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
+                       inputs: dict[str, Any] | None) -> tuple[Path, dict[str, Any], bool]:
+        """The local entry: reused, else pulled from the registry, else built and pushed."""
         pulled = []
 
         def pull_or_build(tmp: Path) -> dict[str, Any]:
@@ -127,13 +180,14 @@ class RemoteCache(Cache):
                 self.say(f"remote cache {self.remote.registry}/{self.remote.repository} not "
                          f"used for the rest of this build ({doing}: {exc}); building locally")
 
-    def _pull(self, kind: str, key: str, tmp: Path) -> dict[str, Any] | None:
-        """Fill `tmp` from the registry and return the entry's metadata, or None (a miss)."""
+    def _remote_entry(self, kind: str, key: str) -> tuple[dict, dict[str, dict]] | None:
+        """The registry's entry for the key: its record and its layers' files, checked to
+        describe this entry; None when there is none, or it cannot be used (said)."""
         if self.down:
             return None
-        repo, tag = self.remote.repository, self.tag(kind, key)
+        tag = self.tag(kind, key)
         try:
-            oci, _, raw = read_artifact(self.client, repo, tag, CACHE_ARTIFACT)
+            oci, _, raw = read_artifact(self.client, self.remote.repository, tag, CACHE_ARTIFACT)
         except RegistryNotFound:
             return None
         except RegistryError as exc:  # down, or refusing us
@@ -145,17 +199,29 @@ class RemoteCache(Cache):
             recorded = {p: {"size": m["size"], "sha256": m["sha256"],
                             "executable": bool(m.get("executable"))}
                         for p, m in record["files"].items()}
-            if record.get("kind") != kind or record.get("key") != key or recorded != files:
+            if record.get("kind") != kind or record.get("key") != key or recorded != files \
+                    or not isinstance(record.get("meta"), dict):
                 raise RegistryError("its record and layers do not describe this entry")
-            download_folder(self.client, repo, files, tmp)
-            self._pulled[tmp] = {p: {"size": m["size"], "sha256": m["sha256"],
-                                     **({"executable": True} if m["executable"] else {})}
-                                 for p, m in files.items()}
+            return record, files
+        except (RegistryError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.say(f"remote cache entry {self.where(kind, key)} is unusable ({exc}); "
+                     "building it here")
+            return None
+
+    def _pull(self, kind: str, key: str, tmp: Path) -> dict[str, Any] | None:
+        """Fill `tmp` from the registry and return the entry's metadata, or None (a miss)."""
+        found = self._remote_entry(kind, key)
+        if found is None:
+            return None
+        record, files = found
+        tag = self.tag(kind, key)
+        try:
+            download_folder(self.client, self.remote.repository, files, tmp)
+            self._pulled[tmp] = {p: sealed_fields(m) for p, m in files.items()}
             return record["meta"]
         except RegistryUnavailable as exc:
             self._skip(exc, f"pulling {tag}")
-        except (RegistryError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            # damaged bytes, a blob gone missing, a record that does not fit: not our entry
+        except RegistryError as exc:  # damaged bytes, a blob gone missing: not our entry
             self.say(f"remote cache entry {self.where(kind, key)} is unusable ({exc}); "
                      "building it here")
         for child in list(tmp.iterdir()):  # the local build starts from an empty folder
@@ -181,6 +247,34 @@ class RemoteCache(Cache):
                         CACHE_ARTIFACT, annotations)
         except RegistryError as exc:
             self._skip(exc, f"pushing {tag}")
+
+
+@dataclass(frozen=True)
+class RemoteBlob:
+    """A bundle file delivered by reference from the remote cache: a blob in `repository`,
+    and, for an entry of the local cache, also the file `local`."""
+    client: RegistryClient
+    repository: str
+    local: Path | None = None
+
+    def copy_to(self, client: RegistryClient, repo: str, digest: str, size: int,
+                scratch: Path) -> bool:
+        """Put the blob into `repo` on `client`'s registry: mounted from the cache's repository
+        (no bytes move) on the same registry, else uploaded from the local file or downloaded
+        into `scratch` (checked) and uploaded. True when bytes were uploaded."""
+        if client.has_blob(repo, digest):
+            return False
+        if client.registry == self.client.registry and \
+                client.mount_blob(repo, digest, self.repository):
+            return False
+        if self.local is not None:
+            return client.push_blob(repo, digest, size, path=self.local)
+        tmp = scratch / f".blob-{digest.partition(':')[2][:16]}"
+        try:
+            self.client.download_blob(self.repository, digest, size, tmp)
+            return client.push_blob(repo, digest, size, path=tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def open_cache(root: Path | None, remote: str | None, required: bool = False,

@@ -14,8 +14,15 @@ the gap between probes doubling each time a probe confirms the choice (backoff) 
 over after a switch. A speculative probe's own steps replace the acceptance estimate of its
 rows (fresh evidence, where the running estimate had stopped moving while speculation was off);
 between probes acceptance follows a slow running average, so that a few unlucky steps of
-sampled decoding do not turn speculation off. Which tokens come out never depends on the choice
-(every step is verified by the target as always), so output stays lossless.
+sampled decoding do not turn speculation off. The two directions ask for different evidence:
+speculation is turned off only when even its estimate plus 0.75 standard errors (from the
+step-to-step spread of tokens per step, which under sampling is as large as the gain) loses,
+and a probe that finds speculation behind but within that error does not lengthen the gap to
+the next one; speculation is turned on by the estimate itself. A gain that is real but small
+next to the spread is then kept instead of being lost by chance, at the price of keeping a
+speculation that loses by less than that error a little longer. Which tokens come out never
+depends on the choice (every step is verified by the target as always), so output stays
+lossless.
 
 Shadow proposals (model-free proposers only): while speculation is off, a row now and then asks
 its proposer what it would propose and matches that against the tokens the plain steps then
@@ -45,6 +52,12 @@ PROBE_STEPS = {"spec": 4, "plain": 2}  # a probe's length per mode (acceptance n
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512  # steps between probes of the losing mode
 MARGIN = 0.05  # the other mode must be this much faster to switch (noise is not a reason)
 SPIKE = 2.0  # a step slower than this x the estimate counts as this x (a busy machine's stall)
+# Standard errors by which speculation's estimate must lose before it is turned off. In
+# benchmarks/gate_simulation.py (sampled steps, one gate across short requests) 0.75 kept
+# 97-100% of fixed K's gain where speculation paid and stayed at or above 0.98x of plain
+# decoding where it did not; 0 (a symmetric switch) kept 90-92% of the gain, 1.0 went down to
+# 0.97x on the losing side (docs/adaptive.md).
+EVIDENCE_Z = 0.75
 SHADOW_BUDGET = 0.02  # shadow proposals may cost this share of the plain steps' time
 
 
@@ -62,6 +75,7 @@ class RowRate:
     shadow proposal checked. `shadow`: a proposal made before a plain step and not verified,
     of which the plain steps' tokens have matched `shadow_hits` so far."""
     tokens_per_step: float | None = None
+    samples: int = 0  # steps (or settled shadows) behind the estimate
     shadow: list[int] | None = None
     shadow_hits: int = 0
     shadow_wait: int = 0  # plain steps before the row's next shadow proposal
@@ -76,6 +90,9 @@ class SpecGate:
     step_s: dict[str, float | None] = field(default_factory=lambda: {"spec": None,
                                                                      "plain": None})
     pooled_tokens: float | None = None  # tokens per row-step while speculating, all rows
+    pooled_samples: int = 0
+    # mean squared deviation of a row-step's tokens from its row's estimate (EMA_TOKENS)
+    spread: float | None = None
     steps: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: {"spec": 0, "plain": 0})
     switches: list[dict] = field(default_factory=list)
@@ -129,16 +146,28 @@ class SpecGate:
             return
         if mode == "spec":
             self._take_probe([rate for rate, _ in row_tokens])
-        best, why = self.compare([rate for rate, _ in row_tokens])
-        if best == self.mode:  # the probe confirmed the choice: look again later
-            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
-            self._next_probe = self.steps + self._probe_gap()
-        else:
+        rates = [rate for rate, _ in row_tokens]
+        best, why = self.compare(rates)
+        if best != self.mode:
             self._switch(best, why)
+            return
+        # The probe confirmed the choice: look again later, and later still each time, unless
+        # it was a speculative probe that lost by less than its error (inconclusive).
+        if mode == "plain" or self._spec_rates(rates)[1] * (1 + MARGIN) < self._plain_rate(rates):
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        self._next_probe = self.steps + self._probe_gap()
 
     def _learn(self, rate: RowRate, tokens: int, weight: float = EMA_TOKENS) -> None:
-        rate.tokens_per_step = ema(rate.tokens_per_step, tokens, weight)
-        self.pooled_tokens = ema(self.pooled_tokens, tokens, weight)
+        # The plain mean of the steps so far until there are 1 / weight of them, then the
+        # running average: an EMA seeded with the first step would let that one step (under
+        # sampling, often a single token) weigh 0.9, 0.81, ... for the rest of a short request.
+        if rate.tokens_per_step is not None:
+            self.spread = ema(self.spread, (tokens - rate.tokens_per_step) ** 2, EMA_TOKENS)
+        rate.samples += 1
+        self.pooled_samples += 1
+        rate.tokens_per_step = ema(rate.tokens_per_step, tokens, max(weight, 1 / rate.samples))
+        self.pooled_tokens = ema(self.pooled_tokens, tokens,
+                                 max(weight, 1 / self.pooled_samples))
 
     def _take_probe(self, rates: list[RowRate]) -> None:
         """A speculative probe ended: each row's mean over its probe steps becomes its
@@ -146,10 +175,13 @@ class SpecGate:
         taken = [n for r in rates for n in r.probe_tokens]
         for r in rates:
             if r.probe_tokens:
-                r.tokens_per_step = sum(r.probe_tokens) / len(r.probe_tokens)
+                mean = sum(r.probe_tokens) / len(r.probe_tokens)
+                for n in r.probe_tokens:
+                    self.spread = ema(self.spread, (n - mean) ** 2, EMA_TOKENS)
+                r.tokens_per_step, r.samples = mean, len(r.probe_tokens)
                 r.probe_tokens.clear()
         if taken:
-            self.pooled_tokens = sum(taken) / len(taken)
+            self.pooled_tokens, self.pooled_samples = sum(taken) / len(taken), len(taken)
 
     def _switch(self, mode: str, why: str) -> None:
         # The backoff starts over: the estimates that decided this may have moved by chance,
@@ -205,23 +237,41 @@ class SpecGate:
         steps = math.ceil(live_rows * self.shadow_s / (SHADOW_BUDGET * plain_s))
         return min(max(steps - 1, 0), MAX_BACKOFF)
 
+    def _spec_rates(self, rates: list[RowRate]) -> tuple[float, float]:
+        """Speculation's new tokens per second for these rows: the estimate, and the estimate
+        plus EVIDENCE_Z standard errors. A row's estimate averages about (2 - w) / w steps
+        (an EMA of weight w), or the steps it has had, whichever is fewer."""
+        horizon = (2 - EMA_TOKENS) / EMA_TOKENS
+        tokens = variance = 0.0
+        for r in rates:
+            if r.tokens_per_step is None:  # a new row: the pooled estimate, one step's error
+                tokens += self.pooled_tokens or 1.0
+                variance += self.spread or 0.0
+            else:
+                tokens += r.tokens_per_step
+                variance += (self.spread or 0.0) / min(max(r.samples, 1), horizon)
+        spec_s = self.step_s["spec"]
+        return tokens / spec_s, (tokens + EVIDENCE_Z * math.sqrt(variance)) / spec_s
+
+    def _plain_rate(self, rates: list[RowRate]) -> float:
+        return len(rates) / self.step_s["plain"]
+
     def compare(self, rates: list[RowRate]) -> tuple[str, str]:
         """The faster mode for these rows by the current estimates, and why."""
         spec_s, plain_s = self.step_s["spec"], self.step_s["plain"]
         if spec_s is None or plain_s is None or not rates:
             return self.mode, "not measured yet"
-        per_row = [r.tokens_per_step if r.tokens_per_step is not None else
-                   (self.pooled_tokens or 1.0) for r in rates]
-        spec_rate = sum(per_row) / spec_s
-        plain_rate = len(rates) / plain_s
-        # the current mode stays unless the other is faster by MARGIN
+        spec_rate, spec_high = self._spec_rates(rates)
+        plain_rate = self._plain_rate(rates)
+        # The current mode stays unless the other is faster by MARGIN; speculation is turned
+        # off only when it loses even by its estimate plus its error.
         if self.mode == "spec":
-            best = "spec" if spec_rate * (1 + MARGIN) >= plain_rate else "plain"
+            best = "spec" if spec_high * (1 + MARGIN) >= plain_rate else "plain"
         else:
             best = "plain" if plain_rate * (1 + MARGIN) >= spec_rate else "spec"
-        why = (f"speculating {spec_rate:.1f} new tokens/s ({sum(per_row) / len(rates):.2f} per "
-               f"row-step, {spec_s * 1e3:.2f} ms/step) vs plain {plain_rate:.1f} "
-               f"({plain_s * 1e3:.2f} ms/step)")
+        why = (f"speculating {spec_rate:.1f} new tokens/s (at most {spec_high:.1f}; "
+               f"{spec_rate * spec_s / len(rates):.2f} per row-step, {spec_s * 1e3:.2f} ms/step) "
+               f"vs plain {plain_rate:.1f} ({plain_s * 1e3:.2f} ms/step)")
         return best, why
 
     def report(self) -> dict:

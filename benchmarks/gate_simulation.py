@@ -1,0 +1,80 @@
+"""The goodput gate alone (qpcbuild/runtime/gate.py), on simulated sampled decoding: how much of
+fixed K's gain `policy: auto` keeps where speculation pays, and how close to plain decoding it
+stays where speculation loses.
+
+A speculative step proposes K tokens; each is accepted with probability `a` until the first
+rejection (tokens per step: 1 plus the accepted prefix, 1 to K+1, as under speculative
+sampling); it costs `spec_ms`, a plain step 1 token for `plain_ms`. One gate serves a stream of
+short requests (a new row each, as the engine keeps its gates across calls). No model runs: the
+only thing measured is the gate's choices, so the numbers are exact for the simulated costs and
+say nothing about noise in real step times.
+
+Usage: python benchmarks/gate_simulation.py [--json-out FILE]
+(PYTHONPATH=CHECKOUT python benchmarks/gate_simulation.py measures another checkout's gate.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+from qpcbuild.runtime.gate import RowRate, SpecGate
+
+
+def run(a: float, k: int, spec_ms: float, plain_ms: float, requests: int, tokens: int,
+        seed: int) -> dict:
+    rng = random.Random(seed)
+    gate, made, seconds, spec_steps, steps = SpecGate("auto"), 0, 0.0, 0, 0
+    for _ in range(requests):
+        row, got = RowRate(), 0
+        while got < tokens:
+            mode = gate.choose([row])
+            n = 1
+            if mode == "spec":
+                while n <= k and rng.random() < a:
+                    n += 1
+            step_s = (spec_ms if mode == "spec" else plain_ms) / 1e3
+            gate.record(mode, step_s, [(row, n)])
+            got, seconds, steps = got + n, seconds + step_s, steps + 1
+            spec_steps += mode == "spec"
+        made += got
+    return {"x_plain": made / seconds * plain_ms / 1e3, "spec_share": spec_steps / steps,
+            "switches": len(gate.switches)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--spec-ms", type=float, default=10.0)
+    ap.add_argument("--plain-ms", type=float, default=5.0)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    rows = []
+    print("| acceptance a | tokens per step | fixed K (x plain) | auto (x plain) | auto, worst seed "
+          "| auto / fixed | steps speculating |")
+    print("|---|---|---|---|---|---|---|")
+    for a in (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8):
+        mean_tokens = sum(a ** j for j in range(args.k + 1))
+        fixed = mean_tokens / args.spec_ms * args.plain_ms
+        runs = [run(a, args.k, args.spec_ms, args.plain_ms, args.requests, args.tokens, seed)
+                for seed in range(args.seeds)]
+        auto = statistics.mean(r["x_plain"] for r in runs)
+        rows.append({"a": a, "tokens_per_step": mean_tokens, "fixed_x_plain": fixed,
+                     "auto_x_plain": auto, "auto_worst": min(r["x_plain"] for r in runs),
+                     "spec_share": statistics.mean(r["spec_share"] for r in runs),
+                     "runs": runs})
+        print(f"| {a} | {mean_tokens:.2f} | {fixed:.3f} | {auto:.3f} | {rows[-1]['auto_worst']:.3f}"
+              f" | {auto / fixed:.3f} | {rows[-1]['spec_share']:.2f} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"settings": vars(args), "rows": rows}, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
