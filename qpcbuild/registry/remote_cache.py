@@ -113,7 +113,9 @@ class RemoteCache(Cache):
         # A local entry is in the registry too (shared when it was used), so the push mounts
         # it like a remote one and uploads the local file only where the mount is refused.
         local = None if self._deferred_key(entry) else super().source_of(entry, rel)
-        return local if self.down else RemoteBlob(self.client, self.remote.repository, local)
+        if self.down and local is not None:
+            return local
+        return RemoteBlob(self.client, self.remote.repository, local)
 
     def materialize(self, entry: Path) -> Path:
         found = self._deferred_key(entry)
