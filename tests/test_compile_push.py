@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from qpcbuild.bundle import read_manifest, verify_bundle
 from qpcbuild.cli import app
 from helpers_registry import compile_json, demo_checkout, origins
-from registry_server import start_registry
+from registry_server import free_port, start_registry
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -140,6 +140,11 @@ def test_push_flags_that_contradict_are_refused_before_any_work(recipe, tmp_path
         result = runner.invoke(app, ["compile", str(recipe), *argv])
         assert result.exit_code == 2 and named in result.output, (argv, result.output)
     assert not (tmp_path / "o").exists()
+    # a registry that is not there: a failure before the build, not after it
+    down = runner.invoke(app, ["compile", str(recipe), "--cache-dir", str(tmp_path / "cache"),
+                               "--push", f"127.0.0.1:{free_port()}/x/y:v1"])
+    assert down.exit_code == 1 and "not reachable" in down.output, down.output
+    assert not list(tmp_path.glob("cache/*/*/cache-entry.json"))
 
 
 def test_a_mount_the_registry_will_not_do_is_cancelled_and_reported(registries):

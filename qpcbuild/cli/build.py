@@ -245,6 +245,7 @@ def _pusher(ref: str | None, insecure: bool, quiet: bool):
 
     def publish_with(stack):
         client = stack.enter_context(RegistryClient(reference.registry, insecure))
+        client.ping()  # a registry that is not there fails now, not after the build
 
         def publish(staging: Path, sources: dict) -> dict:
             done = push_assembled(staging, sources, reference, client,
