@@ -52,6 +52,9 @@ class RemoteCache(Cache):
         self.origins: dict[tuple[str, str], str] = {}
         self._warned = threading.Lock()
         self._pulled: dict[Path, dict[str, dict]] = {}  # entry folder -> its checked digests
+        # (kind, key) -> the registry's entry as _remote_entry found it (None: unusable), so
+        # that has(), record_meta() and the pull read each artifact's manifest once
+        self._looked_up: dict[tuple[str, str], tuple[dict, dict[str, dict]] | None] = {}
         self._defer = False  # defer_remote_bytes: remote hits are named, not downloaded
         # (kind, key) -> (its checked files, and how to get the entry when its bytes are needed)
         self._deferred: dict[tuple[str, str], tuple[dict[str, dict], Callable, dict | None]] = {}
@@ -83,19 +86,8 @@ class RemoteCache(Cache):
 
     def _remote_record(self, kind: str, key: str) -> dict | None:
         """The remote entry's record (its config blob: small), or None when there is none."""
-        if self.down:
-            return None
-        try:
-            _, _, raw = read_artifact(self.client, self.remote.repository, self.tag(kind, key),
-                                      CACHE_ARTIFACT)
-            return json.loads(raw)
-        except RegistryNotFound:
-            return None
-        except RegistryError as exc:
-            self._skip(exc, f"looking up {self.tag(kind, key)}")
-        except ValueError:
-            pass
-        return None
+        found = self._remote_entry(kind, key)
+        return found[0] if found else None
 
     def _files(self, tmp: Path) -> dict[str, dict]:
         # A pulled entry was hashed as it arrived; a built one is hashed now.
@@ -184,9 +176,11 @@ class RemoteCache(Cache):
 
     def _remote_entry(self, kind: str, key: str) -> tuple[dict, dict[str, dict]] | None:
         """The registry's entry for the key: its record and its layers' files, checked to
-        describe this entry; None when there is none, or it cannot be used (said)."""
+        describe this entry; None when there is none, or it cannot be used (said once)."""
         if self.down:
             return None
+        if (kind, key) in self._looked_up:
+            return self._looked_up[(kind, key)]
         tag = self.tag(kind, key)
         try:
             oci, _, raw = read_artifact(self.client, self.remote.repository, tag, CACHE_ARTIFACT)
@@ -204,11 +198,13 @@ class RemoteCache(Cache):
             if record.get("kind") != kind or record.get("key") != key or recorded != files \
                     or not isinstance(record.get("meta"), dict):
                 raise RegistryError("its record and layers do not describe this entry")
-            return record, files
+            found = record, files
         except (RegistryError, ValueError, KeyError, TypeError, AttributeError) as exc:
             self.say(f"remote cache entry {self.where(kind, key)} is unusable ({exc}); "
                      "building it here")
-            return None
+            found = None
+        self._looked_up[(kind, key)] = found  # (not a miss: a racing builder may push it)
+        return found
 
     def _pull(self, kind: str, key: str, tmp: Path) -> dict[str, Any] | None:
         """Fill `tmp` from the registry and return the entry's metadata, or None (a miss)."""

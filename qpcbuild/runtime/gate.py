@@ -153,7 +153,7 @@ class SpecGate:
             return
         # The probe confirmed the choice: look again later, and later still each time, unless
         # it was a speculative probe that lost by less than its error (inconclusive).
-        if mode == "plain" or self._spec_rates(rates)[1] * (1 + MARGIN) < self._plain_rate(rates):
+        if mode == "plain" or self._spec_loses(rates):
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         self._next_probe = self.steps + self._probe_gap()
 
@@ -253,8 +253,9 @@ class SpecGate:
         spec_s = self.step_s["spec"]
         return tokens / spec_s, (tokens + EVIDENCE_Z * math.sqrt(variance)) / spec_s
 
-    def _plain_rate(self, rates: list[RowRate]) -> float:
-        return len(rates) / self.step_s["plain"]
+    def _spec_loses(self, rates: list[RowRate]) -> bool:
+        """Plain decoding is faster by MARGIN even than speculation's estimate plus its error."""
+        return self._spec_rates(rates)[1] * (1 + MARGIN) < len(rates) / self.step_s["plain"]
 
     def compare(self, rates: list[RowRate]) -> tuple[str, str]:
         """The faster mode for these rows by the current estimates, and why."""
@@ -262,11 +263,11 @@ class SpecGate:
         if spec_s is None or plain_s is None or not rates:
             return self.mode, "not measured yet"
         spec_rate, spec_high = self._spec_rates(rates)
-        plain_rate = self._plain_rate(rates)
+        plain_rate = len(rates) / plain_s
         # The current mode stays unless the other is faster by MARGIN; speculation is turned
         # off only when it loses even by its estimate plus its error.
         if self.mode == "spec":
-            best = "spec" if spec_high * (1 + MARGIN) >= plain_rate else "plain"
+            best = "plain" if self._spec_loses(rates) else "spec"
         else:
             best = "plain" if plain_rate * (1 + MARGIN) >= spec_rate else "spec"
         why = (f"speculating {spec_rate:.1f} new tokens/s (at most {spec_high:.1f}; "

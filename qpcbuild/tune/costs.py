@@ -138,11 +138,12 @@ def roofline_call_s(role, r, tokens: int, position: int, batch: int,
     arch, n_dev = role.arch, len(role.device_group)
     head_rows = role.vocab_subset["size"] if role.vocab_subset else None
     # A call reads every MatMul weight, but only the embedding rows of its own tokens.
-    weights = (arch.matmul_param_count(head_rows) * WEIGHT_BYTES[r.precision.quantization]
+    matmul_params = arch.matmul_param_count(head_rows)
+    weights = (matmul_params * WEIGHT_BYTES[r.precision.quantization]
                + tokens * batch * arch.hidden_size * 2.0) / n_dev
     kv = arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype]) \
         * (position + tokens) * batch / n_dev
-    flops = 2.0 * arch.matmul_param_count(head_rows) * tokens * batch / n_dev
+    flops = 2.0 * matmul_params * tokens * batch / n_dev
     mem_s = (weights + kv) / (fig["dram_gbs_per_qid"] * 1e9)
     compute_s = flops / (fig["fp16_tflops_per_qid"] * 1e12)
     return {"weight_bytes": weights, "kv_bytes": kv, "flops": flops, "memory_s": mem_s,
