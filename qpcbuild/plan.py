@@ -10,6 +10,7 @@ import hashlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .version import __version__
@@ -244,15 +245,16 @@ def _per_qid(roles: list[RolePlan], card: dict[str, Any],
     return core_rows, mem_rows
 
 
-def make_plan(r: Recipe, compiler: str | None = None) -> BuildPlan:
-    """Resolve models (configs only), check what needs them, and decide everything."""
+def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = None) -> BuildPlan:
+    """Resolve models (configs only), check what needs them, and decide everything.
+    `memo_dir`: where checks of unchanged files are remembered (the cache's digests folder)."""
     sources, subset = _resolve_sources(r)
     warnings = [str(w) for w in r.warnings]
     configs = {role: src.config for role, src in sources.items()}
     for name, backend in BACKEND_PLANS.items():
         if name in r.backends:
             warnings += backend.warnings(r, configs)
-    tok = alignment(sources["target"], sources.get("draft"))
+    tok = alignment(sources["target"], sources.get("draft"), memo_dir)
     if tok["verdict"] == "incompatible":
         raise RecipeError(r.source, [Problem("draft.model", "target and draft "
                           f"tokenizers are incompatible: {tok['detail']}", r.line_of("draft.model"))])

@@ -36,10 +36,11 @@ def free_port() -> int:
 
 
 class RegistryServer:
-    def __init__(self, root: Path, htpasswd: Path | None = None):
+    def __init__(self, root: Path, htpasswd: Path | None = None, auth_config: str = ""):
         self.root = Path(root)
         self.storage = self.root / "storage"
         self.htpasswd = htpasswd
+        self.auth_config = auth_config  # an `auth:` section of its own (a token service)
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -51,7 +52,7 @@ class RegistryServer:
         self.port = self.port or free_port()
         self.storage.mkdir(parents=True, exist_ok=True)
         auth = (f"auth:\n  htpasswd:\n    realm: qpcbuild-test\n    path: {self.htpasswd}\n"
-                if self.htpasswd else "")
+                if self.htpasswd else self.auth_config)
         config = self.root / "config.yml"
         config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
                           f"    rootdirectory: {self.storage}\n  delete:\n    enabled: true\n"
@@ -110,3 +111,10 @@ def start_registry(root: Path, user: str | None = None,
         subprocess.run(["htpasswd", "-Bbc", str(htpasswd), user, password], check=True,
                        capture_output=True)
     return RegistryServer(root, htpasswd).start()
+
+
+def start_token_registry(root: Path, auth_config: str) -> RegistryServer:
+    """A fresh registry that takes only Bearer tokens from the service `auth_config` names
+    (token_server.py)."""
+    require_registry()
+    return RegistryServer(root, auth_config=auth_config).start()

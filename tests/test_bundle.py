@@ -22,6 +22,7 @@ import yaml
 from typer.testing import CliRunner
 
 import qpcbuild.bundle.build as bundle_mod
+import qpcbuild.export.model as export_mod  # where bundle/build.py finds export_model
 from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
 from qpcbuild.cache import Cache
 from qpcbuild.cli import app
@@ -420,8 +421,8 @@ def test_failed_build_leaves_nothing_and_keeps_old_bundle(recipe, tmp_path, monk
         monkeypatch.setattr(OrtBackend, "build", _fail_ort)
         expected, exc = {"export target": True, "export draft": True}, ToolchainError
     elif where == "interrupt-in-draft-export":
-        monkeypatch.setattr(bundle_mod, "export_model",
-                            _interrupting_export(bundle_mod.export_model))
+        monkeypatch.setattr(export_mod, "export_model",
+                            _interrupting_export(export_mod.export_model))
         expected, exc = {"export target": True, "export draft": False}, KeyboardInterrupt
     else:
         monkeypatch.setattr(bundle_mod, "hash_tree", _interrupting_hash)
@@ -481,7 +482,7 @@ def test_refuses_to_replace_a_folder_that_is_not_a_bundle(recipe, tmp_path):
 
 # ---------------------------------------------------------------- concurrency
 def test_concurrent_builds_share_one_cache(recipe, tmp_path, monkeypatch):
-    real = bundle_mod.export_model
+    real = export_mod.export_model
     calls: list[str] = []
 
     def slow_export(src, role, *args, **kwargs):  # widen the window in which both builds run
@@ -489,7 +490,7 @@ def test_concurrent_builds_share_one_cache(recipe, tmp_path, monkeypatch):
         time.sleep(0.3)
         return real(src, role, *args, **kwargs)
 
-    monkeypatch.setattr(bundle_mod, "export_model", slow_export)
+    monkeypatch.setattr(export_mod, "export_model", slow_export)
     cache, barrier = tmp_path / "cache", threading.Barrier(2)
     results: dict[str, BuildResult] = {}
     errors: list[BaseException] = []

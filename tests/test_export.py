@@ -555,7 +555,7 @@ def test_pickle_checkpoint_exports_identically_when_the_user_opts_in(tiny_models
 
 @pytest.mark.parametrize("where", ["weights", "graph"])
 def test_disk_full_while_writing_leaves_nothing_behind(where, tiny_models, tmp_path, monkeypatch):
-    import qpcbuild.export as export_pkg
+    import qpcbuild.export.model as export_pkg
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

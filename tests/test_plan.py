@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import shlex
 import socket
 from pathlib import Path
@@ -450,6 +451,27 @@ def test_tokenizers_incompatible_token_string(tmp_path):
     assert problem.path == "draft.model" and problem.line == 7
     assert "incompatible" in problem.message
     assert "id 4" in problem.message and "'c'" in problem.message and "'d'" in problem.message
+
+
+def test_a_remembered_tokenizer_verdict_follows_the_files(tmp_path):
+    """compile remembers the verdict in the cache's digests folder; changing a token in the
+    draft's tokenizer.json (or its config) must be seen, not answered from memory."""
+    memo = tmp_path / "digests"
+    _write_model(tmp_path / "target", VOCAB, len(VOCAB), layers=4)
+    _write_model(tmp_path / "draft", VOCAB, len(VOCAB), layers=2)
+    recipe = _pair_recipe(tmp_path)
+    assert make_plan(load_recipe(recipe), memo_dir=memo).tokenizer["verdict"] == "identical"
+    (remembered,) = memo.glob("tokenizers-*.json")
+    assert make_plan(load_recipe(recipe), memo_dir=memo).tokenizer["verdict"] == "identical"
+    shutil.rmtree(tmp_path / "draft")
+    _write_model(tmp_path / "draft", VOCAB[:4] + ["d"] + VOCAB[5:], len(VOCAB), layers=2)
+    with pytest.raises(RecipeError, match="id 4"):
+        make_plan(load_recipe(recipe), memo_dir=memo)
+    shutil.rmtree(tmp_path / "draft")
+    _write_model(tmp_path / "draft", VOCAB, 100, layers=2)  # the first tokenizer, other config
+    with pytest.raises(RecipeError, match="vocab_size 100"):
+        make_plan(load_recipe(recipe), memo_dir=memo)
+    assert remembered.is_file() and len(list(memo.glob("tokenizers-*.json"))) == 3
 
 
 def test_tokenizers_incompatible_larger_draft_vocab(tmp_path):

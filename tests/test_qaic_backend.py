@@ -19,7 +19,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import qpcbuild.bundle.build as bundle_mod
+import qpcbuild.export.model as export_mod  # where bundle/build.py finds export_model
 import qpcbuild.compile.qaic as qaic_mod
 from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
 from qpcbuild.cli import app
@@ -66,7 +66,7 @@ def test_missing_compiler_fails_before_any_export(qaic_recipe, tmp_path, monkeyp
     def no_export(*args, **kwargs):
         raise AssertionError("export started although the compiler is missing")
 
-    monkeypatch.setattr(bundle_mod, "export_model", no_export)
+    monkeypatch.setattr(export_mod, "export_model", no_export)
     cache, out = tmp_path / "cache", tmp_path / "out" / "tiny-qaic"
     with pytest.raises(ToolchainError) as info:
         build(qaic_recipe, cache, out)

@@ -20,7 +20,6 @@ from ..cache import Cache, ScratchCache
 from ..delivered import DeliveredFiles
 from ..compile import Backend, BuildContext, get_backend
 from ..errors import UsageError
-from ..export import export_model
 from ..models.source import (resolve, safetensors_files, tokenizer_files,
                              weights_missing_message)
 from ..models.vocab_subset import read_vocab_subset, subset_digest
@@ -229,6 +228,8 @@ class _Build:
         src = resolve(role.source["path"], role.source["revision"], allow_known=False)
 
         def build(tmp: Path) -> dict[str, Any]:
+            from ..export import export_model  # onnx is imported only when a graph is built
+
             res = export_model(src, role.role, tmp / "onnx",
                                continuous_batching=r.shapes.full_batch_size is not None,
                                weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,

@@ -190,7 +190,7 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                 tempfile.TemporaryDirectory(prefix="qpcbuild-smoke-")))
             r = with_smoke_weights(r, smoke_dir, smoke_layers or None,
                                    say=lambda m: err_console.print(m))
-        plan_ = make_plan(r, compiler)
+        plan_ = make_plan(r, compiler, cache.root / "digests" if cache else None)
         started = time.perf_counter()
 
         def progress(stage: str, how: str, seconds: float) -> None:

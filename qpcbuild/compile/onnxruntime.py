@@ -13,18 +13,14 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import onnx
-
 from ..errors import Terminated, ToolchainError
 from ..export import DATA_FILE, GRAPH_FILE
-from ..export.dialect import for_onnxruntime
 from ..cache import META, Cache
 from ..plan import RolePlan
 from ..plan_backends.onnxruntime import ORT_LOWERING_VERSION
 from ..ort_threads import session_options
 from ..toolchain import _pkg
 from .interface import BuildContext
-from .ort_graph import PortableWeights, build_ort_graph
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
 
@@ -32,6 +28,10 @@ ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; n
 def fix_dims(model_path: Path, fixed: dict[str, int], out_path: Path) -> None:
     """Replace symbolic dims (batch_size, ctx_len, ...) by the plan's values, and the card
     graph's dialect by what ONNX Runtime accepts (export/dialect.py, for_onnxruntime)."""
+    import onnx  # here, not above: a compile whose artifacts are all cached never loads it
+
+    from ..export.dialect import for_onnxruntime
+
     model = onnx.load(str(model_path), load_external_data=False)
     for_onnxruntime(model)
     for value in list(model.graph.input) + list(model.graph.output):
@@ -82,6 +82,10 @@ class OrtBackend:
 
     def build_fused(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         out = ctx.staging / role.role / "ort"
+        import onnx
+
+        from .ort_graph import PortableWeights, build_ort_graph
+
         weights = PortableWeights(onnx_dir / GRAPH_FILE)
         source = onnx.load(str(onnx_dir / GRAPH_FILE), load_external_data=False)
         metadata = {p.key: p.value for p in source.metadata_props}

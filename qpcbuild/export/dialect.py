@@ -26,10 +26,11 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
+from . import OPSET
+
 CLOUD = "com.qualcomm.cloud"
 AISW = "com.qti.aisw.onnx"
 DOMAINS = (CLOUD, AISW)
-OPSET = 17
 INT32_MAX = 2**31 - 1
 # The card graph's invalid indices, each its own initializer, and what ONNX Runtime gets instead
 INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX = "invalid_gather_index", "invalid_scatter_index"

@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 from onnx import AttributeProto, numpy_helper
 
-OPSET = 17  # the schemas whose attribute defaults are read
+from . import OPSET
 
 
 def op_key(node: onnx.NodeProto) -> str:

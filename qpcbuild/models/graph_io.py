@@ -9,11 +9,7 @@ buffers' precision."""
 
 from __future__ import annotations
 
-from onnx import TensorProto
-
 from .arch import ArchSpec
-
-ELEM_TYPES = {"int64": TensorProto.INT64, "float32": TensorProto.FLOAT}
 
 
 def graph_io(role: str, arch: ArchSpec, continuous_batching: bool) -> dict[str, list[dict]]:
@@ -41,13 +37,16 @@ def graph_io(role: str, arch: ArchSpec, continuous_batching: bool) -> dict[str, 
 def declare(g, entries: list[dict], output: bool, fixed: dict[str, int] | None = None) -> dict:
     """Declare `entries` as the graph builder `g`'s inputs (or outputs), with the dims in
     `fixed` replaced by their values; returns {name: the graph value's name}."""
+    from onnx import TensorProto  # only graph building needs onnx, not the plan's graph_io
+
+    elem_types = {"int64": TensorProto.INT64, "float32": TensorProto.FLOAT}
     fixed = fixed or {}
     made = {}
     for e in entries:
         shape = [fixed.get(d, d) if isinstance(d, str) else d for d in e["shape"]]
         if output:
-            g.output(e["name"], ELEM_TYPES[e["dtype"]], shape)
+            g.output(e["name"], elem_types[e["dtype"]], shape)
             made[e["name"]] = e["name"]
         else:
-            made[e["name"]] = g.input(e["name"], ELEM_TYPES[e["dtype"]], shape)
+            made[e["name"]] = g.input(e["name"], elem_types[e["dtype"]], shape)
     return made

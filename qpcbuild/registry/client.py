@@ -9,10 +9,8 @@ transport choice follow the distribution spec and Docker's conventions.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
-import re
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,7 +18,8 @@ from urllib.parse import urljoin
 
 import httpx
 
-from .credentials import Credentials, find_credentials
+from .auth import Authentication
+from .credentials import Credentials
 from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, RegistryNotFound,
                      RegistryUnavailable, transport_error)
 from .rawget import open_blob, read_pieces
@@ -35,7 +34,6 @@ UPLOAD_CHUNK = 128 << 20  # one PATCH per chunk: a broken upload repeats at most
 READ_PIECE = 4 << 20
 MAX_SMALL_BLOB = 64 << 20  # manifests and config blobs read into memory
 RETRIES = 3
-_CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
 
 
 def sha256_digest(data: bytes) -> str:
@@ -58,7 +56,7 @@ def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
             yield piece
 
 
-class RegistryClient:
+class RegistryClient(Authentication):
     """One registry (host[:port]); every call names its repository."""
 
     retry_delays: tuple[float, ...] = RETRY_DELAYS_S  # pauses before each repeat (retry.py)
@@ -68,12 +66,9 @@ class RegistryClient:
         self.registry = registry
         scheme = "http" if insecure or is_loopback(registry) else "https"
         self.base = f"{scheme}://{registry}"
-        self._credentials = credentials
-        self._looked_up = credentials is not None
-        self._tokens: dict[str, str] = {}  # scope -> bearer token
-        self._basic: str | None = None
         self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
                                  follow_redirects=True)  # httpx drops Authorization off-origin
+        self.start_auth(credentials)
 
     def close(self) -> None:
         self.http.close()
@@ -84,70 +79,19 @@ class RegistryClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------ authentication
-    @property
-    def credentials(self) -> Credentials | None:
-        if not self._looked_up:
-            self._credentials, self._looked_up = find_credentials(self.registry), True
-        return self._credentials
-
-    def auth_header(self, scope: str) -> dict[str, str]:
-        if scope in self._tokens:
-            return {"Authorization": f"Bearer {self._tokens[scope]}"}
-        return {"Authorization": self._basic} if self._basic else {}
-
-    def _who(self) -> str:
-        c = self.credentials
-        if c is None:
-            return "without credentials (none found in the environment or Docker config)"
-        return f"as {c.username or 'an identity token'} (from {c.source})"
-
-    def authenticate(self, challenge: str, scope: str) -> None:
-        """Answer a 401's WWW-Authenticate: Basic with the credentials, Bearer with a token."""
-        scheme = challenge.split(" ", 1)[0].lower()
-        params = dict(_CHALLENGE_PARAM.findall(challenge))
-        creds = self.credentials
-        if scheme == "basic":
-            if creds is None or creds.username is None:
-                raise RegistryAuthError(f"registry {self.registry} needs a user name and "
-                                        f"password; none were found ({self._who()})")
-            pair = f"{creds.username}:{creds.password}".encode()
-            self._basic = "Basic " + base64.b64encode(pair).decode()
-            return
-        if scheme != "bearer" or "realm" not in params:
-            raise RegistryError(f"registry {self.registry}: unsupported authentication "
-                                f"challenge '{scheme}'")
-        query = {"service": params.get("service", self.registry), "scope": scope}
-        try:
-            if creds and creds.identity_token:
-                resp = self.http.post(params["realm"], data={
-                    **query, "grant_type": "refresh_token", "client_id": "qpcbuild",
-                    "refresh_token": creds.identity_token})
-            else:
-                auth = (creds.username, creds.password) if creds and creds.username else None
-                resp = self.http.get(params["realm"], params=query, auth=auth)
-        except httpx.HTTPError as exc:
-            raise transport_error(self.registry, exc) from None
-        if resp.status_code in (401, 403):
-            raise RegistryAuthError(f"registry {self.registry} refused a token {self._who()}")
-        if resp.status_code != 200:
-            raise RegistryError(f"registry {self.registry}: token service answered "
-                                f"HTTP {resp.status_code}")
-        body = resp.json()
-        self._tokens[scope] = body.get("token") or body.get("access_token") or ""
-
     # ------------------------------------------------------------ requests
     def _send(self, method: str, url: str, repo: str, push: bool = False,
               body: Callable[[], object] | None = None, headers: dict | None = None,
-              stream: bool = False) -> httpx.Response:
+              stream: bool = False, also: str = "") -> httpx.Response:
         """One request, authenticated on demand (a 401 is answered once, then the request
         repeats; `body` makes a fresh body for that repeat). A read (GET, HEAD) answered with
         a transient error status is repeated after a pause (registry/retry.py); a registry that
         cannot be reached fails at once, so a remote cache falls back without waiting. Transport failures
-        become RegistryUnavailable; HTTP errors are the caller's to read."""
+        become RegistryUnavailable; HTTP errors are the caller's to read. `also`: a scope the
+        request needs besides its own repository's (a mount's source)."""
         delays = iter(self.retry_delays if method in IDEMPOTENT_READS else ())
         while True:
-            resp = self._send_once(method, url, repo, push, body, headers, stream)
+            resp = self._send_once(method, url, repo, push, body, headers, stream, also)
             pause = next(delays, None) if transient(resp.status_code) else None
             if pause is None:
                 return resp
@@ -156,8 +100,8 @@ class RegistryClient:
 
     def _send_once(self, method: str, url: str, repo: str, push: bool,
                    body: Callable[[], object] | None, headers: dict | None,
-                   stream: bool) -> httpx.Response:
-        scope = f"repository:{repo}:{'pull,push' if push else 'pull'}"
+                   stream: bool, also: str) -> httpx.Response:
+        scope = f"repository:{repo}:{'pull,push' if push else 'pull'} {also}".strip()
         url = urljoin(self.base + "/", url)
         for attempt in (0, 1):
             request = self.http.build_request(
@@ -291,9 +235,14 @@ class RegistryClient:
 
     def mount_blob(self, repo: str, digest: str, from_repo: str) -> bool:
         """Add a blob the registry holds in `from_repo` to `repo` without moving bytes; False
-        when it will not (it then opens an ordinary upload, which is cancelled here)."""
-        resp = self._send("POST", f"/v2/{repo}/blobs/uploads/?mount={digest}&from={from_repo}",
-                          repo, push=True)
+        when it will not: it opened an ordinary upload instead (cancelled here), or it refused
+        us the mount (a token service that grants pull on `from_repo` to this identity only
+        in another token, or not at all). The caller then uploads the bytes."""
+        try:
+            resp = self._send("POST", f"/v2/{repo}/blobs/uploads/?mount={digest}&from={from_repo}",
+                              repo, push=True, also=f"repository:{from_repo}:pull")
+        except RegistryAuthError:
+            return False
         if resp.status_code == 202 and resp.headers.get("Location"):
             self._send("DELETE", resp.headers["Location"], repo, push=True).close()
         elif resp.status_code != 201:

@@ -1,0 +1,136 @@
+"""export_model: one checkpoint streamed into its ONNX graph (the package docstring says how)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..version import __version__
+from ..errors import QpcbuildError, UsageError
+from ..models.arch import ArchSpec, arch_from_config
+from ..models.safetensors import WeightReader
+from ..models.source import ModelSource, safetensors_files, tokenizer_files
+from ..models.vocab_subset import subset_digest
+from ..progress import step
+from . import DATA_FILE, GRAPH_FILE, OPSET
+from .builder import GraphBuilder, save
+from .decoder import Decoder
+
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    onnx_path: Path
+    role: str
+    arch: ArchSpec
+    weights_digest: str  # over every tensor's name and source bytes, independent of sharding
+    metadata: dict[str, str]
+
+
+def _check_tokenizer(path: Path, arch: ArchSpec) -> None:
+    files = tokenizer_files(path)
+    if not files:
+        return
+    tok = path / "tokenizer.json"
+    if tok.is_file():
+        try:
+            data = json.loads(tok.read_text(encoding="utf-8"))
+            vocab = data.get("model", {}).get("vocab", {})
+            size = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))],
+                       default=-1) + 1 if isinstance(vocab, dict) else len(vocab)
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError,
+                KeyError) as exc:
+            raise UsageError(f"{tok}: unreadable tokenizer ({exc})") from None
+        if size > arch.vocab_size:
+            raise UsageError(f"{tok}: tokenizer has {size} tokens but config.json's vocab_size is "
+                             f"{arch.vocab_size}: the tokenizer does not belong to this model")
+
+
+def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
+                 weight_dtype: str = "float32", allow_pickle: bool = False,
+                 allow_unused: bool = False,
+                 vocab_subset: np.ndarray | None = None) -> ExportResult:
+    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft").
+    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows."""
+    if role not in ("target", "draft"):
+        raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
+    if vocab_subset is not None and role != "draft":
+        raise UsageError("a vocabulary subset is for drafts only: the target's logits decide "
+                         "the output")
+    model_dir = source.require_path()
+    arch = arch_from_config(source.config, f"{model_dir}/config.json")
+    _check_tokenizer(model_dir, arch)
+    from ..models.checkpoint import checkpoint_problems  # it reads headers with our own reader
+
+    problems = checkpoint_problems(model_dir, arch, allow_pickle, allow_unused)
+    if problems:
+        raise UsageError(f"{model_dir}: " + "; ".join(problems))
+    reader = WeightReader(safetensors_files(model_dir, allow_pickle), allow_pickle)
+    if not arch.tie_word_embeddings and not reader.has("lm_head.weight"):
+        raise UsageError(f"{model_dir}: config says tie_word_embeddings=false but the checkpoint "
+                         "has no lm_head.weight")
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        with open(tmp / DATA_FILE, "wb") as data, \
+                step(f"exporting {role} {source.ref}", len(reader.tensors) + len(reader.pickled),
+                     "tensors") as advance:
+            g = GraphBuilder(data, DATA_FILE)
+            loaded: dict[str, str] = {}
+            written: set[str] = set()
+            np_dtype = np.float16 if weight_dtype == "float16" else np.float32
+
+            def load(name: str, shape: tuple[int, ...], transpose: bool,
+                     rows: np.ndarray | None = None) -> str:
+                key = f"{name}{'^T' if transpose else ''}{'[subset]' if rows is not None else ''}"
+                if key not in loaded:
+                    stored = reader.stored(name, shape)
+                    if stored.non_finite():
+                        raise UsageError(f"{model_dir}: tensor '{name}' holds NaN or infinite "
+                                         "values; the checkpoint is damaged")
+                    values = stored.values if rows is None else stored.values[rows]
+                    w = g.weight(key, values.T if transpose else values, stored.sha256, np_dtype,
+                                 widen=stored.widen)
+                    del stored, values  # the mapping is released tensor by tensor
+                    if name not in written:  # not again for its transposed or subset form
+                        written.add(name)
+                        advance(1)
+                    loaded[key] = w if np_dtype == np.float32 else \
+                        g.op("Cast", w, to=onnx.TensorProto.FLOAT)
+                return loaded[key]
+
+            Decoder(g, arch, load, vocab_subset).build(role, continuous_batching)
+            data.flush()
+            os.fsync(data.fileno())
+        # one entry per source tensor, however many forms of it the graph holds
+        per_tensor = sorted(f"{k.split('^')[0]}:{v}" for k, v in g.weight_hashes.items())
+        weights_digest = hashlib.sha256("\n".join(sorted(set(per_tensor))).encode()).hexdigest()
+        # Content only: where the model came from is the manifest's business, and a path here
+        # would make the artifact (and every bundle id) depend on the checkout's location.
+        metadata = {"qpcbuild_version": __version__, "role": role, "weights_digest": weights_digest,
+                    "config_digest": source.config_digest, "architecture": arch.architecture,
+                    "continuous_batching": str(continuous_batching).lower(),
+                    "weight_dtype": weight_dtype,
+                    **({"vocab_subset": subset_digest(vocab_subset)}
+                       if vocab_subset is not None else {})}
+        save(g.model(f"qpcbuild_{role}", OPSET, metadata), tmp / GRAPH_FILE)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise QpcbuildError(f"writing {out_dir} failed: {exc.strerror or exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out_dir / GRAPH_FILE, role, arch, weights_digest, metadata)
