@@ -128,7 +128,8 @@ def test_readme_sdk_hand_off_runs_as_written(tmp_path):
     written = {f"{r}/{part}": sum(f.stat().st_size for f in (bundle / r / part).rglob("*"))
                for r in ("target", "draft") for part in ("qpc", "logs")}
     assert all(0 < size < 1000 for size in written.values())  # shown exactly, as "N bytes"
-    everything = sum(f.stat().st_size for f in bundle.rglob("*") if f.name != "manifest.json")
+    everything = sum(f.stat().st_size for f in bundle.rglob("*")  # files: a folder has a size too
+                     if f.is_file() and f.name != "manifest.json")
     assert hashed == [*(f"hashing {folder}: {size} bytes" for folder, size in written.items()),
                       f"hashing .: {everything / 1e6:.1f} MB"], shown
     manifest = json.loads((bundle / "manifest.json").read_text())

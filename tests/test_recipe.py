@@ -235,7 +235,7 @@ BAD = [
     # without qaic the card's formats are emulated on ONNX Runtime: in the fused graph only
     Bad("mxint8-kv-on-portable-graph-without-qaic", edit(
         ("  kv_cache_dtype: float16", "  kv_cache_dtype: mxint8"),
-        ("  batch_size: 1", "  batch_size: 2")),
+        ("backends: [onnxruntime]", "backends: [onnxruntime]\nonnxruntime: {graph: portable}")),
         "precision.kv_cache_dtype", L_KV, "fused graph only"),
     Bad("mxfp6-on-portable-graph-without-qaic", edit(
         ("  quantization: none", "  quantization: mxfp6"),
@@ -275,17 +275,12 @@ BAD = [
         "target.model", L_TARGET_MODEL, "at least 1 character"),
     Bad("target-model-null", edit((f"  model: {TARGET}", "  model:")),
         "target.model", L_TARGET_MODEL, "None"),
-    Bad("int8-draft-weights-in-the-batched-graph", BASE, "onnxruntime.draft_weights", None,
-        "fused graph only", ("onnxruntime.draft_weights=int8", "shapes.batch_size=2")),
     Bad("int8-draft-weights-in-the-portable-graph", BASE, "onnxruntime.draft_weights", None,
         "need onnxruntime.graph: fused", ("onnxruntime.draft_weights=int8",
                                           "onnxruntime.graph=portable")),
     Bad("int8-draft-weights-without-a-draft", BASE, "onnxruntime.draft_weights", None,
         "has no draft model", ("onnxruntime.draft_weights=int8", "draft.method=ngram",
                                "draft.model=null")),
-    Bad("int4-target-weights-in-the-batched-graph", BASE, "onnxruntime.target_weights", None,
-        "int4 target weights exist in the fused graph only",
-        ("onnxruntime.target_weights=int4", "shapes.batch_size=2")),
     Bad("int4-weights-cannot-hold-mxfp6", BASE, "onnxruntime.draft_weights", None,
         "cannot hold the MXFP6", ("onnxruntime.draft_weights=int4",
                                   "precision.quantization=mxfp6")),
@@ -374,7 +369,8 @@ def test_several_static_errors_are_all_reported():
     text = edit(("  ctx_len: 256", "  ctx_len: 250"),
                 (T_DEVICES, "  target:\n    device_group: [0, 4]"),
                 ("  kv_cache_dtype: float16", "  kv_cache_dtype: mxint8"),
-                ("  batch_size: 1", "  batch_size: 2"))  # mxint8 on a portable graph
+                ("backends: [onnxruntime]",  # mxint8 on a portable graph
+                 "backends: [onnxruntime]\nonnxruntime: {graph: portable}"))
     with pytest.raises(RecipeError) as info:
         recipe_from_text(text)
     exc = info.value

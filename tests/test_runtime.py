@@ -38,11 +38,13 @@ def bundle_k_list(tmp_path_factory) -> Path:
     return build(tmp_path_factory, "klist", overrides=["speculation.num_speculative_tokens=[0,1,3,4]"])
 
 
-@pytest.fixture(scope="module")
-def bundle_batch(tmp_path_factory) -> Path:
-    """Batch 4 and a short context, so rows hit ctx_len and finish at different times."""
-    return build(tmp_path_factory, "batch", overrides=[
-        "shapes.batch_size=4", "shapes.ctx_len=160",
+@pytest.fixture(scope="module", params=["fused", "portable"])
+def bundle_batch(tmp_path_factory, request) -> Path:
+    """Batch 4 and a short context, so rows hit ctx_len and finish at different times; built
+    with the fused graph (run once per row over that row's KV) and with the portable one (all
+    rows in one call)."""
+    return build(tmp_path_factory, f"batch-{request.param}", overrides=[
+        "shapes.batch_size=4", "shapes.ctx_len=160", f"onnxruntime.graph={request.param}",
         "speculation.num_speculative_tokens=[0,4]"])
 
 
@@ -175,12 +177,18 @@ def test_batch_rows_match_single_row_decoding_and_hit_ctx_len(bundle_batch, prom
                                                           target_only=True))[0]
 
 
-@pytest.mark.parametrize("which", ["portable-batch4-ctx160", "fused-batch1-ctx512"])
-def test_generation_that_reaches_the_last_context_slot_stays_exact(bundle_batch, bundle_k_list,
-                                                                   prompts, which):
+def test_generation_that_reaches_the_last_context_slot_stays_exact(bundle_batch, prompts):
     """Windows and prefill chunks near the end of the buffer are shifted over tokens already
     sent instead of padded past it (engine._verify, engine._chunk_starts)."""
-    bundle, ctx = (bundle_batch, 160) if which.startswith("portable") else (bundle_k_list, 512)
+    _reaches_the_last_slot(bundle_batch, 160, prompts)
+
+
+def test_a_batch_1_generation_that_reaches_the_last_context_slot_stays_exact(bundle_k_list,
+                                                                             prompts):
+    _reaches_the_last_slot(bundle_k_list, 512, prompts)
+
+
+def _reaches_the_last_slot(bundle: Path, ctx: int, prompts: list[str]) -> None:
     for method in ("draft_model", "ngram"):
         gen = qpcbuild.load(bundle, method=method, verify="none")
         for n in range(4):
@@ -192,14 +200,17 @@ def test_generation_that_reaches_the_last_context_slot_stays_exact(bundle_batch,
             assert len(spd.rows[0].tokens) == ctx or spd.rows[0].finish_reason == "eos"
 
 
+@pytest.mark.parametrize("graph", ["fused", "portable"])
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_continuous_batching_refills_slots_and_keeps_every_request_exact(tmp_path_factory,
                                                                          bundle_k_list, prompts,
-                                                                         method):
+                                                                         method, graph):
     """7 requests through 3 KV slots: each finished slot is prefilled with the next request
-    (batch_index), and every request still gets exactly its target-only greedy tokens."""
-    cb = build(tmp_path_factory, f"cb-{method}", overrides=["shapes.full_batch_size=3",
-                                                             "speculation.num_speculative_tokens=[0,4]"])
+    (batch_index), and every request still gets exactly its target-only greedy tokens; with
+    the fused graph run once per live row, and with the portable graph the card compiles."""
+    cb = build(tmp_path_factory, f"cb-{method}-{graph}", overrides=[
+        "shapes.full_batch_size=3", "speculation.num_speculative_tokens=[0,4]",
+        f"onnxruntime.graph={graph}"])
     gen = qpcbuild.load(cb, method=method, verify="none")
     assert gen.decoder.cb and gen.target.batch_size == 3
     reference = qpcbuild.load(bundle_k_list, verify="none")
@@ -214,6 +225,47 @@ def test_continuous_batching_refills_slots_and_keeps_every_request_exact(tmp_pat
     # requests that end at their first token still free their slot for the next ones
     one = gen.generate(batch, max_new_tokens=1)
     assert [len(t) for t in _tokens(one)] == [1] * 7
+
+
+def test_a_fused_cb_session_runs_only_rows_with_tokens_in_their_own_kv_rows(tmp_path_factory,
+                                                                            prompts):
+    """One request in a bundle of 4 slots: the graph writes slot 0's KV rows in place (views
+    of the preallocated buffers) and never runs the free slots, whose KV stays untouched."""
+    cb = build(tmp_path_factory, "cb-rows", overrides=["shapes.full_batch_size=4"])
+    gen = qpcbuild.load(cb, verify="none")
+    assert type(gen.target).__name__ == "RowwiseOrtSession" and gen.target.batch_size == 4
+    buffers = gen.target.kv_buffers[0]
+    before = [id(b) for b in buffers]
+    calls = []
+    real = gen.target.sess.run_with_iobinding
+    gen.target.sess.run_with_iobinding = lambda b: (calls.append(b), real(b))[1]
+    gen.generate([prompts[0]], max_new_tokens=12, target_only=True)
+    assert [id(b) for b in gen.target.kv_buffers[0]] == before
+    assert all(b[0].any() and not b[1:].any() for b in buffers)
+    # one call per prefill chunk and per decode step of the one live row, none for the others
+    assert len(calls) == gen.generate([prompts[0]], max_new_tokens=12,
+                                      target_only=True).stats.target_calls
+
+
+def test_what_only_the_fused_graph_has_works_under_continuous_batching(tmp_path_factory,
+                                                                       prompts):
+    """The card's formats emulated and int8 draft weights, with 3 KV slots: each request gets
+    the tokens the batch-1 bundle gives it (the same graph runs, once per row), and the int8
+    draft still leaves the output exactly the target's."""
+    card = ["precision.quantization=mxfp6", "precision.kv_cache_dtype=mxint8",
+            "onnxruntime.draft_weights=int8", "speculation.num_speculative_tokens=[0,4]"]
+    cb = qpcbuild.load(build(tmp_path_factory, "cb-card", overrides=[
+        *card, "shapes.full_batch_size=3"]), verify="none")
+    single = qpcbuild.load(build(tmp_path_factory, "single-card", overrides=card),
+                           verify="none")
+    assert cb.manifest.target.backends.onnxruntime.numerics == "emulated"
+    batch = prompts[:5]
+    spec, plain = cb.generate(batch, max_new_tokens=24), cb.generate(batch, max_new_tokens=24,
+                                                                     target_only=True)
+    assert spec.stats.num_accepted_tokens > 0
+    for i, p in enumerate(batch):
+        alone = _tokens(single.generate([p], max_new_tokens=24, target_only=True))[0]
+        assert _tokens(plain)[i] == _tokens(spec)[i] == alone, i
 
 
 def test_kv_cache_lives_in_preallocated_buffers(bundle_k_list, prompts):

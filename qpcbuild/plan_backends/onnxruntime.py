@@ -12,11 +12,11 @@ ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the
 
 
 def ort_graph(r: Recipe) -> str:
-    """The fused lowering needs one row per call: ORT's CPU GroupQueryAttention refuses
-    batch > 1 for multi-token windows over a cache, and only the portable graph has the
-    batch_index input of continuous batching."""
-    if r.shapes.full_batch_size is not None or r.shapes.batch_size > 1:
-        return "portable"
+    """fused (qpcbuild's lowering on ORT's fused kernels) or portable (the exported graph, as
+    the card compiles it), as the recipe says. The fused graph takes one row per call (ORT's
+    CPU GroupQueryAttention refuses batch > 1 for multi-token windows over a cache); with
+    several rows (a static batch, or continuous batching's slots) the runtime runs it once per
+    live row over that row's KV (runtime/session.py, RowwiseOrtSession)."""
     return r.onnxruntime.graph
 
 
@@ -40,7 +40,9 @@ class OrtPlan:
         role = facts.role
         return {"ort": {
             "artifact": f"{role}/ort/model.onnx",
-            "batch_size": r.shapes.full_batch_size or r.shapes.batch_size,
+            # the graph's rows per call; the runtime's KV buffers hold the bundle's rows
+            "batch_size": 1 if ort_graph(r) == "fused" else
+            r.shapes.full_batch_size or r.shapes.batch_size,
             "ctx_len": r.shapes.ctx_len, "kv_dtype": "float32", "graph": ort_graph(r),
             "weights": getattr(r.onnxruntime, f"{role}_weights"),
             "core_share": facts.cores / CARDS[r.hardware.card]["cores_per_qid"],
@@ -58,11 +60,8 @@ class OrtPlan:
 
     def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
         out = []
-        if r.onnxruntime.graph == "fused" and ort_graph(r) != "fused":
-            out.append("onnxruntime: batch_size > 1 or continuous batching uses the portable "
-                       "graph (the fused GroupQueryAttention lowering runs one row per call)")
         if ort_graph(r) != "fused" and (
                 r.precision.quantization != "none" or r.precision.kv_cache_dtype != "float16"):
             out.append("onnxruntime: the portable graph runs exact float32; the mxfp6/mxint8 "
-                       "numerics preview exists in the fused graph only (batch_size 1)")
+                       "numerics preview exists in the fused graph only")
         return out

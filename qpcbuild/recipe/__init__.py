@@ -141,21 +141,17 @@ def _draft_options(r: Recipe, add: Add) -> None:
 
 def _numerics_options(r: Recipe, add: Add) -> None:
     """Card formats, emulated weights and the backends they need."""
-    s, p, h, d = r.shapes, r.precision, r.hardware, r.draft
+    p, h, d = r.precision, r.hardware, r.draft
     # Without qaic the card's formats are emulated on ONNX Runtime (the numerics preview),
-    # which only the fused graph does; next to qaic a portable ORT graph stays exact (a plan
-    # warning says so).
-    portable = [why for why, on in (
-        (f"shapes.batch_size is {s.batch_size}", s.batch_size > 1),
-        ("shapes.full_batch_size is set", s.full_batch_size is not None),
-        ("onnxruntime.graph is portable", r.onnxruntime.graph == "portable")) if on]
-    if "qaic" not in r.backends and portable:
+    # which only the fused graph does (at any batch size: it runs once per row); next to qaic
+    # a portable ORT graph stays exact (a plan warning says so).
+    if "qaic" not in r.backends and r.onnxruntime.graph == "portable":
         for key, fmt, off in (("precision.kv_cache_dtype", "mxint8", "float16"),
                               ("precision.quantization", "mxfp6", "none")):
             if getattr(p, key.split(".")[1]) == fmt:
-                add(key, f"{fmt} is emulated on ONNX Runtime in the fused graph only (batch_size "
-                    f"1, no full_batch_size, onnxruntime.graph: fused), but {portable[0]}; "
-                    f"use the fused graph, add qaic to backends (the card), or use {off}")
+                add(key, f"{fmt} is emulated on ONNX Runtime in the fused graph only, but "
+                    f"onnxruntime.graph is portable; use the fused graph, add qaic to backends "
+                    f"(the card), or use {off}")
     if p.kv_cache_dtype == "mxint8" and h.aic_hw_version != "ai100":
         add("precision.kv_cache_dtype", f"mxint8 KV is only known to work on ai100, not "
             f"{h.aic_hw_version}", "warning")
@@ -167,9 +163,6 @@ def _numerics_options(r: Recipe, add: Add) -> None:
             continue
         if role == "draft" and d.method != "draft_model":
             add(key, f"method '{d.method}' has no draft model")
-        elif r.shapes.batch_size > 1 or r.shapes.full_batch_size is not None:
-            add(key, f"{fmt} {role} weights exist in the fused graph only, which serves "
-                "batch_size 1 without full_batch_size")
         elif r.onnxruntime.graph != "fused":
             add(key, f"{fmt} {role} weights need onnxruntime.graph: fused")
         elif fmt == "int4" and p.quantization == "mxfp6":

@@ -25,7 +25,7 @@ from .engine import Row, SpecDecoder, TokenCallback
 from .gate import POLICIES
 from .proposers import make_proposer
 from .sampling import SamplingParams
-from .session import OrtSession, Specialization
+from .session import OrtSession, RowwiseOrtSession, Specialization
 from .stats import SpecDecodingStats
 
 METHODS = ("draft_model", "ngram", "suffix")
@@ -50,10 +50,13 @@ def _open_ort(bundle: Path, manifest: Manifest, role: str, entry: OrtEntry):
     path = bundle / entry.artifact
     if not path.is_file():
         raise BundleError(f"{bundle}: missing {entry.artifact}")
-    return OrtSession(path, role, [Specialization.from_manifest(s) for s in info.specializations],
-                      (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim),
-                      arch.num_layers, arch.vocab_size, info.ort.intra_op_threads,
-                      in_place=entry.kv_binding == "in_place")
+    specs = [Specialization.from_manifest(s) for s in info.specializations]
+    kv_shape = (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim)
+    if entry.graph == "fused" and shapes.kv_batch > 1:  # the graph takes one row per call
+        return RowwiseOrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
+                                 info.ort.intra_op_threads)
+    return OrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
+                      info.ort.intra_op_threads, in_place=entry.kv_binding == "in_place")
 
 
 def _open_qaic(bundle: Path, manifest: Manifest, role: str, entry: QaicEntry):
