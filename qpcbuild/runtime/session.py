@@ -132,15 +132,19 @@ class OrtSession:
         if self.sess is None:
             self._open()
 
-    def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
-            batch_index: np.ndarray | None = None) -> np.ndarray:
-        entry = self._bound.get(input_ids.shape)
+    def _entry(self, shape: tuple[int, int]) -> tuple:
+        """What is bound for a call of this (batch, seq_len): a compiled specialization's."""
+        entry = self._bound.get(shape)
         if entry is None and self.sess is None:  # released: load again (bench reopens ahead)
             self._open()
-            entry = self._bound.get(input_ids.shape)
+            entry = self._bound.get(shape)
         if entry is None:
-            pick_specialization(self.specializations, input_ids.shape[0], input_ids.shape[1])
-        spec, arrays, _, bindings = entry
+            pick_specialization(self.specializations, *shape)  # names what is compiled
+        return entry
+
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
+            batch_index: np.ndarray | None = None) -> np.ndarray:
+        _, arrays, _, bindings = self._entry(input_ids.shape)
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
         if batch_index is not None and "batch_index" in arrays:
@@ -159,8 +163,8 @@ class RowwiseOrtSession(OrtSession):
     in place) and to its row of the inputs and logits, so nothing is copied. A row with no token
     (a free slot, a finished row) is not run at all, and its logits row is left as it was (the
     loop reads none). A step then costs what its live rows cost, where a graph over the whole
-    batch pays for every slot at the full context: on the demo pair with 8 slots, one live row
-    decoded 17x faster this way (docs/continuous-batching.md)."""
+    batch pays for every slot at the full context (docs/commands.md, onnxruntime backend: 10.7x
+    faster with one live row of the demo pair's 8 slots)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, in_place=True, **kwargs)
@@ -172,8 +176,8 @@ class RowwiseOrtSession(OrtSession):
         ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._row_kv = [[ortvalue(buf[r:r + 1]) for buf in self.kv_buffers[0]]
                         for r in range(self.batch_size)]
-        self._bound = {(spec.batch_size, spec.seq_len): (spec, self._arrays(spec), {}, None)
-                       for spec in self.specializations}
+        self._bound = {(spec.batch_size, spec.seq_len): (self._arrays(spec), {})
+                       for spec in self.specializations}  # bindings: made when first used
 
     def _binding(self, arrays: dict[str, np.ndarray], made: dict, j: int, slot: int):
         """The binding of row j of a call to KV row `slot` (made when first needed)."""
@@ -196,13 +200,7 @@ class RowwiseOrtSession(OrtSession):
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
-        entry = self._bound.get(input_ids.shape)
-        if entry is None and self.sess is None:  # released: load again
-            self._open()
-            entry = self._bound.get(input_ids.shape)
-        if entry is None:
-            pick_specialization(self.specializations, input_ids.shape[0], input_ids.shape[1])
-        _, arrays, made, _ = entry
+        arrays, made = self._entry(input_ids.shape)
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
         for j in range(input_ids.shape[0]):
