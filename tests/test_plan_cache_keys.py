@@ -4,7 +4,8 @@ byte-identical. Recorded before the backends' planning moved into qpcbuild/plan_
 change here means every cached artifact is rebuilt, so it must be one that changes artifacts
 (bump EXPORTER_VERSION or ORT_LOWERING_VERSION for that). The batched and continuous-batching
 ONNX Runtime keys changed once since, on purpose: those bundles moved from the portable graph
-to the fused one, run once per row."""
+to the fused one with a symbolic batch (windows run once per row, single-token calls over all
+rows)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,12 @@ PINNED = {
         "target": ("29c1b47a62fa2839", "dcfda35f17c8300b"),
         "draft": ("b57df498736e1b27", "5f7be77ad10c82b0")}),
     "demo-batch-2": ("demo.yaml", ["shapes.batch_size=2"], DEMO_EXPORT, {
-        # the fused graph takes one row per call: a batch shares batch 1's artifact
-        "target": ("5cfad01d1c74465d", "3eaa138be0baab9c"),
-        "draft": ("c4b3cb2cdac6c224", "0e4f0f01e5b1bcb6")}),
+        "target": ("4228bc482b914795", "3eaa138be0baab9c"),
+        "draft": ("883d9edf826f31d2", "0e4f0f01e5b1bcb6")}),
     "demo-continuous-batching": ("demo.yaml", ["shapes.full_batch_size=4"], {
         "target": "ec9865e4172841ff", "draft": "e9a79f2069400f09"}, {
-        "target": ("8217442683696934", "acfbd8dd487cc9be"),
-        "draft": ("c327de285a634fc3", "3bf01807a15c4f7b")}),
+        "target": ("3a16c24d03d70e92", "acfbd8dd487cc9be"),
+        "draft": ("36b775ac736c064d", "3bf01807a15c4f7b")}),
     "demo-compiler-options": ("demo.yaml", [
         "hardware.compiler_options.mos=2", "hardware.compiler_options.allow_mxint8_mdp_io=true",
         'hardware.compiler_options.extra_flags=["-foo"]', "onnxruntime.graph=portable"],
@@ -42,13 +42,13 @@ PINNED = {
         "target": ("65d6dc24602e28af", "5ba43ba71c681df4"),
         "draft": ("60f623ad00302569", "76c46dd15f8cddf0")}),
     "llama8b-1b": ("llama8b-1b.yaml", [], LLAMA_EXPORT, {
-        "target": ("74607c0fd1e71ea9", "8776686c839d53d0"),
-        "draft": ("94a03c3f4d533595", "a3d17b7c2c62be2a")}),
+        "target": ("f31e85cf09993cb5", "8776686c839d53d0"),
+        "draft": ("6541fa692e08c448", "a3d17b7c2c62be2a")}),
     "llama8b-1b-flat-2-qids": ("llama8b-1b.yaml", ["hardware.specializations_format=flat",
                                                    "hardware.target.device_group=[0,1]"],
                                LLAMA_EXPORT, {
-        "target": ("74607c0fd1e71ea9", "1cbd8583e456053c"),
-        "draft": ("94a03c3f4d533595", "e6734842159c6542")}),
+        "target": ("f31e85cf09993cb5", "1cbd8583e456053c"),
+        "draft": ("6541fa692e08c448", "e6734842159c6542")}),
 }
 
 

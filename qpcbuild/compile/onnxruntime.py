@@ -99,7 +99,8 @@ class OrtBackend:
                 # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)
                 "numerics": role.ort["numerics"],
                 "numerics_formats": dict(role.ort["numerics_formats"]),
-                "fixed_dims": {"batch_size": batch, "ctx_len": ctx_len},
+                "fixed_dims": {"ctx_len": ctx_len, **({"batch_size": batch}
+                                                      if isinstance(batch, int) else {})},
                 "execution_provider": "CPUExecutionProvider"}
 
     def build_portable(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:

@@ -101,11 +101,12 @@ def blockwise_nbits(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32).reshape(-1)
 
 
-def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, ctx_len: int,
+def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | str, ctx_len: int,
                     out_dir: Path, metadata: dict[str, str], weights: str = "float32",
                     numerics: dict[str, str] | None = None) -> Path:
-    """numerics: {"weights": "mxfp6-e2m3-block32" | "float32", "kv": "mxint8-block32" |
-    "float32"} (None: exact float32)."""
+    """batch: the graph's batch dim, a size or a name (symbolic: single-token calls may carry
+    several rows). numerics: {"weights": "mxfp6-e2m3-block32" | "float32", "kv":
+    "mxint8-block32" | "float32"} (None: exact float32)."""
     numerics = numerics or {}
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "model.onnx.data", "wb") as data:
@@ -121,7 +122,7 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int, c
 
 
 class _Lowered:
-    def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int, ctx: int,
+    def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int | str, ctx: int,
                  weights: str = "float32", mxfp6: bool = False, mxint8: bool = False):
         self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
         self.bits = WEIGHT_BITS.get(weights)  # None: float32 MatMuls
@@ -169,7 +170,8 @@ class _Lowered:
 
     def build(self, role: str) -> None:
         g, a, b, c = self.g, self.a, self.batch, self.ctx
-        # the portable graph's I/O with batch and ctx_len fixed (no continuous batching here)
+        # the portable graph's I/O with ctx_len (and a batch size) fixed (no batch_index: the
+        # runtime binds each row's KV itself)
         io, fixed = graph_io(role, a, False), {"batch_size": b, "ctx_len": c}
         given = declare(g, io["inputs"], output=False, fixed=fixed)
         ids, pos = given["input_ids"], given["position_ids"]

@@ -20,6 +20,17 @@ def ort_graph(r: Recipe) -> str:
     return r.onnxruntime.graph
 
 
+def ort_batch(r: Recipe) -> int | str:
+    """The batch dim of the onnxruntime graph: the bundle's rows for the portable graph; for the
+    fused graph 1 with one row, else symbolic ("batch_size"): single-token calls (draft steps,
+    steps without speculation) then go through it for all rows at once, which ORT's
+    GroupQueryAttention allows (multi-token windows go row by row)."""
+    rows = r.shapes.full_batch_size or r.shapes.batch_size
+    if ort_graph(r) != "fused":
+        return rows
+    return 1 if rows == 1 else "batch_size"
+
+
 def ort_numerics(r: Recipe) -> dict[str, Any]:
     """What the onnxruntime artifact computes with: `exact` float32, or `emulated` card formats
     (qpcbuild.numerics) when the recipe asks for mxfp6 / mxint8. Emulation exists in the fused
@@ -40,9 +51,7 @@ class OrtPlan:
         role = facts.role
         return {"ort": {
             "artifact": f"{role}/ort/model.onnx",
-            # the graph's rows per call; the runtime's KV buffers hold the bundle's rows
-            "batch_size": 1 if ort_graph(r) == "fused" else
-            r.shapes.full_batch_size or r.shapes.batch_size,
+            "batch_size": ort_batch(r),
             "ctx_len": r.shapes.ctx_len, "kv_dtype": "float32", "graph": ort_graph(r),
             "weights": getattr(r.onnxruntime, f"{role}_weights"),
             "core_share": facts.cores / CARDS[r.hardware.card]["cores_per_qid"],

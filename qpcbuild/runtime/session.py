@@ -8,6 +8,7 @@ the cache in Python. Only the specializations compiled into the bundle are accep
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ import numpy as np
 from ..errors import BundleError
 from ..ort_threads import pool_threads, session_options
 from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401
+
+REMEASURE = 64  # single-token calls between re-timings of the way not taken (RowwiseOrtSession)
 
 
 def check_graph_io(sess, path: Path, role: str, kv_shape: tuple, num_layers: int,
@@ -155,16 +158,20 @@ class OrtSession:
 
 
 class RowwiseOrtSession(OrtSession):
-    """The fused graph, which takes one row per call (ORT's CPU GroupQueryAttention), driving a
-    bundle of several rows: continuous batching's KV slots, or a static batch.
+    """The fused graph, which takes multi-token windows one row per call (ORT's CPU
+    GroupQueryAttention), driving a bundle of several rows: continuous batching's KV slots, or
+    a static batch.
 
-    Each KV buffer holds every row, [rows, nKV, ctx_len, D]. A call of B rows runs the graph
-    once per row that has a token, bound to that row's slice of the KV buffers (a view, written
-    in place) and to its row of the inputs and logits, so nothing is copied. A row with no token
-    (a free slot, a finished row) is not run at all, and its logits row is left as it was (the
-    loop reads none). A step then costs what its live rows cost, where a graph over the whole
-    batch pays for every slot at the full context (docs/commands.md, onnxruntime backend: 10.7x
-    faster with one live row of the demo pair's 8 slots)."""
+    Each KV buffer holds every row, [rows, nKV, ctx_len, D]. A call of a window (a verify step,
+    a prefill chunk) runs the graph once per row that has a token, bound to that row's slice of
+    the KV buffers (a view, written in place) and to its row of the inputs and logits, so
+    nothing is copied. A row with no token (a free slot, a finished row) is not run at all, and
+    its logits row is left as it was (the loop reads none). A step then costs what its live rows
+    cost, where a graph over the whole batch pays for every slot at the full context
+    (docs/commands.md, onnxruntime backend: 10.7x faster with one live row of the demo pair's 8
+    slots). A single-token call of every row in slot order (a draft step, a step without
+    speculation) goes through the graph once for all rows when its batch dim is symbolic: the
+    rows then share each weight's read."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, in_place=True, **kwargs)
@@ -176,36 +183,77 @@ class RowwiseOrtSession(OrtSession):
         ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._row_kv = [[ortvalue(buf[r:r + 1]) for buf in self.kv_buffers[0]]
                         for r in range(self.batch_size)]
-        self._bound = {(spec.batch_size, spec.seq_len): (self._arrays(spec), {})
-                       for spec in self.specializations}  # bindings: made when first used
+        batch_dim = next(i.shape[0] for i in self.sess.get_inputs() if i.name == "input_ids")
+        whole = [ortvalue(buf) for buf in self.kv_buffers[0]] \
+            if isinstance(batch_dim, str) else None
+        self._in_order = np.arange(self.batch_size)
+        # seconds of a single-token call over every row, and per row of one call per row
+        self._seconds: dict[str, float | None] = {"together": None, "row": None}
+        self._calls = {"together": 0, "row": 0}
+        self._single_calls = 0
+        self._bound = {}
+        for spec in self.specializations:
+            arrays = self._arrays(spec)
+            together = self._bind(arrays, slice(None), whole) \
+                if whole and spec.seq_len == 1 and spec.batch_size == self.batch_size else None
+            # row bindings: made when first used
+            self._bound[(spec.batch_size, spec.seq_len)] = (arrays, {}, together)
 
-    def _binding(self, arrays: dict[str, np.ndarray], made: dict, j: int, slot: int):
-        """The binding of row j of a call to KV row `slot` (made when first needed)."""
-        b = made.get((j, slot))
-        if b is None:
-            import onnxruntime as ort
+    def _bind(self, arrays: dict[str, np.ndarray], rows: slice, kv: list):
+        """A binding of `rows` of the call's arrays to the KV values `kv`, read and written in
+        place."""
+        import onnxruntime as ort
 
-            ortvalue = ort.OrtValue.ortvalue_from_numpy
-            b = made[(j, slot)] = self.sess.io_binding()
-            b.bind_ortvalue_input("input_ids", ortvalue(arrays["input_ids"][j:j + 1]))
-            b.bind_ortvalue_input("position_ids", ortvalue(arrays["position_ids"][j:j + 1]))
-            if "num_logits_to_keep" in arrays:
-                b.bind_ortvalue_input("num_logits_to_keep",
-                                      ortvalue(arrays["num_logits_to_keep"]))
-            for name, value in zip(self._kv_names, self._row_kv[slot]):
-                b.bind_ortvalue_input(name, value)
-                b.bind_ortvalue_output(f"{name}_RetainedState", value)
-            b.bind_ortvalue_output("logits", ortvalue(arrays["logits"][j:j + 1]))
+        ortvalue = ort.OrtValue.ortvalue_from_numpy
+        b = self.sess.io_binding()
+        b.bind_ortvalue_input("input_ids", ortvalue(arrays["input_ids"][rows]))
+        b.bind_ortvalue_input("position_ids", ortvalue(arrays["position_ids"][rows]))
+        if "num_logits_to_keep" in arrays:
+            b.bind_ortvalue_input("num_logits_to_keep", ortvalue(arrays["num_logits_to_keep"]))
+        for name, value in zip(self._kv_names, kv):
+            b.bind_ortvalue_input(name, value)
+            b.bind_ortvalue_output(f"{name}_RetainedState", value)
+        b.bind_ortvalue_output("logits", ortvalue(arrays["logits"][rows]))
         return b
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
-        arrays, made = self._entry(input_ids.shape)
+        arrays, made, together = self._entry(input_ids.shape)
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
-        for j in range(input_ids.shape[0]):
-            if position_ids[j].max() < 0:
-                continue  # no token in this row
+        live = [j for j in range(input_ids.shape[0]) if position_ids[j].max() >= 0]
+        if together is not None and (batch_index is None or np.array_equal(
+                batch_index[:, 0], self._in_order)) and self._together_pays(len(live)):
+            t0 = time.perf_counter()
+            self.sess.run_with_iobinding(together)  # rows without a token write past the end
+            self._timed("together", time.perf_counter() - t0)
+            return arrays["logits"]
+        t0 = time.perf_counter()
+        for j in live:  # rows with no token in this call are not run
             slot = j if batch_index is None else int(batch_index[j, 0])
-            self.sess.run_with_iobinding(self._binding(arrays, made, j, slot))
+            if (j, slot) not in made:
+                made[(j, slot)] = self._bind(arrays, slice(j, j + 1), self._row_kv[slot])
+            self.sess.run_with_iobinding(made[(j, slot)])
+        if together is not None and live:
+            self._timed("row", (time.perf_counter() - t0) / len(live))
         return arrays["logits"]
+
+    def _together_pays(self, live: int) -> bool:
+        """Whether one call over every row (the free ones attend over the whole context) is
+        cheaper than `live` calls of one row, by the seconds measured for each; each way is
+        tried first (its first call, which sets up the shape, is not counted), and the one not
+        taken is timed again every REMEASURE single-token calls."""
+        self._single_calls += 1
+        row, together = self._seconds["row"], self._seconds["together"]
+        if together is None or self._single_calls % REMEASURE == 0:
+            return True
+        if row is None or self._single_calls % REMEASURE == 1:
+            return False
+        return together < live * row
+
+    def _timed(self, way: str, seconds: float) -> None:
+        self._calls[way] += 1
+        if self._calls[way] == 1:
+            return  # the first call of a shape pays ORT's set-up
+        old = self._seconds[way]
+        self._seconds[way] = seconds if old is None else old + 0.2 * (seconds - old)
