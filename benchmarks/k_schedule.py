@@ -2,8 +2,9 @@
 
 What it measures
 ----------------
-The demo pair (recipes/demo.yaml, draft_model) built with continuous batching
-(``shapes.full_batch_size``, default 8) and every K in 0..--k-max, into build/k-schedule-bench.
+The demo pair (recipes/demo.yaml, draft_model; --recipe for another pair) built with continuous
+batching (``shapes.full_batch_size``, default 8) and every K in 0..--k-max, into
+build/k-schedule-bench.
 The K schedule (live batch size -> K) comes from ``qpcbuild tune --per-batch`` on that recipe
 (its ``per_batch`` record), or from --schedule, or, with --bundle and no --schedule, from the
 bundle's manifest (``speculation.k_schedule``).
@@ -87,11 +88,11 @@ def scheduled_k(schedule: dict[int, int], live: int, k_max: int) -> int:
     return schedule[max(sizes)] if sizes else k_max
 
 
-def tuned_schedule(k_max: int, slots: int, sizes: list[int], rounds: int
+def tuned_schedule(recipe: Path, k_max: int, slots: int, sizes: list[int], rounds: int
                    ) -> tuple[dict[int, int], dict]:
     """`qpcbuild tune --per-batch` on the CB recipe: its best K per batch size, and the
     command and its per_batch record."""
-    cmd = QPCBUILD + ["tune", str(ROOT / "recipes" / "demo.yaml"), "--set",
+    cmd = QPCBUILD + ["tune", str(recipe), "--set",
                       f"shapes.full_batch_size={slots}", "--per-batch",
                       ",".join(map(str, sizes)), "--k-max", str(k_max), "--num-prompts", "4",
                       "--max-new-tokens", "48", "--rounds", str(rounds), "--json"]
@@ -102,9 +103,10 @@ def tuned_schedule(k_max: int, slots: int, sizes: list[int], rounds: int
             {"command": "qpcbuild " + " ".join(cmd[len(QPCBUILD):]), "per_batch": per_batch})
 
 
-def build_bundle(out: Path, k_max: int, slots: int, schedule: dict[int, int]) -> None:
+def build_bundle(recipe: Path, out: Path, k_max: int, slots: int,
+                 schedule: dict[int, int]) -> None:
     flow = "{" + ", ".join(f"{b}: {k}" for b, k in schedule.items()) + "}"
-    cmd = QPCBUILD + ["compile", str(ROOT / "recipes" / "demo.yaml"), "-o", str(out),
+    cmd = QPCBUILD + ["compile", str(recipe), "-o", str(out),
                       "--set", f"shapes.full_batch_size={slots}",
                       "--set", f"speculation.num_speculative_tokens={list(range(k_max + 1))}",
                       "--set", f"speculation.num_speculative_tokens_per_batch_size={flow}"]
@@ -208,6 +210,8 @@ def table(rows: list[dict]) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "demo.yaml",
+                    help="the draft_model recipe to tune and build")
     ap.add_argument("--bundle", type=Path, default=None, help="measure this CB bundle instead")
     ap.add_argument("--schedule", default=None, help="BATCH_SIZE:K,... (default: tune's)")
     ap.add_argument("--slots", type=int, default=8, help="full_batch_size of the built bundle")
@@ -240,11 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         bundle = args.bundle
         if bundle is None:
             if schedule is None:
-                schedule, tuned = tuned_schedule(args.k_max, args.slots, [1, 2, 4, 8],
-                                                 args.tune_rounds)
+                schedule, tuned = tuned_schedule(args.recipe, args.k_max, args.slots,
+                                                 [1, 2, 4, 8], args.tune_rounds)
             check_schedule(schedule, tuple(range(args.k_max + 1)), "the bundle to build")
             bundle = ROOT / "build" / "k-schedule-bench"
-            build_bundle(bundle, args.k_max, args.slots, schedule)
+            build_bundle(args.recipe, bundle, args.k_max, args.slots, schedule)
         gen = qpcbuild.load(bundle, method="draft_model")
         slots = gen.manifest.shapes.full_batch_size
         if not slots:

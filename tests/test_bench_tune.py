@@ -677,12 +677,18 @@ def test_tune_cost_model_prints_and_records_its_assumptions(tmp_path):
 
 
 # ---------------------------------------------------------------- tune: --per-batch
-def test_best_k_per_batch_is_the_argmax_of_each_batch_table():
-    rows = lambda rates: [{"k": k, "tokens_per_s": t, "cost_ms": 1.0, "predicted_speedup": 1.0}
-                          for k, t in rates.items()]
-    out = tune.best_k_per_batch({4: rows({1: 90.0, 2: 80.0}), 1: rows({1: 100.0, 2: 120.0})})
-    assert [(p["batch_size"], p["chosen_k"]) for p in out] == [(1, 2), (4, 1)]
+def test_best_k_per_batch_is_the_argmax_of_each_batch_table_with_k0_a_candidate():
+    # rates per K and the target-only rate they are predicted against
+    rows = lambda rates, plain: [{"k": k, "tokens_per_s": t, "cost_ms": 1.0,
+                                  "predicted_speedup": t / plain} for k, t in rates.items()]
+    out = tune.best_k_per_batch({4: rows({1: 90.0, 2: 80.0}, 85.0),
+                                 1: rows({1: 100.0, 2: 120.0}, 60.0),
+                                 8: rows({1: 30.0, 2: 35.0}, 50.0),
+                                 6: rows({1: 51.0}, 50.0)})  # 2% ahead: inside the margin
+    assert [(p["batch_size"], p["chosen_k"]) for p in out] == [(1, 2), (4, 1), (6, 0), (8, 0)]
     assert out[1]["tokens_per_s_batch"] == pytest.approx(360.0)
+    assert out[3]["tokens_per_s_per_sequence"] == pytest.approx(50.0)  # not speculating
+    assert [r["k"] for r in out[3]["table"]] == [0, 1, 2]
 
 
 @needs_demo
@@ -696,7 +702,11 @@ def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path, peer
     assert [p["batch_size"] for p in pb] == [1, 2]
     for p in pb:
         _assert_chosen_is_the_fastest(p["chosen_k"], p["table"])
-    assert pb[0]["chosen_k"] == result["chosen_k"]  # the recipe's batch is 1
+    # the recipe's batch is 1: its K, unless no K is predicted to beat the target alone
+    from qpcbuild.runtime.gate import MARGIN
+
+    assert pb[0]["chosen_k"] == (result["chosen_k"] if max(
+        r["predicted_speedup"] for r in pb[0]["table"][1:]) >= 1 + MARGIN else 0)
     line = f"# tune: best K per batch size: 1:{pb[0]['chosen_k']}, 2:{pb[1]['chosen_k']}"
     assert line in tune.evidence_comment(result)
     from qpcbuild.bundle.manifest_model import Tuning
@@ -705,6 +715,32 @@ def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path, peer
         update={"tuning": Tuning.model_validate_json(json.dumps(result, default=str))})
     assert any(x.startswith("# tune --per-batch: best K by batch size 1:") for x in host_setup(m))
     assert not any("per-batch" in x for x in host_setup(m.model_copy(update={"tuning": None})))
+
+
+@needs_demo
+def test_tune_per_batch_times_a_cb_recipe_on_its_own_slots(tmp_path, monkeypatch):
+    """With continuous batching a step's cost is that of the live rows among the bundle's
+    slots, not that of a static batch: tune times the CB bundle itself with b slots live, and
+    builds no batch-b bundle; sizes above the slots are refused."""
+    import qpcbuild.measuring as measuring
+    import qpcbuild.tune.costs as costs
+
+    built, timed = [], []
+    real_build, real_measure = measuring.build_for_measurement, costs.measure_costs
+    monkeypatch.setattr(measuring, "build_for_measurement",
+                        lambda *a, **kw: (built.append(a[3]), real_build(*a, **kw))[1])
+    monkeypatch.setattr(costs, "measure_costs", lambda g, *a, live=None, **kw: (
+        timed.append((g.target.batch_size, live)), real_measure(g, *a, live=live, **kw))[1])
+    overrides = demo_overrides() + ["shapes.full_batch_size=4"]
+    result = tune.tune(ROOT / "recipes" / "demo.yaml", overrides, k_max=2, num_prompts=1,
+                       max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache",
+                       per_batch=[1, 2, 4])
+    assert [p["batch_size"] for p in result["per_batch"]] == [1, 2, 4]
+    assert not any("costs-b" in str(path) for path in built)
+    assert sorted(timed) == [(4, 1), (4, 2), (4, 4)]
+    with pytest.raises(UsageError, match="exceeds the recipe's full_batch_size 4"):
+        tune.tune(ROOT / "recipes" / "demo.yaml", overrides, k_max=2, num_prompts=1,
+                  max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache", per_batch=[8])
 
 
 def test_decode_profile_breaks_a_call_down_by_operator(tiny_bundle):

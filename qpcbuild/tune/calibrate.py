@@ -252,8 +252,14 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
             on_card = not backend_info(backend).runs_on_host
             same = not on_card and \
                 measurement_changes(r, "exact")[0] == measurement_changes(r, "card")[0]
+            # A continuous-batching recipe is timed on its own bundle with b of its slots live
+            # (a step's cost there is not a static batch-b bundle's: free slots cost little)
+            cb = r.shapes.full_batch_size
+            if cb and max(batches) > cb:
+                raise UsageError(f"--per-batch {max(batches)} exceeds the recipe's "
+                                 f"full_batch_size {cb}")
             for b in batches:
-                if b == batch and same:
+                if (b == batch and same) or (cb and b != batch):
                     continue
                 extra = {} if b == batch else {"shapes.batch_size": b,
                                                "shapes.full_batch_size": None}
@@ -269,11 +275,12 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
             say(f"costs: measured on {cost_source}, {rounds} rounds per K")
 
             def costs(kk, position, b):
-                g = gens.get(b)
+                g = gens.get(batch if cb else b)
                 if g is None:  # the acceptance bundle, which is also the cost bundle
-                    g = gens[b] = load(acc_bundle, method=method, verify=verify)
-                say(f"timing K draft steps and one K+1 verify for K = 0..{k_max} at batch {b}")
-                return measure_costs(g, kk, position, rounds)
+                    g = gens[batch if cb else b] = load(acc_bundle, method=method, verify=verify)
+                say(f"timing K draft steps and one K+1 verify for K = 0..{k_max} at batch {b}"
+                    + (f" ({b} of {cb} slots live)" if cb else ""))
+                return measure_costs(g, kk, position, rounds, live=b if cb else None)
         evidence = calibrate(acc_bundle, method, k_max, prompts, max_new_tokens, costs,
                              batches=batches, host_measured=not cost_model,
                              same_bundle_costs=same, say=say, verify=verify)

@@ -48,18 +48,21 @@ def lower_quartile(xs: list[float]) -> float:
 
 
 def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
-                  warmup: int = 3) -> tuple[dict[int, float], dict[int, float] | None,
-                                            dict[str, Any]]:
+                  warmup: int = 3, live: int | None = None
+                  ) -> tuple[dict[int, float], dict[int, float] | None, dict[str, Any]]:
     """Seconds per target verify of K+1 tokens (each K in ks, plus 0 when compiled) and, with a
     draft, per run of K draft steps, timed through the sessions at `position` the way the loop
     calls them: K draft steps back to back, then the verify. (A draft call that follows target
     calls runs with the target's weights in the CPU caches and is slower than the ones after it;
     timing single draft calls between target calls would overstate the draft's cost.) Each is the
-    lower quartile of `rounds` samples, all Ks interleaved in every round."""
+    lower quartile of `rounds` samples, all Ks interleaved in every round. `live`: that many
+    rows carry tokens and the others none (a continuous-batching bundle with free slots, timed
+    as its steps run); default every row."""
     import numpy as np
 
     target, draft = gen.target, gen.draft
     b = target.batch_size
+    free = np.arange(b)[:, None] >= (b if live is None else live)  # rows without a token
     kset = sorted(set(ks) | ({0} if 0 in gen.ks else {min(gen.ks)}))
     pos0 = max(0, min(position, target.ctx_len - max(kset) - 2))
     samples: dict[int, list[float]] = {k: [] for k in kset}
@@ -70,11 +73,12 @@ def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
             if draft is not None and k > 0:
                 t0 = time.perf_counter()
                 for j in range(k):
-                    draft.run(np.full((b, 1), tok, np.int64), np.full((b, 1), pos0 + j, np.int64))
+                    draft.run(np.full((b, 1), tok, np.int64),
+                              np.where(free, -1, np.full((b, 1), pos0 + j, np.int64)))
                 if r >= warmup:
                     dsamples[k].append(time.perf_counter() - t0)
             ids = np.full((b, k + 1), tok, np.int64)
-            pos = np.tile(np.arange(pos0, pos0 + k + 1, dtype=np.int64), (b, 1))
+            pos = np.where(free, -1, np.tile(np.arange(pos0, pos0 + k + 1, dtype=np.int64), (b, 1)))
             t0 = time.perf_counter()
             target.run(ids, pos)
             dt = time.perf_counter() - t0
@@ -82,7 +86,8 @@ def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
                 samples[k].append(dt)
     t_verify = {k: lower_quartile(v) for k, v in samples.items()}
     t_draft = {k: lower_quartile(v) for k, v in dsamples.items()} if draft is not None else None
-    detail = {"position": pos0, "rounds": rounds, "batch_size": b, "statistic": "lower quartile",
+    detail = {"position": pos0, "rounds": rounds, "batch_size": b,
+              **({"live_rows": live} if live is not None else {}), "statistic": "lower quartile",
               "verify_ms": {k: round(t * 1e3, 4) for k, t in t_verify.items()},
               "verify_median_ms": {k: round(_median_ms(v), 4) for k, v in samples.items()},
               "verify_spread_ms": {k: [round(min(v) * 1e3, 4), round(max(v) * 1e3, 4)]
