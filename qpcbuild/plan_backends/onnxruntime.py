@@ -13,10 +13,10 @@ ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the
 
 def ort_graph(r: Recipe) -> str:
     """fused (qpcbuild's lowering on ORT's fused kernels) or portable (the exported graph, as
-    the card compiles it), as the recipe says. The fused graph takes one row per call (ORT's
-    CPU GroupQueryAttention refuses batch > 1 for multi-token windows over a cache); with
-    several rows (a static batch, or continuous batching's slots) the runtime runs it once per
-    live row over that row's KV (runtime/session.py, RowwiseOrtSession)."""
+    the card compiles it), as the recipe says. With several rows (a static batch, or continuous
+    batching's slots) the runtime runs the fused graph's multi-token windows once per live row
+    over that row's KV (ORT's CPU GroupQueryAttention refuses batch > 1 for them) and its
+    single-token calls once over all rows (runtime/session.py, RowwiseOrtSession)."""
     return r.onnxruntime.graph
 
 

@@ -52,7 +52,7 @@ def _open_ort(bundle: Path, manifest: Manifest, role: str, entry: OrtEntry):
         raise BundleError(f"{bundle}: missing {entry.artifact}")
     specs = [Specialization.from_manifest(s) for s in info.specializations]
     kv_shape = (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim)
-    if entry.graph == "fused" and shapes.kv_batch > 1:  # the graph takes one row per call
+    if entry.graph == "fused" and shapes.kv_batch > 1:  # its windows take one row per call
         return RowwiseOrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
                                  info.ort.intra_op_threads)
     return OrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,

@@ -222,7 +222,7 @@ class RowwiseOrtSession(OrtSession):
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
         live = [j for j in range(input_ids.shape[0]) if position_ids[j].max() >= 0]
-        if together is not None and (batch_index is None or np.array_equal(
+        if together is not None and live and (batch_index is None or np.array_equal(
                 batch_index[:, 0], self._in_order)) and self._together_pays(len(live)):
             t0 = time.perf_counter()
             self.sess.run_with_iobinding(together)  # rows without a token write past the end
