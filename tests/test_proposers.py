@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -270,3 +271,22 @@ def test_make_proposer_rejects_unknown_method_and_option_by_name():
         make_proposer("ngram", {"max_tree_depth": 4})
     with pytest.raises(ValueError, match="'prompt_lookup_min'"):
         make_proposer("suffix", {"prompt_lookup_min": 1})
+
+
+def test_suffix_float32_arithmetic_matches_numpy_float32_bit_for_bit():
+    # The walk computes in Python floats rounded to float32 after each operation; numpy's
+    # float32 scalars (what the C++ tree's floats are) are the oracle, on the operations the
+    # walk makes: count ratios, running products and running sums.
+    from qpcbuild.runtime.suffix_tree import f32
+
+    rng = np.random.default_rng(7)
+    f = np.float32
+    for _ in range(20000):
+        parent = int(rng.integers(1, 1 << 20))
+        child = int(rng.integers(1, parent + 1))
+        prob = f(rng.random())
+        score = f(rng.random() * 8)
+        ratio = f(child) / f(parent)
+        assert f32(child / parent) == float(ratio)
+        assert f32(float(prob) * f32(child / parent)) == float(f(prob * ratio))
+        assert f32(float(score) + float(prob)) == float(f(score + prob))

@@ -117,9 +117,9 @@ class SpecGate:
             return self.mode
         if self._probe_left:
             return self._probe_mode
-        best, why = self.compare(rates)
+        best = self.compare(rates)
         if best != self.mode:  # the estimates moved (acceptance sank, or rose)
-            self._switch(best, why)
+            self._switch(best, rates)
         if self.steps >= self._next_probe:
             other = "plain" if self.mode == "spec" else "spec"
             self._probe_mode, self._probe_left = other, PROBE_STEPS[other]
@@ -147,9 +147,9 @@ class SpecGate:
         if mode == "spec":
             self._take_probe([rate for rate, _ in row_tokens])
         rates = [rate for rate, _ in row_tokens]
-        best, why = self.compare(rates)
+        best = self.compare(rates)
         if best != self.mode:
-            self._switch(best, why)
+            self._switch(best, rates)
             return
         # The probe confirmed the choice: look again later, and later still each time, unless
         # it was a speculative probe that lost by less than its error (inconclusive).
@@ -183,11 +183,11 @@ class SpecGate:
         if taken:
             self.pooled_tokens, self.pooled_samples = sum(taken) / len(taken), len(taken)
 
-    def _switch(self, mode: str, why: str) -> None:
+    def _switch(self, mode: str, rates: list[RowRate]) -> None:
         # The backoff starts over: the estimates that decided this may have moved by chance,
         # and a wrong choice kept for up to MAX_BACKOFF steps costs far more (a draft model's
         # acceptance is not measured at all while speculation is off) than probing again soon.
-        self.switches.append({"step": self.steps, "to": mode, "reason": why})
+        self.switches.append({"step": self.steps, "to": mode, "reason": self.why(rates)})
         self.mode = mode
         self._backoff = FIRST_BACKOFF
         self._next_probe = self.steps + self._probe_gap()
@@ -257,23 +257,29 @@ class SpecGate:
         """Plain decoding is faster by MARGIN even than speculation's estimate plus its error."""
         return self._spec_rates(rates)[1] * (1 + MARGIN) < len(rates) / self.step_s["plain"]
 
-    def compare(self, rates: list[RowRate]) -> tuple[str, str]:
-        """The faster mode for these rows by the current estimates, and why."""
+    def compare(self, rates: list[RowRate]) -> str:
+        """The faster mode for these rows by the current estimates (every step: the reason
+        is worded only for a switch, by `why`)."""
         spec_s, plain_s = self.step_s["spec"], self.step_s["plain"]
         if spec_s is None or plain_s is None or not rates:
-            return self.mode, "not measured yet"
-        spec_rate, spec_high = self._spec_rates(rates)
-        plain_rate = len(rates) / plain_s
+            return self.mode
         # The current mode stays unless the other is faster by MARGIN; speculation is turned
         # off only when it loses even by its estimate plus its error.
         if self.mode == "spec":
-            best = "plain" if self._spec_loses(rates) else "spec"
-        else:
-            best = "plain" if plain_rate * (1 + MARGIN) >= spec_rate else "spec"
-        why = (f"speculating {spec_rate:.1f} new tokens/s (at most {spec_high:.1f}; "
-               f"{spec_rate * spec_s / len(rates):.2f} per row-step, {spec_s * 1e3:.2f} ms/step) "
-               f"vs plain {plain_rate:.1f} ({plain_s * 1e3:.2f} ms/step)")
-        return best, why
+            return "plain" if self._spec_loses(rates) else "spec"
+        spec_rate = self._spec_rates(rates)[0]
+        return "plain" if len(rates) / plain_s * (1 + MARGIN) >= spec_rate else "spec"
+
+    def why(self, rates: list[RowRate]) -> str:
+        """The estimates behind `compare`'s answer, in words."""
+        spec_s, plain_s = self.step_s["spec"], self.step_s["plain"]
+        if spec_s is None or plain_s is None or not rates:
+            return "not measured yet"
+        spec_rate, spec_high = self._spec_rates(rates)
+        plain_rate = len(rates) / plain_s
+        return (f"speculating {spec_rate:.1f} new tokens/s (at most {spec_high:.1f}; "
+                f"{spec_rate * spec_s / len(rates):.2f} per row-step, {spec_s * 1e3:.2f} ms/step) "
+                f"vs plain {plain_rate:.1f} ({plain_s * 1e3:.2f} ms/step)")
 
     def report(self) -> dict:
         return {"policy": self.policy, "steps_with_speculation": self.steps_by_mode["spec"],
