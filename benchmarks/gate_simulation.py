@@ -9,7 +9,12 @@ short requests (a new row each, as the engine keeps its gates across calls). No 
 only thing measured is the gate's choices, so the numbers are exact for the simulated costs and
 say nothing about noise in real step times.
 
-Usage: python benchmarks/gate_simulation.py [--json-out FILE]
+--shadowed: a model-free proposer (ngram, suffix). While speculation is off, the gate's shadow
+proposals (K tokens, costing --propose-ms) are matched against the plain steps' tokens, each
+plain token equal to the shadow's next one with probability `a` (what speculative sampling
+would have accepted).
+
+Usage: python benchmarks/gate_simulation.py [--shadowed] [--json-out FILE]
 (PYTHONPATH=CHECKOUT python benchmarks/gate_simulation.py measures another checkout's gate.)
 """
 
@@ -24,19 +29,27 @@ from qpcbuild.runtime.gate import RowRate, SpecGate
 
 
 def run(a: float, k: int, spec_ms: float, plain_ms: float, requests: int, tokens: int,
-        seed: int) -> dict:
+        seed: int, shadowed: bool = False, propose_ms: float = 0.0) -> dict:
     rng = random.Random(seed)
-    gate, made, seconds, spec_steps, steps = SpecGate("auto"), 0, 0.0, 0, 0
+    gate = SpecGate("auto", shadowed=shadowed)
+    made, seconds, spec_steps, steps = 0, 0.0, 0, 0
     for _ in range(requests):
         row, got = RowRate(), 0
         while got < tokens:
             mode = gate.choose([row])
-            n = 1
+            n, step_s = 1, (spec_ms if mode == "spec" else plain_ms) / 1e3
             if mode == "spec":
                 while n <= k and rng.random() < a:
                     n += 1
-            step_s = (spec_ms if mode == "spec" else plain_ms) / 1e3
+            elif shadowed and gate.shadow_due(row):
+                row.shadow = [0] * k  # a shadow token is 0; a plain token matches it with p=a
+                gate.shadow_cost(propose_ms / 1e3, 1)
+                step_s += propose_ms / 1e3
             gate.record(mode, step_s, [(row, n)])
+            if shadowed and mode == "plain":
+                gate.observe_plain(row, 0 if rng.random() < a else 1, 1)
+            elif shadowed:
+                gate.drop_shadow(row)
             got, seconds, steps = got + n, seconds + step_s, steps + 1
             spec_steps += mode == "spec"
         made += got
@@ -52,17 +65,22 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--shadowed", action="store_true", help="a model-free proposer's gate")
+    ap.add_argument("--propose-ms", type=float, default=0.05,
+                    help="one shadow proposal's cost (with --shadowed)")
+    ap.add_argument("--acceptance", default="0.4,0.45,0.5,0.55,0.6,0.65,0.7,0.8",
+                    help="comma list of per-token acceptance rates to simulate")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     rows = []
     print("| acceptance a | tokens per step | fixed K (x plain) | auto (x plain) | auto, worst seed "
           "| auto / fixed | steps speculating |")
     print("|---|---|---|---|---|---|---|")
-    for a in (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8):
+    for a in (float(x) for x in args.acceptance.split(",")):
         mean_tokens = sum(a ** j for j in range(args.k + 1))
         fixed = mean_tokens / args.spec_ms * args.plain_ms
-        runs = [run(a, args.k, args.spec_ms, args.plain_ms, args.requests, args.tokens, seed)
-                for seed in range(args.seeds)]
+        runs = [run(a, args.k, args.spec_ms, args.plain_ms, args.requests, args.tokens, seed,
+                    args.shadowed, args.propose_ms) for seed in range(args.seeds)]
         auto = statistics.mean(r["x_plain"] for r in runs)
         rows.append({"a": a, "tokens_per_step": mean_tokens, "fixed_x_plain": fixed,
                      "auto_x_plain": auto, "auto_worst": min(r["x_plain"] for r in runs),

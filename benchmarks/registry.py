@@ -4,7 +4,9 @@
    than a cold build, with the same bundle id (cold, seed and warm builds interleaved per round);
 2. push and pull of the bundle run at a good fraction of a plain file copy's speed on the same
    disk (cp -r, push, pull interleaved per round, each push to an empty registry, each timed
-   until what it wrote is fsynced);
+   until what it wrote is fsynced); beside them the registry's own ingest: the same files
+   sent by a client that does nothing else (one monolithic PUT each, digests given), which
+   no push can beat;
 3. two bundles that differ only in the draft store the target's graph once (registry storage).
 
 Usage: python benchmarks/registry.py [--recipe recipes/smollm2.yaml] [--rounds 2] [--work DIR]
@@ -14,6 +16,7 @@ Needs Debian's docker-registry (apt-get install docker-registry), started here o
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -127,12 +132,51 @@ def transfers(bundle: Path, work: Path, rounds: int) -> list[dict]:
             server.stop()
             shutil.rmtree(work / f"xfer-registry{r}", ignore_errors=True)
         shutil.rmtree(work / "pulled")
+        ingest_s = registry_ingest(bundle, work / f"ingest-registry{r}")
         mb = size / 1e6
         rows.append({"round": r, "bytes": size, "cp_MBps": mb / cp_s, "push_MBps": mb / push_s,
-                     "pull_MBps": mb / pull_s, "push_vs_cp": cp_s / push_s,
-                     "pull_vs_cp": cp_s / pull_s})
+                     "pull_MBps": mb / pull_s, "ingest_MBps": mb / ingest_s,
+                     "push_vs_cp": cp_s / push_s, "pull_vs_cp": cp_s / pull_s,
+                     "ingest_vs_cp": cp_s / ingest_s, "push_vs_ingest": ingest_s / push_s})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def registry_ingest(bundle: Path, storage: Path) -> float:
+    """Seconds for an empty registry to take in the bundle's files from a client that only
+    streams them: one upload session and one PUT per file, its digest given up front (the
+    manifest's), no verification, retries or anything else of ours; until fsynced."""
+    files = [p for p in sorted(bundle.rglob("*")) if p.is_file()]
+    digests = {p: "sha256:" + file_sha256(p) for p in files}  # before the clock starts
+    server = RegistryServer(storage)
+    server.port = free_port()
+    server.start()
+    try:
+        with httpx.Client(base_url=f"http://{server.address}", timeout=600) as http:
+            t0 = time.perf_counter()
+            for path in files:
+                session = http.post("/v2/bench/ingest/blobs/uploads/")
+                location = session.headers["Location"]
+                with open(path, "rb") as f:
+                    done = http.put(location + ("&" if "?" in location else "?")
+                                    + f"digest={digests[path]}", content=iter(
+                                        lambda: f.read(4 << 20), b""),
+                                    headers={"Content-Type": "application/octet-stream",
+                                             "Content-Length": str(path.stat().st_size)})
+                assert done.status_code == 201, (path, done.status_code, done.text[:200])
+            flush(server.storage)
+            return time.perf_counter() - t0
+    finally:
+        server.stop()
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(4 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def pull_memory(bundle: Path, work: Path) -> dict:
@@ -208,7 +252,8 @@ def main() -> None:
                          for part, names in (("builds", ("speedup_build", "speedup_wall",
                                                          "speedup_push", "speedup_push_wall",
                                                          "speedup_folder_to_push")),
-                                             ("transfers", ("push_vs_cp", "pull_vs_cp")))
+                                             ("transfers", ("push_vs_cp", "pull_vs_cp", "ingest_vs_cp",
+                                                            "push_vs_ingest")))
                          for name in names}
     print(json.dumps(report["medians"]), flush=True)
     out = REPO / "benchmarks" / "results" / "registry.json"
