@@ -16,7 +16,6 @@ Needs Debian's docker-registry (apt-get install docker-registry), started here o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from qpcbuild.bundle import read_manifest  # noqa: E402
 from qpcbuild.registry.bundles import pull_bundle, push_bundle  # noqa: E402
 from qpcbuild.registry.client import RegistryClient  # noqa: E402
 from qpcbuild.registry.reference import parse_reference  # noqa: E402
+from qpcbuild.tree import file_digest  # noqa: E402
 
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]
 
@@ -147,7 +147,7 @@ def registry_ingest(bundle: Path, storage: Path) -> float:
     streams them: one upload session and one PUT per file, its digest given up front (the
     manifest's), no verification, retries or anything else of ours; until fsynced."""
     files = [p for p in sorted(bundle.rglob("*")) if p.is_file()]
-    digests = {p: "sha256:" + file_sha256(p) for p in files}  # before the clock starts
+    digests = {p: "sha256:" + file_digest(p) for p in files}  # before the clock starts
     server = RegistryServer(storage)
     server.port = free_port()
     server.start()
@@ -169,14 +169,6 @@ def registry_ingest(bundle: Path, storage: Path) -> float:
     finally:
         server.stop()
         shutil.rmtree(storage, ignore_errors=True)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(4 << 20), b""):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def pull_memory(bundle: Path, work: Path) -> dict:
