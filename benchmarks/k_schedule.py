@@ -2,9 +2,9 @@
 
 What it measures
 ----------------
-The demo pair (recipes/demo.yaml, draft_model; --recipe for another pair) built with continuous
-batching (``shapes.full_batch_size``, default 8) and every K in 0..--k-max, into
-build/k-schedule-bench.
+The demo pair (recipes/demo.yaml, draft_model; --recipe for another pair or method) built
+with continuous batching (``shapes.full_batch_size``, default 8) and every K in 0..--k-max,
+into build/k-schedule-bench.
 The K schedule (live batch size -> K) comes from ``qpcbuild tune --per-batch`` on that recipe
 (its ``per_batch`` record), or from --schedule, or, with --bundle and no --schedule, from the
 bundle's manifest (``speculation.k_schedule``).
@@ -51,6 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]
+EVAL_PROMPTS = ROOT / "models" / "demo" / "eval_prompts.jsonl"  # held out from the demo's training
 
 from qpcbuild.errors import QpcbuildError, UsageError  # noqa: E402
 
@@ -92,9 +93,12 @@ def tuned_schedule(recipe: Path, k_max: int, slots: int, sizes: list[int], round
                    ) -> tuple[dict[int, int], dict]:
     """`qpcbuild tune --per-batch` on the CB recipe: its best K per batch size, and the
     command and its per_batch record."""
+    # Acceptance from the texts the runs below decode (the first prompts of the held-out set,
+    # as many as the largest C takes), not from tune's default prompt set.
     cmd = QPCBUILD + ["tune", str(recipe), "--set",
                       f"shapes.full_batch_size={slots}", "--per-batch",
-                      ",".join(map(str, sizes)), "--k-max", str(k_max), "--num-prompts", "4",
+                      ",".join(map(str, sizes)), "--k-max", str(k_max),
+                      "--prompts", str(EVAL_PROMPTS), "--num-prompts", str(max(sizes)),
                       "--max-new-tokens", "48", "--rounds", str(rounds), "--json"]
     say("tune: " + " ".join(cmd[len(QPCBUILD):]))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -115,7 +119,7 @@ def build_bundle(recipe: Path, out: Path, k_max: int, slots: int,
 
 
 def prompt_ids(gen, n_tokens: int) -> list[list[int]]:
-    lines = (ROOT / "models" / "demo" / "eval_prompts.jsonl").read_text().splitlines()
+    lines = EVAL_PROMPTS.read_text().splitlines()
     return [gen.encode(json.loads(line)["text"])[:n_tokens] for line in lines]
 
 
@@ -211,7 +215,7 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "demo.yaml",
-                    help="the draft_model recipe to tune and build")
+                    help="the recipe to tune and build (its method is measured)")
     ap.add_argument("--bundle", type=Path, default=None, help="measure this CB bundle instead")
     ap.add_argument("--schedule", default=None, help="BATCH_SIZE:K,... (default: tune's)")
     ap.add_argument("--slots", type=int, default=8, help="full_batch_size of the built bundle")
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             check_schedule(schedule, tuple(range(args.k_max + 1)), "the bundle to build")
             bundle = ROOT / "build" / "k-schedule-bench"
             build_bundle(args.recipe, bundle, args.k_max, args.slots, schedule)
-        gen = qpcbuild.load(bundle, method="draft_model")
+        gen = qpcbuild.load(bundle)  # the method it was built for
         slots = gen.manifest.shapes.full_batch_size
         if not slots:
             raise UsageError(f"{bundle}: not built for continuous batching "

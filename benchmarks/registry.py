@@ -244,8 +244,8 @@ def main() -> None:
                          for part, names in (("builds", ("speedup_build", "speedup_wall",
                                                          "speedup_push", "speedup_push_wall",
                                                          "speedup_folder_to_push")),
-                                             ("transfers", ("push_vs_cp", "pull_vs_cp", "ingest_vs_cp",
-                                                            "push_vs_ingest")))
+                                             ("transfers", ("push_vs_cp", "pull_vs_cp",
+                                                            "ingest_vs_cp", "push_vs_ingest")))
                          for name in names}
     print(json.dumps(report["medians"]), flush=True)
     out = REPO / "benchmarks" / "results" / "registry.json"

@@ -82,3 +82,22 @@ def test_steps_at_the_wrong_k_are_found():
     assert bench.wrong_steps({(2, 4): 3, (1, 4): 2}, schedule, None, 4) == [(2, 4)]
     assert bench.wrong_steps({(2, 4): 3, (1, 1): 2}, schedule, 4, 4) == [(1, 1)]
     assert bench.scheduled_k({2: 3, 4: 1}, 1, 5) == 5  # fewer rows than the first size: K_max
+
+
+def test_a_model_free_recipe_is_measured_with_its_own_method(tmp_path, capsys):
+    # The benchmark loads the method the bundle was built for: an ngram CB bundle has no
+    # draft (loading it as draft_model is refused), and its schedule runs as recorded.
+    result = CliRunner().invoke(app, [
+        "compile", str(REPO / "recipes" / "demo-ngram.yaml"), "-o", str(tmp_path / "b"),
+        "--cache-dir", str(tmp_path / "cache"), "--set", "shapes.full_batch_size=2",
+        "--set", "speculation.num_speculative_tokens=[0,4]",
+        "--set", "speculation.num_speculative_tokens_per_batch_size={1: 4, 2: 0}"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "k_schedule.json"
+    rc = bench.main(["--bundle", str(tmp_path / "b"), "--concurrency", "2", "--max-new-tokens",
+                     "8", "--repeats", "1", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["problems"] == []
+    steps = {r["config"]: r["steps_by_live_rows_and_k"] for r in report["summary"]}
+    assert set(steps["schedule"]) <= {"2:0", "1:4"} and "2:0" in steps["schedule"]
