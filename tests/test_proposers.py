@@ -290,3 +290,45 @@ def test_suffix_float32_arithmetic_matches_numpy_float32_bit_for_bit():
         assert f32(child / parent) == float(ratio)
         assert f32(float(prob) * f32(child / parent)) == float(f(prob * ratio))
         assert f32(float(score) + float(prob)) == float(f(score + prob))
+
+
+def test_suffix_tree_removal_returns_every_node_and_eviction_keeps_only_cached_responses():
+    # The tree's nodes are integer ids in flat tables: what a removed sequence alone held must
+    # come back, or a long-running server's tree grows with every evicted request. The oracle
+    # is a tree built fresh from the sequences that remain.
+    import random
+
+    from qpcbuild.runtime.suffix_tree import SuffixTree
+
+    rng = random.Random(5)
+    seqs = {i: [rng.randrange(6) for _ in range(rng.randrange(1, 40))] for i in range(30)}
+    tree = SuffixTree(8)
+    for i, seq in seqs.items():
+        tree.extend(i, seq)
+    for i in range(0, 30, 2):
+        tree.remove(i)
+    fresh = SuffixTree(8)
+    for i in range(1, 30, 2):
+        fresh.extend(i, seqs[i])
+    assert tree.node_count == fresh.node_count > 0
+    for i in range(1, 30, 2):
+        tree.remove(i)
+    assert tree.node_count == 0
+
+    p = SuffixProposer(max_tree_depth=8, max_cached_requests=2)
+    for rid in range(12):
+        p.start(rid, [99])
+        p.extend(rid, seqs[rid])
+        p.finish(rid)
+    kept = SuffixTree(8)
+    for rid in (10, 11):
+        kept.extend(rid, seqs[rid])
+    assert p._global.node_count == kept.node_count
+
+
+def test_suffix_tree_refuses_token_ids_it_cannot_key():
+    from qpcbuild.runtime.suffix_tree import SuffixTree
+
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError, match="outside"):
+            SuffixTree(4).extend(0, [1, bad])

@@ -99,13 +99,21 @@ def test_the_comparison_catches_the_previous_rules(recorded, monkeypatch):
 def test_the_comparison_catches_a_different_tie_order(recorded, monkeypatch):
     """Among equally frequent continuations the order decides; a tree that keeps children in
     first-seen order instead of arctic-inference's fails the recorded scenarios."""
-    from qpcbuild.runtime import suffix_tree
+    from qpcbuild.runtime.suffix_tree import NONE, SuffixTree
 
-    def grow_in_place(parent, child):
-        child.count += 1
-        parent.order.sort(key=lambda node: -node.count)  # stable: first seen first
+    def grow_in_place(tree, parent, child):
+        tree._count[child] += 1
+        siblings, node = [], tree._first[parent]
+        while node != NONE:
+            siblings.append(node)
+            node = tree._next[node]
+        siblings.sort(key=lambda node: -tree._count[node])  # stable: ties keep their order
+        for node in siblings:
+            tree._unlink(parent, node)
+        for node in siblings:
+            tree._insert_before(parent, node, NONE)
 
-    monkeypatch.setattr(suffix_tree, "_grow", grow_in_place)
+    monkeypatch.setattr(SuffixTree, "_grow", grow_in_place)
     assert len(suffix_mismatches(recorded)) > 3
 
 

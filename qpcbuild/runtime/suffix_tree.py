@@ -16,10 +16,17 @@ trie (one node per token; path compression changes memory, never counts or order
   running products. All of this in float32, as the C++ computes it: here each operation runs
   on Python floats (doubles) and is rounded to float32 after it, which gives the float32 result
   bit for bit (a double has more than 2 x 24 + 2 bits, so rounding twice cannot differ from
-  rounding once for +, x and /); a proposal costs 0.42x of what it did on numpy's
-  float32 scalars;
+  rounding once for +, x and /);
 - the match: every context suffix of length 1 .. len(context) - 1 that is in the tree is
   walked, and the highest score wins (ties: the longer match).
+
+Storage: a node is an integer id into flat lists of integers (count, token, first and last
+child, next and previous sibling: the sibling order is a doubly linked list), and the edges are
+one dict from parent id and token to child id. A prompt of n tokens adds up to n x max_depth
+nodes; as Python objects (a node, its children's dict and its order list each) they were more
+than half of the cost of building and updating a tree, most of it the garbage collector
+walking them. Integers are not tracked by the collector, and neither is a dict that holds only
+integers.
 """
 
 from __future__ import annotations
@@ -31,44 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _FLOAT32 = struct.Struct("f")
+ROOT, NONE = 0, -1
+_EDGE = 1 << 32  # an edge's key: parent id * _EDGE + token (token ids are below 2**32)
 
 
 def f32(x: float) -> float:
     """x rounded to the nearest float32 (as a Python float)."""
     return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
-
-
-class _Node:
-    __slots__ = ("count", "token", "children", "order")
-
-    def __init__(self, token: int) -> None:
-        self.count = 0
-        self.token = token
-        self.children: dict[int, _Node] = {}
-        self.order: list[_Node] = []  # the children, first = the one the walk takes
-
-
-def _grow(parent: _Node, child: _Node) -> None:
-    """child.count += 1, keeping parent.order as the C++ tree keeps its sibling list."""
-    order, c = parent.order, child.count
-    i = order.index(child)
-    if i > 0 and order[i - 1].count <= c + 1:
-        prev_count = order[i - 1].count
-        j = next(n for n, node in enumerate(order) if node.count == prev_count)
-        del order[i]
-        order.insert(j, child)
-    child.count = c + 1
-
-
-def _shrink(parent: _Node, child: _Node) -> None:
-    """child.count -= 1 (child.count > 1), with the C++ tree's sibling reordering."""
-    order, c = parent.order, child.count
-    i = order.index(child)
-    if i + 1 < len(order) and order[i + 1].count == c:
-        del order[i]
-        j = next((n for n, node in enumerate(order) if node.count < c), len(order))
-        order.insert(j, child)
-    child.count = c - 1
 
 
 @dataclass
@@ -84,74 +60,178 @@ class SuffixTree:
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.root = _Node(-1)
+        # per node id; the root (id 0) keeps no sibling order: a match is at least one token,
+        # so its children are never walked, and theirs is the one list as long as the vocabulary
+        self._count, self._token = [0], [NONE]
+        self._first, self._last = [NONE], [NONE]  # children: the first is the one walked
+        self._next, self._prev = [NONE], [NONE]  # siblings
+        self._edges: dict[int, int] = {}  # parent id * _EDGE + token -> child id
+        self._free: list[int] = []  # ids of removed nodes, reused
         self._seqs: dict[int, list[int]] = {}
-        self._active: dict[int, deque[_Node]] = {}  # nodes of the seq's suffixes being extended
+        self._active: dict[int, deque[int]] = {}  # nodes of the seq's suffixes being extended
 
+    @property
+    def node_count(self) -> int:
+        """Nodes in the trie, the root not counted (ids of removed nodes are reused)."""
+        return len(self._count) - len(self._free) - 1
+
+    # ---------------------------------------------------------------- nodes
+    def _new_child(self, parent: int, token: int) -> int:
+        """A node of count 1 under `parent`, last among its siblings."""
+        if self._free:
+            node = self._free.pop()
+            self._count[node], self._token[node] = 1, token
+            self._first[node] = self._last[node] = self._next[node] = self._prev[node] = NONE
+        else:
+            node = len(self._count)
+            self._count.append(1)
+            self._token.append(token)
+            self._first.append(NONE)
+            self._last.append(NONE)
+            self._next.append(NONE)
+            self._prev.append(NONE)
+        self._edges[parent * _EDGE + token] = node
+        if parent != ROOT:
+            tail = self._last[parent]
+            if tail == NONE:
+                self._first[parent] = node
+            else:
+                self._next[tail], self._prev[node] = node, tail
+            self._last[parent] = node
+        return node
+
+    def _unlink(self, parent: int, node: int) -> None:
+        before, after = self._prev[node], self._next[node]
+        if before == NONE:
+            self._first[parent] = after
+        else:
+            self._next[before] = after
+        if after == NONE:
+            self._last[parent] = before
+        else:
+            self._prev[after] = before
+        self._prev[node] = self._next[node] = NONE
+
+    def _insert_before(self, parent: int, node: int, at: int) -> None:
+        """Put `node` in front of sibling `at` (NONE: last)."""
+        if at == NONE:
+            tail = self._last[parent]
+            self._prev[node] = tail
+            if tail == NONE:
+                self._first[parent] = node
+            else:
+                self._next[tail] = node
+            self._last[parent] = node
+            return
+        before = self._prev[at]
+        self._prev[node], self._next[node], self._prev[at] = before, at, node
+        if before == NONE:
+            self._first[parent] = node
+        else:
+            self._next[before] = node
+
+    def _grow(self, parent: int, child: int) -> None:
+        """count += 1, moving the child as the C++ tree moves it in its sibling list."""
+        count = self._count
+        c, before = count[child], self._prev[child]
+        if before != NONE and count[before] <= c + 1:
+            target = count[before]
+            at = self._first[parent]
+            while count[at] != target:
+                at = self._next[at]
+            self._unlink(parent, child)
+            self._insert_before(parent, child, at)
+        count[child] = c + 1
+
+    def _shrink(self, parent: int, child: int) -> None:
+        """count -= 1 (count > 1), with the C++ tree's sibling reordering."""
+        count = self._count
+        c, after = count[child], self._next[child]
+        if after != NONE and count[after] == c:
+            self._unlink(parent, child)
+            at = self._first[parent]
+            while at != NONE and count[at] >= c:
+                at = self._next[at]
+            self._insert_before(parent, child, at)
+        count[child] = c - 1
+
+    def _drop(self, parent: int, node: int) -> None:
+        """Remove `node` and everything under it."""
+        if parent != ROOT:
+            self._unlink(parent, node)
+        del self._edges[parent * _EDGE + self._token[node]]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            child = self._first[n]
+            while child != NONE:
+                del self._edges[n * _EDGE + self._token[child]]
+                stack.append(child)
+                child = self._next[child]
+            self._free.append(n)
+
+    # ---------------------------------------------------------------- sequences
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
         seq = self._seqs.setdefault(seq_id, [])
         active = self._active.setdefault(seq_id, deque())
-        root = self.root
+        count, edges, first = self._count, self._edges, self._first
         for tok in tokens:
             tok = int(tok)
-            active.append(root)
-            root.count += 1
+            if not 0 <= tok < _EDGE:
+                raise ValueError(f"token id {tok} is outside 0 .. 2**32 - 1")
+            active.append(ROOT)
+            count[ROOT] += 1
             if len(active) > self.max_depth:
                 active.popleft()
             seq.append(tok)
             for i, node in enumerate(active):
-                child = node.children.get(tok)
-                # The root's child order is never walked (a match is at least one token), so
-                # it is not kept: it is the one list as long as the vocabulary.
+                child = edges.get(node * _EDGE + tok)
                 if child is None:
-                    child = node.children[tok] = _Node(tok)
-                    child.count = 1
-                    if node is not root:
-                        node.order.append(child)
-                elif node is root:
-                    child.count += 1
+                    child = self._new_child(node, tok)
+                elif node == ROOT or first[node] == child:  # no sibling moves
+                    count[child] += 1
                 else:
-                    _grow(node, child)
+                    self._grow(node, child)
                 active[i] = child
 
     def remove(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id)
         self._active.pop(seq_id, None)
+        count, edges = self._count, self._edges
         for start in range(len(seq)):
-            node = self.root
-            node.count -= 1
+            node = ROOT
+            count[ROOT] -= 1
             for tok in seq[start:start + self.max_depth]:
-                child = node.children.get(tok)
+                child = edges.get(node * _EDGE + tok)
                 if child is None:
                     break
-                if child.count > 1:
-                    if node is self.root:
-                        child.count -= 1
+                if count[child] > 1:
+                    if node == ROOT:
+                        count[child] -= 1
                     else:
-                        _shrink(node, child)
+                        self._shrink(node, child)
                 else:  # this sequence was its only occurrence: the whole branch goes
-                    if node is not self.root:
-                        node.order.remove(child)
-                    del node.children[tok]
+                    self._drop(node, child)
                     break
                 node = child
 
-    def _match(self, context: Sequence[int]) -> _Node | None:
-        node = self.root
+    def _match(self, context: Sequence[int]) -> int | None:
+        node, edges = ROOT, self._edges
         for tok in context:
-            node = node.children.get(tok)
+            node = edges.get(node * _EDGE + tok)
             if node is None:
                 return None
         return node
 
-    def suffix_nodes(self, seq_id: int) -> Sequence[_Node]:
+    def suffix_nodes(self, seq_id: int) -> Sequence[int]:
         """The nodes of a sequence's last suffixes, longest first (the one of length m is
         [-m]): where a context that ends that sequence matches, without walking from the root."""
         return self._active.get(seq_id, ())
 
+    # ---------------------------------------------------------------- proposals
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
                   max_spec_offset: float, min_token_prob: float,
-                  known: Sequence[_Node] = ()) -> Draft:
+                  known: Sequence[int] = ()) -> Draft:
         """`known`: `suffix_nodes` of a sequence the context ends with (a shortcut only)."""
         best, best_score, best_len = None, 0.0, 0
         min_p = f32(min_token_prob)
@@ -161,30 +241,33 @@ class SuffixTree:
             if node is None:
                 break
             cap = _cap(match_len, max_spec_factor, max_spec_offset)
-            walk = _walk(node, max(0, min(max_spec_tokens, cap)), min_p)
+            walk = self._walk(node, max(0, min(max_spec_tokens, cap)), min_p)
             if walk[2] >= best_score:  # ties: the longer match
                 best, best_score, best_len = walk, walk[2], match_len
         if best is None:
             return Draft()
         return Draft(best[0], best[1], best_score, best_len)
 
-
-def _walk(node: _Node, max_tokens: int, min_p: float) -> tuple[list[int], list[float], float]:
-    """From `node`, the first child while the running probability stays >= min_p: (tokens,
-    their running probabilities, the score), all float32 values."""
-    tokens: list[int] = []
-    probs: list[float] = []
-    prob, score = 1.0, 0.0
-    while len(tokens) < max_tokens and node.order:
-        child = node.order[0]
-        prob = f32(prob * f32(child.count / node.count))
-        if prob < min_p:
-            break
-        tokens.append(child.token)
-        probs.append(prob)
-        score = f32(score + prob)
-        node = child
-    return tokens, probs, score
+    def _walk(self, node: int, max_tokens: int, min_p: float
+              ) -> tuple[list[int], list[float], float]:
+        """From `node`, the first child while the running probability stays >= min_p: (tokens,
+        their running probabilities, the score), all float32 values."""
+        count, first, token = self._count, self._first, self._token
+        tokens: list[int] = []
+        probs: list[float] = []
+        prob, score = 1.0, 0.0
+        while len(tokens) < max_tokens:
+            child = first[node]
+            if child == NONE:
+                break
+            prob = f32(prob * f32(count[child] / count[node]))
+            if prob < min_p:
+                break
+            tokens.append(token[child])
+            probs.append(prob)
+            score = f32(score + prob)
+            node = child
+        return tokens, probs, score
 
 
 @functools.lru_cache(maxsize=4096)
