@@ -174,7 +174,8 @@ class SuffixTree:
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
         seq = self._seqs.setdefault(seq_id, [])
         active = self._active.setdefault(seq_id, deque())
-        count, edges, first = self._count, self._edges, self._first
+        count, edges, first, last = self._count, self._edges, self._first, self._last
+        token, nxt, prev, free = self._token, self._next, self._prev, self._free
         for tok in tokens:
             tok = int(tok)
             if not 0 <= tok < _EDGE:
@@ -185,9 +186,22 @@ class SuffixTree:
                 active.popleft()
             seq.append(tok)
             for i, node in enumerate(active):
-                child = edges.get(node * _EDGE + tok)
+                key = node * _EDGE + tok
+                child = edges.get(key)
                 if child is None:
-                    child = self._new_child(node, tok)
+                    if node != ROOT and first[node] == NONE and not free:
+                        # the commonest new node: the first child of a node of the same
+                        # sequence (what _new_child does, without the call)
+                        child = first[node] = last[node] = len(count)
+                        count.append(1)
+                        token.append(tok)
+                        first.append(NONE)
+                        last.append(NONE)
+                        nxt.append(NONE)
+                        prev.append(NONE)
+                        edges[key] = child
+                    else:
+                        child = self._new_child(node, tok)
                 elif node == ROOT or first[node] == child:  # no sibling moves
                     count[child] += 1
                 else:
