@@ -247,20 +247,36 @@ class SuffixTree:
                   max_spec_offset: float, min_token_prob: float,
                   known: Sequence[int] = ()) -> Draft:
         """`known`: `suffix_nodes` of a sequence the context ends with (a shortcut only)."""
-        best, best_score, best_len = None, 0.0, 0
+        count, first = self._count, self._first
+        pack, unpack = _FLOAT32.pack, _FLOAT32.unpack
+        best, best_score, best_len, best_tokens = None, 0.0, 0, 0
         min_p = f32(min_token_prob)
         for match_len in range(1, len(context)):
             node = known[-match_len] if match_len <= len(known) else \
                 self._match(context[len(context) - match_len:])
             if node is None:
                 break
-            cap = _cap(match_len, max_spec_factor, max_spec_offset)
-            walk = self._walk(node, max(0, min(max_spec_tokens, cap)), min_p)
-            if walk[2] >= best_score:  # ties: the longer match
-                best, best_score, best_len = walk, walk[2], match_len
+            length = max(0, min(max_spec_tokens, _cap(match_len, max_spec_factor,
+                                                       max_spec_offset)))
+            # The walk's score only (the winner's tokens are collected once, below): most
+            # walks end after a step or two, and building each one's lists cost more.
+            prob, score, steps, at = 1.0, 0.0, 0, node
+            while steps < length:
+                child = first[at]
+                if child == NONE:
+                    break
+                # f32(prob * f32(ratio)) and f32(score + prob), spelled out: the hottest line
+                prob = unpack(pack(prob * unpack(pack(count[child] / count[at]))[0]))[0]
+                if prob < min_p:
+                    break
+                score = unpack(pack(score + prob))[0]
+                steps, at = steps + 1, child
+            if score >= best_score:  # ties: the longer match
+                best, best_score, best_len, best_tokens = node, score, match_len, length
         if best is None:
             return Draft()
-        return Draft(best[0], best[1], best_score, best_len)
+        tokens, probs, score = self._walk(best, best_tokens, min_p)
+        return Draft(tokens, probs, score, best_len)
 
     def _walk(self, node: int, max_tokens: int, min_p: float
               ) -> tuple[list[int], list[float], float]:
