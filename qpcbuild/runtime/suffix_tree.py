@@ -190,8 +190,8 @@ class SuffixTree:
                 child = edges.get(key)
                 if child is None:
                     if node != ROOT and first[node] == NONE and not free:
-                        # the commonest new node: the first child of a node of the same
-                        # sequence (what _new_child does, without the call)
+                        # the commonest new node, a node's first child with no freed id
+                        # to reuse: what _new_child does, without the call
                         child = first[node] = last[node] = len(count)
                         count.append(1)
                         token.append(tok)
