@@ -144,8 +144,8 @@ def transfers(bundle: Path, work: Path, rounds: int) -> list[dict]:
 
 def registry_ingest(bundle: Path, storage: Path) -> float:
     """Seconds for an empty registry to take in the bundle's files from a client that only
-    streams them: one upload session and one PUT per file, its digest given up front (the
-    manifest's), no verification, retries or anything else of ours; until fsynced."""
+    streams them: one upload session and one PUT per file, its digest computed before the
+    clock starts, no verification, retries or anything else of ours; until fsynced."""
     files = [p for p in sorted(bundle.rglob("*")) if p.is_file()]
     digests = {p: "sha256:" + file_digest(p) for p in files}  # before the clock starts
     server = RegistryServer(storage)
