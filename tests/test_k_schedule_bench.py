@@ -26,17 +26,22 @@ def _bench():
 bench = _bench()
 
 
-@pytest.fixture(scope="module")
-def cb_bundle(tmp_path_factory) -> Path:
-    """The demo pair with 2 KV slots, Ks 0, 1, 4 and the schedule {1: 4, 2: 1} in its manifest."""
-    root = tmp_path_factory.mktemp("kschedule")
+def compile_cb(recipe: str, root: Path, ks: str, schedule: str) -> Path:
+    """`recipe` with 2 KV slots, these Ks and this K schedule in its manifest."""
     result = CliRunner().invoke(app, [
-        "compile", str(REPO / "recipes" / "demo.yaml"), "-o", str(root / "b"),
+        "compile", str(REPO / "recipes" / recipe), "-o", str(root / "b"),
         "--cache-dir", str(root / "cache"), "--set", "shapes.full_batch_size=2",
-        "--set", "speculation.num_speculative_tokens=[0,1,4]",
-        "--set", "speculation.num_speculative_tokens_per_batch_size={1: 4, 2: 1}"])
+        "--set", f"speculation.num_speculative_tokens={ks}",
+        "--set", f"speculation.num_speculative_tokens_per_batch_size={schedule}"])
     assert result.exit_code == 0, result.output
     return root / "b"
+
+
+@pytest.fixture(scope="module")
+def cb_bundle(tmp_path_factory) -> Path:
+    """The demo pair with Ks 0, 1, 4 and the schedule {1: 4, 2: 1}."""
+    return compile_cb("demo.yaml", tmp_path_factory.mktemp("kschedule"), "[0,1,4]",
+                      "{1: 4, 2: 1}")
 
 
 @pytest.mark.slow
@@ -87,14 +92,9 @@ def test_steps_at_the_wrong_k_are_found():
 def test_a_model_free_recipe_is_measured_with_its_own_method(tmp_path, capsys):
     # The benchmark loads the method the bundle was built for: an ngram CB bundle has no
     # draft (loading it as draft_model is refused), and its schedule runs as recorded.
-    result = CliRunner().invoke(app, [
-        "compile", str(REPO / "recipes" / "demo-ngram.yaml"), "-o", str(tmp_path / "b"),
-        "--cache-dir", str(tmp_path / "cache"), "--set", "shapes.full_batch_size=2",
-        "--set", "speculation.num_speculative_tokens=[0,4]",
-        "--set", "speculation.num_speculative_tokens_per_batch_size={1: 4, 2: 0}"])
-    assert result.exit_code == 0, result.output
+    bundle = compile_cb("demo-ngram.yaml", tmp_path, "[0,4]", "{1: 4, 2: 0}")
     out = tmp_path / "k_schedule.json"
-    rc = bench.main(["--bundle", str(tmp_path / "b"), "--concurrency", "2", "--max-new-tokens",
+    rc = bench.main(["--bundle", str(bundle), "--concurrency", "2", "--max-new-tokens",
                      "8", "--repeats", "1", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     report = json.loads(out.read_text())
