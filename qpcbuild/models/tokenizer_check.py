@@ -57,18 +57,20 @@ def alignment(target: ModelSource, draft: ModelSource | None,
     not-applicable (model-free proposers). With `memo_dir` (the cache's digests folder), a
     verdict is remembered by the tokenizer files' digests and the config values it read:
     parsing two 150k-token tokenizers was a third of a warm compile's time."""
+    digests = (tokenizer_digest(target.path),
+               None if draft is None else tokenizer_digest(draft.path))
     if memo_dir is None:
-        return _alignment(target, draft)
+        return _alignment(target, draft, digests)
     key = hashlib.sha256(json.dumps([_MEMO_VERSION, _tokenizers_version()] + [
-        [tokenizer_digest(src.path), src.config.get("vocab_size"), _special_ids(src),
-         src.tokenizer_family] if src else None for src in (target, draft)],
+        [digest, src.config.get("vocab_size"), _special_ids(src), src.tokenizer_family]
+        if src else None for src, digest in zip((target, draft), digests)],
         sort_keys=True, default=str).encode()).hexdigest()[:32]
     memo = memo_dir / f"tokenizers-{key}.json"
     try:
         return json.loads(memo.read_text())
     except (OSError, ValueError):
         pass
-    verdict = _alignment(target, draft)
+    verdict = _alignment(target, draft, digests)
     try:
         memo_dir.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
@@ -86,13 +88,15 @@ def _tokenizers_version() -> str:
         return ""
 
 
-def _alignment(target: ModelSource, draft: ModelSource | None) -> dict[str, Any]:
-    t_digest = tokenizer_digest(target.path)
+def _alignment(target: ModelSource, draft: ModelSource | None,
+               digests: tuple[str | None, str | None]) -> dict[str, Any]:
+    """`digests`: the two tokenizer.json files' (tokenizer_digest), read once by alignment."""
+    t_digest, d_digest = digests
     t_map = _id_to_token(target.path, "target") if target.path else None
     if draft is None:
         return {"verdict": "not-applicable", "detail": "model-free proposer uses the target's "
                 "tokenizer", "target_digest": t_digest, "draft_digest": None}
-    out = {"target_digest": t_digest, "draft_digest": tokenizer_digest(draft.path)}
+    out = {"target_digest": t_digest, "draft_digest": d_digest}
     t_vocab = int(target.config.get("vocab_size", 0))
     d_vocab = int(draft.config.get("vocab_size", 0))
     if d_vocab > t_vocab:
