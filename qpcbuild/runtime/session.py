@@ -77,17 +77,9 @@ class OrtSession:
         for spec in self.specializations:
             arrays = self._arrays(spec)
             values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
-            bindings = []
-            for src, dst in (((0, 0),) if self._in_place else ((0, 1), (1, 0))):
-                b = self.sess.io_binding()
-                for name in ("input_ids", "position_ids", "num_logits_to_keep", "batch_index"):
-                    if name in values:
-                        b.bind_ortvalue_input(name, values[name])
-                for j, name in enumerate(self._kv_names):
-                    b.bind_ortvalue_input(name, kv[src][j])
-                    b.bind_ortvalue_output(f"{name}_RetainedState", kv[dst][j])
-                b.bind_ortvalue_output("logits", values["logits"])
-                bindings.append(b)
+            inputs = {k: v for k, v in values.items() if k != "logits"}
+            bindings = [self._binding(inputs, kv[src], kv[dst], values["logits"])
+                        for src, dst in (((0, 0),) if self._in_place else ((0, 1), (1, 0)))]
             self._bound[(spec.batch_size, spec.seq_len)] = (spec, arrays, values, bindings)
         self._parity = 0
 
@@ -108,6 +100,18 @@ class OrtSession:
         check_graph_io(self.sess, self.path, self.role, graph_kv_shape, self._num_layers,
                        self.vocab_size)
         self._graph_inputs = {i.name for i in self.sess.get_inputs()}
+
+    def _binding(self, inputs: dict, kv_in: list, kv_out: list, logits):
+        """One call's binding: its inputs by name, each layer's KV read from `kv_in` and its
+        _RetainedState written to `kv_out` (the same values: in place), and the logits."""
+        b = self.sess.io_binding()
+        for name, value in inputs.items():
+            b.bind_ortvalue_input(name, value)
+        for name, value_in, value_out in zip(self._kv_names, kv_in, kv_out):
+            b.bind_ortvalue_input(name, value_in)
+            b.bind_ortvalue_output(f"{name}_RetainedState", value_out)
+        b.bind_ortvalue_output("logits", logits)
+        return b
 
     def _arrays(self, spec: Specialization) -> dict[str, np.ndarray]:
         """The host buffers of one specialization's inputs and logits."""
@@ -205,16 +209,11 @@ class RowwiseOrtSession(OrtSession):
         import onnxruntime as ort
 
         ortvalue = ort.OrtValue.ortvalue_from_numpy
-        b = self.sess.io_binding()
-        b.bind_ortvalue_input("input_ids", ortvalue(arrays["input_ids"][rows]))
-        b.bind_ortvalue_input("position_ids", ortvalue(arrays["position_ids"][rows]))
+        inputs = {"input_ids": ortvalue(arrays["input_ids"][rows]),
+                  "position_ids": ortvalue(arrays["position_ids"][rows])}
         if "num_logits_to_keep" in arrays:
-            b.bind_ortvalue_input("num_logits_to_keep", ortvalue(arrays["num_logits_to_keep"]))
-        for name, value in zip(self._kv_names, kv):
-            b.bind_ortvalue_input(name, value)
-            b.bind_ortvalue_output(f"{name}_RetainedState", value)
-        b.bind_ortvalue_output("logits", ortvalue(arrays["logits"][rows]))
-        return b
+            inputs["num_logits_to_keep"] = ortvalue(arrays["num_logits_to_keep"])
+        return self._binding(inputs, kv, kv, ortvalue(arrays["logits"][rows]))
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
