@@ -29,28 +29,38 @@ from qpcbuild.runtime.gate import RowRate, SpecGate
 
 
 def run(a: float, k: int, spec_ms: float, plain_ms: float, requests: int, tokens: int,
-        seed: int, shadowed: bool = False, propose_ms: float = 0.0) -> dict:
+        seed: int, shadowed: bool = False, propose_ms: float = 0.0, request_spread: float = 0.0,
+        catch_up_ms: float = 0.0, noise: float = 0.0) -> dict:
     rng = random.Random(seed)
     gate = SpecGate("auto", shadowed=shadowed)
     made, seconds, spec_steps, steps = 0, 0.0, 0, 0
     for _ in range(requests):
-        row, got = RowRate(), 0
+        row, got, behind = RowRate(), 0, 0
+        # this request's acceptance: requests differ (their texts do) around the stream's mean
+        a_row = min(max(a + rng.uniform(-request_spread, request_spread), 0.0), 0.99)
         while got < tokens:
             mode = gate.choose([row])
             n, step_s = 1, (spec_ms if mode == "spec" else plain_ms) / 1e3
+            if noise:  # a busy machine: step times spread around their cost
+                step_s *= rng.lognormvariate(-noise * noise / 2, noise)  # mean 1
+            caught_up = 0.0
             if mode == "spec":
-                while n <= k and rng.random() < a:
+                # a draft model reads the tokens decoded without it before it proposes
+                caught_up, behind = behind * catch_up_ms / 1e3, 0
+                while n <= k and rng.random() < a_row:
                     n += 1
-            elif shadowed and gate.shadow_due(row):
+            elif not shadowed:
+                behind += 1
+            elif gate.shadow_due(row):
                 row.shadow = [0] * k  # a shadow token is 0; a plain token matches it with p=a
                 gate.shadow_cost(propose_ms / 1e3, 1)
                 step_s += propose_ms / 1e3
             gate.record(mode, step_s, [(row, n)])
             if shadowed and mode == "plain":
-                gate.observe_plain(row, 0 if rng.random() < a else 1, 1)
+                gate.observe_plain(row, 0 if rng.random() < a_row else 1, 1)
             elif shadowed:
                 gate.drop_shadow(row)
-            got, seconds, steps = got + n, seconds + step_s, steps + 1
+            got, seconds, steps = got + n, seconds + step_s + caught_up, steps + 1
             spec_steps += mode == "spec"
         made += got
     return {"x_plain": made / seconds * plain_ms / 1e3, "spec_share": spec_steps / steps,
@@ -70,6 +80,13 @@ def main() -> None:
                     help="one shadow proposal's cost (with --shadowed)")
     ap.add_argument("--acceptance", default="0.4,0.45,0.5,0.55,0.6,0.65,0.7,0.8",
                     help="comma list of per-token acceptance rates to simulate")
+    ap.add_argument("--request-spread", type=float, default=0.0,
+                    help="each request's acceptance is drawn from a +- this around a")
+    ap.add_argument("--catch-up-ms", type=float, default=0.0,
+                    help="a draft model's cost per token decoded without it, paid when it "
+                         "next proposes")
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="log-normal spread of step times (0: every step costs its mean)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     rows = []
@@ -80,7 +97,8 @@ def main() -> None:
         mean_tokens = sum(a ** j for j in range(args.k + 1))
         fixed = mean_tokens / args.spec_ms * args.plain_ms
         runs = [run(a, args.k, args.spec_ms, args.plain_ms, args.requests, args.tokens, seed,
-                    args.shadowed, args.propose_ms) for seed in range(args.seeds)]
+                    args.shadowed, args.propose_ms, args.request_spread, args.catch_up_ms,
+                    args.noise) for seed in range(args.seeds)]
         auto = statistics.mean(r["x_plain"] for r in runs)
         rows.append({"a": a, "tokens_per_step": mean_tokens, "fixed_x_plain": fixed,
                      "auto_x_plain": auto, "auto_worst": min(r["x_plain"] for r in runs),

@@ -125,6 +125,63 @@ def test_gate_still_turns_off_a_speculation_that_loses_under_the_same_spread():
     assert report["steps_with_speculation"] < 0.1 * report["steps_without_speculation"]
 
 
+def shadowed_requests(gate: SpecGate, a: float, seed: int, requests: int = 150) -> float:
+    """As sampled_requests, for a model-free proposer (K=4) whose speculative step costs 1.3
+    plain steps (the demo pair's suffix/ngram step): while speculation is off, each plain
+    token matches the row's shadow proposal with probability `a`, as verification would have
+    accepted it. New tokens per second over plain decoding's."""
+    rng, made, seconds = np.random.default_rng(seed), 0, 0.0
+    for _ in range(requests):
+        row, got = RowRate(), 0
+        while got < 64:
+            mode, n = gate.choose([row]), 1
+            step_s = 0.0011 if mode == "spec" else 0.00085
+            while mode == "spec" and n <= 4 and rng.random() < a:
+                n += 1
+            if mode == "plain" and gate.shadow_due(row):
+                row.shadow = [0] * 4
+                gate.shadow_cost(2e-6, 1)
+            gate.record(mode, step_s, [(row, n)])
+            if mode == "plain":
+                gate.observe_plain(row, 0 if rng.random() < a else 1, 1)
+            else:
+                gate.drop_shadow(row)
+            got, seconds = got + n, seconds + step_s
+        made += got
+    return made / seconds * 0.00085
+
+
+def test_a_lucky_shadow_does_not_turn_speculation_on():
+    """1.11 tokens a step (fixed K: 0.86x of plain). One shadow that matched a token moved a
+    row's estimate past break-even, and speculation ran 10-20 losing steps each time (0.95x of
+    plain here, 45% of the steps speculating); it is now turned on only when it wins by more
+    than its error, and a shadowed row leaves as fast as it came (0.98x, 9%)."""
+    for seed in range(3):
+        gate = SpecGate("auto", shadowed=True)
+        assert shadowed_requests(gate, 0.1, seed) > 0.98
+        report = gate.report()
+        assert report["steps_with_speculation"] < 0.15 * report["steps_without_speculation"]
+
+
+def test_shadowed_speculation_that_pays_is_kept():
+    """0.5 per token (1.94 tokens a step, fixed K: 1.5x): auto keeps nearly all of it."""
+    fixed = sum(0.5 ** j for j in range(5)) * 0.85 / 1.1
+    kept = [shadowed_requests(SpecGate("auto", shadowed=True), 0.5, seed) / fixed
+            for seed in range(3)]
+    assert min(kept) > 0.95, kept
+
+
+def test_a_noisy_plain_step_does_not_turn_speculation_on_at_one_token_a_step():
+    """Speculating gives one token a step (nothing is accepted); a busy machine then makes a
+    few plain steps slower than the speculative step time measured long before. A K+1 window
+    never costs less than the K=0 one, so the gate keeps decoding plain."""
+    gate = SpecGate("auto")
+    drive(gate, 60, 0.0009, 0.0008, lambda n: 1)
+    assert gate.mode == "plain"
+    modes = drive(gate, 10, 0.0009, 0.0012, lambda n: 1)
+    assert gate.mode == "plain" and [s["to"] for s in gate.switches] == ["plain"], modes
+
+
 def test_fixed_and_off_never_change():
     assert set(drive(SpecGate("fixed"), 50, 0.010, 0.001, lambda n: 1.0)) == {"spec"}
     assert set(drive(SpecGate("off"), 50, 0.001, 0.010, lambda n: 5.0)) == {"plain"}

@@ -14,15 +14,18 @@ the gap between probes doubling each time a probe confirms the choice (backoff) 
 over after a switch. A speculative probe's own steps replace the acceptance estimate of its
 rows (fresh evidence, where the running estimate had stopped moving while speculation was off);
 between probes acceptance follows a slow running average, so that a few unlucky steps of
-sampled decoding do not turn speculation off. The two directions ask for different evidence:
-speculation is turned off only when even its estimate plus 0.75 standard errors (from the
-step-to-step spread of tokens per step, which under sampling is as large as the gain) loses,
-and a probe that finds speculation behind but within that error does not lengthen the gap to
-the next one; speculation is turned on by the estimate itself. A gain that is real but small
-next to the spread is then kept instead of being lost by chance, at the price of keeping a
-speculation that loses by less than that error a little longer. Which tokens come out never
-depends on the choice (every step is verified by the target as always), so output stays
-lossless.
+sampled decoding do not turn speculation off. A row's estimate is also averaged with the
+pooled one (all rows) as if that were a few of the row's own steps, so that a new row's first
+steps move it by their share of the evidence. Both switches ask for evidence (standard errors
+from the step-to-step spread of tokens per step, which under sampling is as large as the
+gain): speculation is turned off only when even its estimate plus 0.75 errors loses, and a
+probe that finds speculation behind but within that error does not lengthen the gap to the
+next one; it is turned on only when its estimate less one error wins. A gain that is real but
+small next to the spread is then kept instead of being lost by chance, and one lucky probe or
+shadow does not start a losing speculation. A speculative step is never counted cheaper than
+a plain one (a K+1 window costs at least the K=0 window; estimates measured at different
+times can say otherwise on a busy machine). Which tokens come out never depends on the choice
+(every step is verified by the target as always), so output stays lossless.
 
 Shadow proposals (model-free proposers only): while speculation is off, a row now and then asks
 its proposer what it would propose and matches that against the tokens the plain steps then
@@ -32,7 +35,9 @@ proposal's prefix that equals the target's own tokens, and speculative sampling 
 proposed token with the target's probability of it, which is the chance that the plain step
 samples that very token. Speculation then resumes as soon as acceptance recovers, and the gate
 no longer speculates to find out (its speculative probes only re-time a step, at the longest
-gap). Shadows are spaced so that they cost at most SHADOW_BUDGET of the plain steps' time.
+gap). Shadows are spaced so that they cost at most SHADOW_BUDGET of the plain steps' time. As
+shadows bring such a row back within a few steps, its speculative steps move its estimate with
+the fast weight too, so that it leaves a speculation that stopped paying as fast as it came.
 """
 
 from __future__ import annotations
@@ -59,6 +64,15 @@ SPIKE = 2.0  # a step slower than this x the estimate counts as this x (a busy m
 # 0.97x on the losing side (docs/adaptive.md).
 EVIDENCE_Z = 0.75
 SHADOW_BUDGET = 0.02  # shadow proposals may cost this share of the plain steps' time
+# Standard errors by which speculation's estimate must win before it is turned on. Speculating
+# on a row whose estimate rests on one lucky shadow or a short probe turned speculation on for
+# 10-20 losing steps at a time; in benchmarks/gate_simulation.py 1.0 lifted the losing side
+# from 0.96-0.97x to 0.98-0.99x of plain decoding and kept 99% of fixed K's gain where it pays.
+SWITCH_ON_Z = 1.0
+# A row's estimate is averaged with the pooled one (all rows, the slow weight) as if the pooled
+# one were this many of the row's steps: a new row's first steps or shadows move its estimate
+# by their share of the evidence, not all the way.
+PRIOR_STEPS = 4
 
 
 def ema(old: float | None, new: float, weight: float = EMA) -> float:
@@ -138,7 +152,10 @@ class SpecGate:
                 if probing:
                     rate.probe_tokens.append(n)
                 else:
-                    self._learn(rate, n)
+                    # shadows bring a shadowed row back to speculating within a few steps, so
+                    # it may leave as quickly as it came (the slow weight kept a lucky
+                    # shadow's speculation on for 10-20 losing steps)
+                    self._learn(rate, n, EMA if self.shadowed else EMA_TOKENS)
         if not probing:
             return
         self._probe_left -= 1
@@ -166,8 +183,9 @@ class SpecGate:
         rate.samples += 1
         self.pooled_samples += 1
         rate.tokens_per_step = ema(rate.tokens_per_step, tokens, max(weight, 1 / rate.samples))
+        # all rows: always the slow weight, whichever weight the row learns with
         self.pooled_tokens = ema(self.pooled_tokens, tokens,
-                                 max(weight, 1 / self.pooled_samples))
+                                 max(EMA_TOKENS, 1 / self.pooled_samples))
 
     def _take_probe(self, rates: list[RowRate]) -> None:
         """A speculative probe ended: each row's mean over its probe steps becomes its
@@ -237,21 +255,28 @@ class SpecGate:
         steps = math.ceil(live_rows * self.shadow_s / (SHADOW_BUDGET * plain_s))
         return min(max(steps - 1, 0), MAX_BACKOFF)
 
-    def _spec_rates(self, rates: list[RowRate]) -> tuple[float, float]:
+    def _spec_rates(self, rates: list[RowRate], z: float = EVIDENCE_Z) -> tuple[float, float]:
         """Speculation's new tokens per second for these rows: the estimate, and the estimate
-        plus EVIDENCE_Z standard errors. A row's estimate averages about (2 - w) / w steps
-        (an EMA of weight w), or the steps it has had, whichever is fewer."""
+        plus z standard errors. A row's estimate averages about (2 - w) / w steps (an EMA of
+        weight w), or the steps it has had, whichever is fewer, and PRIOR_STEPS of the
+        pooled estimate."""
         horizon = (2 - EMA_TOKENS) / EMA_TOKENS
+        pooled = self.pooled_tokens
         tokens = variance = 0.0
         for r in rates:
             if r.tokens_per_step is None:  # a new row: the pooled estimate, one step's error
-                tokens += self.pooled_tokens or 1.0
+                tokens += pooled or 1.0
                 variance += self.spread or 0.0
-            else:
-                tokens += r.tokens_per_step
-                variance += (self.spread or 0.0) / min(max(r.samples, 1), horizon)
-        spec_s = self.step_s["spec"]
-        return tokens / spec_s, (tokens + EVIDENCE_Z * math.sqrt(variance)) / spec_s
+                continue
+            n = min(max(r.samples, 1), horizon)
+            prior = PRIOR_STEPS if pooled is not None else 0
+            tokens += (n * r.tokens_per_step + prior * (pooled or 0.0)) / (n + prior)
+            variance += (self.spread or 0.0) / (n + prior)
+        # A verify window of K+1 tokens never costs less than the K=0 one: when the two
+        # estimates say otherwise, that is a noisy step (they are measured at different times),
+        # and it switched speculation on at one token per step.
+        spec_s = max(self.step_s["spec"], self.step_s["plain"])
+        return tokens / spec_s, (tokens + z * math.sqrt(variance)) / spec_s
 
     def _spec_loses(self, rates: list[RowRate]) -> bool:
         """Plain decoding is faster by MARGIN even than speculation's estimate plus its error."""
@@ -267,8 +292,9 @@ class SpecGate:
         # off only when it loses even by its estimate plus its error.
         if self.mode == "spec":
             return "plain" if self._spec_loses(rates) else "spec"
-        spec_rate = self._spec_rates(rates)[0]
-        return "plain" if len(rates) / plain_s * (1 + MARGIN) >= spec_rate else "spec"
+        # and turned on only when it wins even by its estimate less SWITCH_ON_Z errors
+        spec_low = self._spec_rates(rates, -SWITCH_ON_Z)[1]
+        return "plain" if len(rates) / plain_s * (1 + MARGIN) >= spec_low else "spec"
 
     def why(self, rates: list[RowRate]) -> str:
         """The estimates behind `compare`'s answer, in words."""
@@ -276,8 +302,10 @@ class SpecGate:
         if spec_s is None or plain_s is None or not rates:
             return "not measured yet"
         spec_rate, spec_high = self._spec_rates(rates)
+        spec_low = self._spec_rates(rates, -SWITCH_ON_Z)[1]
+        spec_s = max(spec_s, plain_s)  # as _spec_rates counts it
         plain_rate = len(rates) / plain_s
-        return (f"speculating {spec_rate:.1f} new tokens/s (at most {spec_high:.1f}; "
+        return (f"speculating {spec_rate:.1f} new tokens/s ({spec_low:.1f} to {spec_high:.1f}; "
                 f"{spec_rate * spec_s / len(rates):.2f} per row-step, {spec_s * 1e3:.2f} ms/step) "
                 f"vs plain {plain_rate:.1f} ({plain_s * 1e3:.2f} ms/step)")
 
