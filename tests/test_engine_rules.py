@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from qpcbuild.runtime.proposers import SuffixProposer
-from qpcbuild.runtime.sampling import SamplingParams, probabilities
+from qpcbuild.runtime.sampling import SamplingParams, WindowProbabilities, probabilities
 
 from helpers_engine import PREFILL, V, Scripted, decoder
 
@@ -41,6 +41,17 @@ def test_top_k_keeps_exactly_k_tokens_even_with_ties():
     probs = probabilities(logits, SamplingParams(1.0, top_k=2))
     assert np.count_nonzero(probs) == 2 and probs[1] == probs[2] == 0.5
 
+
+
+def test_a_windows_rows_computed_one_at_a_time_equal_the_whole_windows():
+    """Verification computes a window's probabilities row by row, as far as it reads; each row
+    must be bit for bit the row of the whole window's (temperature, top-k and top-p)."""
+    rng = np.random.default_rng(5)
+    for sp in (SamplingParams(1.0), SamplingParams(0.7, top_k=40), SamplingParams(1.3, top_p=0.8)):
+        logits = (rng.standard_normal((5, 3001)) * 4).astype(np.float32)
+        whole, rows = probabilities(logits, sp), WindowProbabilities(logits, sp)
+        for i in (3, 0, 4, 1, 2, 3):
+            assert np.array_equal(rows[i], whole[i]) and rows[i, 17] == whole[i, 17]
 
 def test_a_proposal_verifies_in_the_smallest_compiled_window_that_holds_it():
     class Lengths(Scripted):  # the target's own next tokens, 1 then 2 then 3, then none

@@ -23,7 +23,8 @@ from .proposers import Proposer
 # engine); they are named here too, where the loader and the server have always found them.
 from .rows import (LoopTimes, Row, RowStats, TokenCallback, new_row, prefill_calls,  # noqa: F401
                    prefill_feeds)
-from .sampling import SamplingParams, accept_greedy, accept_sampling, probabilities, sample
+from .sampling import (SamplingParams, WindowProbabilities, accept_greedy, accept_sampling,
+                       probabilities, sample)
 from .model_session import ModelSession
 
 
@@ -335,7 +336,7 @@ class SpecDecoder:
                 n, nxt = accept_greedy(window, drafts)
             else:
                 qi = np.stack(q[i]) if q and q[i] else None
-                n, nxt = accept_sampling(probabilities(window, r.sp), qi, drafts, r.rng)
+                n, nxt = accept_sampling(WindowProbabilities(window, r.sp), qi, drafts, r.rng)
             old_len = len(r.tokens)
             new = drafts[:n] + [nxt]
             r.target_len = old_len + n

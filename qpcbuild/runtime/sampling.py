@@ -29,8 +29,11 @@ def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         drop = np.ones_like(x, dtype=bool)
         np.put_along_axis(drop, order[..., :p.top_k], False, axis=-1)
         x = np.where(drop, -np.inf, x)
-    x = np.exp(x - x.max(axis=-1, keepdims=True))
-    probs = x / x.sum(axis=-1, keepdims=True)
+    # in place: the same operations in the same order, without a new array for each (this runs
+    # once per draft token and per verified row, over the whole vocabulary)
+    x -= x.max(axis=-1, keepdims=True)
+    probs = np.exp(x, out=x)
+    probs /= probs.sum(axis=-1, keepdims=True)
     if p.top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(probs, order, axis=-1)
@@ -41,6 +44,23 @@ def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+class WindowProbabilities:
+    """The target's probabilities over a verify window's rows ([k+1, V] logits), each row
+    computed when first read: a step reads the rows up to its first rejection only. Indexed as
+    the array would be (p[i], p[i, x])."""
+
+    def __init__(self, logits: np.ndarray, p: SamplingParams) -> None:
+        self._logits, self._params = logits, p
+        self._rows: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, key):
+        i, token = key if isinstance(key, tuple) else (key, None)
+        row = self._rows.get(i)
+        if row is None:
+            row = self._rows[i] = probabilities(self._logits[i], self._params)
+        return row if token is None else row[token]
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
