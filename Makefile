@@ -9,7 +9,8 @@ PIP := $(BIN)/python -m pip install -qq
 
 .PHONY: demo demo-run test docs bench models qwen-coder smollm2 smollm2-gguf peers clean
 
-$(VENV)/.installed: pyproject.toml
+# setup.py builds the C suffix tree in place (optional: without a compiler the Python one is used)
+$(VENV)/.installed: pyproject.toml setup.py qpcbuild/runtime/_suffix_tree.c
 	$(PY) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) -e .

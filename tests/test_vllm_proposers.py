@@ -98,8 +98,10 @@ def test_the_comparison_catches_the_previous_rules(recorded, monkeypatch):
 
 def test_the_comparison_catches_a_different_tie_order(recorded, monkeypatch):
     """Among equally frequent continuations the order decides; a tree that keeps children in
-    first-seen order instead of arctic-inference's fails the recorded scenarios."""
-    from qpcbuild.runtime.suffix_tree import NONE, SuffixTree
+    first-seen order instead of arctic-inference's fails the recorded scenarios. The broken
+    variant is made of the Python tree, so the proposers use it here whichever tree is built."""
+    from qpcbuild.runtime.proposers import SuffixProposer
+    from qpcbuild.runtime.suffix_tree import NONE, PythonSuffixTree
 
     def grow_in_place(tree, parent, child):
         tree._count[child] += 1
@@ -113,7 +115,9 @@ def test_the_comparison_catches_a_different_tie_order(recorded, monkeypatch):
         for node in siblings:
             tree._insert_before(parent, node, NONE)
 
-    monkeypatch.setattr(SuffixTree, "_grow", grow_in_place)
+    monkeypatch.setattr(SuffixProposer, "tree_class", PythonSuffixTree)
+    assert suffix_mismatches(recorded) == []  # the Python tree itself agrees with vLLM
+    monkeypatch.setattr(PythonSuffixTree, "_grow", grow_in_place)
     assert len(suffix_mismatches(recorded)) > 3
 
 

@@ -148,6 +148,9 @@ class SuffixProposer:
     """
 
     name = "suffix"
+    # The C tree where it is built (suffix_tree.IMPLEMENTATION); tests and benchmarks set the
+    # Python one here to hold the two against each other.
+    tree_class: type = SuffixTree
 
     def __init__(
         self,
@@ -161,7 +164,7 @@ class SuffixProposer:
         self.max_spec_factor = _require_float("max_spec_factor", max_spec_factor, 0.0, math.inf)
         self.min_token_prob = _require_float("min_token_prob", min_token_prob, 0.0, 1.0)
         self._live: dict[int, _Request] = {}
-        self._global = SuffixTree(self.max_tree_depth)
+        self._global = self.tree_class(self.max_tree_depth)
         self._cached: deque[int] = deque()  # global-tree seq ids, oldest first
         self._next_seq = 0
 
@@ -171,7 +174,7 @@ class SuffixProposer:
 
     def start(self, request_id: int, prompt: Sequence[int]) -> None:
         self.finish(request_id)
-        local = SuffixTree(self.max_tree_depth)
+        local = self.tree_class(self.max_tree_depth)
         local.extend(0, prompt)
         seq_id = None
         if self.max_cached_requests:
@@ -182,7 +185,7 @@ class SuffixProposer:
         self._live[request_id] = _Request([int(t) for t in prompt], local, seq_id)
 
     def _evict(self, seq_id: int) -> None:
-        if seq_id in self._global._seqs:
+        if self._global.has(seq_id):
             self._global.remove(seq_id)
         for req in self._live.values():  # a live request evicted stops adding its response
             if req.seq_id == seq_id:
@@ -202,10 +205,9 @@ class SuffixProposer:
             return []
         context = req.tokens[-self.max_tree_depth:]
         args = (max_tokens, self.max_spec_factor, 0.0, self.min_token_prob)
-        own = req.local.speculate(context, *args, known=req.local.suffix_nodes(0))
-        cached = self._global.speculate(
-            context, *args, known=() if req.seq_id is None else
-            self._global.suffix_nodes(req.seq_id))
+        # known_seq: the context ends with that sequence, whose suffix nodes the tree keeps
+        own = req.local.speculate(context, *args, known_seq=0)
+        cached = self._global.speculate(context, *args, known_seq=req.seq_id)
         return list((own if own.score >= cached.score else cached).token_ids)
 
     def finish(self, request_id: int) -> None:

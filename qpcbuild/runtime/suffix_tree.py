@@ -27,11 +27,17 @@ nodes; as Python objects (a node, its children's dict and its order list each) t
 than half of the cost of building and updating a tree, most of it the garbage collector
 walking them. Integers are not tracked by the collector, and neither is a dict that holds only
 integers.
+
+The same tree in C, _suffix_tree.c (built by `pip install -e .` where a C compiler is found),
+proposes bit for bit what this one does, at a fraction of the cost; `SuffixTree` is that one
+when it is built, this one (`PythonSuffixTree`) otherwise or when the environment sets
+QPCBUILD_PURE_PYTHON_SUFFIX=1. `IMPLEMENTATION` says which ("c" or "python").
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import struct
 from collections import deque
 from collections.abc import Sequence
@@ -55,7 +61,7 @@ class Draft:
     match_len: int = 0
 
 
-class SuffixTree:
+class PythonSuffixTree:
     """Sequences by id; substrings up to `max_depth` tokens counted in one trie."""
 
     def __init__(self, max_depth: int) -> None:
@@ -74,6 +80,11 @@ class SuffixTree:
     def node_count(self) -> int:
         """Nodes in the trie, the root not counted (ids of removed nodes are reused)."""
         return len(self._count) - len(self._free) - 1
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    __contains__ = has
 
     # ---------------------------------------------------------------- nodes
     def _new_child(self, parent: int, token: int) -> int:
@@ -245,8 +256,11 @@ class SuffixTree:
     # ---------------------------------------------------------------- proposals
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
                   max_spec_offset: float, min_token_prob: float,
-                  known: Sequence[int] = ()) -> Draft:
-        """`known`: `suffix_nodes` of a sequence the context ends with (a shortcut only)."""
+                  known: Sequence[int] = (), known_seq: int | None = None) -> Draft:
+        """`known`: `suffix_nodes` of a sequence the context ends with (a shortcut only);
+        `known_seq`: that sequence's id, the same shortcut (the C tree's without a tuple)."""
+        if known_seq is not None:
+            known = self._active.get(known_seq, ())
         count, first = self._count, self._first
         pack, unpack = _FLOAT32.pack, _FLOAT32.unpack
         best, best_score, best_len, best_tokens = None, 0.0, 0, 0
@@ -304,3 +318,21 @@ class SuffixTree:
 def _cap(match_len: int, factor: float, offset: float) -> int:
     """int(match_len * factor + offset + 1e-6), the products in float32 as the C++ has them."""
     return int(f32(f32(match_len * f32(factor)) + f32(offset)) + 1e-6)
+
+
+def _native_class() -> type | None:
+    """The C tree, or None where it is not built (or not loadable, e.g. built for another
+    Python); speculate returns this module's Draft from it."""
+    try:
+        from ._suffix_tree import SuffixTree as native, set_draft_type
+    except ImportError:
+        return None
+    set_draft_type(Draft)
+    return native
+
+
+NativeSuffixTree = _native_class()
+# Any value but "" and "0" keeps the Python tree (tests, benchmarks, a suspected native bug).
+_PURE_PYTHON = os.environ.get("QPCBUILD_PURE_PYTHON_SUFFIX", "") not in ("", "0")
+SuffixTree = PythonSuffixTree if NativeSuffixTree is None or _PURE_PYTHON else NativeSuffixTree
+IMPLEMENTATION = "python" if SuffixTree is PythonSuffixTree else "c"
