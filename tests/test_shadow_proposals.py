@@ -71,7 +71,8 @@ def test_speculation_resumes_when_the_proposals_turn_good_without_probing_before
     # the only speculative steps while proposals were wrong: the first few, before any plain
     assert modes[:steps_before_turn].count("spec") <= 6
     resumed = modes.index("spec", steps_before_turn)
-    assert resumed <= steps_before_turn + 8  # one shadow of 4 right tokens, then the switch
+    # two or three shadows of 4 right tokens (one lucky shadow is not evidence), then the switch
+    assert resumed <= steps_before_turn + 14
     assert modes[resumed:].count("plain") <= 4
 
     # without shadows the gate finds out only by probing: speculative steps spent on wrong

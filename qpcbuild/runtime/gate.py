@@ -97,6 +97,28 @@ class RowRate:
 
 
 @dataclass
+class Spell:
+    """The speculative steps since speculation was last turned on (probes not counted)."""
+    seconds: float = 0.0
+    tokens: int = 0
+    row_steps: int = 0
+    steps: int = 0
+
+    def add(self, seconds: float, row_tokens: list[tuple[RowRate, int]]) -> None:
+        self.seconds += seconds
+        self.tokens += sum(n for _, n in row_tokens)
+        self.row_steps += len(row_tokens)
+        self.steps += 1
+
+    def lost(self, plain_s: float | None) -> bool:
+        """Plain steps (one token per live row) would have made its tokens in less time."""
+        if not self.steps or not plain_s:
+            return False
+        rows_per_step = self.row_steps / self.steps
+        return self.seconds > self.tokens / rows_per_step * plain_s
+
+
+@dataclass
 class SpecGate:
     policy: str = "fixed"
     shadowed: bool = False  # the proposer is model-free: plain steps check shadow proposals
@@ -116,6 +138,9 @@ class SpecGate:
     _probe_mode: str | None = None
     _next_probe: int = WARM_STEPS
     _backoff: int = FIRST_BACKOFF
+    _spell: Spell = field(default_factory=lambda: Spell())
+    _cooldown: int = 0  # plain steps before speculation may be turned on again
+    _next_entry: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -147,15 +172,14 @@ class SpecGate:
         self.steps_by_mode[mode] += 1
         self.step_s[mode] = ema_clipped(self.step_s[mode], seconds)
         probing = self.policy == "auto" and self._probe_left > 0
+        if mode == "spec" and not probing and self.mode == "spec":
+            self._spell.add(seconds, row_tokens)
         if mode == "spec":
             for rate, n in row_tokens:
                 if probing:
                     rate.probe_tokens.append(n)
                 else:
-                    # shadows bring a shadowed row back to speculating within a few steps, so
-                    # it may leave as quickly as it came (the slow weight kept a lucky
-                    # shadow's speculation on for 10-20 losing steps)
-                    self._learn(rate, n, EMA if self.shadowed else EMA_TOKENS)
+                    self._learn(rate, n, self._row_weight)
         if not probing:
             return
         self._probe_left -= 1
@@ -206,9 +230,33 @@ class SpecGate:
         # and a wrong choice kept for up to MAX_BACKOFF steps costs far more (a draft model's
         # acceptance is not measured at all while speculation is off) than probing again soon.
         self.switches.append({"step": self.steps, "to": mode, "reason": self.why(rates)})
+        if mode == "spec":
+            self._spell = Spell()
+        else:
+            self._spell_ended()
         self.mode = mode
         self._backoff = FIRST_BACKOFF
         self._next_probe = self.steps + self._probe_gap()
+
+    def _spell_ended(self) -> None:
+        """Speculation is turned off: if its spell made tokens slower than plain steps would
+        have, it may not be turned on again for a while, and for twice as long after each
+        losing spell in a row. The estimates that turn it on are noisiest where speculation
+        is close to break-even, and there each spell started by their noise lost (the demo
+        pair's suffix at temperature 1.0 speculated in a third of its steps, at 0.92x)."""
+        if self._spell.lost(self.step_s["plain"]):
+            self._cooldown = min(2 * self._cooldown or FIRST_BACKOFF, MAX_BACKOFF)
+        else:
+            self._cooldown = 0
+        self._next_entry = self.steps + self._cooldown
+
+    @property
+    def _row_weight(self) -> float:
+        """The weight of a row's newest speculative step (shadowed rows: also of a shadow)."""
+        # shadows bring a shadowed row back to speculating within a few steps, so it may
+        # leave as quickly as it came (the slow weight kept a lucky shadow's speculation on
+        # for 10-20 losing steps)
+        return EMA if self.shadowed else EMA_TOKENS
 
     def _probe_gap(self) -> int:
         # With shadow proposals the acceptance is known without speculating; a speculative
@@ -260,7 +308,7 @@ class SpecGate:
         plus z standard errors. A row's estimate averages about (2 - w) / w steps (an EMA of
         weight w), or the steps it has had, whichever is fewer, and PRIOR_STEPS of the
         pooled estimate."""
-        horizon = (2 - EMA_TOKENS) / EMA_TOKENS
+        horizon = (2 - self._row_weight) / self._row_weight
         pooled = self.pooled_tokens
         tokens = variance = 0.0
         for r in rates:
@@ -280,7 +328,9 @@ class SpecGate:
 
     def _spec_loses(self, rates: list[RowRate]) -> bool:
         """Plain decoding is faster by MARGIN even than speculation's estimate plus its error."""
-        return self._spec_rates(rates)[1] * (1 + MARGIN) < len(rates) / self.step_s["plain"]
+        # Shadowed rows need no margin to leave: their shadows bring them back at no cost.
+        margin = 0.0 if self.shadowed else MARGIN
+        return self._spec_rates(rates)[1] * (1 + margin) < len(rates) / self.step_s["plain"]
 
     def compare(self, rates: list[RowRate]) -> str:
         """The faster mode for these rows by the current estimates (every step: the reason
@@ -293,6 +343,8 @@ class SpecGate:
         if self.mode == "spec":
             return "plain" if self._spec_loses(rates) else "spec"
         # and turned on only when it wins even by its estimate less SWITCH_ON_Z errors
+        if self.steps < self._next_entry:
+            return "plain"
         spec_low = self._spec_rates(rates, -SWITCH_ON_Z)[1]
         return "plain" if len(rates) / plain_s * (1 + MARGIN) >= spec_low else "spec"
 
