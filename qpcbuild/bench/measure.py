@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from ..errors import UsageError
 from ..prompts import check_output_file
+from ..runtime import suffix_tree
 from ..runtime.rows import prefill_calls
 from ..measuring import (BENCH_KS, OUR_METHODS, Say, build_for_measurement,
                          default_bench_dir, is_bundle, load_prompts, machine_info)
@@ -135,6 +136,8 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
                           sampled=temperature > 0)
     report["settings"].update({"spec_policies": list(policies), "draft_p_min": draft_p_min,
                                "temperature": temperature})
+    if "suffix" in methods:  # the C tree or the Python one: the same proposals, not the same cost
+        report["settings"]["suffix_tree"] = suffix_tree.IMPLEMENTATION
     return report
 
 
