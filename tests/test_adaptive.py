@@ -183,25 +183,27 @@ def test_a_noisy_plain_step_does_not_turn_speculation_on_at_one_token_a_step():
 
 
 def test_speculation_that_keeps_losing_is_tried_ever_more_rarely():
-    """Shadows say speculation pays (3 tokens a proposal) but every speculative step makes one
-    token at twice a plain step's cost (as when estimates near break-even are noise): each
-    losing spell doubles the wait before speculation may be turned on again."""
-    gate, row, entries, matched = SpecGate("auto", shadowed=True), RowRate(), [], 0
-    for step in range(1500):
-        mode = gate.choose([row])
-        if mode == "plain" and gate.shadow_due(row):
-            row.shadow, matched = [0] * 4, 0
-        gate.record(mode, 0.002 if mode == "spec" else 0.001, [(row, 1)])
-        if mode == "plain":
-            gate.observe_plain(row, 0 if matched < 2 else 1, 1)
-            matched += 1
-        else:
-            gate.drop_shadow(row)
-    entries = [s["step"] for s in gate.switches if s["to"] == "spec"]
-    gaps = np.diff(entries)
-    assert len(entries) <= 8 and all(b > a for a, b in zip(gaps[1:], gaps[2:])), entries
-    assert gate.report()["steps_with_speculation"] < 0.05 * 1500
-
+    """Shadows say speculation pays a little (1.65 tokens a proposal against a break-even of
+    1.58, noisy), but every speculative step makes one token at 1.5x a plain step's cost: each
+    spell loses, and each losing spell lengthens the wait before the next. Without the waits
+    the gate started ~100 spells in 3,000 steps and speculated in ~440 of them."""
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        gate, row, matched, hits = SpecGate("auto", shadowed=True), RowRate(), 0, 0
+        for _ in range(3000):
+            mode = gate.choose([row])
+            if mode == "plain" and gate.shadow_due(row):
+                row.shadow, matched = [0] * 4, 0
+                hits = int(rng.random() < 0.55) + int(rng.random() < 0.1)
+            gate.record(mode, 0.0015 if mode == "spec" else 0.001, [(row, 1)])
+            if mode == "plain":
+                gate.observe_plain(row, 0 if matched < hits else 1, 1)
+                matched += 1
+            else:
+                gate.drop_shadow(row)
+        entries = [s["step"] for s in gate.switches if s["to"] == "spec"]
+        assert len(entries) <= 20, entries
+        assert gate.report()["steps_with_speculation"] < 120
 
 def test_fixed_and_off_never_change():
     assert set(drive(SpecGate("fixed"), 50, 0.010, 0.001, lambda n: 1.0)) == {"spec"}

@@ -240,8 +240,8 @@ class SpecGate:
 
     def _spell_ended(self) -> None:
         """Speculation is turned off: if its spell made tokens slower than plain steps would
-        have, it may not be turned on again for a while, and for twice as long after each
-        losing spell in a row. The estimates that turn it on are noisiest where speculation
+        have, it is not turned on again for a while, for twice as long after each losing
+        spell in a row (a shadow whose every token came true ends the wait: observe_plain). The estimates that turn it on are noisiest where speculation
         is close to break-even, and there each spell started by their noise lost (the demo
         pair's suffix at temperature 1.0 speculated in a third of its steps, at 0.92x)."""
         if self._spell.lost(self.step_s["plain"]):
@@ -286,6 +286,10 @@ class SpecGate:
         # The faster weight: shadows are how a row gets back to speculating, and a return by
         # chance costs little (a plain probe re-checks it after FIRST_BACKOFF steps).
         self._learn(rate, rate.shadow_hits + 1, EMA)
+        if rate.shadow_hits == len(rate.shadow) >= 2:
+            # Every proposed token came true: the text repeats itself, which near-break-even
+            # noise does not do (sampled at a = 0.1, four in a row come one time in 10^4).
+            self._next_entry = min(self._next_entry, self.steps)
         self.shadow_checks += 1
         rate.shadow, rate.shadow_hits = None, 0
         rate.shadow_wait = self._shadow_gap(live_rows)
