@@ -205,6 +205,31 @@ def test_speculation_that_keeps_losing_is_tried_ever_more_rarely():
         assert len(entries) <= 20, entries
         assert gate.report()["steps_with_speculation"] < 120
 
+def test_a_text_that_starts_repeating_ends_the_wait():
+    """After losing spells (as above) the gate waits up to 512 steps before speculating again;
+    a text that starts to repeat itself (every shadowed token comes true, every speculative
+    step makes 5 tokens) must not wait for that."""
+    rng = np.random.default_rng(0)
+    gate, row, matched, hits, start = SpecGate("auto", shadowed=True), RowRate(), 0, 0, None
+    for step in range(3000):
+        if start is None and gate.mode == "plain" and gate._next_entry - gate.steps > 100:
+            start = step  # in a long wait: from here on the text repeats itself
+        mode = gate.choose([row])
+        if mode == "plain" and gate.shadow_due(row):
+            row.shadow, matched = [0] * 4, 0
+            hits = 4 if start else int(rng.random() < 0.55) + int(rng.random() < 0.1)
+        gate.record(mode, 0.0015 if mode == "spec" else 0.001, [(row, 5 if start else 1)])
+        if mode == "plain":
+            gate.observe_plain(row, 0 if matched < hits else 1, 1)
+            matched += 1
+        else:
+            gate.drop_shadow(row)
+        if start is not None and step > start + 40:
+            break
+    assert start is not None
+    resumed = [s["step"] for s in gate.switches if s["to"] == "spec"][-1]
+    assert start <= resumed <= start + 20 and gate.mode == "spec"
+
 def test_fixed_and_off_never_change():
     assert set(drive(SpecGate("fixed"), 50, 0.010, 0.001, lambda n: 1.0)) == {"spec"}
     assert set(drive(SpecGate("off"), 50, 0.001, 0.010, lambda n: 5.0)) == {"plain"}
