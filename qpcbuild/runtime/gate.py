@@ -24,8 +24,11 @@ next one; it is turned on only when its estimate less one error wins. A gain tha
 small next to the spread is then kept instead of being lost by chance, and one lucky probe or
 shadow does not start a losing speculation. A speculative step is never counted cheaper than
 a plain one (a K+1 window costs at least the K=0 window; estimates measured at different
-times can say otherwise on a busy machine). Which tokens come out never depends on the choice
-(every step is verified by the target as always), so output stays lossless.
+times can say otherwise on a busy machine). A speculation spell that made its tokens slower
+than plain steps would have delays the next one (16 steps, doubling with each losing spell in a
+row): near break-even the estimates cross it by noise, and each crossing started a losing
+spell. Which tokens come out never depends on the choice (every step is verified by the target
+as always), so output stays lossless.
 
 Shadow proposals (model-free proposers only): while speculation is off, a row now and then asks
 its proposer what it would propose and matches that against the tokens the plain steps then
@@ -138,7 +141,7 @@ class SpecGate:
     _probe_mode: str | None = None
     _next_probe: int = WARM_STEPS
     _backoff: int = FIRST_BACKOFF
-    _spell: Spell = field(default_factory=lambda: Spell())
+    _spell: Spell = field(default_factory=Spell)
     _cooldown: int = 0  # plain steps before speculation may be turned on again
     _next_entry: int = 0
 
@@ -241,9 +244,10 @@ class SpecGate:
     def _spell_ended(self) -> None:
         """Speculation is turned off: if its spell made tokens slower than plain steps would
         have, it is not turned on again for a while, for twice as long after each losing
-        spell in a row (a shadow whose every token came true ends the wait: observe_plain). The estimates that turn it on are noisiest where speculation
-        is close to break-even, and there each spell started by their noise lost (the demo
-        pair's suffix at temperature 1.0 speculated in a third of its steps, at 0.92x)."""
+        spell in a row (a shadow whose every token came true ends the wait: observe_plain).
+        The estimates that turn it on are noisiest where speculation is close to break-even,
+        and there each spell started by their noise lost (the demo pair's suffix at
+        temperature 1.0 speculated in a third of its steps, at 0.92x)."""
         if self._spell.lost(self.step_s["plain"]):
             self._cooldown = min(2 * self._cooldown or FIRST_BACKOFF, MAX_BACKOFF)
         else:
@@ -346,9 +350,9 @@ class SpecGate:
         # off only when it loses even by its estimate plus its error.
         if self.mode == "spec":
             return "plain" if self._spec_loses(rates) else "spec"
-        # and turned on only when it wins even by its estimate less SWITCH_ON_Z errors
-        if self.steps < self._next_entry:
+        if self.steps < self._next_entry:  # waiting after a losing spell (_spell_ended)
             return "plain"
+        # and turned on only when it wins even by its estimate less SWITCH_ON_Z errors
         spec_low = self._spec_rates(rates, -SWITCH_ON_Z)[1]
         return "plain" if len(rates) / plain_s * (1 + MARGIN) >= spec_low else "spec"
 
