@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from qpcbuild.runtime.proposers import SuffixProposer
+from qpcbuild.runtime import sampling
 from qpcbuild.runtime.sampling import SamplingParams, WindowProbabilities, probabilities
 
+from helpers_adaptive import chi_square_p
 from helpers_engine import PREFILL, V, Scripted, decoder
 
 
@@ -52,6 +54,42 @@ def test_a_windows_rows_computed_one_at_a_time_equal_the_whole_windows():
         whole, rows = probabilities(logits, sp), WindowProbabilities(logits, sp)
         for i in (3, 0, 4, 1, 2, 3):
             assert np.array_equal(rows[i], whole[i]) and rows[i, 17] == whole[i, 17]
+
+
+def _block_then_uniform(probs, rng):
+    """Broken: the block by its mass, then any of its nonzero entries alike."""
+    b = sampling._BLOCK
+    sums = np.add.reduceat(probs.astype(np.float64), np.arange(0, len(probs), b))
+    start = b * int(rng.choice(len(sums), p=sums / sums.sum()))
+    return start + int(rng.choice(np.flatnonzero(probs[start:start + b])))
+
+
+def test_sample_draws_each_entry_in_proportion_and_never_a_zero():
+    """`sample`'s two-level CDF against the distribution's definition, probs / sum(probs), on
+    float32 rows that are not a whole number of blocks, with a block of zeros, zeros between
+    entries and tiny entries beside large ones; a broken second level must be rejected."""
+    rng = np.random.default_rng(11)
+    b = sampling._BLOCK
+    probs = np.zeros(5 * b + 23, np.float32)
+    live = rng.choice(np.r_[0:b, 2 * b:len(probs)], 60, replace=False)  # block 1 stays empty
+    probs[live] = rng.random(60) * 3
+    probs[live[:5]] = 1e-7
+    want = probs.astype(np.float64) / probs.sum(dtype=np.float64)
+    for draw, ok in ((sampling.sample, True), (_block_then_uniform, False)):
+        counts = np.bincount([draw(probs, rng) for _ in range(60_000)], minlength=len(probs))
+        assert counts[probs == 0].sum() == 0
+        assert (chi_square_p(counts, want) > 1e-3) == ok, draw.__name__
+
+    class Edge:  # uniform draws at the ends of [0, 1)
+        def __init__(self, u):
+            self.u = u
+
+        def random(self):
+            return self.u
+
+    assert sampling.sample(probs, Edge(0.0)) == np.flatnonzero(probs)[0]
+    assert sampling.sample(probs, Edge(np.nextafter(1.0, 0.0))) == np.flatnonzero(probs)[-1]
+
 
 def test_a_proposal_verifies_in_the_smallest_compiled_window_that_holds_it():
     class Lengths(Scripted):  # the target's own next tokens, 1 then 2 then 3, then none

@@ -21,16 +21,21 @@ class SamplingParams:
 
 
 def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Temperature, then top-k, then top-p (nucleus) over the last axis; float64 rows summing to 1."""
-    x = logits.astype(np.float64) / p.temperature
+    """Temperature, then top-k, then top-p (nucleus) over the last axis; float32 rows summing
+    to 1.
+
+    float32, as the logits are: numpy vectorizes float32's exp, and float64's took 7x as long
+    over the shifted logits (0.17 ms a row at 49,152 entries, run once per draft token and per
+    verified row). Target-only and speculative decoding share this function, so they sample
+    from the same distribution."""
+    x = np.multiply(logits, np.float32(1.0 / p.temperature), dtype=np.float32)
     if p.top_k and p.top_k < x.shape[-1]:
         # Exactly k survive: among equal logits at the boundary the smaller token ids win.
         order = np.argsort(-x, axis=-1, kind="stable")
         drop = np.ones_like(x, dtype=bool)
         np.put_along_axis(drop, order[..., :p.top_k], False, axis=-1)
-        x = np.where(drop, -np.inf, x)
-    # in place: the same operations in the same order, without a new array for each (this runs
-    # once per draft token and per verified row, over the whole vocabulary)
+        x = np.where(drop, np.float32(-np.inf), x)
+    # in place: no new array for each step of the softmax
     x -= x.max(axis=-1, keepdims=True)
     probs = np.exp(x, out=x)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -41,7 +46,7 @@ def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < p.top_p
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs = np.where(keep, probs, 0.0)
+        probs = np.where(keep, probs, np.float32(0.0))
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
 
@@ -63,9 +68,37 @@ class WindowProbabilities:
         return row if token is None else row[token]
 
 
+_BLOCK = 256  # entries per block of the two-level CDF in `sample`
+
+
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+    """One index drawn with probability probs[i] / sum(probs) (inverse CDF, one uniform draw).
+
+    The CDF is built in two levels, both in float64: the running sum of block sums picks a
+    block, then that block's own running sum picks the entry. numpy's running sum is
+    sequential (3 ns an entry) while the block sums are vectorized: over 49,152 entries this
+    takes 46 us against 145 us for one running sum over the row, over 151,936 117 against
+    478. An entry of probability 0 is never drawn: the draw lands strictly inside some
+    entry's interval at each level."""
+    n = len(probs)
+    full = n - n % _BLOCK
+    sums = probs[:full].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
+    if full < n:
+        sums = np.append(sums, probs[full:].sum(dtype=np.float64))
+    cdf = np.cumsum(sums)
+    u = min(rng.random() * cdf[-1], np.nextafter(cdf[-1], 0.0))
+    b = int(np.searchsorted(cdf, u, side="right"))  # cdf[b] > u: the block has mass
+    start = b * _BLOCK
+    block = probs[start:start + _BLOCK]
+    inner = np.cumsum(block, dtype=np.float64)
+    # the draw's place inside the block, rescaled to the block's own running sum (it and the
+    # block's sum above may differ in the last bit)
+    below = cdf[b - 1] if b else 0.0
+    share = min((u - below) / sums[b], np.nextafter(1.0, 0.0))
+    j = int(np.searchsorted(inner, share * inner[-1], side="right"))
+    if j >= len(block):  # rounding put the draw at the block's very end
+        j = int(np.flatnonzero(block)[-1])
+    return start + j
 
 
 def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> tuple[int, int]:
