@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from ..errors import BundleError, UsageError
+from ..smallfile import read_small_file
 # The typed model, importable from here too (readers need only this module's name).
 from .manifest_model import (MANIFEST_SCHEMA, GraphIO, Manifest, OrtBackend,  # noqa: F401
                              QaicBackend, Role, RoleIO)
@@ -33,6 +34,8 @@ UNSEALED = ("bundle_id", "seal")
 # Keys whose string values are paths inside the bundle (files or folders).
 PATH_KEYS = frozenset({"artifact", "compile_script", "inputs", "qpc", "log", "qpc_files"})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# A manifest lists every file of a bundle in about 150 bytes each; 64 MiB is far beyond any.
+MAX_MANIFEST_BYTES = 64 << 20
 
 
 def canonical(obj: Any) -> bytes:
@@ -111,6 +114,28 @@ def check_relative(path: Any, where: str) -> str:
     return path
 
 
+def check_file_list(files: dict[str, Any], source: str) -> None:
+    """One name per file: each path canonical (no '.', empty or trailing parts, so `a//b` and
+    `./a` cannot stand beside `a/b` and `a`), none both a file and a folder, and neither of the
+    unsealed files (manifest.json, signatures.json) among the sealed ones."""
+    for path in files:
+        check_relative(path, f"files.{path}")
+        if PurePosixPath(path).as_posix() != path or "." in path.split("/"):
+            raise BundleError(f"{source}: manifest field files: '{path}' is not written in "
+                              f"canonical form ('{PurePosixPath(path).as_posix()}'); a bundle "
+                              "names each file one way")
+        if path in UNSEALED_FILES:
+            raise BundleError(f"{source}: manifest field files: '{path}' is never sealed; a "
+                              "manifest that lists it was not written by qpcbuild")
+    for path in files:
+        parent = PurePosixPath(path).parent
+        while parent.parts:
+            if parent.as_posix() in files:
+                raise BundleError(f"{source}: manifest field files: '{parent.as_posix()}' is "
+                                  f"listed as a file and as the folder of '{path}'")
+            parent = parent.parent
+
+
 def _paths(m: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """(field path, value) of every path a backend entry names."""
     yield "tokenizer.files", m["tokenizer"].get("files")
@@ -136,8 +161,8 @@ def check_structure(m: Any, source: str) -> None:
         if not isinstance(m.get(key), kind):
             raise BundleError(f"{source}: manifest field {key} is missing or not a "
                               f"{'JSON object' if kind is dict else 'string'}")
+    check_file_list(m["files"], source)
     for path, meta in m["files"].items():
-        check_relative(path, f"files.{path}")
         if not (isinstance(meta, dict) and isinstance(meta.get("size"), int)
                 and isinstance(meta.get("sha256"), str) and _SHA256.fullmatch(meta["sha256"])):
             raise BundleError(f"{source}: manifest field files.{path}: expected "
@@ -164,10 +189,7 @@ def _read_json(bundle: Path) -> dict[str, Any]:
                                           if bundle.exists() else "no such bundle folder"))
     if not path.is_file():
         raise UsageError(f"{bundle}: no {MANIFEST}; not a qpcbuild bundle")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise BundleError(f"{path}: corrupted manifest ({exc})") from None
+    manifest = _parse(read_small_file(path, MAX_MANIFEST_BYTES, BundleError), str(path))
     schema = manifest.get("schema") if isinstance(manifest, dict) else None
     if isinstance(schema, int) and not isinstance(schema, bool) and 0 < schema < MANIFEST_SCHEMA:
         # An older qpcbuild's bundle: a usage problem (which qpcbuild reads it), not damage.
@@ -180,6 +202,14 @@ def _read_json(bundle: Path) -> dict[str, Any]:
                           f"reads schema {MANIFEST_SCHEMA})")
     check_structure(manifest, str(path))
     return manifest
+
+
+def _parse(raw: bytes, source: str) -> Any:
+    # ValueError covers a number longer than Python's int-string limit (4,300 digits)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise BundleError(f"{source}: corrupted manifest ({str(exc)[:200]})") from None
 
 
 class SealedManifest:
@@ -213,9 +243,6 @@ def read_manifest(bundle: Path) -> Manifest:
 
 def manifest_from_json(raw: bytes, source: str) -> Manifest:
     """A manifest held as bytes (a registry's config blob), checked like one read from disk."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise BundleError(f"{source}: corrupted manifest ({exc})") from None
+    data = _parse(raw, source)
     check_structure(data, source)
     return Manifest.check(data, source)

@@ -22,8 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BundleError, UsageError
+from ..smallfile import read_small_file
 from .manifest import SIGNATURES
+
 ALGORITHM = "ed25519"
+# A PEM Ed25519 key is under 200 bytes, an encrypted one under 400; a signatures.json holds
+# about 250 bytes per signature.
+MAX_KEY_BYTES = 64 << 10
+MAX_SIGNATURES_BYTES = 4 << 20
 PASSPHRASE_ENV = "QPCBUILD_SIGNING_KEY_PASSPHRASE"
 # Domain separation: a signature over a bundle id cannot be replayed as one over anything else.
 _CONTEXT = b"qpcbuild bundle id v1\n"
@@ -49,10 +55,7 @@ def _read_key(path: Path, private: bool):
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     kind = "private" if private else "public"
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise UsageError(f"--key {path}: {exc.strerror}") from None
+    data = read_small_file(Path(path), MAX_KEY_BYTES, UsageError, f"--key {path}")
     try:
         if private:
             secret = os.environ.get(PASSPHRASE_ENV)
@@ -93,13 +96,10 @@ def generate_key(path: Path) -> tuple[Path, str]:
 def read_signatures(bundle: Path) -> list[dict[str, Any]]:
     """The signature entries of a bundle; [] when it has none. A damaged file is an error."""
     path = Path(bundle) / SIGNATURES
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, ValueError):
-        raise BundleError(f"{path}: not a readable signature file") from None
-    return parse_signatures(text, str(path))
+    raw = read_small_file(path, MAX_SIGNATURES_BYTES, BundleError, follow_links=False)
+    return parse_signatures(raw, str(path))
 
 
 def parse_signatures(text: str | bytes, where: str) -> list[dict[str, Any]]:
@@ -110,6 +110,12 @@ def parse_signatures(text: str | bytes, where: str) -> list[dict[str, Any]]:
             raise TypeError
     except (ValueError, KeyError, TypeError, RecursionError):
         raise BundleError(f"{where}: not a readable signature file") from None
+    unknown = [e.get("algorithm") for e in entries if e.get("algorithm") != ALGORITHM]
+    if unknown:
+        # Refused rather than skipped: a signature this qpcbuild cannot check must not be
+        # mistaken for one it did.
+        raise BundleError(f"{where}: signature algorithm {str(unknown[0])[:40]!r} is not "
+                          f"supported (this qpcbuild checks {ALGORITHM} only)")
     return entries
 
 

@@ -28,7 +28,7 @@ def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     over the shifted logits (0.17 ms a row at 49,152 entries, run once per draft token and per
     verified row). Target-only and speculative decoding share this function, so they sample
     from the same distribution."""
-    x = np.multiply(logits, np.float32(1.0 / p.temperature), dtype=np.float32)
+    x = _scaled(logits, p.temperature)
     if p.top_k and p.top_k < x.shape[-1]:
         # Exactly k survive: among equal logits at the boundary the smaller token ids win.
         order = np.argsort(-x, axis=-1, kind="stable")
@@ -49,6 +49,23 @@ def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         probs = np.where(keep, probs, np.float32(0.0))
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """logits / temperature in float32. A temperature so small that the quotient overflows
+    (1e-300 gives 1/T = inf, and inf - inf = NaN in the softmax) is greedy with ties: the
+    logits are shifted first, so every row's largest entries map to 0 and all others to a
+    huge negative number whose exp is 0."""
+    scale = 1.0 / temperature
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.multiply(logits, np.float32(scale), dtype=np.float32)
+        if np.isfinite(x.max(axis=-1)).all():
+            return x
+        shifted = np.subtract(logits, logits.max(axis=-1, keepdims=True), dtype=np.float32)
+        return np.multiply(shifted, np.float32(min(scale, _FLOAT32_MAX)), dtype=np.float32)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class WindowProbabilities:
