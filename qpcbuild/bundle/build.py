@@ -4,9 +4,7 @@ at all: it is assembled in a staging folder next to the output and renamed into 
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +26,8 @@ from ..recipe import recipe_relative
 from ..toolchain import artifact_versions
 from ..tree import hash_tree
 from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
-from .staging import publish, refuse_to_replace, remove_debris, staging_folder
+from .staging import (check_writable_parent, publish, refuse_to_replace, remove_debris,
+                      staging_folder)
 
 SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 # (stage, "reused" | "pulled" | "built", seconds); stages also say "from": local | remote | built
@@ -83,20 +82,7 @@ def unit_name(stage: str, role: str) -> str:
 def _check_output(out: Path) -> None:
     """Refuse an unusable output before any work is done."""
     refuse_to_replace(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"-o {out}: cannot create {out.parent} ({exc.strerror or exc})") \
-            from None
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise UsageError(f"-o {out}: {out.parent} is not writable")
-    try:  # root passes access() everywhere; /proc and read-only mounts still refuse files
-        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UsageError(f"-o {out}: cannot write files in {out.parent} "
-                         f"({exc.strerror or exc})") from None
+    check_writable_parent(out, "-o")
 
 
 # ---------------------------------------------------------------- the manifest

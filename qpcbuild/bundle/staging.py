@@ -99,6 +99,26 @@ def publish(staging: Path, out: Path) -> None:
         os.close(fd)
 
 
+def check_writable_parent(out: Path, option: str) -> None:
+    """The folder that will hold `out` exists (created if need be) and takes new files, or a
+    UsageError naming `option` and the folder: checked before any work is done, so a bad
+    destination (/proc/x, /dev/null/x, a path under a file) costs nothing."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{option} {out}: cannot create {out.parent} "
+                         f"({exc.strerror or exc})") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {out}: {out.parent} is not writable")
+    try:  # root passes access() everywhere; /proc and read-only mounts still refuse files
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{option} {out}: cannot write files in {out.parent} "
+                         f"({exc.strerror or exc})") from None
+
+
 def refuse_to_replace(out: Path) -> None:
     """Only a bundle (or an empty folder) at `out` may be replaced."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):

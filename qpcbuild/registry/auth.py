@@ -11,6 +11,7 @@ import re
 import httpx
 
 from .credentials import Credentials, find_credentials
+from .documents import MAX_TOKEN_BYTES, TokenReply, parse, read_bounded
 from .errors import RegistryAuthError, RegistryError, transport_error
 
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
@@ -66,25 +67,32 @@ class Authentication:
                                 f"challenge '{scheme}'")
         scopes = merged_scopes(scope.split() + params.get("scope", "").split())
         service = params.get("service", self.registry)
+        what = f"registry {self.registry}: the token service's reply"
         try:
             if creds and creds.identity_token:  # OAuth2: one form field, scopes space-separated
-                resp = self.http.post(params["realm"], data={
+                request = self.http.build_request("POST", params["realm"], data={
                     "service": service, "scope": " ".join(scopes),
                     "grant_type": "refresh_token", "client_id": "qpcbuild",
                     "refresh_token": creds.identity_token})
             else:  # Docker's token GET: one `scope` parameter per scope
-                auth = (creds.username, creds.password) if creds and creds.username else None
-                resp = self.http.get(params["realm"], auth=auth, params=[
+                request = self.http.build_request("GET", params["realm"], params=[
                     ("service", service), *(("scope", s) for s in scopes)])
+            auth = (creds.username, creds.password or "") \
+                if creds and creds.username and not creds.identity_token else None
+            resp = self.http.send(request, auth=auth, stream=True)
+            try:
+                if resp.status_code in (401, 403):
+                    raise RegistryAuthError(f"registry {self.registry} refused a token "
+                                            f"{self._who()}")
+                if resp.status_code != 200:
+                    raise RegistryError(f"registry {self.registry}: token service answered "
+                                        f"HTTP {resp.status_code}")
+                body = read_bounded(resp.iter_bytes(), MAX_TOKEN_BYTES, what)
+            finally:
+                resp.close()
         except httpx.HTTPError as exc:
             raise transport_error(self.registry, exc) from None
-        if resp.status_code in (401, 403):
-            raise RegistryAuthError(f"registry {self.registry} refused a token {self._who()}")
-        if resp.status_code != 200:
-            raise RegistryError(f"registry {self.registry}: token service answered "
-                                f"HTTP {resp.status_code}")
-        body = resp.json()
-        self._tokens[scope] = body.get("token") or body.get("access_token") or ""
+        self._tokens[scope] = parse(body, TokenReply, what).bearer
 
 
 def merged_scopes(scopes: list[str]) -> list[str]:

@@ -24,14 +24,14 @@ from ..bundle.manifest import (MANIFEST, SIGNATURES, Manifest, SealedManifest,
                                manifest_from_json)
 from ..bundle.signature import (check_signature, parse_signatures, read_public_key,
                                 read_signatures, write_signatures)
-from ..bundle.staging import publish, remove_debris, staging_folder
+from ..bundle.staging import check_writable_parent, publish, remove_debris, staging_folder
 from ..bundle.verify import verify_bundle
 from ..errors import BundleError, UsageError
 from . import referrers
 from .artifact import Say, Transfer, download_folder, layer_files, push_folder, read_artifact
 from .client import OCI_MANIFEST, RegistryClient
 from .errors import RegistryError
-from .reference import Reference, looks_like_reference, parse_reference
+from .reference import Reference, carries_credentials, looks_like_reference, parse_reference
 
 BUNDLE_ARTIFACT = "application/vnd.qpcbuild.bundle.v1"
 BUNDLE_CONFIG = "application/vnd.qpcbuild.bundle.manifest.v1+json"
@@ -136,13 +136,13 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
     where = str(ref)
     if signed_by is not None:
         read_public_key(signed_by)  # a bad key file is an error before any download
+    out = Path(out)  # a bad destination too
+    if out.is_symlink() or out.exists() and not (out / MANIFEST).is_file() and (
+            not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"-d {out}: exists and is not a qpcbuild bundle; refusing to replace it")
+    check_writable_parent(out, "-d")
     oci, digest, raw = read_artifact(client, ref.repository, ref.pinned, BUNDLE_ARTIFACT)
     files = layer_files(oci, where)
-    out = Path(out)
-    if out.exists() and not (out / MANIFEST).is_file() and (not out.is_dir() or
-                                                            any(out.iterdir())):
-        raise UsageError(f"-d {out}: exists and is not a qpcbuild bundle; refusing to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     remove_debris(out)
     with staging_folder(out) as staging:
         (staging / MANIFEST).write_bytes(raw)
@@ -189,7 +189,7 @@ def open_bundle(arg: Path, insecure: bool = False, say: Say | None = None,
     `signatures`: the caller will check a signature, so a store copy also gets the signatures
     attached in the registry since it was pulled."""
     text = str(arg)
-    if Path(arg).exists() or not looks_like_reference(text):
+    if Path(arg).exists() or not (looks_like_reference(text) or carries_credentials(text)):
         return Path(arg)
     ref = parse_reference(text, "BUNDLE")
     with RegistryClient(ref.registry, insecure) as client:

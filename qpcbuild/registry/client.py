@@ -20,6 +20,8 @@ import httpx
 
 from .auth import Authentication
 from .credentials import Credentials
+from .documents import (MAX_ERROR_BYTES, MAX_MANIFEST_BYTES, ImageIndex, ImageManifest, as_dict,
+                        parse, read_bounded)
 from .errors import (RegistryAuthError, RegistryDigestMismatch, RegistryError, RegistryNotFound,
                      RegistryUnavailable, transport_error)
 from .rawget import open_blob, read_pieces
@@ -121,16 +123,36 @@ class RegistryClient(Authentication):
         raise AssertionError("unreachable")
 
     def _fail(self, resp: httpx.Response, what: str) -> RegistryError:
-        if not resp.is_stream_consumed:
-            resp.read()
-        return self.error(resp.status_code, resp.content, what)
+        if resp.is_stream_consumed:
+            return self.error(resp.status_code, resp.content, what)
+        # only the start of an error body is shown, so only that much is read
+        body = bytearray()
+        try:
+            for piece in resp.iter_bytes():
+                body += piece
+                if len(body) >= MAX_ERROR_BYTES:
+                    break
+        except httpx.HTTPError:
+            pass  # the status alone still says what went wrong
+        finally:
+            resp.close()
+        return self.error(resp.status_code, bytes(body), what)
+
+    def _small_body(self, resp: httpx.Response, what: str) -> bytes:
+        """A streamed response's body, at most MAX_MANIFEST_BYTES of it."""
+        try:
+            return read_bounded(resp.iter_bytes(), MAX_MANIFEST_BYTES, what)
+        except httpx.HTTPError as exc:
+            raise transport_error(self.registry, exc) from None
+        finally:
+            resp.close()
 
     def error(self, status: int, body: bytes, what: str) -> RegistryError:
         """The registry's own error message, in an error of the right kind."""
         try:
             errors = json.loads(body).get("errors") or []
             detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, TypeError, RecursionError):
             detail = body[:200].decode(errors="replace")
         message = f"{what}: registry {self.registry} answered HTTP {status}" + \
             (f" ({detail})" if detail else "")
@@ -155,20 +177,18 @@ class RegistryClient(Authentication):
     def get_manifest(self, repo: str, reference: str,
                      media_type: str = OCI_MANIFEST) -> tuple[dict, str]:
         """(manifest, its digest). A manifest asked for by digest must hash to that digest."""
+        what = f"{self.registry}/{repo}:{reference}"
         resp = self._send("GET", f"/v2/{repo}/manifests/{reference}", repo,
-                          headers={"Accept": media_type})
+                          headers={"Accept": media_type}, stream=True)
         if resp.status_code != 200:
-            raise self._fail(resp, f"{self.registry}/{repo}:{reference}")
-        data = resp.content
+            raise self._fail(resp, what)
+        data = self._small_body(resp, f"the manifest of {what}")
         digest = sha256_digest(data)
         if reference.startswith("sha256:") and digest != reference:
             raise RegistryError(f"{self.registry}/{repo}@{reference}: the manifest the registry "
                                 f"sent hashes to {digest}; refusing it")
-        try:
-            return json.loads(data), digest
-        except ValueError:
-            raise RegistryError(f"{self.registry}/{repo}:{reference}: the manifest is not "
-                                "JSON") from None
+        model = ImageIndex if media_type == OCI_INDEX else ImageManifest
+        return as_dict(parse(data, model, f"the manifest of {what}")), digest
 
     def put_manifest(self, repo: str, tag: str, manifest: dict,
                      media_type: str = OCI_MANIFEST) -> str:
@@ -189,20 +209,15 @@ class RegistryClient(Authentication):
     def referrers_api(self, repo: str, digest: str) -> dict | None:
         """The registry's referrers index for `digest` (OCI distribution 1.1), or None when the
         registry has no referrers API (404): the caller then reads the tag-schema index."""
+        what = f"referrers of {self.registry}/{repo}@{digest}"
         resp = self._send("GET", f"/v2/{repo}/referrers/{digest}", repo,
-                          headers={"Accept": OCI_INDEX})
+                          headers={"Accept": OCI_INDEX}, stream=True)
         if resp.status_code == 404:
+            resp.close()
             return None
         if resp.status_code != 200:
-            raise self._fail(resp, f"referrers of {self.registry}/{repo}@{digest}")
-        try:
-            index = json.loads(resp.content)
-        except ValueError:
-            index = None
-        if not isinstance(index, dict) or not isinstance(index.get("manifests"), list):
-            raise RegistryError(f"referrers of {self.registry}/{repo}@{digest}: the registry's "
-                                "answer is not an OCI image index")
-        return index
+            raise self._fail(resp, what)
+        return as_dict(parse(self._small_body(resp, what), ImageIndex, what))
 
     # ------------------------------------------------------------ blobs
     def has_blob(self, repo: str, digest: str) -> bool:

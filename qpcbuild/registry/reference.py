@@ -20,6 +20,9 @@ DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*"
                    r"|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
 DEFAULT_TAG = "latest"
+# `user:password@` (after an optional `https://`) in front of a host: a credential typed into a
+# reference, which no message may repeat.
+_USERINFO = re.compile(r"((?:[A-Za-z][A-Za-z0-9+.-]*://)?)[^/@]*@")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,17 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+def carries_credentials(text: str) -> bool:
+    """True when `text` is a reference with `user[:password]@` written before its host."""
+    m = _USERINFO.match(text)
+    return bool(m) and looks_like_reference(text[m.end():])
+
+
+def redacted(text: str) -> str:
+    """`text` as a message may show it: credentials before the host replaced by `***`."""
+    return _USERINFO.sub(r"\1***@", text, count=1) if carries_credentials(text) else text
+
+
 def looks_like_reference(text: str) -> bool:
     """True when `text` starts with a registry host (a name with a dot or port, or localhost)."""
     host = text.split("/", 1)[0]
@@ -57,11 +71,18 @@ def looks_like_reference(text: str) -> bool:
 
 
 def parse_reference(text: str, where: str = "reference", tag_allowed: bool = True) -> Reference:
-    """Parse `host[:port]/repo[:tag][@sha256:...]`; a UsageError names what is wrong."""
+    """Parse `host[:port]/repo[:tag][@sha256:...]`; a UsageError names what is wrong, without
+    repeating a credential typed into the reference."""
+    if carries_credentials(text):
+        raise UsageError(f"{where} '{redacted(text)}': a reference never carries credentials "
+                         "(they would be kept in shell history and echoed in logs); give them "
+                         "with `docker login` or $QPCBUILD_REGISTRY_USERNAME and "
+                         "$QPCBUILD_REGISTRY_PASSWORD, and write the reference without them")
     rest, _, digest = text.partition("@")
     if digest and not DIGEST.fullmatch(digest):
-        raise UsageError(f"{where} '{text}': the digest must be sha256: and 64 lowercase hex "
-                         "digits")
+        # what follows '@' is not repeated: it may be a password typed in the wrong place
+        raise UsageError(f"{where} '{rest}@…': the part after '@' must be a digest, sha256: "
+                         "and 64 lowercase hex digits")
     host, slash, path = rest.partition("/")
     if not slash or not looks_like_reference(rest):
         raise UsageError(f"{where} '{text}': expected REGISTRY/REPOSITORY[:TAG][@sha256:...], "
