@@ -173,3 +173,21 @@ def test_run_and_serve_at_a_tiny_temperature_give_the_greedy_text(pristine):
         assert reply.choices[0].text == text
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- unpack through a link
+def test_unpack_into_a_symlinked_folder_says_where_the_bundle_went(pristine, tmp_path):
+    archive = tmp_path / "b.tar.gz"
+    assert cli("package", pristine, "-o", archive).exit_code == 0
+    target, link, dangling = tmp_path / "real", tmp_path / "link", tmp_path / "dangling"
+    target.mkdir()
+    link.symlink_to(target)
+    dangling.symlink_to(tmp_path / "nowhere")
+    result = cli("unpack", archive, "-d", link)
+    assert result.exit_code == 0, result.output
+    name = json.loads((pristine / MANIFEST).read_text())["name"]
+    assert f"is a symbolic link to {target}" in result.output
+    assert f"unpacked {target / name}" in result.output and (target / name / MANIFEST).is_file()
+    result = cli("unpack", archive, "-d", dangling)
+    assert result.exit_code == 2 and f"-d {dangling}: a symbolic link to" in result.output
+    assert not (tmp_path / "nowhere").exists()

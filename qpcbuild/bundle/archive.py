@@ -280,7 +280,14 @@ def unpack(
     existing dest/<bundle> is refused.
 
     On any refusal or error nothing is left behind (a dest this call created is removed).
+    A dest that is a symbolic link is resolved once, here, and the folder returned is under
+    its target (the caller says where that is); a link to nothing is refused.
     """
+    if Path(dest).is_symlink():
+        if not Path(dest).exists():
+            raise ArchiveError(f"-d {dest}: a symbolic link to {os.readlink(dest)}, which does "
+                               "not exist; give an existing folder")
+        dest = Path(os.path.realpath(dest))
     dest = Path(os.path.abspath(dest))
     if not Path(archive).is_file():
         raise ArchiveError(f"{archive}: archive not found")

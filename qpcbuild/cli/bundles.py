@@ -172,6 +172,8 @@ def unpack(archive: Path = typer.Argument(..., help="A .tar.gz or .tar made by `
     from ..bundle.archive import unpack as unpack_archive
 
     path = unpack_archive(archive, dest)
+    if dest.is_symlink():  # say where the files went, not only the link's name
+        console.print(f"-d {dest} is a symbolic link to {path.parent}; the bundle is there")
     console.print(f"unpacked {path}; check it with `qpcbuild verify {path}`")
 
 
