@@ -17,7 +17,6 @@ from ..version import __version__
 from ..compile.qaic import QPC_FILE, QaicBackend
 from ..errors import BundleError, QpcbuildError, UsageError
 from ..toolchain import compiler_identity, qaic_sdk_versions
-from ..tree import hash_tree
 from .manifest import Manifest, SealedManifest, write_manifest
 from .verify import actual_files, compare_files
 
@@ -28,13 +27,8 @@ def _under(path: str, folders: tuple[str, ...]) -> bool:
     return any(path.startswith(f"{folder}/") for folder in folders)
 
 
-def _hash_folders(bundle: Path, folders: tuple[str, ...]) -> dict[str, dict]:
-    found = {}
-    for folder in folders:
-        if (bundle / folder).is_dir():
-            found.update({f"{folder}/{rel}": meta for rel, meta in
-                          hash_tree(bundle / folder, what=f"hashing {folder}").items()})
-    return found
+def _nonempty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
 
 
 def finish_bundle(bundle: Path, roles: list[str] | None = None,
@@ -75,19 +69,24 @@ def _finish(bundle: Path, roles: list[str] | None,
         if role not in qaic_roles:
             raise UsageError(f"--role {role}: this bundle has qaic inputs for "
                              f"{', '.join(qaic_roles)} only")
+    # Another role whose QPC compile.sh wrote but no finish recorded (qpcbuild was not on the
+    # SDK machine's PATH, or its own finish has not run yet) is adopted too: left out, its QPC
+    # would be an unsealed extra file in a bundle `verify` rejects. Its own finish, when it
+    # runs, hashes it again. An unfinished role without a QPC stays out of this manifest.
+    unfinished = [r for r in qaic_roles if r not in roles
+                  and m.roles[r].backends.qaic.status != "compiled"]
+    roles = list(roles) + [r for r in unfinished if _nonempty(bundle / r / "qpc" / QPC_FILE)]
     adopting = tuple(f"{role}/{part}" for role in roles for part in ADOPTED)
-    # Another role's QPC that is not finished yet stays out of this manifest.
-    pending = tuple(f"{role}/{part}" for role in qaic_roles if role not in roles
-                    and m.roles[role].backends.qaic.status != "compiled"
+    pending = tuple(f"{role}/{part}" for role in unfinished if role not in roles
                     for part in ADOPTED)
-    # Only what compile.sh wrote is hashed (the QPCs and logs: the rest of the bundle is
-    # sealed and may be tens of GB); the rest must be present with its sealed sizes (`verify`
-    # checks its digests). A QPC compiled again replaces the one recorded before.
+    # Every sealed file is hashed, not only sized: a byte flipped in a graph or the compiler's
+    # inputs after `compile --emit-only` must not be sealed anew beside a QPC built from it. A
+    # QPC compiled again replaces the one recorded before.
     try:
-        found = {**actual_files(bundle, fast=True), **_hash_folders(bundle, adopting)}
+        found = actual_files(bundle, fast=False)
     except (OSError, QpcbuildError) as exc:  # a link or special file inside the bundle
         raise BundleError(f"{bundle} cannot be finished: {exc}") from None
-    problems = [p for p in sealed.changed_fields() + compare_files(sealed.files, found, fast=True,
+    problems = [p for p in sealed.changed_fields() + compare_files(sealed.files, found,
                                                                    adopting=adopting + pending)
                 if not any(f": {folder}/" in p for folder in adopting)]
     if problems:
@@ -95,7 +94,7 @@ def _finish(bundle: Path, roles: list[str] | None,
                           + "; ".join(problems[:5]))
     for role in roles:
         qpc = bundle / role / "qpc" / QPC_FILE
-        if not qpc.is_file() or qpc.stat().st_size == 0:
+        if not _nonempty(qpc):
             state = "is empty" if qpc.is_file() else "is missing"
             raise BundleError(f"the {role} QPC {state} ({role}/qpc/{QPC_FILE}); run "
                               f"`bash {role}/qaic/compile.sh` in the bundle on a machine with the "
