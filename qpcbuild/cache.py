@@ -123,6 +123,32 @@ class Cache:
         found += [f"{p}: not part of the entry" for p in sorted(set(actual) - set(recorded))]
         return found
 
+    def unread_problems(self, kind: str, key: str) -> list[str]:
+        """Problems of a local entry that a build uses by its record alone (an export whose
+        graph nothing here reads): without this check a damaged entry would be reported as
+        reused and stay damaged for the next build that needs its files. The full check
+        hashes the entry; it is skipped while every file's (kind, size, mtime, ctime, inode)
+        is as at the last full check that passed, since an edit changes ctime. An entry this
+        machine does not hold is the remote tier's, checked when its bytes are fetched."""
+        final = self.entry(kind, key)
+        if not os.path.lexists(final):
+            return []
+        memo = self.root / "checked" / f"{kind}-{key}"
+        state = _stat_state(final)
+        try:
+            if state and memo.read_text() == state:
+                return []
+        except OSError:
+            pass
+        problems = self.problems(kind, key)
+        if not problems and state:
+            try:
+                memo.parent.mkdir(exist_ok=True)
+                memo.write_text(state)
+            except OSError:
+                pass  # only a later build's shortcut is lost
+        return problems
+
     def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
                      inputs: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:
         """Return (entry folder, its metadata, reused?). `build(tmp)` fills a fresh folder;
@@ -298,6 +324,25 @@ class Cache:
         return removed
 
 
+def _stat_state(root: Path) -> str:
+    """A digest of every entry's lstat under root (what an edit, a swap for a link or FIFO, a
+    truncation or an extra file changes), or "" when root is not a folder."""
+    if root.is_symlink() or not root.is_dir():
+        return ""
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            path = os.path.join(folder, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return ""
+            h.update(f"{os.path.relpath(path, root)}\0{st.st_mode}\0{st.st_size}\0"
+                     f"{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()
+
+
 def _remove(path: Path) -> bool:
     """Remove an entry whatever it has become: a folder, a file, or a link (never its target).
     Returns whether it is gone."""
@@ -359,6 +404,9 @@ class ScratchCache:
 
     def has(self, kind: str, key: str) -> bool:
         return False
+
+    def unread_problems(self, kind: str, key: str) -> list[str]:
+        return []
 
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = (),
                 known: DeliveredFiles | None = None, copy: bool = False) -> None:

@@ -243,7 +243,7 @@ class _Build:
                 if self.wanted(name, role.role)]
         meta = None
         if made and not any(b.ships_graph for b in backends.values()) and \
-                all(cache.has(*m) for m in made):
+                all(cache.has(*m) for m in made) and not cache.unread_problems("exports", key):
             meta = cache.record_meta("exports", key)
         if meta is None:
             return role.role, graph()[1]
