@@ -23,8 +23,8 @@ def endless(prefix: bytes = b'{"schemaVersion": 2, "x": "') -> Iterator[bytes]:
 
 class HostileRegistry:
     """`manifests[reference]` / `referrers[digest]`: the body (bytes, or a function giving the
-    pieces of one sent without a length, such as `endless`) for GET /v2/<repo>/manifests/<reference> and
-    /v2/<repo>/referrers/<digest>. With `token` set, every /v2/<repo>/... request without a
+    pieces of one sent without a length, such as `endless`) for GET
+    /v2/<repo>/manifests/<reference> and /v2/<repo>/referrers/<digest>. With `token` set, every /v2/<repo>/... request without a
     bearer token is answered 401 with a challenge whose realm answers `token`."""
 
     def __init__(self) -> None:
