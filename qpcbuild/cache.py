@@ -14,6 +14,7 @@ and the debris of a killed build is removed by the next build of the same entry 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from platformdirs import user_cache_dir
 from .errors import UsageError
 from .progress import step
 from .delivered import DeliveredFiles
-from .tree import copy_tree, file_digest, hash_tree
+from .tree import copy_tree, file_digest, hash_tree, lstat_state
 
 META = "cache-entry.json"
 ENTRY_FORMAT = 2
@@ -124,29 +125,22 @@ class Cache:
         return found
 
     def unread_problems(self, kind: str, key: str) -> list[str]:
-        """Problems of a local entry that a build uses by its record alone (an export whose
-        graph nothing here reads): without this check a damaged entry would be reported as
-        reused and stay damaged for the next build that needs its files. The full check
-        hashes the entry; it is skipped while every file's (kind, size, mtime, ctime, inode)
-        is as at the last full check that passed, since an edit changes ctime. An entry this
-        machine does not hold is the remote tier's, checked when its bytes are fetched."""
-        final = self.entry(kind, key)
+        """Problems of a local entry a build uses by its record alone (an export whose graph
+        nothing here reads), which would otherwise be called reused and stay damaged. Hashed
+        only when its files' lstat state differs from the last check that passed (an edit
+        changes ctime); an entry only the remote tier holds is checked when fetched."""
+        final, memo = self.entry(kind, key), self.root / "checked" / f"{kind}-{key}"
         if not os.path.lexists(final):
             return []
-        memo = self.root / "checked" / f"{kind}-{key}"
-        state = _stat_state(final)
-        try:
+        state = lstat_state(final)
+        with contextlib.suppress(OSError):
             if state and memo.read_text() == state:
                 return []
-        except OSError:
-            pass
         problems = self.problems(kind, key)
         if not problems and state:
-            try:
+            with contextlib.suppress(OSError):  # only a later build's shortcut is lost
                 memo.parent.mkdir(exist_ok=True)
                 memo.write_text(state)
-            except OSError:
-                pass  # only a later build's shortcut is lost
         return problems
 
     def get_or_build(self, kind: str, key: str, build: Callable[[Path], dict[str, Any]],
@@ -322,25 +316,6 @@ class Cache:
                 except Timeout:  # a build is using this entry right now
                     continue
         return removed
-
-
-def _stat_state(root: Path) -> str:
-    """A digest of every entry's lstat under root (what an edit, a swap for a link or FIFO, a
-    truncation or an extra file changes), or "" when root is not a folder."""
-    if root.is_symlink() or not root.is_dir():
-        return ""
-    h = hashlib.sha256()
-    for folder, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in sorted(dirs + files):
-            path = os.path.join(folder, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                return ""
-            h.update(f"{os.path.relpath(path, root)}\0{st.st_mode}\0{st.st_size}\0"
-                     f"{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
-    return h.hexdigest()
 
 
 def _remove(path: Path) -> bool:

@@ -152,3 +152,20 @@ def copy_tree(src: Path, dst: Path, skip: Iterable[str] = (), move: bool = False
             target.chmod(0o755)
 
 
+def lstat_state(root: Path) -> str:
+    """A digest of the lstat of everything under root (what an edit, a truncation, a swap for
+    a link or FIFO, or an extra file changes), or "" when root is not a folder."""
+    if root.is_symlink() or not root.is_dir():
+        return ""
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            path = os.path.join(folder, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return ""
+            h.update(f"{os.path.relpath(path, root)}\0{st.st_mode}\0{st.st_size}\0"
+                     f"{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()
