@@ -17,6 +17,7 @@ from qpcbuild.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "demo-ngram.yaml"
+pytestmark = pytest.mark.slow
 runner = CliRunner()
 
 

@@ -18,7 +18,7 @@ from qpcbuild.cli import app
 
 from helpers_qaic import ROLES, StandIn, build
 
-pytestmark = pytest.mark.usefixtures("no_qaic_sdk")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_qaic_sdk")]
 runner = CliRunner()
 
 

@@ -26,6 +26,7 @@ from qpcbuild.runtime.sampling import SamplingParams, probabilities, sample
 from helpers_server import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # builds the demo bundle (once, shared)
 runner = CliRunner()
 
 
