@@ -118,6 +118,8 @@ def test_a_password_written_into_a_reference_is_never_echoed(registry, tmp_path)
                  ["pull", f"{registry.address}/demo/x:v1@{SECRET}"],
                  ["push", bundle, f"{with_password}:v1", "--json"],
                  ["verify", with_password],
+                 ["pull", f"user:{SECRET}@registry-without-a-dot/demo/x"],
+                 ["verify", f"user:{SECRET}@registry-without-a-dot/demo/x"],
                  ["run", f"{with_password}:v1", "--prompt", "x"],
                  ["compile", ROOT / "recipes" / "demo-ngram.yaml", "--push", f"{with_password}:v1"],
                  ["compile", ROOT / "recipes" / "demo-ngram.yaml", "-o", tmp_path / "o",

@@ -53,9 +53,10 @@ def check_tag(tag: str) -> str:
 
 
 def carries_credentials(text: str) -> bool:
-    """True when `text` is a reference with `user[:password]@` written before its host."""
+    """True when `text` has `user[:password]@` before its first '/' (after any `https://`):
+    nothing a reference may hold, so taken for credentials whatever the host looks like."""
     m = _USERINFO.match(text)
-    return bool(m) and looks_like_reference(text[m.end():])
+    return bool(m) and "/" in text[m.end():]
 
 
 def redacted(text: str) -> str:
