@@ -13,8 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
-pytestmark = pytest.mark.skipif(not (DEMO / "training.json").is_file(),
-                                reason="demo pair not trained yet (scripts/train_demo_pair.py)")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .bandwidth import bandwidth_line
+from ..errors import UsageError
 from ..measuring import loadavg
 from ..runtime.rates import acceptance_rate
 from .records import Measure
