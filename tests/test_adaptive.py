@@ -181,60 +181,6 @@ def test_a_noisy_plain_step_does_not_turn_speculation_on_at_one_token_a_step():
     assert gate.mode == "plain" and [s["to"] for s in gate.switches] == ["plain"], modes
 
 
-def shadowed_row_steps(gate: Goodput, rng, steps: int, repeating):
-    """A shadowed row near break-even: shadows say speculation pays a little (1.65 tokens a
-    proposal against a break-even of 1.58, noisy), but every speculative step makes one token
-    at 1.5x a plain step's cost. From a step where `repeating(step)` is true the text repeats
-    itself: every shadowed token comes true and a speculative step makes 5 tokens. Yields
-    each step's index once it ran."""
-    row, matched, hits = RowRate(), 0, 0
-    for step in range(steps):
-        now = repeating(step)
-        mode = gate.choose([row])
-        if mode == "plain" and gate.shadow_due(row):
-            row.shadow, matched = [0] * 4, 0
-            hits = 4 if now else int(rng.random() < 0.55) + int(rng.random() < 0.1)
-        gate.record(mode, 0.0015 if mode == "spec" else 0.001, [(row, 5 if now else 1)])
-        if mode == "plain":
-            gate.observe_plain(row, 0 if matched < hits else 1, 1)
-            matched += 1
-        else:
-            gate.drop_shadow(row)
-        yield step
-
-
-def test_speculation_that_keeps_losing_is_tried_ever_more_rarely():
-    """Near break-even (shadowed_row_steps) each spell loses, and each losing spell lengthens
-    the wait before the next. Without the waits the gate started ~100 spells in 3,000 steps
-    and speculated in ~440 of them."""
-    for seed in range(3):
-        gate = Goodput(shadowed=True)
-        for _ in shadowed_row_steps(gate, np.random.default_rng(seed), 3000, lambda step: False):
-            pass
-        entries = [s["step"] for s in gate.switches if s["to"] == "spec"]
-        assert len(entries) <= 20, entries
-        assert gate.figures().steps_with_speculation < 120
-
-
-def test_a_text_that_starts_repeating_ends_the_wait():
-    """After losing spells (as above) the gate waits up to 512 steps before speculating again;
-    a text that starts to repeat itself must not wait for that."""
-    gate, start = Goodput(shadowed=True), None
-
-    def repeating(step: int) -> bool:
-        nonlocal start
-        if start is None and gate.mode == "plain" and gate._next_entry - gate.steps > 100:
-            start = step  # in a long wait: from here on the text repeats itself
-        return start is not None
-
-    for step in shadowed_row_steps(gate, np.random.default_rng(0), 3000, repeating):
-        if start is not None and step > start + 40:
-            break
-    assert start is not None
-    resumed = [s["step"] for s in gate.switches if s["to"] == "spec"][-1]
-    assert start <= resumed <= start + 20 and gate.mode == "spec"
-
-
 def test_fixed_and_off_never_change():
     for name, mode in (("fixed", "spec"), ("off", "plain")):
         policy, modes = make_policy(name), []

@@ -49,9 +49,6 @@ class GoodputConfig:
     switch_on_z: float = 1.0  # errors by which it must win before it is turned on
     prior_steps: int = 4  # the pooled estimate counts as this many of a row's own steps
     shadow_budget: float = 0.02  # shadow proposals may cost this share of the plain steps' time
-    # plain steps before speculation may return after a spell that lost (doubling with each
-    # losing spell in a row, up to max_backoff; 0: no wait)
-    first_cooldown: int = 16
 
 
 DEFAULT = GoodputConfig()
@@ -59,28 +56,6 @@ DEFAULT = GoodputConfig()
 
 def ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
-
-
-@dataclass
-class Spell:
-    """The speculative steps since speculation was last turned on (probes not counted)."""
-    seconds: float = 0.0
-    tokens: int = 0
-    row_steps: int = 0
-    steps: int = 0
-
-    def add(self, seconds: float, row_tokens: Sequence[tuple[RowRate, int]]) -> None:
-        self.seconds += seconds
-        self.tokens += sum(n for _, n in row_tokens)
-        self.row_steps += len(row_tokens)
-        self.steps += 1
-
-    def lost(self, plain_s: float | None) -> bool:
-        """Plain steps (one token per live row) would have made its tokens in less time."""
-        if not self.steps or not plain_s:
-            return False
-        rows_per_step = self.row_steps / self.steps
-        return self.seconds > self.tokens / rows_per_step * plain_s
 
 
 @dataclass
@@ -106,9 +81,6 @@ class Goodput:
     _probe_mode: Mode = "plain"
     _next_probe: int = 0
     _backoff: int = 0
-    _spell: Spell = field(default_factory=Spell)
-    _cooldown: int = 0  # plain steps before speculation may be turned on again
-    _next_entry: int = 0
 
     def __post_init__(self) -> None:
         self._next_probe, self._backoff = self.config.warm_steps, self.config.first_backoff
@@ -158,8 +130,6 @@ class Goodput:
         self.steps_by_mode[mode] += 1
         self.step_s[mode] = self._clipped(self.step_s[mode], seconds)
         probing = self._probe_left > 0
-        if mode == "spec" and not probing and self.mode == "spec":
-            self._spell.add(seconds, row_tokens)
         if mode == "spec":
             for rate, n in row_tokens:
                 if probing:
@@ -222,27 +192,9 @@ class Goodput:
         # and a wrong choice kept for up to max_backoff steps costs far more (a draft model's
         # acceptance is not measured at all while speculation is off) than probing again soon.
         self.switches.append({"step": self.steps, "to": mode, "reason": self.why(rates)})
-        if mode == "spec":
-            self._spell = Spell()
-        else:
-            self._spell_ended()
         self.mode = mode
         self._backoff = self.config.first_backoff
         self._next_probe = self.steps + self._probe_gap()
-
-    def _spell_ended(self) -> None:
-        """Speculation is turned off: if its spell made tokens slower than plain steps would
-        have, it is not turned on again for a while, for twice as long after each losing
-        spell in a row (a shadow whose every token came true ends the wait: observe_plain).
-        The estimates that turn it on are noisiest where speculation is close to break-even,
-        and there each spell started by their noise lost (the demo pair's suffix at
-        temperature 1.0 speculated in a third of its steps, at 0.92x)."""
-        if self._spell.lost(self.step_s["plain"]):
-            self._cooldown = min(2 * self._cooldown or self.config.first_cooldown,
-                                 self.config.max_backoff)
-        else:
-            self._cooldown = 0
-        self._next_entry = self.steps + self._cooldown
 
     @property
     def _row_weight(self) -> float:
@@ -280,10 +232,6 @@ class Goodput:
         # The faster weight: shadows are how a row gets back to speculating, and a return by
         # chance costs little (a plain probe re-checks it after first_backoff steps).
         self._learn(rate, rate.shadow_hits + 1, self.config.ema)
-        if rate.shadow_hits == len(rate.shadow) >= 2:
-            # Every proposed token came true: the text repeats itself, which near-break-even
-            # noise does not do (sampled at a = 0.1, four in a row come one time in 10^4).
-            self._next_entry = min(self._next_entry, self.steps)
         self.shadow_checks += 1
         rate.shadow, rate.shadow_hits = None, 0
         rate.shadow_wait = self._shadow_gap(live_rows)
@@ -347,8 +295,6 @@ class Goodput:
         # off only when it loses even by its estimate plus its error.
         if self.mode == "spec":
             return "plain" if self._spec_loses(rates) else "spec"
-        if self.steps < self._next_entry:  # waiting after a losing spell (_spell_ended)
-            return "plain"
         # and turned on only when it wins even by its estimate less `switch_on_z` errors
         spec_low = self._spec_rates(rates, -self.config.switch_on_z)[1]
         return "plain" if len(rates) / plain_s * (1 + self.config.margin) >= spec_low else "spec"
