@@ -8,6 +8,7 @@ per-request counters (rows.RowStats) share."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -146,8 +147,10 @@ class SpecDecodingStats:
 
     @property
     def ttft_s(self) -> float:
-        """Time to first token: the prefill of a call, the mean over merged calls."""
-        return self.prefill_s / self.generate_calls
+        """Time to first token as vLLM counts it, per request from its arrival to its first
+        token, the mean over the requests (0 where there are none). Not the prefill's seconds:
+        under continuous batching a request also waits for a free slot."""
+        return statistics.fmean(r.ttft_s for r in self.per_request) if self.per_request else 0.0
 
     @property
     def decode_s(self) -> float:
