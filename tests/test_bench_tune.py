@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -305,6 +306,14 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
         assert r["greedy_matches_target_only"] is True
         assert r["new_tokens_per_repeat"] == 2 * 16
     assert report["all_greedy_outputs_match"] is True
+    # the report names the code that ran (this checkout: git's own description of it) and no
+    # folder of this machine
+    described = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    assert report["code_version"] == described
+    text = json.dumps(report, default=str)
+    assert str(tmp_path) not in text and str(Path(tiny_bundle).resolve().parent) not in text
+    assert not Path(report["bundle"]).is_absolute()
     spd = [r for r in rows if r["method"] == "draft_model"]
     assert all(0 <= r["acceptance_rate"] <= 1 and r["ideal_speedup"] > 0 for r in spd)
     assert all(len(r["acceptance_per_position"]) == r["k"] for r in spd)
