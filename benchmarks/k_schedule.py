@@ -53,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]
 EVAL_PROMPTS = ROOT / "models" / "demo" / "eval_prompts.jsonl"  # held out from the demo's training
 
-from qpcbuild.errors import QpcbuildError, UsageError  # noqa: E402
+from qpcbuild.errors import QpcbuildError, UsageError  # noqa: E402  (after its sys.path entry)
+from qpcbuild.runtime.policy import KSchedule  # noqa: E402  (after its sys.path entry)
 
 
 def say(message: str) -> None:
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     except QpcbuildError as exc:
         say(f"error: {exc}")
         return 2
-    gen.decoder.k_schedule = schedule  # the schedule measured (the manifest's or --schedule)
+    gen.decoder.k_schedule = KSchedule(schedule)  # measured: the manifest's or --schedule
     load_start = os.getloadavg()
     t0 = time.time()
     runs, problems = measure(gen, schedule, args)

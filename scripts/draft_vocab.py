@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stdlib_corpus import stdlib_sources  # noqa: E402
+from stdlib_corpus import stdlib_sources
 
 SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo"}
 MOST_FREQUENT, FIRST_IDS = 32768, 16384

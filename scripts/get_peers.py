@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from get_smollm2 import sha256  # noqa: E402  (the fetchers' one file digest)
+from get_smollm2 import sha256  # the fetchers' one file digest
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36",

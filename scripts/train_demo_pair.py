@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     random.seed(s.seed)
     np.random.seed(s.seed)
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    def log(msg: str) -> None:
+        print(msg, flush=True)
 
     train_texts, val_texts, val_names = read_split(s.validation_percent)
     log(f"{len(train_texts)} training files, {len(val_texts)} validation files")

@@ -3,8 +3,6 @@ targets, drafts and proposers whose outputs, costs and laws are known exactly.""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from qpcbuild.runtime.engine import SpecDecoder
@@ -12,21 +10,36 @@ from qpcbuild.runtime.engine import SpecDecoder
 V, EOS, PREFILL = 64, 999, 8  # EOS: never produced
 
 
+class Clock:
+    """The decoder's clock in these tests: seconds pass only when a toy model or proposer says
+    a call took them, so the step times the gate decides with are exact and no test sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class Counting:
-    """A target whose greedy next token is (token + 1) % V; a call sleeps `cost(window)`
-    seconds, so speculation's price is known. A prefill chunk returns its last real
-    position's logits, as the exported graph does."""
+    """A target whose greedy next token is (token + 1) % V; a call takes `cost(window)`
+    seconds of its clock, so speculation's price is known. A prefill chunk returns its last
+    real position's logits, as the exported graph does."""
 
     role, ctx_len, vocab_size, specializations = "target", 256, V, []
 
     def __init__(self, batch=1, cost=lambda width: 0.0):
         self.batch_size, self.cost, self.widths = batch, cost, []
+        self.clock = Clock()
 
     def run(self, input_ids, position_ids, batch_index=None):
         width = input_ids.shape[1]
         self.widths.append(width)
         if width != PREFILL:
-            time.sleep(self.cost(width))
+            self.clock.advance(self.cost(width))
         logits = np.zeros((*input_ids.shape, V), np.float32)
         for b, s in np.ndindex(input_ids.shape):
             logits[b, s, (input_ids[b, s] + 1) % V] = 10.0
@@ -76,6 +89,9 @@ def counting_prompt(start: int, n: int = 5) -> list[int]:
 
 
 def decoder(target, draft=None, proposer=None, ks=(0, 4), **kw):
+    """A decoder on the target's clock, where it keeps one (Counting)."""
+    if hasattr(target, "clock"):
+        kw.setdefault("clock", target.clock)
     return SpecDecoder(target, draft, proposer, ks, PREFILL, {EOS},
                        "draft_model" if draft else "ngram", **kw)
 

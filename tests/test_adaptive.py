@@ -5,13 +5,12 @@ live batch size."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from qpcbuild.runtime.engine import SpecDecoder
-from qpcbuild.runtime.gate import FIRST_BACKOFF, RowRate, SpecGate
+from qpcbuild.runtime.gate import DEFAULT, Goodput, make_policy
+from qpcbuild.runtime.rows import RowRate
 from qpcbuild.runtime.sampling import SamplingParams
 
 from helpers_adaptive import (PREFILL, Counting, KVDraft, Markov, Wrong, chi_square_p,
@@ -19,7 +18,7 @@ from helpers_adaptive import (PREFILL, Counting, KVDraft, Markov, Wrong, chi_squ
 
 
 # ---------------------------------------------------------------- the gate alone
-def drive(gate: SpecGate, steps: int, spec_s: float, plain_s: float, spec_tokens) -> list[str]:
+def drive(gate: Goodput, steps: int, spec_s: float, plain_s: float, spec_tokens) -> list[str]:
     rate, modes = RowRate(), []
     for n in range(steps):
         mode = gate.choose([rate])
@@ -30,7 +29,7 @@ def drive(gate: SpecGate, steps: int, spec_s: float, plain_s: float, spec_tokens
 
 
 def test_gate_turns_speculation_off_when_it_is_slower_and_probes_ever_more_rarely():
-    gate = SpecGate("auto")
+    gate = Goodput()
     # 1.2 tokens per 10 ms speculating against 1 per 5 ms without
     modes = drive(gate, 600, 0.010, 0.005, lambda n: 1.2)
     assert modes[-100:].count("spec") <= 4
@@ -38,18 +37,18 @@ def test_gate_turns_speculation_off_when_it_is_slower_and_probes_ever_more_rarel
     assert "plain 200.0" in gate.switches[0]["reason"]
     starts = [n for n in range(1, len(modes)) if modes[n] == "spec" and modes[n - 1] == "plain"]
     gaps = np.diff(starts)
-    assert gaps[0] >= FIRST_BACKOFF and all(b > a for a, b in zip(gaps, gaps[1:]))
+    assert gaps[0] >= DEFAULT.first_backoff and all(b > a for a, b in zip(gaps, gaps[1:]))
 
 
 def test_gate_keeps_speculating_while_it_is_faster():
-    gate = SpecGate("auto")
+    gate = Goodput()
     modes = drive(gate, 400, 0.010, 0.005, lambda n: 3.0)  # 300 tokens/s against 200
     assert modes.count("plain") <= 12 and not gate.switches
-    assert gate.report()["steps_with_speculation"] == modes.count("spec")
+    assert gate.figures().steps_with_speculation == modes.count("spec")
 
 
 def test_gate_follows_acceptance_that_sinks_and_recovers():
-    gate = SpecGate("auto")
+    gate = Goodput()
     modes = drive(gate, 900, 0.010, 0.005, lambda n: 3.0 if n < 200 or n > 500 else 1.0)
     assert modes[150:200].count("spec") > 45
     assert modes[400:500].count("spec") < 15
@@ -62,7 +61,7 @@ def test_gate_keeps_speculating_through_a_few_short_steps_under_sampling():
     step on average against the 1.9 at which the modes tie): speculation pays throughout, and
     a few short steps in a row must not turn it off. (A weight of 0.3 for the newest step
     switched off at the first run of short steps.)"""
-    gate = SpecGate("auto")
+    gate = Goodput()
     modes = drive(gate, 800, 0.010, 0.005, lambda n: 4 if n % 8 < 5 else 1)
     assert not gate.switches
     assert modes.count("plain") <= 12  # the plain probes only
@@ -72,14 +71,14 @@ def test_gate_looks_again_soon_after_a_switch():
     """After hundreds of steps that confirmed speculation (probes 512 steps apart), acceptance
     sinks for 40 steps and recovers: speculation is back within a few probes, not 512 steps
     later, and the probe's own steps decide it."""
-    gate = SpecGate("auto")
+    gate = Goodput()
     modes = drive(gate, 2300, 0.010, 0.005, lambda n: 1 if 2000 <= n < 2040 else 3)
     assert [s["to"] for s in gate.switches] == ["plain", "spec"]
     assert gate.switches[1]["step"] < 2100
     assert modes[2100:2300].count("spec") > 190
 
 
-def sampled_requests(gate: SpecGate, a: float, seed: int, requests: int = 100) -> float:
+def sampled_requests(gate: Goodput, a: float, seed: int, requests: int = 100) -> float:
     """Short requests (64 new tokens, a new row each) through one gate, each speculative step
     accepting each of its 5 proposals with probability `a` until the first miss (1 to 6 tokens,
     as under speculative sampling), 10 ms against 5 ms for a plain step: new tokens per second
@@ -102,7 +101,7 @@ def test_a_rows_first_steps_are_averaged_not_taken_for_its_acceptance():
     """A new row's estimate is the mean of its steps until there are enough for the running
     average (seeded with the first step, one step of a single token weighed 0.9, 0.81, ...:
     a new request turned speculation off at its first unlucky step)."""
-    gate, row = SpecGate("fixed"), RowRate()
+    gate, row = Goodput(), RowRate()
     for n in (1, 4, 4):
         gate.record("spec", 0.010, [(row, n)])
     assert row.tokens_per_step == pytest.approx(3.0)
@@ -113,19 +112,19 @@ def test_gate_keeps_a_gain_that_is_small_next_to_the_step_to_step_spread():
     modes tie at 2.0 (fixed K: 1.32x). Speculation is turned off only on evidence, so auto
     keeps nearly all of the gain (the gate before this kept 0.91 of it)."""
     fixed = sum(0.65 ** j for j in range(6)) / 2
-    kept = [sampled_requests(SpecGate("auto"), 0.65, seed) / fixed for seed in range(3)]
+    kept = [sampled_requests(Goodput(), 0.65, seed) / fixed for seed in range(3)]
     assert min(kept) > 0.95, kept
 
 
 def test_gate_still_turns_off_a_speculation_that_loses_under_the_same_spread():
     """1.66 tokens a step (fixed K: 0.83x): auto stays within 3% of plain decoding."""
-    gate = SpecGate("auto")
+    gate = Goodput()
     assert sampled_requests(gate, 0.4, 0) > 0.97
-    report = gate.report()
-    assert report["steps_with_speculation"] < 0.1 * report["steps_without_speculation"]
+    figures = gate.figures()
+    assert figures.steps_with_speculation < 0.1 * figures.steps_without_speculation
 
 
-def shadowed_requests(gate: SpecGate, a: float, seed: int, requests: int = 150) -> float:
+def shadowed_requests(gate: Goodput, a: float, seed: int, requests: int = 150) -> float:
     """As sampled_requests, for a model-free proposer (K=4) whose speculative step costs 1.3
     plain steps (the demo pair's suffix/ngram step): while speculation is off, each plain
     token matches the row's shadow proposal with probability `a`, as verification would have
@@ -157,16 +156,16 @@ def test_a_lucky_shadow_does_not_turn_speculation_on():
     plain here, 45% of the steps speculating); it is now turned on only when it wins by more
     than its error, and a shadowed row leaves as fast as it came (0.98x, 9%)."""
     for seed in range(3):
-        gate = SpecGate("auto", shadowed=True)
+        gate = Goodput(shadowed=True)
         assert shadowed_requests(gate, 0.1, seed) > 0.98
-        report = gate.report()
-        assert report["steps_with_speculation"] < 0.15 * report["steps_without_speculation"]
+        figures = gate.figures()
+        assert figures.steps_with_speculation < 0.15 * figures.steps_without_speculation
 
 
 def test_shadowed_speculation_that_pays_is_kept():
     """0.5 per token (1.94 tokens a step, fixed K: 1.5x): auto keeps nearly all of it."""
     fixed = sum(0.5 ** j for j in range(5)) * 0.85 / 1.1
-    kept = [shadowed_requests(SpecGate("auto", shadowed=True), 0.5, seed) / fixed
+    kept = [shadowed_requests(Goodput(shadowed=True), 0.5, seed) / fixed
             for seed in range(3)]
     assert min(kept) > 0.95, kept
 
@@ -175,72 +174,25 @@ def test_a_noisy_plain_step_does_not_turn_speculation_on_at_one_token_a_step():
     """Speculating gives one token a step (nothing is accepted); a busy machine then makes a
     few plain steps slower than the speculative step time measured long before. A K+1 window
     never costs less than the K=0 one, so the gate keeps decoding plain."""
-    gate = SpecGate("auto")
+    gate = Goodput()
     drive(gate, 60, 0.0009, 0.0008, lambda n: 1)
     assert gate.mode == "plain"
     modes = drive(gate, 10, 0.0009, 0.0012, lambda n: 1)
     assert gate.mode == "plain" and [s["to"] for s in gate.switches] == ["plain"], modes
 
 
-def shadowed_row_steps(gate: SpecGate, rng, steps: int, repeating):
-    """A shadowed row near break-even: shadows say speculation pays a little (1.65 tokens a
-    proposal against a break-even of 1.58, noisy), but every speculative step makes one token
-    at 1.5x a plain step's cost. From a step where `repeating(step)` is true the text repeats
-    itself: every shadowed token comes true and a speculative step makes 5 tokens. Yields
-    each step's index once it ran."""
-    row, matched, hits = RowRate(), 0, 0
-    for step in range(steps):
-        now = repeating(step)
-        mode = gate.choose([row])
-        if mode == "plain" and gate.shadow_due(row):
-            row.shadow, matched = [0] * 4, 0
-            hits = 4 if now else int(rng.random() < 0.55) + int(rng.random() < 0.1)
-        gate.record(mode, 0.0015 if mode == "spec" else 0.001, [(row, 5 if now else 1)])
-        if mode == "plain":
-            gate.observe_plain(row, 0 if matched < hits else 1, 1)
-            matched += 1
-        else:
-            gate.drop_shadow(row)
-        yield step
-
-
-def test_speculation_that_keeps_losing_is_tried_ever_more_rarely():
-    """Near break-even (shadowed_row_steps) each spell loses, and each losing spell lengthens
-    the wait before the next. Without the waits the gate started ~100 spells in 3,000 steps
-    and speculated in ~440 of them."""
-    for seed in range(3):
-        gate = SpecGate("auto", shadowed=True)
-        for _ in shadowed_row_steps(gate, np.random.default_rng(seed), 3000, lambda step: False):
-            pass
-        entries = [s["step"] for s in gate.switches if s["to"] == "spec"]
-        assert len(entries) <= 20, entries
-        assert gate.report()["steps_with_speculation"] < 120
-
-
-def test_a_text_that_starts_repeating_ends_the_wait():
-    """After losing spells (as above) the gate waits up to 512 steps before speculating again;
-    a text that starts to repeat itself must not wait for that."""
-    gate, start = SpecGate("auto", shadowed=True), None
-
-    def repeating(step: int) -> bool:
-        nonlocal start
-        if start is None and gate.mode == "plain" and gate._next_entry - gate.steps > 100:
-            start = step  # in a long wait: from here on the text repeats itself
-        return start is not None
-
-    for step in shadowed_row_steps(gate, np.random.default_rng(0), 3000, repeating):
-        if start is not None and step > start + 40:
-            break
-    assert start is not None
-    resumed = [s["step"] for s in gate.switches if s["to"] == "spec"][-1]
-    assert start <= resumed <= start + 20 and gate.mode == "spec"
-
-
 def test_fixed_and_off_never_change():
-    assert set(drive(SpecGate("fixed"), 50, 0.010, 0.001, lambda n: 1.0)) == {"spec"}
-    assert set(drive(SpecGate("off"), 50, 0.001, 0.010, lambda n: 5.0)) == {"plain"}
+    for name, mode in (("fixed", "spec"), ("off", "plain")):
+        policy, modes = make_policy(name), []
+        for _ in range(50):
+            modes.append(policy.choose([RowRate()]))
+            policy.finish_step(modes[-1], 0.001, [])
+        assert set(modes) == {mode}
+        figures = policy.figures()
+        assert (figures.steps_with_speculation, figures.steps_without_speculation) == \
+            ((50, 0) if mode == "spec" else (0, 50))
     with pytest.raises(ValueError, match="always"):
-        SpecGate("always")
+        make_policy("always")
 
 
 # ---------------------------------------------------------------- in the loop
@@ -251,7 +203,7 @@ def test_auto_stops_useless_proposals_and_output_stays_the_target_s():
     dec = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="auto")
     rows, times = dec.generate([counting_prompt(3)], 80, SamplingParams())
     assert rows[0].tokens == counting_prompt(3, 5 + 80)
-    assert times.gate["steps_without_speculation"] > 3 * times.gate["steps_with_speculation"]
+    assert times.gate.steps_without_speculation > 3 * times.gate.steps_with_speculation
     assert times.windows[0] > 3 * times.windows.get(4, 0)
     fixed = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="fixed")
     rows_f, times_f = fixed.generate([counting_prompt(3)], 80, SamplingParams())
@@ -274,7 +226,7 @@ def test_the_draft_catches_up_after_steps_without_speculation(monkeypatch):
     """Modes forced in a pattern: whenever speculation resumes, the draft's cache must hold
     every token in order, or its proposals would be wrong."""
     pattern = ["plain"] * 12 + ["spec"] * 3 + ["plain"] * 20 + ["spec"] * 200
-    monkeypatch.setattr(SpecGate, "choose", lambda self, rates: pattern[self.steps])
+    monkeypatch.setattr(Goodput, "choose", lambda self, rates: pattern[self.steps])
     for batch in (1, 2):
         draft = KVDraft(batch)
         dec = decoder(Counting(batch), draft=draft, policy="auto")
@@ -291,15 +243,17 @@ def test_the_drafts_catch_up_is_not_counted_as_a_speculative_steps_time(monkeypa
     step the gate decides with leave it out (a draft whose window calls take 50 ms against a
     toy step's fraction of a millisecond)."""
     pattern = ["plain"] * 30 + ["spec"] * 200
-    monkeypatch.setattr(SpecGate, "choose", lambda self, rates: pattern[self.steps])
+    monkeypatch.setattr(Goodput, "choose", lambda self, rates: pattern[self.steps])
+
+    target = Counting()
 
     class SlowWindows(KVDraft):
         def run(self, input_ids, position_ids, batch_index=None):
             if input_ids.shape[1] > 1:
-                time.sleep(0.05)
+                target.clock.advance(0.05)
             return super().run(input_ids, position_ids, batch_index)
 
-    dec = decoder(Counting(), draft=SlowWindows(), policy="auto")
+    dec = decoder(target, draft=SlowWindows(), policy="auto")
     rows, times = dec.generate([counting_prompt(3)], 60, SamplingParams())
     assert rows[0].tokens == counting_prompt(3, 65)
     assert times.catch_up_calls >= 2 and times.catch_up_s >= 0.1  # the prompt, then 30 tokens
@@ -326,7 +280,8 @@ def test_confidence_stop_shortens_proposals_into_the_smallest_window():
 def test_k_follows_the_number_of_live_rows():
     dec = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
                   k_schedule={1: 4, 2: 1})
-    assert dec.k_for(1, 4) == 4 and dec.k_for(2, 4) == 1 and dec.k_for(8, 4) == 1
+    k_for = dec.k_schedule.k_for
+    assert k_for(1, 4) == 4 and k_for(2, 4) == 1 and k_for(8, 4) == 1
     prompts = [counting_prompt(3), counting_prompt(20)]
     rows = [r for r in dec.generate(prompts, 40, SamplingParams())[0]]
     # rows of different lengths: two live rows verify with K=1, the last one alone with K=4

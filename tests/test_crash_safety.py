@@ -122,7 +122,7 @@ def _interrupt_in_set_name() -> BaseException:
 
     try:
         type("Victim", (), {"field": Descriptor()})
-    except BaseException as exc:  # noqa: BLE001 - the wrapped interrupt is what is wanted
+    except BaseException as exc:  # the wrapped interrupt is what is wanted
         return exc
     raise AssertionError("no exception")
 

@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-import get_models  # noqa: E402
-from get_models import ChunkedGGUF, FetchError  # noqa: E402
+import get_models  # noqa: E402  (after its sys.path entry)
+from get_models import ChunkedGGUF, FetchError  # noqa: E402  (after its sys.path entry)
 
 CHUNKS = [b"GGUF" + bytes(range(256)) * 3, bytes(range(255, -1, -1)) * 2, b"tail" * 50]
 

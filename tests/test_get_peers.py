@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-import get_peers  # noqa: E402
-from get_peers import PeerError  # noqa: E402
+import get_peers  # noqa: E402  (after its sys.path entry)
+from get_peers import PeerError  # noqa: E402  (after its sys.path entry)
 
 
 def _tarball(path: Path, members: dict[str, bytes], links: dict[str, str] | None = None) -> Path:

@@ -104,7 +104,7 @@ def test_parse_lookup_output_reads_timing_counts_and_every_sampled_token():
 
 
 def test_parse_lookup_output_without_debug_lines_has_no_tokens():
-    quiet = "\n".join(l for l in LOOKUP_SAMPLE.splitlines() if " D " not in l)
+    quiet = "\n".join(line for line in LOOKUP_SAMPLE.splitlines() if " D " not in line)
     r = parse_lookup_output(quiet)
     assert r["tokens"] == [] and r["n_decoded"] == 32 and r["n_accept"] == 3
 

@@ -19,8 +19,6 @@ from qpcbuild.runtime.session import OrtSession
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = Path(os.environ.get("QPCBUILD_TEST_DEMO") or ROOT / "models" / "demo")
-pytestmark = pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(),
-                                reason="demo pair not trained yet (scripts/train_demo_pair.py)")
 
 
 @pytest.fixture(scope="module")

@@ -274,7 +274,6 @@ def test_recipe_accepts_card_formats_on_onnxruntime_and_refuses_them_on_a_portab
     _load("precision.quantization=mxfp6", "shapes.batch_size=2", "backends=[onnxruntime, qaic]")
 
 
-@pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="no demo pair")
 def test_plan_numerics_cache_keys_and_unchanged_qaic_argv():
     from qpcbuild.plan import make_plan
 
@@ -297,8 +296,6 @@ def test_plan_numerics_cache_keys_and_unchanged_qaic_argv():
 
 
 # ---------------------------------------------------------------- bundles
-needs_demo = pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(),
-                                reason="demo pair not trained yet")
 
 
 def _build(tmp_factory, name: str, *overrides: str) -> Path:
@@ -314,8 +311,6 @@ def _build(tmp_factory, name: str, *overrides: str) -> Path:
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    if not (DEMO / "target" / "config.json").is_file():
-        pytest.skip("demo pair not trained yet")
     return {"fp32": _build(tmp_path_factory, "fp32"),
             "emu": _build(tmp_path_factory, "emu", "precision.quantization=mxfp6",
                           "precision.kv_cache_dtype=mxint8"),
@@ -337,7 +332,6 @@ def _initializers(bundle: Path, role: str = "target") -> tuple[dict, dict]:
     return arrays, users
 
 
-@needs_demo
 def test_emulated_bundle_weights_lie_on_the_mxfp6_grid(bundles):
     for role in ("target", "draft"):
         arrays, users = _initializers(bundles["emu"], role)
@@ -379,7 +373,6 @@ def prompt_ids(bundles):
     return qpcbuild.load(bundles["fp32"], verify="none").encode(text)[:37]
 
 
-@needs_demo
 def test_kv_cache_holds_mxint8_values_of_the_post_rope_keys(bundles, prompt_ids):
     _, _, exact = _prefill(bundles["fp32"], prompt_ids)
     _, _, emu = _prefill(bundles["kv"], prompt_ids)
@@ -399,7 +392,6 @@ def test_kv_cache_holds_mxint8_values_of_the_post_rope_keys(bundles, prompt_ids)
     assert not emu[0][0, :, n + 1:].any()
 
 
-@needs_demo
 def test_emulated_logits_differ_from_fp32_but_stay_close(bundles, prompt_ids):
     _, exact, _ = _prefill(bundles["fp32"], prompt_ids)
     gen, emu, _ = _prefill(bundles["emu"], prompt_ids)
@@ -413,7 +405,7 @@ def test_emulated_logits_differ_from_fp32_but_stay_close(bundles, prompt_ids):
     assert fp["roles"]["draft"]["backends"]["onnxruntime"]["numerics"] == "exact"
 
 
-@needs_demo
+@pytest.mark.slow
 def test_emulated_weights_give_the_logits_of_transformers_with_torchao_mx_weights(bundles,
                                                                                   prompt_ids):
     """End to end against an independent stack: the demo target in transformers with every
@@ -448,7 +440,6 @@ def test_emulated_weights_give_the_logits_of_transformers_with_torchao_mx_weight
     assert np.abs(exact - want).max() > 20 * 2e-3  # the rounding is visible at this tolerance
 
 
-@needs_demo
 def test_int8_draft_weights_hold_the_mxfp6_values_exactly(tmp_path_factory, bundles):
     out = _build(tmp_path_factory, "int8mx", "precision.quantization=mxfp6",
                  "onnxruntime.draft_weights=int8")
@@ -465,7 +456,6 @@ def test_int8_draft_weights_hold_the_mxfp6_values_exactly(tmp_path_factory, bund
     assert np.array_equal(deq.astype(np.float32), nx.mxfp6_weight(w))
 
 
-@needs_demo
 def test_run_prints_the_numerics(bundles):
     from qpcbuild.cli import app
 
@@ -477,7 +467,7 @@ def test_run_prints_the_numerics(bundles):
                                          "kv": "mxint8-block32", "matmul_weights": "float32"}
 
 
-@needs_demo
+@pytest.mark.slow
 def test_bench_numerics_reports_fp32_and_emulated_side_by_side(tmp_path):
     from qpcbuild.cli import app
 

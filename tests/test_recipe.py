@@ -514,7 +514,16 @@ def _needs_missing_local_model(path: Path) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def _on_real_models(path: Path) -> pytest.ParameterSet:
+    """A shipped recipe as a test parameter, marked real_model where it names a local model
+    folder that `make smollm2` / `make qwen-coder` fetch (only models/demo is committed)."""
+    r = load_recipe(path)
+    refs = [r.target.model] + ([r.draft.model] if r.draft.model else [])
+    real = any(ref.startswith((".", "/", "~")) and "models/demo" not in ref for ref in refs)
+    return pytest.param(path, id=path.name, marks=[pytest.mark.real_model] if real else [])
+
+
+@pytest.mark.parametrize("path", [_on_real_models(p) for p in RECIPES])
 def test_cli_plan_json_on_shipped_recipes(path):
     missing = _needs_missing_local_model(path)
     if missing:

@@ -21,8 +21,6 @@ from qpcbuild.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
-pytestmark = pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(),
-                                reason="demo pair not trained yet (scripts/train_demo_pair.py)")
 
 
 def build(tmp_factory, name: str, recipe: str = "recipes/demo.yaml", overrides=()) -> Path:
@@ -59,6 +57,7 @@ def _tokens(result) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- greedy is exact
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
 def test_greedy_speculative_output_equals_target_only_for_every_compiled_k(bundle_k_list, prompts,
                                                                            method):

@@ -7,12 +7,10 @@ which a shadow matched one token late does not."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from qpcbuild.runtime.engine import SpecDecoder
-from qpcbuild.runtime.gate import SpecGate
+from qpcbuild.runtime.gate import Goodput
 from qpcbuild.runtime.sampling import SamplingParams
 
 from helpers_adaptive import (PREFILL, V, Counting, Markov, chi_square_p, counting_prompt, decoder,
@@ -31,6 +29,7 @@ class Phased:
 
     def __init__(self, turn: int, delay: float = 0.0):
         self.turn, self.delay, self.seq, self.calls = turn, delay, {}, 0
+        self.clock = None  # the decoder's (logged_run sets it): a proposal takes `delay` of it
 
     def start(self, rid, tokens):
         self.seq[rid] = list(tokens)
@@ -41,7 +40,7 @@ class Phased:
     def propose(self, rid, k):
         self.calls += 1
         if self.delay:
-            time.sleep(self.delay)
+            self.clock.advance(self.delay)
         seq = self.seq[rid]
         if len(seq) < self.turn:
             return [(seq[-1] + 5) % V] * k
@@ -53,7 +52,9 @@ class Phased:
 
 def logged_run(proposer, shadowed: bool, new_tokens: int = 200):
     """Tokens and the mode of every step of one auto-gated run."""
-    dec = decoder(Counting(**CHEAP_WINDOWS), proposer=proposer, policy="auto")
+    target = Counting(**CHEAP_WINDOWS)
+    proposer.clock = target.clock
+    dec = decoder(target, proposer=proposer, policy="auto")
     gate = dec.gate()
     gate.shadowed = shadowed
     modes, record = [], gate.record
@@ -67,7 +68,7 @@ def test_speculation_resumes_when_the_proposals_turn_good_without_probing_before
     steps_before_turn = turn - len(PROMPT) - 1  # every step before it makes one token
     row, times, modes = logged_run(Phased(turn), shadowed=True)
     assert row.tokens == counting_prompt(3, len(PROMPT) + 200)
-    assert times.gate["shadow_checks"] > 20
+    assert times.gate.shadow_checks > 20
     # the only speculative steps while proposals were wrong: the first few, before any plain
     assert modes[:steps_before_turn].count("spec") <= 6
     resumed = modes.index("spec", steps_before_turn)
@@ -76,8 +77,8 @@ def test_speculation_resumes_when_the_proposals_turn_good_without_probing_before
     assert modes[resumed:].count("plain") <= 4
 
     # without shadows the gate finds out only by probing: speculative steps spent on wrong
-    # proposals. (When it resumes depends on where a probe lands, which the sleeps' timing
-    # under load moves: a probe can fall on the turn itself, so that is not compared.)
+    # proposals. (When it resumes depends on where a probe lands: a probe can fall on the turn
+    # itself, so that is not compared.)
     row_p, _, probed = logged_run(Phased(turn), shadowed=False)
     assert row_p.tokens == row.tokens
     assert probed[:steps_before_turn].count("spec") > modes[:steps_before_turn].count("spec")
@@ -90,7 +91,7 @@ def test_shadow_proposals_keep_to_their_time_budget():
     plain, spec = modes.count("plain"), modes.count("spec")
     shadows = proposer.calls - spec
     assert plain > 150 and 2 <= shadows <= plain / 10
-    assert times.gate["shadow_checks"] >= shadows - 1  # each settled (the last may be open)
+    assert times.gate.shadow_checks >= shadows - 1  # each settled (the last may be open)
 
 
 class Chain:
@@ -121,12 +122,12 @@ def settled_counts(monkeypatch, late: bool = False, calls: int = 25, batch: int 
     a broken gate that matches each shadow against the plain steps one token late."""
     p, _ = markov_pair()
     n = p.shape[0]
-    monkeypatch.setattr(SpecGate, "choose", lambda self, rates: "plain")
-    monkeypatch.setattr(SpecGate, "_shadow_gap", lambda self, live_rows: 0)
+    monkeypatch.setattr(Goodput, "choose", lambda self, rates: "plain")
+    monkeypatch.setattr(Goodput, "_shadow_gap", lambda self, live_rows: 0)
     learned, settled = [], []
-    monkeypatch.setattr(SpecGate, "_learn",
+    monkeypatch.setattr(Goodput, "_learn",
                         lambda self, rate, tokens, *weight: learned.append(tokens))
-    observe = SpecGate.observe_plain
+    observe = Goodput.observe_plain
 
     def watched(self, rate, token, live_rows):
         shadow = rate.shadow
@@ -139,7 +140,7 @@ def settled_counts(monkeypatch, late: bool = False, calls: int = 25, batch: int 
             if len(shadow) == 3:  # proposals cut short by the row's end are left out
                 settled.append(((shadow[0] - 1) % n, learned[-1]))
 
-    monkeypatch.setattr(SpecGate, "observe_plain", watched)
+    monkeypatch.setattr(Goodput, "observe_plain", watched)
     dec = SpecDecoder(Markov("target", p, batch), None, Chain(n), (0, 3), PREFILL, {999},
                       "ngram", policy="auto")
     for seed in range(calls):

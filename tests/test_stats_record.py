@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qpcbuild.runtime.rows import LoopTimes, Row, RowStats
+from qpcbuild.runtime.rows import GateStats, LoopTimes, Row, RowStats
 from qpcbuild.runtime.stats import SpecDecodingStats
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qpcbuild"
@@ -17,15 +17,15 @@ RECORD = PACKAGE / "runtime" / "stats.py"
 
 
 def _row(new_tokens: int, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int],
-         reason: str = "length") -> Row:
+         reason: str = "length", ttft_s: float = 0.25) -> Row:
     return Row([1, 2, 3], 64, finish_reason=reason, stats=RowStats(
-        prompt_tokens=3, new_tokens=new_tokens, ttft_s=0.25, e2e_s=2.0, num_drafts=drafts,
+        prompt_tokens=3, new_tokens=new_tokens, ttft_s=ttft_s, e2e_s=2.0, num_drafts=drafts,
         num_draft_tokens=draft_tokens, num_accepted_tokens=accepted, accepted_per_pos=per_pos))
 
 
 def _first_call() -> SpecDecodingStats:
     # Row A: two steps at K=2, 2 then 1 accepted; row B: one step at K=4, 2 accepted.
-    rows = [_row(5, 2, 4, 3, [2, 1]), _row(4, 1, 4, 2, [1, 1, 0, 0], reason="eos")]
+    rows = [_row(5, 2, 4, 3, [2, 1]), _row(4, 1, 4, 2, [1, 1, 0, 0], reason="eos", ttft_s=0.45)]
     times = LoopTimes(prefill_s=0.5, draft_s=0.4, target_s=1.1, total_s=2.5, target_calls=6,
                       draft_calls=5, catch_up_calls=1, windows={4: 1, 2: 2})
     return SpecDecodingStats.from_rows(rows, times, "draft_model")
@@ -46,7 +46,7 @@ def test_one_call_figures_by_hand():
     assert st.acceptance_rate == pytest.approx(0.625)  # 5 of 8 proposed
     assert st.mean_acceptance_length == pytest.approx(8 / 3)  # 3 steps gave 3 + 5 tokens
     assert st.acceptance_per_position == pytest.approx([1.0, 2 / 3, 0.0, 0.0])
-    assert st.ttft_s == pytest.approx(0.5)
+    assert st.ttft_s == pytest.approx(0.35)  # each request's own (0.25, 0.45), not the prefill
     assert st.decode_tokens_per_s == pytest.approx(3.5)  # 7 tokens in 2.0 s after prefill
     assert st.e2e_tokens_per_s == pytest.approx(3.6)  # 9 tokens in 2.5 s
     assert st.host_overhead_s == pytest.approx(1.0)  # 2.5 s less 1.5 s in the models
@@ -65,7 +65,7 @@ def test_records_add_up_by_hand():
     assert total.accepted_per_pos == (4, 3, 1, 0)
     assert total.acceptance_rate == pytest.approx(8 / 11)
     assert total.mean_acceptance_length == pytest.approx(3.0)  # 4 steps gave 4 + 8 tokens
-    assert total.ttft_s == pytest.approx(0.4)  # the mean of 0.5 and 0.3
+    assert total.ttft_s == pytest.approx((0.25 + 0.45 + 0.25) / 3)  # over the three requests
     assert total.decode_tokens_per_s == pytest.approx(10 / 3.2)  # 10 tokens in 4.0 - 0.8 s
     assert total.host_overhead_s == pytest.approx(1.7)  # 4.0 s less 0.6 + 1.7 in the models
     assert total.verify_windows == {2: 2, 3: 1, 4: 1}
@@ -106,16 +106,16 @@ def test_json_of_a_call_and_of_a_run():
     assert list(run) == [k for k in call if k not in (
         "method", "verify_windows", "draft_catch_up_calls", "per_request")]
     assert (run["acceptance_rate"], run["mean_acceptance_length"]) == (0.7273, 3.0)
-    assert (run["ttft_s"], run["e2e_s"], run["decode_tokens_per_s"]) == (0.4, 4.0, 3.12)
+    assert (run["ttft_s"], run["e2e_s"], run["decode_tokens_per_s"]) == (0.3167, 4.0, 3.12)
 
 
 def test_the_gates_steps_are_kept_and_added_up():
     switch = {"step": 3, "to": "plain", "reason": "slower"}
-    gated = LoopTimes(total_s=1.0, gate={"policy": "auto", "steps_with_speculation": 4,
-                                         "steps_without_speculation": 2,
-                                         "shadow_checks": 3, "policy_switches": [switch]})
+    gated = LoopTimes(total_s=1.0, gate=GateStats("auto", 4, 2, (switch,), 3))
     one = SpecDecodingStats.from_rows([_row(3, 1, 2, 1, [1, 0])], gated, "draft_model")
-    assert one.to_json()["speculation"] == gated.gate
+    assert one.to_json()["speculation"] == {
+        "policy": "auto", "steps_with_speculation": 4, "steps_without_speculation": 2,
+        "shadow_checks": 3, "policy_switches": [switch]}
     total = one + one
     assert (total.gate.steps_with_speculation, total.gate.steps_without_speculation) == (8, 4)
     assert total.gate.policy_switches == (switch, switch) and total.gate.shadow_checks == 6

@@ -458,7 +458,7 @@ def test_concurrent_builds_into_one_output_all_succeed(repo_copy, tmp_path):
     def one():
         try:
             ids.append(build(recipe, cache, out).bundle_id)
-        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+        except BaseException as exc:  # collected for the assertion
             errors.append(exc)
 
     threads = [threading.Thread(target=one) for _ in range(12)]

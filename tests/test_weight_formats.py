@@ -89,8 +89,6 @@ def test_the_spec_reference_tells_the_nibble_order_apart():
 # ---------------------------------------------------------------- on the demo pair
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
-needs_demo = pytest.mark.skipif(not (ROOT / "models" / "demo" / "target" / "config.json").is_file(),
-                                reason="demo pair not trained yet")
 
 
 def _build(tmp_path: Path, *overrides: str) -> Path:
@@ -113,7 +111,6 @@ def _bits_of(bundle: Path, role: str) -> Counter:
                    for n in graph.node if n.op_type in ("MatMul", "MatMulNBits"))
 
 
-@needs_demo
 def test_int4_draft_is_lossless_and_int4_target_is_labelled(tmp_path):
     import qpcbuild
     from qpcbuild.cli import app
@@ -137,7 +134,6 @@ def test_int4_draft_is_lossless_and_int4_target_is_labelled(tmp_path):
     assert "OUTPUT differs from the float32 target" in text.output
 
 
-@needs_demo
 def test_bench_numerics_measures_an_int4_target_against_fp32(tmp_path):
     from qpcbuild.cli import app
 

@@ -113,11 +113,11 @@ class TokenService:
                 token = service._token(user, scopes)
                 self._send(200, {"token": token, "access_token": token, "expires_in": 300})
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:  # http.server's name for it
                 form = parse_qs(urlparse(self.path).query)
                 self._answer(form, form.get("scope", []))
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 form = parse_qs(self.rfile.read(length).decode())
                 # OAuth2's form: one `scope` field, its scopes separated by spaces

@@ -193,10 +193,10 @@ _SAMPLED = re.compile(r"the sampled target token (?:matches the \d+th drafted to
 
 
 def parse_lookup_output(text: str) -> dict[str, Any]:
-    """The figures `llama-lookup` (and `llama-speculative`) prints at its end (stdout and stderr together): prompt tokens
-    and prefill seconds ("encoded"), generated tokens and decode-loop seconds ("decoded"),
-    n_draft, n_predict, n_drafted, n_accept, and, when it ran with debug logging, the id of
-    every sampled token in order. Raises ValueError when the timing lines are missing."""
+    """The figures `llama-lookup` (and `llama-speculative`) prints at its end (stdout and stderr
+    together): prompt tokens and prefill seconds ("encoded"), generated tokens and decode-loop
+    seconds ("decoded"), n_draft, n_predict, n_drafted, n_accept, and, with debug logging, the id
+    of every sampled token in order. Raises ValueError when the timing lines are missing."""
     enc, dec = _ENCODED.findall(text), _DECODED.findall(text)
     if not enc or not dec:
         raise ValueError("no 'encoded ... tokens in ... seconds' / 'decoded ...' lines in the "

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from ..errors import UsageError
 from ..prompts import check_output_file
 from ..runtime import suffix_tree
+from ..runtime.policy import ConfidenceStop
 from ..runtime.rows import prefill_calls
 from ..measuring import (BENCH_KS, OUR_METHODS, Say, build_for_measurement,
                          default_bench_dir, is_bundle, load_prompts, machine_info)
@@ -294,7 +295,7 @@ def _gated_generators(gens: dict, policies, draft_p_min: float | None) -> dict:
             sib = g.sibling(m)
             label = f"{m} K={{k}} {policy}"
             if draft_p_min is not None and m == "draft_model":
-                sib.decoder.draft_p_min = draft_p_min
+                sib.decoder.confidence_stop = ConfidenceStop(draft_p_min)
                 label += f" p_min={draft_p_min:g}"
             out[(m, policy)] = (sib, label)
     return out

@@ -44,11 +44,12 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
         for method in ("draft_model", "ngram"):
             pts = sorted((r for r in p["rows"] if r["method"] == method and r["k"] is not None
                           and r["speedup"]["mean"] is not None), key=lambda r: r["k"])
+            kind = "assisted / draft" if method == "draft_model" else "n-gram / lookup"
             if pts:
                 peers_h.append(ax1.plot([r["k"] for r in pts], [r["speedup"]["mean"] for r in pts],
                                         color=colors.get(method), marker=marker, ls=ls, lw=1.2,
                                         mfc="none", alpha=0.85,
-                                        label=f"{name} {'assisted / draft' if method == 'draft_model' else 'n-gram / lookup'}")[0])
+                                        label=f"{name} {kind}")[0])
     ax1.set_xlabel("K (speculative tokens per step)")
     ax1.set_ylabel("speedup over qpcbuild target-only (tokens/s ratio)")
     ax1.set_title("Speedup vs K (error bars: std over repeats)")

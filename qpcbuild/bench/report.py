@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .bandwidth import bandwidth_line
+from ..errors import UsageError
 from ..measuring import loadavg
 from ..runtime.rates import acceptance_rate
 from .records import Measure
@@ -126,7 +127,7 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
             ours, peer_objs, notes, gen, machine, bandwidth=None,
             sampled: bool = False) -> dict[str, Any]:
-    from ..version import __version__
+    from ..version import __version__, code_version
 
     base = ours[0][0]
     ref = None if sampled else base.outputs  # sampled outputs differ from run to run
@@ -170,7 +171,8 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                           "qpcbuild_draft": getattr(gen.draft, "threads", None)}
     return {
         "schema": REPORT_SCHEMA, "tool": "qpcbuild bench", "qpcbuild_version": __version__,
-        "bundle": str(bundle), "bundle_id": manifest.bundle_id, "name": manifest.name,
+        "code_version": code_version(), "bundle": report_path(bundle),
+        "bundle_id": manifest.bundle_id, "name": manifest.name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine,
         "settings": {"prompt_set": prompt_label, "prompts": len(prompt_ids),
@@ -208,6 +210,16 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                           "repeat (suffix decoding's cross-request cache holds only the earlier "
                           "prompts of that pass)"],
     }
+
+
+def report_path(path: Path | str) -> str:
+    """A path as a report records it: relative to the working directory where it lies under
+    it, else its last component alone (a report names no folder of the machine it ran on)."""
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return resolved.name
 
 
 def default_json_path(bundle: Path, manifest_name: str) -> Path:

@@ -25,7 +25,7 @@ from ..plan import EXPORTER_VERSION, BuildPlan, RolePlan, digest
 from ..recipe import recipe_relative
 from ..toolchain import artifact_versions
 from ..tree import hash_tree
-from .manifest import MANIFEST, MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
+from .manifest import MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 from .staging import (check_writable_parent, publish, refuse_to_replace, remove_debris,
                       staging_folder)
 

@@ -11,7 +11,7 @@ bundle path, CLI argument).
 """
 
 # Each module registers its commands on import; this order is the order of `--help`.
-from . import build, bundles, run, measure, registry  # noqa: F401,I001
+from . import build, bundles, run, measure, registry  # noqa: F401  (imported to register)
 from .app import app, emit_json, error_object, handles_errors
 
 

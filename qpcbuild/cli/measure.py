@@ -71,7 +71,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           numerics: bool = typer.Option(False, "--numerics", help="Numerics preview (a recipe): "
                                         "fp32 against the card's mxfp6 weights + mxint8 KV "
                                         "emulated on the CPU, or against the recipe's "
-                                        "onnxruntime.target_weights (int8/int4), side by side: acceptance, tau, the "
+                                        "onnxruntime.target_weights (int8/int4), side by "
+                                        "side: acceptance, tau, the "
                                         "K tune would pick, greedy agreement, logit drift "
                                         "(--ks: the K to run, default the recipe's largest)."),
           spec_policy: str = typer.Option("fixed", "--spec-policy", help="Comma list of "
@@ -125,7 +126,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
 
 def _policies(text: str) -> tuple[str, ...]:
     from ..errors import UsageError
-    from ..runtime.gate import POLICIES
+    from ..runtime.policy import POLICIES
 
     chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
     bad = [p for p in chosen if p not in POLICIES]

@@ -91,8 +91,9 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     batch = len(prompts) if gen.decoder.cb else gen.target.batch_size
     on_token = None
     if stream and not json_out:
-        on_token = lambda row, ids: console.print(  # noqa: E731
-            gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False, highlight=False)
+        def on_token(row: int, ids: list[int]) -> None:
+            console.print(gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False,
+                          highlight=False)
     results, baselines = [], []
     # (not while streaming: the tokens are the progress, and a bar would cut through them)
     with nullcontext(lambda n: None) if on_token else step(

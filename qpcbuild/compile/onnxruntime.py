@@ -48,7 +48,7 @@ class OrtBackend:
 
     def check(self, ctx: BuildContext) -> dict[str, Any]:
         try:
-            import onnxruntime  # noqa: F401
+            import onnxruntime  # noqa: F401  (whether it imports is the check)
         except ImportError as exc:
             if Terminated.requested:  # SIGTERM arrived while the extension was initializing
                 raise Terminated() from None

@@ -1,7 +1,8 @@
 """Registry credentials, found where registries' own tools keep them.
 
 In order: the environment (QPCBUILD_REGISTRY_USERNAME with QPCBUILD_REGISTRY_PASSWORD, for CI
-secrets; with QPCBUILD_REGISTRY_HOST set, only for that host), then the Docker config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json):
+secrets; with QPCBUILD_REGISTRY_HOST set, only for that host), then the Docker config file
+($DOCKER_CONFIG/config.json or ~/.docker/config.json):
 a credential helper named for the host in `credHelpers` or for all hosts in `credsStore`
 (`docker-credential-NAME get`, the host on stdin, JSON with Username and Secret on stdout), or
 the base64 `user:password` (or an `identitytoken`) under `auths`. Secrets are never accepted

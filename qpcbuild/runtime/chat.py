@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from datetime import date
 from pathlib import Path
+from typing import Any, NoReturn
 
 from ..errors import BundleError, UsageError
 
@@ -44,7 +45,7 @@ def special_token(tokenizer_dir: Path, key: str) -> str:
     return value if isinstance(value, str) else ""
 
 
-def as_messages(prompt, system: str | None = None) -> list[dict]:
+def as_messages(prompt: object, system: str | None = None) -> list[dict[str, Any]]:
     """A prompt string is one user turn; a list of {"role", "content"} dicts is a conversation."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -83,7 +84,7 @@ class ChatTemplate:
             raise BundleError(f"{tokenizer_dir}: chat template does not parse: {exc}") from None
         self.tokens = {k: special_token(tokenizer_dir, k) for k in ("bos_token", "eos_token")}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
         try:
@@ -94,7 +95,7 @@ class ChatTemplate:
             raise UsageError(f"the chat template refused these messages: {exc}") from None
 
 
-def _raise(message: str):
+def _raise(message: str) -> NoReturn:
     from jinja2 import TemplateError
 
     raise TemplateError(message)

@@ -13,49 +13,50 @@ draft's distribution, never on the token sampled from it, so speculative samplin
 
 from __future__ import annotations
 
-import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
+from .policy import ConfidenceStop
 from .rows import LoopTimes, Row, prefill_window
 from .sampling import probabilities, sample
 from .model_session import ModelSession
 
 
 class DraftingDecoder(Protocol):
-    """What the draft's side of a step needs of the decoder (engine.SpecDecoder is one): its
-    draft session, the prefill window, the confidence stop and the timed model call."""
-    draft: ModelSession
+    """What the draft's side of a step needs of the decoder (engine.SpecDecoder is one): the
+    prefill window, the confidence stop, the clock and the timed model call."""
     prefill_len: int
     prefill_tails: tuple[int, ...]
     cb: bool
-    draft_p_min: float
+    confidence_stop: ConfidenceStop
+    clock: Callable[[], float]  # seconds (time.perf_counter; tests pass a clock of their own)
 
     def _call(self, session: ModelSession, ids: np.ndarray, pos: np.ndarray, times: LoopTimes,
               kind: str, batch_index: np.ndarray | None = None) -> np.ndarray: ...
 
 
-def catch_up(dec: DraftingDecoder, rows: list[Row], want: list[int], times: LoopTimes) -> None:
+def catch_up(dec: DraftingDecoder, draft: ModelSession, rows: list[Row], want: list[int],
+             times: LoopTimes) -> None:
     """Feed each proposing row's unseen tokens (all but its last) to the draft."""
     behind = [i for i, r in enumerate(rows) if not r.done and want[i] > 0
               and r.draft_len < len(r.tokens) - 1]
     if any(len(rows[i].tokens) - 1 - rows[i].draft_len > 1 for i in behind):
-        t0 = time.perf_counter()
-        _catch_up_in_chunks(dec, rows, behind, times)
-        times.catch_up_s += time.perf_counter() - t0
+        t0 = dec.clock()
+        _catch_up_in_chunks(dec, draft, rows, behind, times)
+        times.catch_up_s += dec.clock() - t0
         behind = [i for i in behind if rows[i].draft_len < len(rows[i].tokens) - 1]
     if behind:  # one token each: one decode call
-        b = dec.draft.batch_size
+        b = draft.batch_size
         ids, pos = np.zeros((b, 1), np.int64), np.full((b, 1), -1, np.int64)
         for i in behind:
             ids[i, 0], pos[i, 0] = rows[i].tokens[rows[i].draft_len], rows[i].draft_len
             rows[i].draft_len += 1
-        dec._call(dec.draft, ids, pos, times, "draft")
+        dec._call(draft, ids, pos, times, "draft")
 
 
-def _catch_up_in_chunks(dec: DraftingDecoder, rows: list[Row], behind: list[int],
-                        times: LoopTimes) -> None:
+def _catch_up_in_chunks(dec: DraftingDecoder, draft: ModelSession, rows: list[Row],
+                        behind: list[int], times: LoopTimes) -> None:
     """Prefill-window calls (the narrowest compiled one that holds what is left) over the
     rows' unseen tokens. A last chunk shorter than its window is moved left over tokens
     already seen (recomputing identical KV), so no padding is written after real tokens; with
@@ -63,7 +64,7 @@ def _catch_up_in_chunks(dec: DraftingDecoder, rows: list[Row], behind: list[int]
     p = dec.prefill_len
     groups = [[i] for i in behind] if dec.cb else [behind]
     for group in groups:
-        b = 1 if dec.cb else dec.draft.batch_size
+        b = 1 if dec.cb else draft.batch_size
         index = np.array([[group[0]]], np.int64) if dec.cb else None
         while any(rows[i].draft_len < len(rows[i].tokens) - 1 for i in group):
             w = prefill_window(max(len(rows[i].tokens) - 1 - rows[i].draft_len for i in group),
@@ -80,20 +81,20 @@ def _catch_up_in_chunks(dec: DraftingDecoder, rows: list[Row], behind: list[int]
                 ids[row, :len(piece)] = piece
                 pos[row, :len(piece)] = np.arange(start, end)
                 r.draft_len = end
-            dec._call(dec.draft, ids, pos, times, "draft", index)
+            dec._call(draft, ids, pos, times, "draft", index)
             times.catch_up_calls += 1
 
 
-def propose(dec: DraftingDecoder, rows: list[Row], want: list[int], times: LoopTimes):
+def propose(dec: DraftingDecoder, draft: ModelSession, rows: list[Row], want: list[int],
+            times: LoopTimes) -> tuple[list[list[int]], list[list[np.ndarray]] | None]:
     """Up to want[i] draft tokens per row (fewer where the confidence stop ends a row), and
     the draft's distributions q of the sampled rows."""
-    catch_up(dec, rows, want, times)
-    b = dec.draft.batch_size
+    catch_up(dec, draft, rows, want, times)
+    b = draft.batch_size
     proposals: list[list[int]] = [[] for _ in rows]
     q: list[list[np.ndarray]] = [[] for _ in rows]
     calls = [0] * len(rows)  # draft calls each row took part in this step
     drafting = [not r.done and want[i] > 0 for i, r in enumerate(rows)]
-    p_min = dec.draft_p_min
     for j in range(max(want, default=0)):
         if not any(drafting):
             break
@@ -102,14 +103,14 @@ def propose(dec: DraftingDecoder, rows: list[Row], want: list[int], times: LoopT
             if drafting[i]:
                 ids[i, 0] = proposals[i][-1] if j else r.tokens[-1]
                 pos[i, 0] = len(r.tokens) - 1 + j
-        logits = dec._call(dec.draft, ids, pos, times, "draft")
+        logits = dec._call(draft, ids, pos, times, "draft")
         for i, r in enumerate(rows):
             if not drafting[i]:
                 continue
             calls[i] += 1
             x = logits[i, 0]
             probs = None if r.sp.greedy else probabilities(x, r.sp)
-            if p_min and _top_probability(x, probs) < p_min:
+            if dec.confidence_stop.stops(x, probs):
                 drafting[i] = False  # not confident: this row stops proposing
                 continue
             if probs is None:
@@ -123,15 +124,3 @@ def propose(dec: DraftingDecoder, rows: list[Row], want: list[int], times: LoopT
         if calls[i]:
             r.draft_len = len(r.tokens) - 1 + calls[i]  # every token the calls processed
     return proposals, q
-
-
-def _top_probability(logits: np.ndarray, probs: np.ndarray | None) -> float:
-    """The draft's confidence: the largest probability of the distribution it samples from
-    (greedy rows: the plain softmax of its logits, 1 / sum(exp(x - max)))."""
-    if probs is not None:
-        return float(probs.max())
-    # float32: numpy vectorizes its exp, float64's cost 7x as much here (12x over a vocabulary
-    # subset's -inf rows: 0.44 ms a draft token at 49,152 entries, 3% of a SmolLM2 step). The
-    # value is only compared with the threshold, where float32's rounding cannot matter.
-    x = np.subtract(logits, logits.max(), dtype=np.float32)
-    return float(1.0 / np.exp(x, out=x).sum())

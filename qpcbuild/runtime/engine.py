@@ -17,7 +17,8 @@ import numpy as np
 
 from ..errors import UsageError
 from . import drafting
-from .gate import SpecGate
+from .gate import make_policy
+from .policy import ConfidenceStop, KSchedule, SpeculationPolicy, TargetOnly
 from .proposers import Proposer
 # The loop's values live in rows.py (drafting and replay read them without importing the
 # engine); they are named here too, where the loader and the server have always found them.
@@ -35,8 +36,9 @@ class _Run:
     slots: list[Row]  # the row decoded in each batch position / KV slot
     waiting: list[Row]  # requests not yet admitted, the next one last
     k_fixed: int | None  # one K for every step, or None: the K schedule decides per step
-    gate: SpecGate | None
-    use_draft: bool
+    policy: SpeculationPolicy
+    draft: ModelSession | None  # the draft model when it proposes in this run
+    proposer: Proposer | None  # the model-free proposer when it proposes in this run
     lazy_draft: bool  # the draft reads a prompt only once the row first speculates
     on_token: TokenCallback | None
     incoming: Callable[[int], list[Row]] | None
@@ -48,14 +50,18 @@ class SpecDecoder:
                  eos_ids: set[int], method: str, continuous_batching: bool = False,
                  policy: str = "fixed", draft_p_min: float = 0.0,
                  k_schedule: dict[int, int] | None = None,
-                 prefill_tails: tuple[int, ...] = ()):
+                 prefill_tails: tuple[int, ...] = (),
+                 clock: Callable[[], float] = time.perf_counter):
         self.target, self.draft, self.proposer = target, draft, proposer
         self.prefill_tails = tuple(sorted(prefill_tails))  # narrower last-chunk windows
-        # speculation.policy (gate.py), draft_p_min (drafting.py) and the K per live batch
-        # size (k_for): how each step speculates
-        self.policy, self.draft_p_min = policy, draft_p_min
-        self.k_schedule = dict(sorted((k_schedule or {}).items()))
-        self._gates: dict[tuple, SpecGate] = {}
+        # How each step speculates (policy.py): speculation.policy's object per policy and K,
+        # the draft's confidence stop and the K per live batch size
+        self.policy = policy
+        self.confidence_stop = ConfidenceStop(draft_p_min)
+        self.k_schedule = KSchedule(dict(k_schedule or {}))
+        self._gates: dict[tuple[str, int | None], SpeculationPolicy] = {}
+        # every time the loop measures (its timings, the gate's step seconds) is read from here
+        self.clock = clock
         self.ks, self.prefill_len, self.eos_ids, self.method = tuple(sorted(ks)), prefill_len, \
             eos_ids, method
         self.ctx_len, self.batch = target.ctx_len, target.batch_size
@@ -69,9 +75,9 @@ class SpecDecoder:
               kind: str, batch_index: np.ndarray | None = None) -> np.ndarray:
         if batch_index is None and self.cb:
             batch_index = self._slots
-        t0 = time.perf_counter()
+        t0 = self.clock()
         logits = session.run(ids, pos, batch_index)
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         if kind == "draft":
             times.draft_s += dt
             times.draft_calls += 1
@@ -101,20 +107,14 @@ class SpecDecoder:
         return last
 
     # ------------------------------------------------------------ policy
-    def k_for(self, live_rows: int, k_max: int) -> int:
-        """The K of a step: the schedule's K for the largest scheduled batch size not above
-        the live rows (continuous batching: it follows the rows as they come and go)."""
-        ks = [k for b, k in self.k_schedule.items() if b <= live_rows]
-        return min(ks[-1], k_max) if ks else k_max
-
-    def gate(self, policy: str | None = None, k: int | None = None) -> SpecGate:
-        """The goodput gate of a policy and K (kept across calls: a server's estimates build
-        up over its requests)."""
+    def gate(self, policy: str | None = None, k: int | None = None) -> SpeculationPolicy:
+        """The speculation policy's object for a policy name and K (kept across calls: the
+        goodput gate's estimates build up over a server's requests)."""
         key = (policy or self.policy, k)
         if key not in self._gates:
             # a model-free proposer's acceptance is checked for free while speculation is off
-            self._gates[key] = SpecGate(key[0], shadowed=self.proposer is not None and
-                                        self.draft is None)
+            self._gates[key] = make_policy(key[0], shadowed=self.proposer is not None and
+                                           self.draft is None)
         return self._gates[key]
 
     # ------------------------------------------------------------ the loop
@@ -144,34 +144,26 @@ class SpecDecoder:
         if k is not None and k not in self.ks:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
         can_speculate = self.draft is not None or self.proposer is not None
-        gate = self.gate(policy, k) if can_speculate and not target_only else None
-        gate_mark = (dict(gate.steps_by_mode), len(gate.switches), gate.shadow_checks) \
-            if gate else None
+        gate = self.gate(policy, k) if can_speculate and not target_only else TargetOnly()
+        mark = gate.figures()
         times = LoopTimes()
-        start = time.perf_counter()
-        use_draft = self.draft is not None and not target_only
-        # A gated run may never speculate on a request: its draft prefill waits until it does
-        # (drafting.catch_up reads the prompt through the same prefill window then).
-        lazy_draft = gate is not None and gate.policy != "fixed"
-        self._proposing = self.proposer is not None and not target_only
+        start = self.clock()
+        # A run that may not speculate on a request reads its prompt into the draft only once
+        # it does (drafting.catch_up reads it through the same prefill window then).
+        lazy_draft = gate.name != "fixed"
         idle = Row([0], 1, tokens=[0], done=True)
-        run = _Run(times, [idle] * self.batch, list(reversed(rows)), k, gate, use_draft,
+        run = _Run(times, [idle] * self.batch, list(reversed(rows)), k, gate,
+                   None if target_only else self.draft, None if target_only else self.proposer,
                    lazy_draft, on_token, incoming)
         self._admit(run, [(s, run.waiting.pop()) for s in range(min(self.batch, len(rows)))])
         while self._schedule(run):
             self._step(run)
-        times.total_s = time.perf_counter() - start
-        if gate is not None:
-            steps, switches, shadows = gate_mark
-            times.gate = {"policy": gate.policy, "steps_with_speculation":
-                          gate.steps_by_mode["spec"] - steps["spec"],
-                          "steps_without_speculation":
-                          gate.steps_by_mode["plain"] - steps["plain"],
-                          "shadow_checks": gate.shadow_checks - shadows,
-                          "policy_switches": gate.switches[switches:]}
-        if self._proposing:
+        times.total_s = self.clock() - start
+        now = gate.figures()
+        times.gate = now.since(mark) if now is not None and mark is not None else None
+        if run.proposer is not None:
             for i in range(self.batch):
-                self.proposer.finish(i)
+                run.proposer.finish(i)
         return times
 
     # ------------------------------------------------------------ admit
@@ -179,7 +171,7 @@ class SpecDecoder:
         """Prefill requests into their slots (all at once, or one slot each with CB): each row's
         first token comes from the target's prefill; the draft and the proposer read the
         prompt too."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         groups = [[pair] for pair in batch] if self.cb else [batch]
         for group in groups:
             slot = group[0][0] if self.cb else None
@@ -190,22 +182,22 @@ class SpecDecoder:
                     sample(probabilities(logits[j], r.sp), r.rng)
                 r.tokens = r.prompt + [first]
                 r.target_len = r.stats.prompt_tokens = len(r.prompt)
-                r.stats.ttft_s = time.perf_counter() - r.arrival
+                r.stats.ttft_s = self.clock() - r.arrival
                 run.slots[s] = r
                 self._commit(s, r, [first], run.on_token)
-            if run.use_draft and run.lazy_draft:  # the draft reads the prompt when first needed
+            if run.draft is not None and run.lazy_draft:  # read when first needed
                 for r in group_rows:
                     r.draft_len = 0
-            elif run.use_draft:
-                self._prefill(self.draft, group_rows, run.times, "draft", slot)
+            elif run.draft is not None:
+                self._prefill(run.draft, group_rows, run.times, "draft", slot)
                 for r in group_rows:
                     r.draft_len = len(r.prompt)
-            if self._proposing:  # as vLLM: the prompt, then the first sampled token
+            if run.proposer is not None:  # as vLLM: the prompt, then the first sampled token
                 for s, r in group:
-                    self.proposer.finish(s)
-                    self.proposer.start(s, r.prompt)
-                    self.proposer.extend(s, r.tokens[len(r.prompt):])
-        run.times.prefill_s += time.perf_counter() - t0
+                    run.proposer.finish(s)
+                    run.proposer.start(s, r.prompt)
+                    run.proposer.extend(s, r.tokens[len(r.prompt):])
+        run.times.prefill_s += self.clock() - t0
 
     def _schedule(self, run: _Run) -> bool:
         """Between steps: end cancelled rows and admit waiting requests into free slots (with
@@ -216,7 +208,7 @@ class SpecDecoder:
             for r in slots:
                 if r.cancelled and not r.done:
                     r.done, r.finish_reason = True, r.cancelled
-                    r.stats.e2e_s = time.perf_counter() - r.arrival
+                    r.stats.e2e_s = self.clock() - r.arrival
                     if run.on_token:
                         run.on_token(r.index, [])  # the row ended without a new token
             free = [s for s, r in enumerate(slots) if r.done]
@@ -232,65 +224,58 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ one step
     def _step(self, run: _Run) -> None:
-        """One verify step over the slots: the gate's mode and the step's K, then propose ->
-        verify -> commit; then the step's seconds and each row's new tokens go to the gate."""
-        t0, caught_up = time.perf_counter(), run.times.catch_up_s
-        slots, gate = run.slots, run.gate
+        """One verify step over the slots: the policy's mode and the step's K, then propose ->
+        verify -> commit; then the step's seconds and each row's new tokens go to the policy."""
+        t0, caught_up = self.clock(), run.times.catch_up_s
+        slots, gate = run.slots, run.policy
         live = [r for r in slots if not r.done]
-        k_step = run.k_fixed if run.k_fixed is not None else self.k_for(len(live), max(self.ks))
-        mode = "plain" if gate is None else gate.choose([r.rate for r in live])
+        k_step = run.k_fixed if run.k_fixed is not None else \
+            self.k_schedule.k_for(len(live), max(self.ks))
+        mode = gate.choose([r.rate for r in live])
         k_now = k_step if mode == "spec" else 0
         run.times.step_ks[len(live), k_now] = run.times.step_ks.get((len(live), k_now), 0) + 1
         room = [0 if r.done else max(0, min(k_now, r.limit - len(r.tokens) - 1)) for r in slots]
-        proposals, q = self._propose(slots, room, run.use_draft, run.times)
-        if mode == "plain" and gate is not None and gate.shadowed:
-            self._shadow_propose(slots, gate, k_step)
+        proposals, q = self._propose(run, room)
+        if mode == "plain" and run.proposer is not None:
+            self._shadow_propose(slots, gate, run.proposer, k_step)
         before = [len(r.tokens) for r in live]
-        for r in live if gate is not None else ():  # counted before a caller sees rows end
-            if mode == "spec":
-                r.stats.spec_steps += 1
-            else:
-                r.stats.plain_steps += 1
+        gate.start_step(mode, live)  # counted before a caller sees rows end
         logits, first_slot = self._verify(slots, proposals, run.times)
-        self._commit_step(slots, proposals, q, logits, first_slot, run.on_token)
-        if gate is None:
-            return
+        self._commit_step(run, proposals, q, logits, first_slot)
         # The draft catching up on tokens decoded without it (after plain steps, or a prompt
         # whose draft prefill waited for the first speculative step) is a cost of switching,
         # paid once: it stays out of the seconds per speculative step, which decide whether
         # to keep speculating (counted in, it made a good draft look twice as dear after each
         # probe).
-        seconds = time.perf_counter() - t0 - (run.times.catch_up_s - caught_up)
-        gate.record(mode, seconds, [(r.rate, len(r.tokens) - n) for r, n in zip(live, before)])
-        if gate.shadowed:  # a shadow is matched against plain steps only, one after another
-            for r in live:
-                if mode == "plain" and not r.done:
-                    gate.observe_plain(r.rate, r.tokens[-1], len(live))
-                else:
-                    gate.drop_shadow(r.rate)
+        seconds = self.clock() - t0 - (run.times.catch_up_s - caught_up)
+        gate.finish_step(mode, seconds, [(r, len(r.tokens) - n) for r, n in zip(live, before)])
 
-    def _shadow_propose(self, slots: list[Row], gate: SpecGate, k: int) -> None:
+    def _shadow_propose(self, slots: list[Row], gate: SpeculationPolicy, proposer: Proposer,
+                        k: int) -> None:
         """Before a plain step: the proposals that rows due for a shadow check would make now
         (gate.py: matched against the plain steps' tokens, never verified). The proposer's
         `propose` reads its state without changing it, so the output is untouched."""
         due = [i for i, r in enumerate(slots) if not r.done and gate.shadow_due(r.rate)]
         if not due:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for i in due:
             r = slots[i]
-            r.rate.shadow = self.proposer.propose(i, max(0, min(k, r.limit - len(r.tokens) - 1)))
-        gate.shadow_cost(time.perf_counter() - t0, len(due))
+            r.rate.shadow = proposer.propose(i, max(0, min(k, r.limit - len(r.tokens) - 1)))
+        gate.shadow_cost(self.clock() - t0, len(due))
 
-    def _propose(self, slots: list[Row], room: list[int], use_draft: bool, times: LoopTimes):
+    def _propose(self, run: _Run, room: list[int]
+                 ) -> tuple[list[list[int]], list[list[np.ndarray]] | None]:
         """Up to room[i] proposed tokens per row (the draft after bringing it up to date, or the
         proposer's lookup), and the draft's distributions q of sampled rows (else None)."""
         if not any(room):
-            return [[] for _ in slots], None
-        if use_draft:
-            return drafting.propose(self, slots, room, times)
-        return [self.proposer.propose(i, room[i]) if room[i] else []
-                for i in range(len(slots))], None
+            return [[] for _ in run.slots], None
+        if run.draft is not None:
+            return drafting.propose(self, run.draft, run.slots, room, run.times)
+        proposer = run.proposer
+        assert proposer is not None, "a speculative step without a draft or a proposer"
+        return [proposer.propose(i, room[i]) if room[i] else []
+                for i in range(len(run.slots))], None
 
     def _verify(self, rows: list[Row], proposals: list[list[int]], times: LoopTimes
                 ) -> tuple[np.ndarray, list[int]]:
@@ -323,11 +308,12 @@ class SpecDecoder:
             pos[i, :len(seq)] = np.arange(start, start + len(seq))
         return self._call(self.target, ids, pos, times, "target"), first_slot
 
-    def _commit_step(self, rows: list[Row], proposals: list[list[int]], q, logits: np.ndarray,
-                     first_slot: list[int], on_token: TokenCallback | None) -> None:
+    def _commit_step(self, run: _Run, proposals: list[list[int]],
+                     q: list[list[np.ndarray]] | None, logits: np.ndarray,
+                     first_slot: list[int]) -> None:
         """Each live row keeps its accepted prefix plus the target's own next token (greedy
         or speculative sampling), then the stop rules, statistics and the caller's callback."""
-        for i, r in enumerate(rows):
+        for i, r in enumerate(run.slots):
             if r.done:
                 continue
             drafts = proposals[i]
@@ -344,10 +330,10 @@ class SpecDecoder:
                 r.draft_len = min(r.draft_len, old_len + min(n, len(drafts)))
             r.tokens.extend(new)
             # Accepted drafts after an EOS are cut from the output, so they are not counted.
-            self._commit(i, r, new, on_token, lambda: self._count(
+            self._commit(i, r, new, run.on_token, lambda: self._count(
                 r.stats, len(drafts), min(n, len(r.tokens) - old_len)))
-            if self._proposing:  # finished rows too: the suffix cache keeps whole requests
-                self.proposer.extend(i, r.tokens[old_len:])
+            if run.proposer is not None:  # finished rows too: the suffix cache keeps them
+                run.proposer.extend(i, r.tokens[old_len:])
 
     @staticmethod
     def _count(st: RowStats, drafted: int, accepted: int) -> None:
@@ -383,7 +369,7 @@ class SpecDecoder:
         emitted = r.tokens[start:]
         r.stats.new_tokens = len(r.tokens) - len(r.prompt)
         if r.done:
-            r.stats.e2e_s = time.perf_counter() - r.arrival
+            r.stats.e2e_s = self.clock() - r.arrival
         if counted:
             counted()
         if on_token and emitted:

@@ -22,7 +22,7 @@ from ..compile.backends import DEFAULT_BACKEND, backend_names
 from ..errors import BundleError, UsageError
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
-from .gate import POLICIES
+from .policy import POLICIES
 from .proposers import make_proposer
 from .sampling import SamplingParams
 from .session import OrtSession, RowwiseOrtSession, Specialization

@@ -5,11 +5,14 @@ picks from. A module of its own so the two sessions need not know each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:  # only its type: the loader hands the entries over
+    from ..bundle.manifest_model import Specialization as ManifestSpecialization
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class Specialization:
     num_logits: int  # logits rows returned: num_logits_to_keep (target) or 1
 
     @classmethod
-    def from_manifest(cls, entry) -> "Specialization":
+    def from_manifest(cls, entry: ManifestSpecialization) -> "Specialization":
         """From a manifest's (bundle.manifest.Specialization) symbols."""
         return cls(entry.name, entry.size("batch_size"), entry.size("seq_len"),
                    entry.size("ctx_len"), int(entry.symbols.get("num_logits_to_keep", 1)))

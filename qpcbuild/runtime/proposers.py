@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from ..recipe import vllm_lookup_range
-from .suffix_tree import SuffixTree
+from ..recipe.schema import vllm_lookup_range
+from .suffix_tree import PythonSuffixTree, SuffixTree
 
 __all__ = ["Proposer", "NgramProposer", "SuffixProposer", "make_proposer"]
 
@@ -131,7 +131,7 @@ class NgramProposer:
 @dataclass
 class _Request:
     tokens: list[int]  # prompt + response so far
-    local: SuffixTree  # this request's prompt and response
+    local: PythonSuffixTree  # this request's prompt and response (or the C tree, alike)
     seq_id: int | None  # its response's id in the global tree (None: not cached)
 
 
@@ -150,7 +150,7 @@ class SuffixProposer:
     name = "suffix"
     # The C tree where it is built (suffix_tree.IMPLEMENTATION); tests and benchmarks set the
     # Python one here to hold the two against each other.
-    tree_class: type = SuffixTree
+    tree_class: type[PythonSuffixTree] = SuffixTree
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .engine import SpecDecoder
+from .model_session import ModelSession
 from .rows import LoopTimes, Row, new_row, prefill_calls
 from .sampling import SamplingParams
 
@@ -52,8 +53,8 @@ class KnownTarget(SpecDecoder):
 
     def __init__(self, base: SpecDecoder):
         super().__init__(base.target, base.draft, base.proposer, base.ks, base.prefill_len,
-                         base.eos_ids, base.method, base.cb, draft_p_min=base.draft_p_min,
-                         prefill_tails=base.prefill_tails)
+                         base.eos_ids, base.method, base.cb, draft_p_min=base.confidence_stop.p_min,
+                         prefill_tails=base.prefill_tails, clock=base.clock)
         self.known: dict[int, list[int]] = {}  # row index -> prompt + output
         self._in_slot: dict[int, list[int]] = {}
 
@@ -67,7 +68,8 @@ class KnownTarget(SpecDecoder):
                          "given output: give the target's full greedy output for "
                          "max_new_tokens")
 
-    def _prefill(self, session, rows, times, kind, slot=None):
+    def _prefill(self, session: ModelSession, rows: list[Row], times: LoopTimes, kind: str,
+                 slot: int | None = None) -> np.ndarray:
         if session is not self.target:
             return super()._prefill(session, rows, times, kind, slot)
         last = np.zeros((len(rows), session.vocab_size), np.float32)
@@ -78,7 +80,8 @@ class KnownTarget(SpecDecoder):
         times.target_calls += prefill_calls([r.prompt for r in rows], self.prefill_len)
         return last
 
-    def _call(self, session, ids, pos, times, kind, batch_index=None):
+    def _call(self, session: ModelSession, ids: np.ndarray, pos: np.ndarray, times: LoopTimes,
+              kind: str, batch_index: np.ndarray | None = None) -> np.ndarray:
         if session is not self.target:
             return super()._call(session, ids, pos, times, kind, batch_index)
         times.target_calls += 1

@@ -7,17 +7,56 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..errors import UsageError
-from .gate import RowRate
 from .rates import RequestFigures
 from .sampling import SamplingParams
 
 # (prompt index, new token ids); ids are empty when a cancelled row ends
 TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass(frozen=True)
+class GateStats:
+    """A policy's figures over a call (or a run): verify steps with and without speculation,
+    the switches between them, and the shadow proposals checked while it was off
+    (docs/adaptive.md)."""
+    policy: str
+    steps_with_speculation: int
+    steps_without_speculation: int
+    policy_switches: tuple[dict[str, Any], ...] = ()
+    shadow_checks: int = 0
+
+    def since(self, earlier: GateStats) -> GateStats:
+        """What happened after `earlier` was taken (a policy lives across calls)."""
+        return GateStats(self.policy,
+                         self.steps_with_speculation - earlier.steps_with_speculation,
+                         self.steps_without_speculation - earlier.steps_without_speculation,
+                         self.policy_switches[len(earlier.policy_switches):],
+                         self.shadow_checks - earlier.shadow_checks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"policy": self.policy, "steps_with_speculation": self.steps_with_speculation,
+                "steps_without_speculation": self.steps_without_speculation,
+                "shadow_checks": self.shadow_checks,
+                "policy_switches": list(self.policy_switches)}
+
+
+@dataclass
+class RowRate:
+    """A row's speculation state, kept by gate.Goodput: its new tokens per speculative step
+    (EMA), None until it has taken one or had a shadow proposal checked. `shadow`: a proposal
+    made before a plain step and not verified, of which the plain steps' tokens have matched
+    `shadow_hits` so far."""
+    tokens_per_step: float | None = None
+    samples: int = 0  # steps (or settled shadows) behind the estimate
+    shadow: list[int] | None = None
+    shadow_hits: int = 0
+    shadow_wait: int = 0  # plain steps before the row's next shadow proposal
+    probe_tokens: list[int] = field(default_factory=list)  # its steps in a speculative probe
 
 
 @dataclass
@@ -48,7 +87,8 @@ class Row:
     index: int = -1  # position in the caller's prompt list (a request id when serving)
     stats: RowStats = field(default_factory=RowStats)
     sp: SamplingParams = field(default_factory=SamplingParams)
-    rng: np.random.Generator | None = None
+    # new_row seeds it; a row made otherwise (the loop's idle slots) never samples
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
     cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
     rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
@@ -84,11 +124,12 @@ class LoopTimes:
     # verify steps per (live rows, the K the step allowed; 0 when the gate ran it plain):
     # shows the K schedule following the rows as they come and go
     step_ks: dict[tuple[int, int], int] = field(default_factory=dict)
-    gate: dict = field(default_factory=dict)  # the goodput gate's steps and switches
+    gate: GateStats | None = None  # the speculation policy's share (None: target only)
 
 
 def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int,
-                  tails: tuple[int, ...] = ()):
+                  tails: tuple[int, ...] = ()
+                  ) -> Iterator[tuple[np.ndarray, np.ndarray, list[bool]]]:
     """The prefill calls for `prompts` (prompt i in batch row i): yields (ids, pos, ends) per
     call, [batch, w] each with -1 padding, and ends[i] True when prompt i's last token is in
     this call (its logits are row i's first). Every call but a prompt's last is w = p wide; the

@@ -4,6 +4,7 @@ standard speculative rejection sampling, so the output distribution is exactly t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         x = np.where(drop, np.float32(-np.inf), x)
     # in place: no new array for each step of the softmax
     x -= x.max(axis=-1, keepdims=True)
-    probs = np.exp(x, out=x)
+    probs: np.ndarray = np.exp(x, out=x)
     probs /= probs.sum(axis=-1, keepdims=True)
     if p.top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")
@@ -77,7 +78,7 @@ class WindowProbabilities:
         self._logits, self._params = logits, p
         self._rows: dict[int, np.ndarray] = {}
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
         i, token = key if isinstance(key, tuple) else (key, None)
         row = self._rows.get(i)
         if row is None:
@@ -128,7 +129,7 @@ def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> tuple[int, in
     return n, int(best[n])
 
 
-def accept_sampling(p: np.ndarray, q: np.ndarray | None, drafts: list[int],
+def accept_sampling(p: np.ndarray | WindowProbabilities, q: np.ndarray | None, drafts: list[int],
                     rng: np.random.Generator) -> tuple[int, int]:
     """p [k+1, V] target probabilities, q [k, V] draft probabilities (None: the proposal is a
     point mass, as for n-gram and suffix proposers). Accept draft x with min(1, p(x)/q(x));

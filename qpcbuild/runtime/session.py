@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import BundleError
 from ..ort_threads import pool_threads, session_options
-from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401
+from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401  (re-exported)
 
 REMEASURE = 64  # single-token calls between re-timings of the way not taken (RowwiseOrtSession)
 

@@ -8,11 +8,12 @@ per-request counters (rows.RowStats) share."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .rates import RequestFigures, acceptance_rate, mean_acceptance_length, per_position_acceptance
-from .rows import LoopTimes, Row
+from .rows import GateStats, LoopTimes, Row
 
 _TINY_S = 1e-9  # a divisor for a time that may be 0
 
@@ -20,23 +21,6 @@ _TINY_S = 1e-9  # a divisor for a time that may be 0
 def _sum_per_position(lists: Sequence[Sequence[int]]) -> tuple[int, ...]:
     width = max((len(x) for x in lists), default=0)
     return tuple(sum(x[j] for x in lists if j < len(x)) for j in range(width))
-
-
-@dataclass(frozen=True)
-class GateStats:
-    """The goodput gate's share of a call (docs/adaptive.md): verify steps with and without
-    speculation, the switches between them, and the shadow proposals checked while it was off."""
-    policy: str
-    steps_with_speculation: int
-    steps_without_speculation: int
-    policy_switches: tuple[dict, ...] = ()
-    shadow_checks: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"policy": self.policy, "steps_with_speculation": self.steps_with_speculation,
-                "steps_without_speculation": self.steps_without_speculation,
-                "shadow_checks": self.shadow_checks,
-                "policy_switches": list(self.policy_switches)}
 
 
 @dataclass(frozen=True)
@@ -100,12 +84,6 @@ class SpecDecodingStats:
     def from_rows(cls, rows: list[Row], times: LoopTimes, method: str) -> SpecDecodingStats:
         """The record of one generate call: its finished rows and the loop's timings."""
         new_tokens = sum(r.stats.new_tokens for r in rows)
-        gate = None
-        if times.gate:
-            g = times.gate
-            gate = GateStats(g["policy"], g["steps_with_speculation"],
-                             g["steps_without_speculation"], tuple(g["policy_switches"]),
-                             g["shadow_checks"])
         return cls(
             method=method, requests=len(rows), new_tokens=new_tokens,
             decode_tokens=max(new_tokens - len(rows), 0), prefill_s=times.prefill_s,
@@ -116,7 +94,7 @@ class SpecDecodingStats:
             num_accepted_tokens=sum(r.stats.num_accepted_tokens for r in rows),
             accepted_per_pos=_sum_per_position([r.stats.accepted_per_pos for r in rows]),
             verify_windows=dict(sorted(times.windows.items())),
-            catch_up_calls=times.catch_up_calls, gate=gate,
+            catch_up_calls=times.catch_up_calls, gate=times.gate,
             per_request=tuple(RequestStats.from_row(r) for r in rows))
 
     @classmethod
@@ -131,7 +109,7 @@ class SpecDecodingStats:
             for k, n in r.verify_windows.items():
                 windows[k] = windows.get(k, 0) + n
 
-        def total(name: str):
+        def total(name: str) -> Any:
             return sum(getattr(r, name) for r in records)
 
         return cls(
@@ -169,8 +147,10 @@ class SpecDecodingStats:
 
     @property
     def ttft_s(self) -> float:
-        """Time to first token: the prefill of a call, the mean over merged calls."""
-        return self.prefill_s / self.generate_calls
+        """Time to first token as vLLM counts it, per request from its arrival to its first
+        token, the mean over the requests (0 where there are none). Not the prefill's seconds:
+        under continuous batching a request also waits for a free slot."""
+        return statistics.fmean(r.ttft_s for r in self.per_request) if self.per_request else 0.0
 
     @property
     def decode_s(self) -> float:

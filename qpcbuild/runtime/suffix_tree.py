@@ -42,6 +42,7 @@ import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 _FLOAT32 = struct.Struct("f")
 ROOT, NONE = 0, -1
@@ -50,7 +51,7 @@ _EDGE = 1 << 32  # an edge's key: parent id * _EDGE + token (token ids are below
 
 def f32(x: float) -> float:
     """x rounded to the nearest float32 (as a Python float)."""
-    return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
+    return float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
 
 
 @dataclass
@@ -243,9 +244,10 @@ class PythonSuffixTree:
     def _match(self, context: Sequence[int]) -> int | None:
         node, edges = ROOT, self._edges
         for tok in context:
-            node = edges.get(node * _EDGE + tok)
-            if node is None:
+            child = edges.get(node * _EDGE + tok)
+            if child is None:
                 return None
+            node = child
         return node
 
     def suffix_nodes(self, seq_id: int) -> Sequence[int]:
@@ -320,7 +322,7 @@ def _cap(match_len: int, factor: float, offset: float) -> int:
     return int(f32(f32(match_len * f32(factor)) + f32(offset)) + 1e-6)
 
 
-def _native_class() -> type | None:
+def _native_class() -> type[PythonSuffixTree] | None:
     """The C tree, or None where it is not built (or not loadable, e.g. built for another
     Python); speculate returns this module's Draft from it."""
     try:
@@ -328,11 +330,13 @@ def _native_class() -> type | None:
     except ImportError:
         return None
     set_draft_type(Draft)
-    return native
+    # typed as the Python tree: the C one has its methods and answers (test_suffix_tree_native)
+    return cast("type[PythonSuffixTree]", native)
 
 
 NativeSuffixTree = _native_class()
 # Any value but "" and "0" keeps the Python tree (tests, benchmarks, a suspected native bug).
 _PURE_PYTHON = os.environ.get("QPCBUILD_PURE_PYTHON_SUFFIX", "") not in ("", "0")
-SuffixTree = PythonSuffixTree if NativeSuffixTree is None or _PURE_PYTHON else NativeSuffixTree
+SuffixTree: type[PythonSuffixTree] = \
+    PythonSuffixTree if NativeSuffixTree is None or _PURE_PYTHON else NativeSuffixTree
 IMPLEMENTATION = "python" if SuffixTree is PythonSuffixTree else "c"

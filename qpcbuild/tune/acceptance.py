@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..runtime.policy import ConfidenceStop
 from ..runtime.replay import replay
 from ..runtime.rows import prefill_calls
 from ..runtime.stats import SpecDecodingStats
@@ -44,7 +45,7 @@ def replayed(gen, prompt_ids: list[list[int]], outputs: list[list[int]], max_new
     proposer for the set, requests in order, as a real run from a fresh proposer), with the
     draft's confidence stop at `draft_p_min`."""
     g = gen.sibling(gen.method)
-    g.decoder.draft_p_min = draft_p_min
+    g.decoder.confidence_stop = ConfidenceStop(draft_p_min)
     rows, times = replay(g.decoder, prompt_ids, outputs, max_new_tokens, k)
     st = SpecDecodingStats.from_rows(rows, times, gen.method)
     per_pos = list(st.accepted_per_pos)

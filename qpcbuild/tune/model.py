@@ -23,7 +23,7 @@ import math
 from typing import Any, Callable
 
 from ..errors import UsageError
-from ..runtime.gate import MARGIN
+from ..runtime.gate import DEFAULT as GOODPUT
 
 
 def conditional_acceptance(accepted_per_pos: list[int], num_drafts: int) -> list[float]:
@@ -125,7 +125,7 @@ def best_k_per_batch(tables: dict[int, list[dict[str, Any]]]) -> list[dict[str, 
     the rows' target-only rate) is a candidate too: a verify step's cost grows with the rows it
     carries, a step without speculation's much less (the rows share each weight's read), so at
     some batch size no K pays, and there the schedule stops speculating. A K must be predicted
-    to beat not speculating by the goodput gate's MARGIN, as the gate asks before it switches:
+    to beat not speculating by the goodput gate's margin, as the gate asks before it switches:
     the model's error is larger than that on host-bound pairs (the demo pair's K=3, predicted
     1.02x, measured 0.83x)."""
     out = []
@@ -136,7 +136,7 @@ def best_k_per_batch(tables: dict[int, list[dict[str, Any]]]) -> list[dict[str, 
         rows = [{"k": 0, "cost_ms": round(1e3 / plain, 4) if plain else None,
                  "tokens_per_s": round(plain, 2), "predicted_speedup": 1.0}] + tables[b]
         best = next(r for r in rows if r["k"] == choose_k(rows))
-        if best["predicted_speedup"] < 1 + MARGIN:
+        if best["predicted_speedup"] < 1 + GOODPUT.margin:
             best = rows[0]
         k = best["k"]
         out.append({"batch_size": b, "chosen_k": k,
