@@ -24,8 +24,9 @@ def endless(prefix: bytes = b'{"schemaVersion": 2, "x": "') -> Iterator[bytes]:
 class HostileRegistry:
     """`manifests[reference]` / `referrers[digest]`: the body (bytes, or a function giving the
     pieces of one sent without a length, such as `endless`) for GET
-    /v2/<repo>/manifests/<reference> and /v2/<repo>/referrers/<digest>. With `token` set, every /v2/<repo>/... request without a
-    bearer token is answered 401 with a challenge whose realm answers `token`."""
+    /v2/<repo>/manifests/<reference> and /v2/<repo>/referrers/<digest>. With `token` set,
+    every /v2/<repo>/... request without a bearer token is answered 401 with a challenge
+    whose realm answers `token`."""
 
     def __init__(self) -> None:
         self.manifests: dict[str, bytes | Callable[[], Iterator[bytes]]] = {}
@@ -47,7 +48,7 @@ class HostileRegistry:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/token":
                     return self._answer(200, registry.token)

@@ -59,11 +59,13 @@ def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
     huge negative number whose exp is 0."""
     scale = 1.0 / temperature
     with np.errstate(over="ignore", invalid="ignore"):
-        x = np.multiply(logits, np.float32(scale), dtype=np.float32)
+        x: np.ndarray = np.multiply(logits, np.float32(scale), dtype=np.float32)
         if np.isfinite(x.max(axis=-1)).all():
             return x
         shifted = np.subtract(logits, logits.max(axis=-1, keepdims=True), dtype=np.float32)
-        return np.multiply(shifted, np.float32(min(scale, _FLOAT32_MAX)), dtype=np.float32)
+        greedy: np.ndarray = np.multiply(shifted, np.float32(min(scale, _FLOAT32_MAX)),
+                                         dtype=np.float32)
+        return greedy
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
