@@ -286,26 +286,6 @@ def column_label(col: dict[str, Any]) -> str:
     return "; ".join(parts) or "exact float32"
 
 
-def numerics_markdown(report: dict[str, Any]) -> str:
-    fp, emu = report["columns"]
-    g, d = emu["greedy_agreement"], emu["logit_drift"]
-    rows = [("acceptance rate", fp["acceptance_rate"], emu["acceptance_rate"]),
-            ("per-position acceptance", " ".join(f"{x:.2f}" for x in fp["acceptance_per_position"]),
-             " ".join(f"{x:.2f}" for x in emu["acceptance_per_position"])),
-            ("mean acceptance length", fp["mean_acceptance_length"], emu["mean_acceptance_length"]),
-            ("tau (tokens per target call)", fp["tau"], emu["tau"])]
-    if "tune_k" in fp:
-        rows.append(("K tune would pick", fp["tune_k"], emu["tune_k"]))
-    rows += [("greedy output = fp32 target", "-", f"{g['identical']}/{g['prompts']} prompts "
-              "(first divergence at new token " + ", ".join(
-                  "-" if f is None else str(f) for f in g["first_divergence"]) + ")"),
-             ("logit drift, max / mean", "-", f"{d['max']} / {d['mean']}"),
-             ("top-1 agreement (teacher-forced)", "-", d["teacher_forced_top1_agreement"])]
-    lines = [f"| | fp32 | {column_label(emu)} |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return "\n".join(lines)
-
-
 def plot_numerics(report: dict[str, Any], path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")

@@ -19,7 +19,7 @@ from qpcbuild.recipe.schema import Backend
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qpcbuild"
 NAME = re.compile(r"""(?<![\w.])["'](qaic|onnxruntime)["']""")
-PACKAGE_NAME = re.compile(r"""(_pkg|_pkg_version|import_module|find_spec)\(["']onnxruntime""")
+PACKAGE_NAME = re.compile(r"""(package_version|import_module|find_spec)\(["']onnxruntime""")
 ALLOWED = ("compile/",                 # the backends and their registry
            "runtime/session.py",       # the ONNX Runtime session
            "runtime/qaic_session.py",  # the Cloud AI session
@@ -58,7 +58,7 @@ def test_the_scan_finds_a_backend_name(tmp_path):
         'if backend == "onnxruntime":\n'
         "    pass\n"
         'cache = {"qaic": "qpc"}  # "qaic" in a comment is not code\n'
-        'version = _pkg("onnxruntime")\n'
+        'version = package_version("onnxruntime")\n'
         'path = "target/qaic/compile.sh"\n')
     assert [line.split(":")[1] for line in backend_name_lines(tmp_path)] == ["1", "3"]
 

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import BundleError
+from ..recipe.schema import Method
 
 MANIFEST_SCHEMA = 3  # 3: Ks and shapes recorded once (no roles.*.compiled_ks, no ort shapes)
 
@@ -39,7 +40,7 @@ class Shapes(_Part):
 
 
 class Speculation(_Part):
-    method: Literal["draft_model", "ngram", "suffix"]
+    method: Method
     options: dict[str, Any] = {}
     # The compiled Ks: the one place a bundle records them (the target decodes K+1 per step).
     num_speculative_tokens: list[int] = Field(min_length=1)

@@ -19,7 +19,7 @@ from ..cache import META, Cache
 from ..plan import RolePlan
 from ..plan_backends.onnxruntime import ORT_LOWERING_VERSION
 from ..ort_threads import session_options
-from ..toolchain import _pkg
+from ..toolchain import package_version
 from .interface import BuildContext
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
@@ -53,7 +53,7 @@ class OrtBackend:
             if Terminated.requested:  # SIGTERM arrived while the extension was initializing
                 raise Terminated() from None
             raise ToolchainError(f"onnxruntime is not importable: {exc}") from None
-        return {"onnxruntime": _pkg("onnxruntime"), "optimization_level": ORT_LEVEL}
+        return {"onnxruntime": package_version("onnxruntime"), "optimization_level": ORT_LEVEL}
 
     def runtime_problem(self) -> str | None:
         return None  # onnxruntime is a dependency: it runs wherever qpcbuild does

@@ -20,7 +20,7 @@ from ..errors import Problem, RecipeError, UsageError
 from .file import dotted, parse_yaml, read_capped
 from .schema import (  # noqa: F401  (the schema's names, for recipe's importers)
     MAX_K, MAX_CTX_LEN, CTX_LEN_MULTIPLE, CARDS, CARD_ROOFLINE_SOURCE, CARD_ROOFLINE, Method,
-    Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
+    METHODS, Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
     vllm_lookup_range, Speculation, Shapes, Precision, RoleHardware, CompilerOptions, Hardware,
     WeightFormat, OrtOptions, Recipe)
 

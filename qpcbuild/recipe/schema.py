@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -40,6 +40,7 @@ CARD_ROOFLINE: dict[str, dict[str, float]] = {
 }
 
 Method = Literal["draft_model", "ngram", "suffix"]
+METHODS: tuple[str, ...] = get_args(Method)  # the one list of speculation methods
 Backend = Literal["onnxruntime", "qaic"]
 
 

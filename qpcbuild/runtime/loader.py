@@ -20,6 +20,7 @@ from ..bundle.manifest import OrtBackend as OrtEntry, QaicBackend as QaicEntry
 from ..bundle.signature import check_signature
 from ..compile.backends import DEFAULT_BACKEND, backend_names
 from ..errors import BundleError, UsageError
+from ..recipe import METHODS
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
 from .gate import POLICIES
@@ -27,9 +28,6 @@ from .proposers import make_proposer
 from .sampling import SamplingParams
 from .session import OrtSession, RowwiseOrtSession, Specialization
 from .stats import SpecDecodingStats
-
-METHODS = ("draft_model", "ngram", "suffix")
-
 
 @dataclass
 class GenerationResult:
