@@ -10,7 +10,7 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .compile.backends import HOST_BACKEND
+from .backend_api import HOST_BACKEND
 from .errors import UsageError
 from .prompts import read_prompt_file
 from .toolchain import HOST_RUNTIME, package_version

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench.report import _r, _short, write_outputs
-from .compile.backends import HOST_BACKEND
+from .backend_api import HOST_BACKEND
 from .errors import UsageError
 from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                         loadavg, machine_info)
@@ -79,7 +79,7 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     pick from this bundle's acceptance (replayed at every K) and the shared costs."""
     from .tune import choose_k, predict, replayed
 
-    info = gen.manifest.target.backends.onnxruntime
+    info = gen.manifest.target.backends.get(HOST_BACKEND)
     say(f"{label}: target-only greedy outputs, then {method} at K={k}")
     base = gen.sibling(target_only=True)
     outputs = [base.generate([ids], max_new, temperature=0.0, target_only=True).rows[0]

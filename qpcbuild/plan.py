@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from .models.arch import ArchSpec, arch_from_config
 from .models.checkpoint import checkpoint_problems
 from .models.graph_io import graph_io
 from .errors import Problem, RecipeError, UsageError
-from .plan_backends import BACKEND_PLANS, RoleFacts
+from .backend_api import BackendPart, RoleFacts, backend_names, backend_plan
 from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment
@@ -37,14 +36,11 @@ class RolePlan:
     ks: tuple[int, ...]  # target: compiled Ks; draft: ()
     specializations: list[dict[str, Any]]  # named form: {"name": ..., "symbols": {...}}
     io: dict[str, list[dict[str, Any]]]
-    custom_io: list[dict[str, str]]  # planned by a backend (plan_backends/qaic.py)
-    mdp_partition: dict[str, Any] | None  # planned by a backend (plan_backends/qaic.py)
     device_group: list[int]
     num_cores: int
-    # planned by a backend (plan_backends/qaic.py): relative to the bundle root; argv[0] is the
-    # compiler
-    compiler_argv: list[str]
-    ort: dict[str, Any]  # planned by a backend (plan_backends/onnxruntime.py)
+    # Every backend's part (backends/<name>/plan.py), by backend name: `qpcbuild plan` shows
+    # them all, whichever the recipe builds for.
+    backends: dict[str, BackendPart]
     memory: dict[str, float]
     cache_keys: dict[str, str]
     # draft only: {"ref": as the recipe wrote it, "path", "size", "sha256"} (vocab_subset.py)
@@ -73,9 +69,10 @@ class BuildPlan:
             "recipe": self.recipe.to_yaml_dict(),
             "method": self.method, "method_options": self.method_options, "ks": list(self.ks),
             "tokenizer": self.tokenizer,
-            "roles": {r.role: {**{k: v for k, v in asdict(r).items() if k not in ("role", "arch")},
+            "roles": {r.role: {**{k: v for k, v in asdict(r).items()
+                                  if k not in ("role", "arch", "backends")},
                                "arch": r.arch.to_dict(),
-                               "compiler_command": shlex.join(r.compiler_argv)}
+                               "backends": {n: p.to_dict() for n, p in r.backends.items()}}
                       for r in self.roles},
             "cores_per_qid": self.cores_per_qid, "memory_per_qid_gib": self.memory_per_qid,
             "dram_gib_per_qid": self.dram_gib_per_qid, "warnings": self.warnings,
@@ -140,28 +137,15 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     facts = RoleFacts(role=role, cores=cores, device_group=list(hw.device_group),
                       specializations=specializations(role, r, ks), io=graph_io(role, arch, cb),
                       export_key=export_key)
-    planned, backend_keys = _backends_plan(r, facts, compiler)
+    parts = {name: backend_plan(name).plan_role(r, facts, compiler) for name in backend_names()}
+    # the settings part of each backend's cache key
+    backend_keys = {name: digest(backend_plan(name).settings(r, facts, part))
+                    for name, part in parts.items()}
     return RolePlan(
         role=role, source=source, arch=arch, ks=ks if role == "target" else (),
         specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
-        num_cores=cores, memory=memory, cache_keys={"export": export_key, **backend_keys},
-        vocab_subset=vocab_subset, **planned)
-
-
-def _backends_plan(r: Recipe, facts: RoleFacts,
-                   compiler: str | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every backend's part of the role's plan (RolePlan fields by name), and the settings part
-    of each backend's cache key, by backend name (plan_backends/)."""
-    planned: dict[str, Any] = {}
-    keys = {}
-    for name, backend in BACKEND_PLANS.items():
-        part = backend.plan_role(r, facts, compiler)
-        if planned.keys() & part.keys():
-            raise RuntimeError(f"backend {name} plans {sorted(planned.keys() & part.keys())}, "
-                               "which another backend already planned")
-        planned.update(part)
-        keys[name] = digest(backend.settings(r, facts, part))
-    return planned, keys
+        num_cores=cores, backends=parts, memory=memory,
+        cache_keys={"export": export_key, **backend_keys}, vocab_subset=vocab_subset)
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
@@ -251,9 +235,9 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
     sources, subset = _resolve_sources(r)
     warnings = [str(w) for w in r.warnings]
     configs = {role: src.config for role, src in sources.items()}
-    for name, backend in BACKEND_PLANS.items():
+    for name in backend_names():  # (in the registry's order, as before)
         if name in r.backends:
-            warnings += backend.warnings(r, configs)
+            warnings += backend_plan(name).warnings(r, configs)
     tok = alignment(sources["target"], sources.get("draft"), memo_dir)
     if tok["verdict"] == "incompatible":
         raise RecipeError(r.source, [Problem("draft.model", "target and draft "

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from qpcbuild.errors import RecipeError
 from qpcbuild.plan import BuildPlan, make_plan, specializations
-from qpcbuild.plan_backends.qaic import custom_io_yaml, specializations_file
+from qpcbuild.backends.qaic.plan import custom_io_yaml, specializations_file
 from qpcbuild.recipe import Shapes, load_recipe, recipe_from_text, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,25 +163,26 @@ def test_custom_io_two_entries_per_kv_tensor_per_layer_mxint8():
         layers = rp.arch.num_layers
         expected = [f"past_{kind}.{i}{suffix}" for i in range(layers) for kind in ("key", "value")
                     for suffix in ("", "_RetainedState")]
-        assert [e["IOName"] for e in rp.custom_io] == expected
-        assert len(rp.custom_io) == 4 * layers
-        assert {e["Precision"] for e in rp.custom_io} == {"mxint8"}
+        assert [e["IOName"] for e in rp.backends["qaic"].custom_io] == expected
+        assert len(rp.backends["qaic"].custom_io) == 4 * layers
+        assert {e["Precision"] for e in rp.backends["qaic"].custom_io} == {"mxint8"}
     assert (p.role("target").arch.num_layers, p.role("draft").arch.num_layers) == (32, 16)
-    text = custom_io_yaml(p.role("draft").custom_io)
+    text = custom_io_yaml(p.role("draft").backends["qaic"].custom_io)
     assert text.startswith(" - IOName: past_key.0\n   Precision: mxint8\n\n"
                            " - IOName: past_key.0_RetainedState\n   Precision: mxint8\n\n")
-    assert yaml.safe_load(text) == p.role("draft").custom_io
+    assert yaml.safe_load(text) == p.role("draft").backends["qaic"].custom_io
 
 
 def test_custom_io_follows_kv_dtype():
     p = plan_of(REFERENCE, "precision.kv_cache_dtype=float16")
-    assert {e["Precision"] for rp in p.roles for e in rp.custom_io} == {"float16"}
+    assert {e["Precision"] for rp in p.roles
+            for e in rp.backends["qaic"].custom_io} == {"float16"}
 
 
 def test_mdp_partition_four_devices_with_role_cores():
     p = plan_of()
     for role, cores in (("target", 10), ("draft", 6)):
-        assert p.role(role).mdp_partition == {
+        assert p.role(role).backends["qaic"].mdp_partition == {
             "connections": [{"devices": [0, 1, 2, 3], "type": "p2p"}],
             "partitions": [{"name": "Partition0",
                             "devices": [{"deviceId": d, "numCores": cores} for d in range(4)]}]}
@@ -192,27 +193,29 @@ def test_mdp_partition_four_devices_with_role_cores():
 def test_single_device_has_no_mdp_partition():
     p = plan_of(REFERENCE, "hardware.target.device_group=[2]", "hardware.draft.device_group=[3]")
     for rp in p.roles:
-        assert rp.mdp_partition is None
-        assert not any(a.startswith("-mdp-load-partition-config") for a in rp.compiler_argv)
+        assert rp.backends["qaic"].mdp_partition is None
+        assert not any(a.startswith("-mdp-load-partition-config")
+                       for a in rp.backends["qaic"].compiler_argv)
 
 
 # ---------------------------------------------------------------- compiler argv
 def test_compiler_argv_reference_token_order():
     p = plan_of()
-    assert p.role("target").compiler_argv == [
+    assert p.role("target").backends["qaic"].compiler_argv == [
         "qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m=target/onnx/model.onnx",
         "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=10",
         "-aic-enable-depth-first", "-mdp-load-partition-config=target/qaic/mdp_ts_4.json",
         "-network-specialization-config=target/qaic/specializations.json",
         "-custom-IO-list-file=target/qaic/custom_io.yaml", "-aic-binary-dir=target/qpc"]
-    assert p.role("draft").compiler_argv == [
+    assert p.role("draft").backends["qaic"].compiler_argv == [
         "qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m=draft/onnx/model.onnx",
         "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=6",
         "-aic-enable-depth-first", "-mdp-load-partition-config=draft/qaic/mdp_ts_4.json",
         "-network-specialization-config=draft/qaic/specializations.json",
         "-custom-IO-list-file=draft/qaic/custom_io.yaml", "-aic-binary-dir=draft/qpc"]
     roles = p.to_dict()["roles"]
-    assert roles["target"]["compiler_command"] == shlex.join(p.role("target").compiler_argv)
+    assert roles["target"]["backends"]["qaic"]["compiler_command"] == \
+        shlex.join(p.role("target").backends["qaic"].compiler_argv)
 
 
 def test_compiler_argv_optional_flags_in_order():
@@ -220,7 +223,7 @@ def test_compiler_argv_optional_flags_in_order():
                 "hardware.compiler_options.allow_mxint8_mdp_io=true",
                 "hardware.compiler_options.extra_flags=[-stats-level=70, -v]",
                 "hardware.aic_hw_version=ai200", "precision.quantization=none")
-    assert p.role("target").compiler_argv == [
+    assert p.role("target").backends["qaic"].compiler_argv == [
         "qaic-compile", "-aic-hw", "-aic-hw-version=ai200", "-m=target/onnx/model.onnx",
         "-retained-state", "-convert-to-fp16", "-aic-num-cores=10", "-aic-enable-depth-first",
         "-mos=2", "-allow-mxint8-mdp-io", "-stats-level=70", "-v",
@@ -232,7 +235,7 @@ def test_compiler_argv_optional_flags_in_order():
 def test_explicit_compiler_path_is_argv0(tmp_path):
     fake = tmp_path / "qaic-exec"
     p = make_plan(load_recipe(REFERENCE), compiler=str(fake))
-    assert p.role("target").compiler_argv[0] == str(fake)
+    assert p.role("target").backends["qaic"].compiler_argv[0] == str(fake)
 
 
 # ---------------------------------------------------------------- cores and memory
@@ -255,7 +258,7 @@ def test_core_split_on_shared_device_group(overrides, target, draft):
         assert row == {"qid": row["qid"], "target": target, "draft": draft,
                        "free": 16 - target - draft}
         assert row["target"] + row["draft"] <= 16
-    assert f"-aic-num-cores={target}" in p.role("target").compiler_argv
+    assert f"-aic-num-cores={target}" in p.role("target").backends["qaic"].compiler_argv
 
 
 def test_separate_device_groups_get_whole_qids():

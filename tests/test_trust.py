@@ -20,7 +20,8 @@ import pytest
 from typer.testing import CliRunner
 
 import qpcbuild.bundle.build as build_mod
-from qpcbuild.bundle import build_bundle, finish_bundle, read_manifest, verify_bundle
+from qpcbuild.backends.qaic.finish import finish_bundle
+from qpcbuild.bundle import build_bundle, read_manifest, verify_bundle
 from qpcbuild.bundle import manifest as manifest_mod
 from qpcbuild.bundle.manifest import MANIFEST
 from qpcbuild.cache import Cache

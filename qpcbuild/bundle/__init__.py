@@ -1,12 +1,12 @@
-"""Bundles: build (build.py), the sealed manifest (manifest.py), verify (verify.py), the SDK
-hand-off (finish.py) and archives (archive.py).
+"""Bundles: build (build.py), the sealed manifest (manifest.py), verify (verify.py) and archives
+(archive.py). (The SDK hand-off, `finish`, is the qaic backend's: backends/qaic/finish.py.)
 
 Names are imported when first used: building pulls in the exporter (onnx, numpy), which
 `inspect` or `verify` should not pay for at start-up."""
 
 from importlib import import_module
 
-_WHERE = {"BuildResult": "build", "build_bundle": "build", "finish_bundle": "finish",
+_WHERE = {"BuildResult": "build", "build_bundle": "build",
           "MANIFEST": "manifest", "read_manifest": "manifest", "verify_bundle": "verify"}
 
 __all__ = sorted(_WHERE)

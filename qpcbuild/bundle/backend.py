@@ -1,11 +1,17 @@
-"""The interface every compile backend implements (see compile/__init__.py). A module of its
-own, so a backend imports it without importing the registry that finds the backends."""
+"""What every backend's build (backends/<name>/build.py, BUILDER) implements for the bundle builder,
+and the typed way to get one by name:
+- `check()` fails fast (before any export) when the backend cannot run here;
+- `key_inputs()` is what its artifact's cache key is the digest of;
+- `build_cached()` writes the role's artifacts under the staging bundle (from the cache when an
+  entry exists) and returns the manifest entry that describes them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from ..backend_api import backend_module
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -44,3 +50,8 @@ class Backend(Protocol):
         """Put `<role>/...` artifacts into ctx.staging, from the cache or built; return (the
         manifest entry, whether the cache's entry was reused)."""
 
+
+def get_backend(name: str) -> Backend:
+    """The backend's builder, its module imported on first use."""
+    builder: Backend = backend_module(name, "build").BUILDER()
+    return builder

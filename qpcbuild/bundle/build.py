@@ -18,7 +18,7 @@ import yaml
 from ..version import __version__
 from ..cache import Cache, ScratchCache
 from ..delivered import DeliveredFiles
-from ..compile import Backend, BuildContext, get_backend
+from ..bundle.backend import Backend, BuildContext, get_backend
 from ..errors import UsageError
 from ..models.source import (resolve, safetensors_files, tokenizer_files,
                              weights_missing_message)
@@ -116,10 +116,9 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
             "device_group": rp.device_group,
             "precision": {"weights": r.precision.quantization, "kv_cache": r.precision.kv_cache_dtype,
                           "export_dtype": r.precision.export_dtype},
-            "mdp_partition": rp.mdp_partition,
-            # How the runtime drives the artifact; its shapes and format are recorded once,
-            # in `shapes` and in backends.onnxruntime.
-            "ort": {k: rp.ort[k] for k in ("core_share", "intra_op_threads")},
+            # what each backend's plan part records beside the role's fields
+            **{k: v for part in rp.backends.values()
+               for k, v in part.manifest_role_fields().items()},
             "backends": {name: b[rp.role] for name, b in backends.items()},
         }
         if rp.vocab_subset:  # the ids live in the graph; the manifest says which set it was

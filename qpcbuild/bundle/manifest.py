@@ -22,8 +22,7 @@ from typing import Any, Iterator
 
 from ..errors import BundleError, UsageError
 # The typed model, importable from here too (readers need only this module's name).
-from .manifest_model import (MANIFEST_SCHEMA, GraphIO, Manifest, OrtBackend,  # noqa: F401
-                             QaicBackend, Role, RoleIO)
+from .manifest_model import MANIFEST_SCHEMA, GraphIO, Manifest, Role, RoleIO  # noqa: F401
 
 MANIFEST = "manifest.json"
 SIGNATURES = "signatures.json"  # beside the manifest, outside what it seals (signature.py)

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny,
+                      ValidationError, field_validator)
 
+from ..backend_api import BACKENDS, BackendEntry, entry_model
 from ..errors import BundleError
 from ..recipe.schema import Method
+
+E = TypeVar("E", bound=BackendEntry)
 
 MANIFEST_SCHEMA = 3  # 3: Ks and shapes recorded once (no roles.*.compiled_ks, no ort shapes)
 
@@ -120,39 +124,26 @@ class Precision(_Part):
 
 
 class OrtRole(_Part):
-    """How the runtime drives a role's ONNX Runtime artifact (its shapes are the bundle's)."""
+    """How the runtime drives a role's ONNX Runtime artifact (its shapes are the bundle's);
+    every role records it (backends/onnxruntime/plan.py, OrtPart.manifest_role_fields)."""
     core_share: float = Field(gt=0, le=1)
     intra_op_threads: Optional[int] = Field(default=None, ge=1, le=1024)
 
 
-class OrtBackend(_Part):
-    status: Literal["compiled"]
-    artifact: str
-    graph: Optional[str] = None  # fused (qpcbuild's lowering) | portable (ORT-optimized export)
-    kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
-    weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
-    numerics: Optional[str] = None
-    numerics_formats: Optional[dict[str, str]] = None
-
-
-class QaicBackend(_Part):
-    status: Literal["emitted", "compiled"]
-    inputs: Optional[str] = None  # the folder of compiler inputs (specializations, custom I/O)
-    compile_script: Optional[str] = None
-    compiler_args: list[str] = []
-    qpc: Optional[str] = None
-    qpc_files: Optional[list[str]] = None
-    log: Optional[str] = None
-
-
-class Backends(_Part):
-    onnxruntime: Optional[OrtBackend] = None
-    qaic: Optional[QaicBackend] = None
-
-    def built(self) -> dict[str, _Part]:
-        """Backend name -> its entry, for the backends this role was built for."""
-        return {name: entry for name in type(self).model_fields
-                if (entry := getattr(self, name)) is not None}
+def _backend_entries(v: Any) -> Any:
+    """Each backend's entry checked against its own model, picked by the backend's name (the
+    key): the registry's backends are the union this field accepts."""
+    if not isinstance(v, dict):
+        return v  # pydantic says what is wrong
+    out = {}
+    for name, entry in v.items():
+        if isinstance(entry, BackendEntry):
+            out[name] = entry
+            continue
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend '{name}' ({' | '.join(BACKENDS)})")
+        out[name] = entry_model(name).model_validate(entry)
+    return out
 
 
 class Role(_Part):
@@ -164,7 +155,15 @@ class Role(_Part):
     device_group: list[int] = []
     precision: Precision = Precision()
     ort: Optional[OrtRole] = None
-    backends: Backends
+    # backend name -> its entry (backends/<name>/manifest.py), for the backends it was built for
+    # (SerializeAsAny: an entry is written with its own model's fields, not the base's)
+    backends: Annotated[dict[str, SerializeAsAny[BackendEntry]],
+                        BeforeValidator(_backend_entries)]
+
+    def built(self, kind: type[E]) -> E | None:
+        """The role's entry of that model (e.g. backends.qaic.manifest.QaicEntry); None where
+        the role was not built for its backend."""
+        return next((e for e in self.backends.values() if isinstance(e, kind)), None)
 
 
 class TokenizerInfo(_Part):
@@ -318,11 +317,8 @@ def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) ->
     if tails:
         out.append(f"{where}.specializations: none prefills through shapes."
                    f"prefill_tail_seq_lens {tails[0]}")
-    if role.backends.onnxruntime is not None and role.ort is None:
-        out.append(f"{where}: built for onnxruntime, but has no ort settings")
-    if role.backends.qaic is not None and role.backends.qaic.status == "compiled" and \
-            not role.backends.qaic.qpc:
-        out.append(f"{where}.backends.qaic: compiled, but names no qpc")
+    for backend, entry in role.backends.items():
+        out += [f"{where}: {p}" for p in entry.problems(role.model_dump())]
     if any(not 0 <= e < role.arch.vocab_size for e in role.arch.eos_token_ids):
         out.append(f"{where}.arch.eos_token_ids: outside the vocabulary")
     return out

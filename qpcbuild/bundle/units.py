@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache import Cache
-from ..compile.backends import get_backend
+from ..bundle.backend import get_backend
 from ..errors import UsageError
 from ..plan import BuildPlan, digest
 from .build import artifact_key_inputs, unit_name, weight_files

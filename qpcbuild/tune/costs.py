@@ -14,7 +14,8 @@ import statistics
 import time
 from typing import Any
 
-from ..compile.backends import HOST_BACKEND, backend_info, card_backend, get_backend
+from ..bundle.backend import get_backend
+from ..backend_api import HOST_BACKEND, backend_info, card_backend
 from ..errors import UsageError
 
 ROOFLINE_ASSUMPTIONS = [

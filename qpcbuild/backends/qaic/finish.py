@@ -13,15 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..version import __version__
-from ..compile.qaic import QPC_FILE, QaicBackend
-from ..errors import BundleError, QpcbuildError, UsageError
-from ..toolchain import compiler_identity, qaic_sdk_versions
-from ..tree import hash_tree
-from .manifest import Manifest, SealedManifest, write_manifest
-from .verify import actual_files, compare_files
-
-ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
+from ...bundle.manifest import Manifest, SealedManifest, write_manifest
+from ...bundle.verify import actual_files, compare_files
+from ...errors import BundleError, QpcbuildError, UsageError
+from ...toolchain import compiler_identity, qaic_sdk_versions
+from ...tree import hash_tree
+from ...version import __version__
+from .manifest import ADOPTED, NAME, QPC_FILE, QaicEntry
 
 
 def _under(path: str, folders: tuple[str, ...]) -> bool:
@@ -67,7 +65,8 @@ def _finish(bundle: Path, roles: list[str] | None,
             compiler_id: dict[str, str] | None) -> Manifest:
     sealed = SealedManifest(bundle)
     m = sealed.checked()
-    qaic_roles = [r for r, info in m.roles.items() if info.backends.qaic is not None]
+    qaic = {r: e for r, info in m.roles.items() if (e := info.built(QaicEntry)) is not None}
+    qaic_roles = list(qaic)
     if not qaic_roles:
         raise UsageError(f"{bundle}: not built for the qaic backend; there is no QPC to finish")
     roles = roles or qaic_roles
@@ -78,7 +77,7 @@ def _finish(bundle: Path, roles: list[str] | None,
     adopting = tuple(f"{role}/{part}" for role in roles for part in ADOPTED)
     # Another role's QPC that is not finished yet stays out of this manifest.
     pending = tuple(f"{role}/{part}" for role in qaic_roles if role not in roles
-                    and m.roles[role].backends.qaic.status != "compiled"
+                    and qaic[role].status != "compiled"
                     for part in ADOPTED)
     # Only what compile.sh wrote is hashed (the QPCs and logs: the rest of the bundle is
     # sealed and may be tens of GB); the rest must be present with its sealed sizes (`verify`
@@ -108,5 +107,5 @@ def _finish(bundle: Path, roles: list[str] | None,
                       "log": log if (log := f"{role}/logs/qaic-compile.log") in files else None,
                       "compiler": compiler_id,
                       "sdk": sdk, "finished_by": f"qpcbuild {__version__}"} for role in roles}
-    return write_manifest(bundle, m.with_built(QaicBackend.name, entries, files,
+    return write_manifest(bundle, m.with_built(NAME, entries, files,
                                                {} if sdk is None else {"qaic_sdk": sdk}))
