@@ -381,7 +381,7 @@ def test_finish_by_hand_when_qpcbuild_is_not_on_the_sdk_machines_path(emitted):
     result = runner.invoke(app, ["finish", str(out), "--role", "target"])
     assert result.exit_code == 0, result.output
     assert verify_bundle(out) == []
-    assert read_manifest(out).draft.backends.qaic.status == "emitted"
+    assert read_manifest(out).draft.backends["qaic"].status == "emitted"
 
 
 def test_finish_refuses_a_missing_or_empty_qpc_naming_the_role(emitted):

@@ -6,11 +6,12 @@ docs/manifest-schema.json (scripts/manifest_schema.py)."""
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny,
-                      ValidationError, field_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, GetJsonSchemaHandler,
+                      SerializeAsAny, TypeAdapter, ValidationError, field_validator)
 
 from ..backend_api import BACKENDS, BackendEntry, entry_model
 from ..errors import BundleError
@@ -142,8 +143,25 @@ def _backend_entries(v: Any) -> Any:
             continue
         if name not in BACKENDS:
             raise ValueError(f"unknown backend '{name}' ({' | '.join(BACKENDS)})")
-        out[name] = entry_model(name).model_validate(entry)
+        # checked under its name, so an error says where: backends.<name>.<field>
+        out[name] = _entries_of(name).validate_python({name: entry})[name]
     return out
+
+
+class _EntriesSchema:
+    """The JSON Schema of roles.<role>.backends: each registered backend's entry, by its name
+    (docs/manifest-schema.json)."""
+
+    @staticmethod
+    def __get_pydantic_json_schema__(schema: Any, handler: GetJsonSchemaHandler) -> Any:
+        return {"type": "object", "additionalProperties": False,
+                "properties": {name: handler(entry_model(name).__pydantic_core_schema__)
+                               for name in BACKENDS}}
+
+
+@lru_cache(maxsize=None)
+def _entries_of(name: str) -> TypeAdapter[dict[str, BackendEntry]]:
+    return TypeAdapter(dict[str, entry_model(name)])  # type: ignore[misc]  # a class known at run time
 
 
 class Role(_Part):
@@ -158,7 +176,7 @@ class Role(_Part):
     # backend name -> its entry (backends/<name>/manifest.py), for the backends it was built for
     # (SerializeAsAny: an entry is written with its own model's fields, not the base's)
     backends: Annotated[dict[str, SerializeAsAny[BackendEntry]],
-                        BeforeValidator(_backend_entries)]
+                        BeforeValidator(_backend_entries), _EntriesSchema()]
 
     def built(self, kind: type[E]) -> E | None:
         """The role's entry of that model (e.g. backends.qaic.manifest.QaicEntry); None where

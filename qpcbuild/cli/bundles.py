@@ -8,7 +8,6 @@ from typing import List, Optional
 
 import typer
 
-from ..backends.qaic.manifest import QaicEntry
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
 from .render import console, err_console
@@ -88,6 +87,7 @@ def finish(bundle: Path = typer.Argument(..., help="Bundle folder built with --e
                                                   "QPCs (recorded by name and digest).")):
     """Adopt QPCs compiled by <role>/qaic/compile.sh into the bundle and re-seal its manifest."""
     from ..backends.qaic.finish import finish_bundle
+    from ..backends.qaic.manifest import QaicEntry
 
     m = finish_bundle(bundle, list(role or []) or None, compiler)
     for name, info in m.roles.items():

@@ -8,8 +8,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..backends.qaic.manifest import QaicEntry
-
 if TYPE_CHECKING:  # the plan's imports (onnx, numpy) would slow every command's start
     from ..bundle.manifest import Manifest
     from ..plan import BuildPlan
@@ -106,6 +104,8 @@ def smoke_roles(m: Manifest) -> list[str]:
 
 
 def show_manifest(m: Manifest) -> None:
+    from ..backends.qaic.manifest import QaicEntry  # (here: the CLI starts without pydantic)
+
     spd = m.speculation
     console.print(f"[bold]{m.name}[/]  bundle id {m.bundle_id}")
     smoke = smoke_roles(m)
