@@ -22,6 +22,7 @@ from typing import Any, Iterable, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from .models.graph_io import Specialization
 from .recipe import Recipe
 
 
@@ -77,7 +78,7 @@ class RoleFacts:
     role: str  # "target" | "draft"
     cores: int  # per QID
     device_group: list[int]
-    specializations: list[dict[str, Any]]  # named form: {"name": ..., "symbols": {...}}
+    specializations: list[Specialization]
     io: dict[str, list[dict[str, Any]]]  # the exported graph's inputs and outputs
     export_key: str  # the settings part of the exported graph's cache key
 

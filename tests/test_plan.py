@@ -41,18 +41,18 @@ def plan_of(path: Path = REFERENCE, *overrides: str) -> BuildPlan:
 
 
 def symbols(plan: BuildPlan, role: str) -> list[dict[str, str]]:
-    return [s["symbols"] for s in plan.role(role).specializations]
+    return [s.symbols for s in plan.role(role).specializations]
 
 
 def names(plan: BuildPlan, role: str) -> list[str]:
-    return [s["name"] for s in plan.role(role).specializations]
+    return [s.name for s in plan.role(role).specializations]
 
 
 # ---------------------------------------------------------------- specializations
 def test_target_specializations_prefill_and_k_plus_1_decode():
     p = plan_of()
     assert p.method == "draft_model" and p.ks == (3,)
-    assert p.role("target").specializations == [
+    assert [s.model_dump() for s in p.role("target").specializations] == [
         {"name": "Prefill", "symbols": {"batch_size": "4", "seq_len": "128", "ctx_len": "2048",
                                         "num_logits_to_keep": "1"}},
         {"name": "Decode", "symbols": {"batch_size": "4", "seq_len": "4", "ctx_len": "2048",
@@ -64,7 +64,7 @@ def test_target_specializations_prefill_and_k_plus_1_decode():
 
 def test_draft_specializations_prefill_and_single_token_decode():
     p = plan_of()
-    assert p.role("draft").specializations == [
+    assert [s.model_dump() for s in p.role("draft").specializations] == [
         {"name": "Prefill", "symbols": {"batch_size": "4", "seq_len": "128", "ctx_len": "2048"}},
         {"name": "Decode", "symbols": {"batch_size": "4", "seq_len": "1", "ctx_len": "2048"}},
     ]
@@ -76,11 +76,11 @@ def test_draft_decode_omitted_when_prefill_is_one_token():
     # so the rule of reference section 2 is checked on the planner's function directly.
     r = load_recipe(REFERENCE)
     one = r.model_copy(update={"shapes": Shapes(batch_size=2, prefill_seq_len=1, ctx_len=64)})
-    assert specializations("draft", one, ()) == [
+    assert [s.model_dump() for s in specializations("draft", one, ())] == [
         {"name": "Prefill", "symbols": {"batch_size": "2", "seq_len": "1", "ctx_len": "64"}}]
     cb = r.model_copy(update={"shapes": Shapes(batch_size=2, full_batch_size=4,
                                                prefill_seq_len=1, ctx_len=64)})
-    assert [s["name"] for s in specializations("draft", cb, ())] == ["Prefill", "Decode"]
+    assert [s.name for s in specializations("draft", cb, ())] == ["Prefill", "Decode"]
 
 
 def test_ngram_compiles_k0_and_k():
@@ -273,7 +273,7 @@ def test_separate_device_groups_get_whole_qids():
 def test_memory_estimate_positive_and_no_warning_for_reference():
     p = plan_of()
     for rp in p.roles:
-        assert rp.memory["weights_gib"] > 0 and rp.memory["kv_cache_gib"] > 0
+        assert rp.memory.weights_gib > 0 and rp.memory.kv_cache_gib > 0
     assert p.dram_gib_per_qid == 32
     assert [row["qid"] for row in p.memory_per_qid] == [0, 1, 2, 3]
     for row in p.memory_per_qid:
@@ -283,20 +283,20 @@ def test_memory_estimate_positive_and_no_warning_for_reference():
     assert not any("on-board memory" in w for w in p.warnings)
     # KV: 2 (k, v) x 32 layers x 8 heads x 128 x 33/32 bytes x 2048 positions x 4 rows, over 4 QIDs
     expected = 2 * 32 * 8 * 128 * (33 / 32) * 2048 * 4 / 2**30 / 4
-    assert p.role("target").memory["kv_cache_gib"] == pytest.approx(expected)
+    assert p.role("target").memory.kv_cache_gib == pytest.approx(expected)
 
 
 def test_memory_warning_when_kv_exceeds_qid_dram():
     p = plan_of(REFERENCE, "shapes.ctx_len=131072", "shapes.batch_size=64")
-    assert p.role("target").memory["kv_cache_gib"] > 32
+    assert p.role("target").memory.kv_cache_gib > 32
     warnings = [w for w in p.warnings if "on-board memory" in w]
     assert len(warnings) == 4  # one per QID
     assert "QID 0" in warnings[0] and "32 GiB" in warnings[0]
 
 
 def test_mxfp6_shrinks_weights():
-    fp16 = plan_of(REFERENCE, "precision.quantization=none").role("target").memory["weights_gib"]
-    mx = plan_of().role("target").memory["weights_gib"]
+    fp16 = plan_of(REFERENCE, "precision.quantization=none").role("target").memory.weights_gib
+    mx = plan_of().role("target").memory.weights_gib
     assert 0 < mx < fp16 / 2
 
 
@@ -350,7 +350,7 @@ def test_plan_needs_no_network_and_no_weights(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     p = plan_of()
     for rp in p.roles:
-        assert rp.source["origin"] == "known-models" and rp.source["path"] is None
+        assert rp.source.origin == "known-models" and rp.source.path is None
     assert p.tokenizer["verdict"] == "same-family"
     assert any(w.startswith("tokenizers:") for w in p.warnings)
 
@@ -433,7 +433,7 @@ def test_tokenizers_identical(tmp_path):
     assert p.tokenizer["verdict"] == "identical"
     assert p.tokenizer["target_digest"] == p.tokenizer["draft_digest"] is not None
     assert not any(w.startswith("tokenizers:") for w in p.warnings)
-    assert {rp.source["origin"] for rp in p.roles} == {"local"}
+    assert {rp.source.origin for rp in p.roles} == {"local"}
 
 
 def test_tokenizers_target_padded(tmp_path):
@@ -581,5 +581,5 @@ def test_plan_of_any_valid_variant_is_a_plan_or_a_recipe_error(data):
     for row in p.cores_per_qid:
         assert sum(v for k, v in row.items() if k in ("target", "draft")) <= 16
     target = p.role("target")
-    assert [s["symbols"]["seq_len"] for s in target.specializations[1:]] == \
+    assert [s.symbols["seq_len"] for s in target.specializations[1:]] == \
         [str(k + 1) for k in p.ks]

@@ -71,7 +71,7 @@ def artifact_key_inputs(role: RolePlan, weights_digest: str, backends: dict[str,
 
 
 def weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:
-    path = Path(role.source["path"])
+    path = Path(role.source.path)
     return [*safetensors_files(path, allow_pickle), path / "config.json"]
 
 
@@ -107,11 +107,12 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
     for rp in plan.roles:
         src = rp.source
         roles[rp.role] = {
-            "source": {"ref": src["recipe_ref"], "revision": src["revision"],
-                       "origin": src["origin"], "config_digest": src["config_digest"],
+            "source": {"ref": src.recipe_ref, "revision": src.revision,
+                       "origin": src.origin, "config_digest": src.config_digest,
                        "weights_digest": exports[rp.role]["weights_digest"],
-                       "smoke_weights": bool(src["smoke_of"])},
-            "arch": rp.arch.to_dict(), "io": rp.io, "specializations": rp.specializations,
+                       "smoke_weights": bool(src.smoke_of)},
+            "arch": rp.arch.to_dict(), "io": rp.io,
+            "specializations": [s.model_dump() for s in rp.specializations],
             "num_cores": rp.num_cores,
             "device_group": rp.device_group,
             "precision": {"weights": r.precision.quantization, "kv_cache": r.precision.kv_cache_dtype,
@@ -122,8 +123,9 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
             "backends": {name: b[rp.role] for name, b in backends.items()},
         }
         if rp.vocab_subset:  # the ids live in the graph; the manifest says which set it was
-            roles[rp.role]["vocab_subset"] = {k: rp.vocab_subset[k] for k in ("ref", "size",
-                                                                               "sha256")}
+            subset = rp.vocab_subset
+            roles[rp.role]["vocab_subset"] = {"ref": subset.ref, "size": subset.size,
+                                              "sha256": subset.sha256}
     raw = {
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
@@ -161,7 +163,7 @@ def _bundle_recipe(plan: BuildPlan) -> str:
     the model they stand in for, not the cache path)."""
     data = plan.recipe.to_yaml_dict()
     for rp in plan.roles:
-        data[rp.role]["model"] = rp.source["recipe_ref"]
+        data[rp.role]["model"] = rp.source.recipe_ref
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -169,10 +171,10 @@ def _bundle_recipe(plan: BuildPlan) -> str:
 def _require_weights(plan: BuildPlan) -> None:
     """A plan may stand on a known config alone; a build needs each model's files."""
     for rp in plan.roles:
-        if rp.source["path"] is None:
+        if rp.source.path is None:
             ref = getattr(plan.recipe, rp.role).model
             raise UsageError(f"{rp.role}.model: " + weights_missing_message(
-                ref, rp.source["revision"], recipe_relative(plan.recipe, ref),
+                ref, rp.source.revision, recipe_relative(plan.recipe, ref),
                 plan.recipe.source))
 
 
@@ -180,10 +182,10 @@ def _subset_ids(role: RolePlan):
     """The plan's vocabulary subset, read again and checked to be the set the plan saw."""
     if not role.vocab_subset:
         return None
-    ids = read_vocab_subset(Path(role.vocab_subset["path"]), role.arch.vocab_size,
+    ids = read_vocab_subset(Path(role.vocab_subset.path), role.arch.vocab_size,
                             role.arch.eos_token_ids)
-    if subset_digest(ids) != role.vocab_subset["sha256"]:
-        raise UsageError(f"draft.vocab_subset: {role.vocab_subset['path']} changed while "
+    if subset_digest(ids) != role.vocab_subset.sha256:
+        raise UsageError(f"draft.vocab_subset: {role.vocab_subset.path} changed while "
                          "the bundle was being built")
     return ids
 
@@ -224,7 +226,7 @@ class _Build:
             role, cache.weights_digest(weight_files(role, allow_pickle)), backends,
             self.ctx.compiler, self.ctx.emit_only)
         self.keys[role.role] = keys = {stage: digest(i) for stage, i in inputs.items()}
-        src = resolve(role.source["path"], role.source["revision"], allow_known=False)
+        src = resolve(role.source.path, role.source.revision, allow_known=False)
 
         def build(tmp: Path) -> dict[str, Any]:
             from ..export import export_model  # onnx is imported only when a graph is built
@@ -291,9 +293,9 @@ class _Build:
 def _target_dir(plan: BuildPlan) -> Path:
     """The target's model folder, which must hold the tokenizer the bundle carries."""
     target = plan.role("target")
-    target_dir = Path(target.source["path"])
+    target_dir = Path(target.source.path)
     # Random smoke weights stand in for a model whose tokenizer is not on this machine.
-    if not (target_dir / "tokenizer.json").is_file() and not target.source["smoke_of"]:
+    if not (target_dir / "tokenizer.json").is_file() and not target.source.smoke_of:
         raise UsageError(f"target.model: {target_dir} has no tokenizer.json; a bundle carries the "
                          "target's tokenizer (run and serve need it)")
     return target_dir

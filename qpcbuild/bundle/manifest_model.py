@@ -15,6 +15,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, GetJsonSche
 
 from ..backend_api import BACKENDS, BackendEntry, entry_model
 from ..errors import BundleError
+from ..models.graph_io import Specialization
 from ..recipe.schema import Method
 
 E = TypeVar("E", bound=BackendEntry)
@@ -76,25 +77,6 @@ class Arch(_Part):
     vocab_size: int = Field(ge=1, le=1 << 24)
     param_count: int = Field(ge=0)
     eos_token_ids: list[int]
-
-
-class Specialization(_Part):
-    name: str
-    symbols: dict[str, str]
-
-    @field_validator("symbols")
-    @classmethod
-    def _sizes(cls, v: dict[str, str]) -> dict[str, str]:
-        missing = {"batch_size", "seq_len", "ctx_len"} - set(v)
-        if missing:
-            raise ValueError(f"lacks {', '.join(sorted(missing))}")
-        bad = [k for k, n in v.items() if not (n.isascii() and n.isdigit() and 0 < int(n) < 1 << 24)]
-        if bad:
-            raise ValueError(f"{bad[0]} must be a positive whole number, got {v[bad[0]]!r}")
-        return v
-
-    def size(self, symbol: str) -> int:
-        return int(self.symbols[symbol])
 
 
 class GraphIO(_Part):

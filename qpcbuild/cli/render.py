@@ -53,7 +53,7 @@ def show_plan(plan: BuildPlan) -> None:
                   f"({plan.tokenizer['detail']})")
     for rp in plan.roles:
         a = rp.arch
-        heading(f"[bold]{rp.role}[/]: {rp.source['ref']} ({rp.source['origin']})")
+        heading(f"[bold]{rp.role}[/]: {rp.source.ref} ({rp.source.origin})")
         console.print(_kv_table("", [
             ("architecture", f"{a.architecture} ({a.family})"),
             ("parameters", f"{a.param_count:,}"),
@@ -63,10 +63,10 @@ def show_plan(plan: BuildPlan) -> None:
             ("rope", f"theta {a.rope_theta:g}, scaling {a.rope_scaling or 'none'}"),
             ("device group / cores per QID", f"{rp.device_group} / {rp.num_cores}"),
         ]))
-        spec = Table("name", *rp.specializations[0]["symbols"].keys(), title="specializations",
+        spec = Table("name", *rp.specializations[0].symbols.keys(), title="specializations",
                      title_justify="left")
         for s in rp.specializations:
-            spec.add_row(s["name"], *s["symbols"].values())
+            spec.add_row(s.name, *s.symbols.values())
         console.print(spec)
         io = Table("direction", "name", "dtype", "shape", title="graph I/O", title_justify="left")
         for direction in ("inputs", "outputs"):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import UsageError
+from ...models.graph_io import Specialization
 from ...recipe import Recipe
 from ...toolchain import executable
 from ...backend_api import BackendPart, RoleFacts
@@ -80,12 +81,12 @@ def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: st
     return argv
 
 
-def specializations_file(specs: list[dict[str, Any]], fmt: str) -> dict[str, Any]:
+def specializations_file(specs: list[Specialization], fmt: str) -> dict[str, Any]:
     """specializations.json for qaic-compile: QEfficient's named entries, or the flat form
     (each entry's symbols only) that older SDKs read."""
     if fmt == "flat":
-        return {"specializations": [s["symbols"] for s in specs]}
-    return {"specializations": specs}
+        return {"specializations": [s.symbols for s in specs]}
+    return {"specializations": [s.model_dump() for s in specs]}
 
 
 def custom_io_yaml(custom_io: list[dict[str, str]]) -> str:
@@ -132,7 +133,7 @@ class QaicPlan:
     def settings(self, r: Recipe, facts: RoleFacts, part: QaicPart) -> dict[str, Any]:
         # argv[0] is left out: where the compiler is installed does not change the program
         return {"export": facts.export_key, "argv": part.compiler_argv[1:],
-                "specs": facts.specializations, "custom_io": r.precision.kv_cache_dtype,
+                "specs": [s.model_dump() for s in facts.specializations], "custom_io": r.precision.kv_cache_dtype,
                 "fmt": r.hardware.specializations_format}
 
     def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
