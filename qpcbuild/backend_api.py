@@ -23,7 +23,7 @@ from typing import Any, Iterable, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from .models.graph_io import Specialization
-from .recipe import Recipe
+from .recipe.schema import Recipe
 
 
 # ---------------------------------------------------------------- the backends by name

@@ -18,7 +18,8 @@ from .models.checkpoint import checkpoint_problems
 from .models.graph_io import Specialization, graph_io
 from .errors import Problem, RecipeError, UsageError
 from .backend_api import BackendPart, RoleFacts, backend_names, backend_plan
-from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
+from .recipe import recipe_relative, resolve_model_path, resolved_cores
+from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment
 from .models.vocab_subset import read_vocab_subset, subset_digest
@@ -38,6 +39,13 @@ class RoleSource:
     config_digest: str
     smoke_of: str | None  # random weights standing in for this model (--smoke-weights)
     recipe_ref: str  # as the recipe wrote it (relative to the recipe file): what the manifest keeps
+
+    def folder(self) -> Path:
+        """The local model folder; a build needs one (bundle/build.py checks first)."""
+        if self.path is None:
+            raise UsageError(f"{self.ref}: no local model folder (its config plans without "
+                             "weights; a build needs them)")
+        return Path(self.path)
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,10 @@ class BuildPlan:
 
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
+
+    @property
+    def target(self) -> RolePlan:
+        return next(r for r in self.roles if r.role == "target")  # every plan has one
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -179,7 +191,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         cache_keys={"export": export_key, **backend_keys}, vocab_subset=vocab_subset)
 
 
-def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
+def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref: ModelRef | Draft) -> list[str]:
     """Weights against config, when the folder has weights (a config-only folder still plans)."""
     if src.path is None or not any(src.path.glob("*.safetensors")) and \
             not (src.path / "model.safetensors.index.json").is_file():
@@ -187,8 +199,7 @@ def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
     return checkpoint_problems(src.path, arch, ref.allow_pickle, ref.allow_unused_weights)
 
 
-def _vocab_subset(r: Recipe, arch: ArchSpec) -> VocabSubset:
-    ref = r.draft.vocab_subset
+def _vocab_subset(r: Recipe, ref: str, arch: ArchSpec) -> VocabSubset:
     try:
         path = recipe_relative(r, ref)
     except RuntimeError as exc:  # "~nosuchuser/x"
@@ -204,10 +215,13 @@ def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | N
     problems: list[Problem] = []
     sources: dict[str, ModelSource] = {}
     subset: VocabSubset | None = None
-    refs = {"target": (r.target.model, r.target.revision, "target.model")}
-    if r.draft.method == "draft_model":
+    refs: dict[str, tuple[str | None, str | None, str]] = {
+        "target": (r.target.model, r.target.revision, "target.model")}
+    if r.draft.method == "draft_model":  # (the recipe's checks made sure it names a model)
         refs["draft"] = (r.draft.model, r.draft.revision, "draft.model")
     for role, (ref, rev, key) in refs.items():
+        if ref is None:
+            continue
         try:
             sources[role] = resolve(resolve_model_path(r, ref), rev)
             arch = arch_from_config(sources[role].config, f"{ref}/config.json")
@@ -218,7 +232,7 @@ def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | N
             continue
         if role == "draft" and r.draft.vocab_subset:
             try:
-                subset = _vocab_subset(r, arch)
+                subset = _vocab_subset(r, r.draft.vocab_subset, arch)
             except UsageError as exc:
                 problems.append(Problem("draft.vocab_subset", str(exc),
                                         r.line_of("draft.vocab_subset")))
@@ -238,16 +252,17 @@ def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | N
 
 
 def _per_qid(roles: list[RolePlan], card: dict[str, Any],
-             warnings: list[str]) -> tuple[list[dict], list[dict]]:
+             warnings: list[str]) -> tuple[list[dict[str, int]], list[dict[str, float]]]:
     """Cores and memory per device (QID) the roles use; a warning where a QID's memory does not
     hold its weights and KV cache."""
     qids = sorted({q for rp in roles for q in rp.device_group})
-    core_rows, mem_rows = [], []
+    core_rows: list[dict[str, int]] = []
+    mem_rows: list[dict[str, float]] = []
     for q in qids:
         row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
         row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
         core_rows.append(row)
-        mem = {"qid": q}
+        mem: dict[str, float] = {"qid": q}
         for rp in roles:
             if q in rp.device_group:
                 mem[f"{rp.role}_weights"] = round(rp.memory.weights_gib, 3)

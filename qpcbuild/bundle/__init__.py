@@ -5,6 +5,7 @@ Names are imported when first used: building pulls in the exporter (onnx, numpy)
 `inspect` or `verify` should not pay for at start-up."""
 
 from importlib import import_module
+from typing import Any
 
 _WHERE = {"BuildResult": "build", "build_bundle": "build",
           "MANIFEST": "manifest", "read_manifest": "manifest", "verify_bundle": "verify"}
@@ -12,7 +13,7 @@ _WHERE = {"BuildResult": "build", "build_bundle": "build",
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(import_module(f".{_WHERE[name]}", __name__), name)

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
 
 from ..backend_api import backend_module
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..cache import Cache, ScratchCache
     from ..delivered import DeliveredFiles
     from ..plan import BuildPlan, RolePlan
+
+
+# The build's cache: a kept one, or --no-cache's scratch stand-in with the same methods.
+BuildCache = Union["Cache", "ScratchCache"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,9 @@ class Backend(Protocol):
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
         """What the role's artifact's cache key is the digest of."""
 
-    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
-                     inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
+    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: BuildCache, key: str,
+                     inputs: dict[str, Any],
+                     onnx_dir: Callable[[], Path]) -> tuple[dict[str, Any], bool]:
         """Put `<role>/...` artifacts into ctx.staging, from the cache or built; return (the
         manifest entry, whether the cache's entry was reused)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, GetJsonSchemaHandler,
                       SerializeAsAny, TypeAdapter, ValidationError, field_validator)
@@ -20,7 +20,9 @@ from ..recipe.schema import Method
 
 E = TypeVar("E", bound=BackendEntry)
 
-MANIFEST_SCHEMA = 3  # 3: Ks and shapes recorded once (no roles.*.compiled_ks, no ort shapes)
+# 3: Ks and shapes recorded once (no roles.*.compiled_ks, no ort shapes)
+SchemaVersion = Literal[3]
+MANIFEST_SCHEMA: int = get_args(SchemaVersion)[0]
 
 # ---------------------------------------------------------------- the typed manifest
 # What the runtime relies on, typed and bounded. The seal says a manifest was not changed since
@@ -143,7 +145,8 @@ class _EntriesSchema:
 
 @lru_cache(maxsize=None)
 def _entries_of(name: str) -> TypeAdapter[dict[str, BackendEntry]]:
-    return TypeAdapter(dict[str, entry_model(name)])  # type: ignore[misc]  # a class known at run time
+    # (the entry's class is known at run time only)
+    return TypeAdapter(dict[str, entry_model(name)])  # type: ignore[arg-type, misc]
 
 
 class Role(_Part):
@@ -192,7 +195,7 @@ class Manifest(_Part):
     """A bundle's manifest, checked field by field and across fields (see _disagreements).
     The one place that knows the JSON: everything else reads attributes."""
 
-    schema_version: Literal[MANIFEST_SCHEMA] = Field(alias="schema")
+    schema_version: SchemaVersion = Field(alias="schema")
     bundle_id: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # None: unsealed
     name: str = Field(min_length=1)
     speculation: Speculation
@@ -222,12 +225,15 @@ class Manifest(_Part):
 
     def to_json_dict(self) -> dict[str, Any]:
         """The manifest exactly as its JSON holds it (fields a file leaves out stay out)."""
-        return self.model_dump(mode="json", by_alias=True, exclude_unset=True,
-                               exclude={"roles": {r: {"source": {"path"}} for r in self.roles}})
+        never_sealed: dict[str, Any] = {"roles": {r: {"source": {"path"}} for r in self.roles}}
+        out: dict[str, Any] = self.model_dump(mode="json", by_alias=True, exclude_unset=True,
+                                              exclude=never_sealed)
+        return out
 
     def file_list(self) -> dict[str, dict[str, Any]]:
         """path -> {size, sha256[, executable]} as the JSON records them."""
-        return self.to_json_dict()["files"]
+        files: dict[str, dict[str, Any]] = self.to_json_dict()["files"]
+        return files
 
     def with_model_paths(self, paths: dict[str, Path]) -> "Manifest":
         """The same manifest with each role's local model folder known (never sealed)."""
