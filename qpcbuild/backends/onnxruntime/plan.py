@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...recipe import CARDS, Recipe
+from ...recipe.schema import CARDS, Recipe
 from ...backend_api import BackendPart, RoleFacts
 
 ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the same graph

@@ -11,7 +11,7 @@ import fcntl
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ...bundle.manifest import Manifest, SealedManifest, write_manifest
 from ...bundle.verify import actual_files, compare_files
@@ -26,8 +26,8 @@ def _under(path: str, folders: tuple[str, ...]) -> bool:
     return any(path.startswith(f"{folder}/") for folder in folders)
 
 
-def _hash_folders(bundle: Path, folders: tuple[str, ...]) -> dict[str, dict]:
-    found = {}
+def _hash_folders(bundle: Path, folders: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
     for folder in folders:
         if (bundle / folder).is_dir():
             found.update({f"{folder}/{rel}": meta for rel, meta in
@@ -65,7 +65,8 @@ def _finish(bundle: Path, roles: list[str] | None,
             compiler_id: dict[str, str] | None) -> Manifest:
     sealed = SealedManifest(bundle)
     m = sealed.checked()
-    qaic = {r: e for r, info in m.roles.items() if (e := info.built(QaicEntry)) is not None}
+    qaic: dict[str, QaicEntry] = {r: e for r, info in m.roles.items()
+                                  if (e := info.built(QaicEntry)) is not None}
     qaic_roles = list(qaic)
     if not qaic_roles:
         raise UsageError(f"{bundle}: not built for the qaic backend; there is no QPC to finish")

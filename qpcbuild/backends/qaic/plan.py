@@ -13,7 +13,7 @@ from typing import Any
 
 from ...errors import UsageError
 from ...models.graph_io import Specialization
-from ...recipe import Recipe
+from ...recipe.schema import Recipe
 from ...toolchain import executable
 from ...backend_api import BackendPart, RoleFacts
 
@@ -36,7 +36,7 @@ def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
     return None, tried
 
 
-def kv_buffers(io: dict) -> list[str]:
+def kv_buffers(io: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The KV cache's graph I/O names, from the declared I/O (each past input, then the output
     that retains it): the buffers whose precision the card's custom_io.yaml sets."""
     outputs = {e["name"] for e in io["outputs"]}
