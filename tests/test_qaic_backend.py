@@ -133,7 +133,7 @@ def test_emit_only_writes_compiler_inputs(qaic_models, tmp_path, monkeypatch, st
         inputs, outputs, dims = _graph_io(out / role / "onnx" / "model.onnx")
 
         spec = json.loads((out / role / "qaic" / "specializations.json").read_text())
-        assert spec == {"specializations": rp.specializations}
+        assert spec == {"specializations": [s.model_dump() for s in rp.specializations]}
         for entry in spec["specializations"]:
             assert set(entry) == {"name", "symbols"}
             assert all(isinstance(v, str) for v in entry["symbols"].values())
@@ -171,7 +171,7 @@ def test_emit_only_flat_specializations(qaic_models, tmp_path):
     plan = make_plan(load_recipe(recipe))
     for role in ROLES:
         spec = json.loads((out / role / "qaic" / "specializations.json").read_text())
-        assert spec == {"specializations": [s["symbols"] for s in plan.role(role).specializations]}
+        assert spec == {"specializations": [s.symbols for s in plan.role(role).specializations]}
         for entry in spec["specializations"]:
             assert "name" not in entry and "symbols" not in entry
             assert all(isinstance(v, str) for v in entry.values())
