@@ -22,7 +22,7 @@ from typing import Any, Iterable, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from .models.graph_io import Specialization
+from .models.specialization import Specialization
 from .recipe.schema import Recipe
 
 

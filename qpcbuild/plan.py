@@ -15,7 +15,8 @@ from typing import Any
 from .version import __version__
 from .models.arch import ArchSpec, arch_from_config
 from .models.checkpoint import checkpoint_problems
-from .models.graph_io import Specialization, graph_io
+from .models.graph_io import graph_io
+from .models.specialization import Specialization
 from .errors import Problem, RecipeError, UsageError
 from .backend_api import BackendPart, RoleFacts, backend_names, backend_plan
 from .recipe import recipe_relative, resolve_model_path, resolved_cores

@@ -15,7 +15,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, GetJsonSche
 
 from ..backend_api import BACKENDS, BackendEntry, entry_model
 from ..errors import BundleError
-from ..models.graph_io import Specialization
+from ..models.specialization import Specialization
 from ..recipe.schema import Method
 
 E = TypeVar("E", bound=BackendEntry)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ...bundle.manifest import Manifest
 from ...errors import BundleError
-from ...runtime.session import OrtSession, RowwiseOrtSession, Specialization
+from ...runtime.model_session import Specialization
+from ...runtime.session import OrtSession, RowwiseOrtSession
 from .manifest import OrtEntry
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import UsageError
-from ...models.graph_io import Specialization
+from ...models.specialization import Specialization
 from ...recipe.schema import Recipe
 from ...toolchain import executable
 from ...backend_api import BackendPart, RoleFacts
