@@ -383,6 +383,9 @@ class ScratchCache:
     def unread_problems(self, kind: str, key: str) -> list[str]:
         return []
 
+    def record_meta(self, kind: str, key: str) -> dict[str, Any] | None:
+        return None  # (it keeps no entries)
+
     def deliver(self, entry: Path, dst: Path, skip: tuple[str, ...] = (),
                 known: DeliveredFiles | None = None, copy: bool = False) -> None:
         copy_tree(entry, dst, skip=skip, move=True)  # built here, never hashed: nothing known

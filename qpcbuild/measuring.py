@@ -10,17 +10,16 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .compile.backends import HOST_BACKEND
+from .backend_api import HOST_BACKEND
 from .errors import UsageError
 from .prompts import read_prompt_file
-from .toolchain import HOST_RUNTIME
+from .toolchain import HOST_RUNTIME, package_version
 
 if TYPE_CHECKING:  # the recipe module is read when a bundle is built, not at start-up
     from .recipe import RecipeChanges
 
 PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
 PROMPT_SETS = ("code", "echo", "prose")
-OUR_METHODS = ("draft_model", "ngram", "suffix")
 BENCH_KS = tuple(range(0, 9))  # compiled into a bench bundle built from a recipe
 CARD_PRECISION_KEYS = ("precision.quantization", "precision.kv_cache_dtype")
 Say = Callable[[str], None]
@@ -176,14 +175,6 @@ def default_bench_dir(recipe_path: Path, overrides: list[str]) -> Path:
     return out.with_name(f"{out.name}-bench")
 
 
-def _pkg_version(name: str) -> str | None:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def loadavg() -> list[float] | None:
     """The 1, 5 and 15 minute load averages (None where the system has none)."""
     try:
@@ -202,7 +193,7 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), HOST_RUNTIME: _pkg_version(HOST_RUNTIME)}
+            "python": platform.python_version(), HOST_RUNTIME: package_version(HOST_RUNTIME)}
     if loadavg() is not None:
         info["loadavg_at_start"] = loadavg()
     return info

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench.report import _r, _short, write_outputs
-from .compile.backends import HOST_BACKEND
+from .backend_api import HOST_BACKEND
 from .errors import UsageError
 from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                         loadavg, machine_info)
@@ -79,7 +79,7 @@ def _numerics_column(gen, label: str, prompt_ids, max_new: int, k: int, method: 
     pick from this bundle's acceptance (replayed at every K) and the shared costs."""
     from .tune import choose_k, predict, replayed
 
-    info = gen.manifest.target.backends.onnxruntime
+    info = gen.manifest.target.backends.get(HOST_BACKEND)
     say(f"{label}: target-only greedy outputs, then {method} at K={k}")
     base = gen.sibling(target_only=True)
     outputs = [base.generate([ids], max_new, temperature=0.0, target_only=True).rows[0]
@@ -284,26 +284,6 @@ def column_label(col: dict[str, Any]) -> str:
     if tw != "float32":
         parts.append(f"ORT target weights {tw} blocks")
     return "; ".join(parts) or "exact float32"
-
-
-def numerics_markdown(report: dict[str, Any]) -> str:
-    fp, emu = report["columns"]
-    g, d = emu["greedy_agreement"], emu["logit_drift"]
-    rows = [("acceptance rate", fp["acceptance_rate"], emu["acceptance_rate"]),
-            ("per-position acceptance", " ".join(f"{x:.2f}" for x in fp["acceptance_per_position"]),
-             " ".join(f"{x:.2f}" for x in emu["acceptance_per_position"])),
-            ("mean acceptance length", fp["mean_acceptance_length"], emu["mean_acceptance_length"]),
-            ("tau (tokens per target call)", fp["tau"], emu["tau"])]
-    if "tune_k" in fp:
-        rows.append(("K tune would pick", fp["tune_k"], emu["tune_k"]))
-    rows += [("greedy output = fp32 target", "-", f"{g['identical']}/{g['prompts']} prompts "
-              "(first divergence at new token " + ", ".join(
-                  "-" if f is None else str(f) for f in g["first_divergence"]) + ")"),
-             ("logit drift, max / mean", "-", f"{d['max']} / {d['mean']}"),
-             ("top-1 agreement (teacher-forced)", "-", d["teacher_forced_top1_agreement"])]
-    lines = [f"| | fp32 | {column_label(emu)} |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return "\n".join(lines)
 
 
 def plot_numerics(report: dict[str, Any], path: Path) -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,11 @@ from .version import __version__
 from .models.arch import ArchSpec, arch_from_config
 from .models.checkpoint import checkpoint_problems
 from .models.graph_io import graph_io
+from .models.specialization import Specialization
 from .errors import Problem, RecipeError, UsageError
-from .plan_backends import BACKEND_PLANS, RoleFacts
-from .recipe import CARDS, Recipe, recipe_relative, resolve_model_path, resolved_cores
+from .backend_api import BackendPart, RoleFacts, backend_names, backend_plan
+from .recipe import recipe_relative, resolve_model_path, resolved_cores
+from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment
 from .models.vocab_subset import read_vocab_subset, subset_digest
@@ -30,25 +31,66 @@ WEIGHT_BYTES = {"none": 2.0, "mxfp6": 25 / 32}  # the card runs fp16; mxfp6: 6 b
 
 
 @dataclass(frozen=True)
+class RoleSource:
+    """Where a role's model came from, as resolved (models/source.py)."""
+    ref: str
+    revision: str | None
+    origin: str  # local | known-models | ...
+    path: str | None  # the local folder; None for a known config without weights here
+    config_digest: str
+    smoke_of: str | None  # random weights standing in for this model (--smoke-weights)
+    recipe_ref: str  # as the recipe wrote it (relative to the recipe file): what the manifest keeps
+
+    def folder(self) -> Path:
+        """The local model folder; a build needs one (bundle/build.py checks first)."""
+        if self.path is None:
+            raise UsageError(f"{self.ref}: no local model folder (its config plans without "
+                             "weights; a build needs them)")
+        return Path(self.path)
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Estimated on-card memory per device of the role's group (GiB)."""
+    weights_gib: float
+    kv_cache_gib: float
+
+
+@dataclass(frozen=True)
+class VocabSubset:
+    """The draft's vocabulary subset (models/vocab_subset.py), checked when planned."""
+    ref: str  # as the recipe wrote it
+    path: str  # resolved
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
 class RolePlan:
     role: str  # "target" | "draft"
-    source: dict[str, Any]  # ref, revision, origin, path, config digest
+    source: RoleSource
     arch: ArchSpec
     ks: tuple[int, ...]  # target: compiled Ks; draft: ()
-    specializations: list[dict[str, Any]]  # named form: {"name": ..., "symbols": {...}}
+    specializations: list[Specialization]
     io: dict[str, list[dict[str, Any]]]
-    custom_io: list[dict[str, str]]  # planned by a backend (plan_backends/qaic.py)
-    mdp_partition: dict[str, Any] | None  # planned by a backend (plan_backends/qaic.py)
     device_group: list[int]
     num_cores: int
-    # planned by a backend (plan_backends/qaic.py): relative to the bundle root; argv[0] is the
-    # compiler
-    compiler_argv: list[str]
-    ort: dict[str, Any]  # planned by a backend (plan_backends/onnxruntime.py)
-    memory: dict[str, float]
-    cache_keys: dict[str, str]
-    # draft only: {"ref": as the recipe wrote it, "path", "size", "sha256"} (vocab_subset.py)
-    vocab_subset: dict[str, Any] | None = None
+    # Every backend's part (backends/<name>/plan.py), by backend name: `qpcbuild plan` shows
+    # them all, whichever the recipe builds for.
+    backends: dict[str, BackendPart]
+    memory: RoleMemory
+    cache_keys: dict[str, str]  # stage (export, or a backend's name) -> its settings' digest
+    vocab_subset: VocabSubset | None = None  # draft only
+
+    def to_dict(self) -> dict[str, Any]:
+        """As `qpcbuild plan --json` shows it."""
+        return {"source": asdict(self.source), "ks": list(self.ks),
+                "specializations": [s.model_dump() for s in self.specializations],
+                "io": self.io, "device_group": self.device_group, "num_cores": self.num_cores,
+                "backends": {n: p.to_dict() for n, p in self.backends.items()},
+                "memory": asdict(self.memory), "cache_keys": self.cache_keys,
+                "vocab_subset": self.vocab_subset and asdict(self.vocab_subset),
+                "arch": self.arch.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -67,16 +109,17 @@ class BuildPlan:
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
 
+    @property
+    def target(self) -> RolePlan:
+        return next(r for r in self.roles if r.role == "target")  # every plan has one
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "qpcbuild_version": __version__,
             "recipe": self.recipe.to_yaml_dict(),
             "method": self.method, "method_options": self.method_options, "ks": list(self.ks),
             "tokenizer": self.tokenizer,
-            "roles": {r.role: {**{k: v for k, v in asdict(r).items() if k not in ("role", "arch")},
-                               "arch": r.arch.to_dict(),
-                               "compiler_command": shlex.join(r.compiler_argv)}
-                      for r in self.roles},
+            "roles": {r.role: r.to_dict() for r in self.roles},
             "cores_per_qid": self.cores_per_qid, "memory_per_qid_gib": self.memory_per_qid,
             "dram_gib_per_qid": self.dram_gib_per_qid, "warnings": self.warnings,
         }
@@ -86,7 +129,7 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[dict[str, Any]]:
+def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[Specialization]:
     s = r.shapes
     fbs = s.full_batch_size
     prefill = {"batch_size": 1 if fbs else s.batch_size, "seq_len": s.prefill_seq_len,
@@ -107,64 +150,49 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[dict[str,
             e["full_batch_size"] = fbs
     names = ["Prefill"] + [f"Prefill_{w}" for w in tail_lens] + \
         (["Decode"] if len(decodes) == 1 else [f"Decode_{i}" for i in range(len(decodes))])
-    return [{"name": n, "symbols": {k: str(v) for k, v in e.items()}}
+    return [Specialization(name=n, symbols={k: str(v) for k, v in e.items()})
             for n, e in zip(names, entries)]
 
 
 def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
-               compiler: str | None, vocab_subset: dict[str, Any] | None = None) -> RolePlan:
+               compiler: str | None, vocab_subset: VocabSubset | None = None) -> RolePlan:
     arch = arch_from_config(src.config, f"{src.ref}/config.json")
     hw = getattr(r.hardware, role)
     cb = r.shapes.full_batch_size is not None
     smoke_of = src.config.get("qpcbuild_smoke_of")  # random weights standing in for this model
-    source = {"ref": src.ref, "revision": src.revision, "origin": src.origin,
-              "path": str(src.path) if src.path else None, "config_digest": src.config_digest,
-              "smoke_of": smoke_of,
-              # As the recipe wrote it (relative to the recipe file): what the manifest keeps.
-              "recipe_ref": smoke_of or getattr(r, role).model}
+    source = RoleSource(ref=src.ref, revision=src.revision, origin=src.origin,
+                        path=str(src.path) if src.path else None,
+                        config_digest=src.config_digest, smoke_of=smoke_of,
+                        recipe_ref=smoke_of or getattr(r, role).model)
     export_key = digest({"exporter": EXPORTER_VERSION, "config": src.config_digest,
                          "role": role, "continuous_batching": cb,
                          "dtype": r.precision.export_dtype,
                          # a subset changes the graph; its key stays as before without one
-                         **({"vocab_subset": vocab_subset["sha256"]} if vocab_subset else {})})
+                         **({"vocab_subset": vocab_subset.sha256} if vocab_subset else {})})
     batch = r.shapes.full_batch_size or r.shapes.batch_size
     n_dev = len(hw.device_group)
-    head_rows = vocab_subset["size"] if vocab_subset else None
-    memory = {
+    head_rows = vocab_subset.size if vocab_subset else None
+    memory = RoleMemory(
         # The compiler compresses matmul weights only; the embedding table stays fp16.
-        "weights_gib": (arch.matmul_param_count(head_rows) * WEIGHT_BYTES[r.precision.quantization]
-                        + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
-        "kv_cache_gib": arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype])
-        * r.shapes.ctx_len * batch / 2**30 / n_dev,
-    }
+        weights_gib=(arch.matmul_param_count(head_rows) * WEIGHT_BYTES[r.precision.quantization]
+                     + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
+        kv_cache_gib=arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype])
+        * r.shapes.ctx_len * batch / 2**30 / n_dev)
     facts = RoleFacts(role=role, cores=cores, device_group=list(hw.device_group),
                       specializations=specializations(role, r, ks), io=graph_io(role, arch, cb),
                       export_key=export_key)
-    planned, backend_keys = _backends_plan(r, facts, compiler)
+    parts = {name: backend_plan(name).plan_role(r, facts, compiler) for name in backend_names()}
+    # the settings part of each backend's cache key
+    backend_keys = {name: digest(backend_plan(name).settings(r, facts, part))
+                    for name, part in parts.items()}
     return RolePlan(
         role=role, source=source, arch=arch, ks=ks if role == "target" else (),
         specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
-        num_cores=cores, memory=memory, cache_keys={"export": export_key, **backend_keys},
-        vocab_subset=vocab_subset, **planned)
+        num_cores=cores, backends=parts, memory=memory,
+        cache_keys={"export": export_key, **backend_keys}, vocab_subset=vocab_subset)
 
 
-def _backends_plan(r: Recipe, facts: RoleFacts,
-                   compiler: str | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every backend's part of the role's plan (RolePlan fields by name), and the settings part
-    of each backend's cache key, by backend name (plan_backends/)."""
-    planned: dict[str, Any] = {}
-    keys = {}
-    for name, backend in BACKEND_PLANS.items():
-        part = backend.plan_role(r, facts, compiler)
-        if planned.keys() & part.keys():
-            raise RuntimeError(f"backend {name} plans {sorted(planned.keys() & part.keys())}, "
-                               "which another backend already planned")
-        planned.update(part)
-        keys[name] = digest(backend.settings(r, facts, part))
-    return planned, keys
-
-
-def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
+def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref: ModelRef | Draft) -> list[str]:
     """Weights against config, when the folder has weights (a config-only folder still plans)."""
     if src.path is None or not any(src.path.glob("*.safetensors")) and \
             not (src.path / "model.safetensors.index.json").is_file():
@@ -172,27 +200,29 @@ def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref) -> list[str]:
     return checkpoint_problems(src.path, arch, ref.allow_pickle, ref.allow_unused_weights)
 
 
-def _vocab_subset(r: Recipe, arch: ArchSpec) -> dict[str, Any]:
-    ref = r.draft.vocab_subset
+def _vocab_subset(r: Recipe, ref: str, arch: ArchSpec) -> VocabSubset:
     try:
         path = recipe_relative(r, ref)
     except RuntimeError as exc:  # "~nosuchuser/x"
         raise UsageError(f"{ref}: not a usable path ({exc})") from None
     ids = read_vocab_subset(path, arch.vocab_size, arch.eos_token_ids)
-    return {"ref": ref, "path": str(path.resolve()), "size": int(len(ids)),
-            "sha256": subset_digest(ids)}
+    return VocabSubset(ref=ref, path=str(path.resolve()), size=int(len(ids)),
+                       sha256=subset_digest(ids))
 
 
-def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], dict[str, Any] | None]:
+def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | None]:
     """Each role's model (its config; weights checked against it where present) and the
     draft's vocabulary subset; every problem found at once, as one RecipeError."""
     problems: list[Problem] = []
     sources: dict[str, ModelSource] = {}
-    subset: dict[str, Any] | None = None
-    refs = {"target": (r.target.model, r.target.revision, "target.model")}
-    if r.draft.method == "draft_model":
+    subset: VocabSubset | None = None
+    refs: dict[str, tuple[str | None, str | None, str]] = {
+        "target": (r.target.model, r.target.revision, "target.model")}
+    if r.draft.method == "draft_model":  # (the recipe's checks made sure it names a model)
         refs["draft"] = (r.draft.model, r.draft.revision, "draft.model")
     for role, (ref, rev, key) in refs.items():
+        if ref is None:
+            continue
         try:
             sources[role] = resolve(resolve_model_path(r, ref), rev)
             arch = arch_from_config(sources[role].config, f"{ref}/config.json")
@@ -203,7 +233,7 @@ def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], dict[str, Any] 
             continue
         if role == "draft" and r.draft.vocab_subset:
             try:
-                subset = _vocab_subset(r, arch)
+                subset = _vocab_subset(r, r.draft.vocab_subset, arch)
             except UsageError as exc:
                 problems.append(Problem("draft.vocab_subset", str(exc),
                                         r.line_of("draft.vocab_subset")))
@@ -223,20 +253,21 @@ def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], dict[str, Any] 
 
 
 def _per_qid(roles: list[RolePlan], card: dict[str, Any],
-             warnings: list[str]) -> tuple[list[dict], list[dict]]:
+             warnings: list[str]) -> tuple[list[dict[str, int]], list[dict[str, float]]]:
     """Cores and memory per device (QID) the roles use; a warning where a QID's memory does not
     hold its weights and KV cache."""
     qids = sorted({q for rp in roles for q in rp.device_group})
-    core_rows, mem_rows = [], []
+    core_rows: list[dict[str, int]] = []
+    mem_rows: list[dict[str, float]] = []
     for q in qids:
         row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
         row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
         core_rows.append(row)
-        mem = {"qid": q}
+        mem: dict[str, float] = {"qid": q}
         for rp in roles:
             if q in rp.device_group:
-                mem[f"{rp.role}_weights"] = round(rp.memory["weights_gib"], 3)
-                mem[f"{rp.role}_kv"] = round(rp.memory["kv_cache_gib"], 3)
+                mem[f"{rp.role}_weights"] = round(rp.memory.weights_gib, 3)
+                mem[f"{rp.role}_kv"] = round(rp.memory.kv_cache_gib, 3)
         mem["total"] = round(sum(v for k, v in mem.items() if k != "qid"), 3)
         mem_rows.append(mem)
         if mem["total"] > card["dram_gib_per_qid"]:
@@ -251,9 +282,9 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
     sources, subset = _resolve_sources(r)
     warnings = [str(w) for w in r.warnings]
     configs = {role: src.config for role, src in sources.items()}
-    for name, backend in BACKEND_PLANS.items():
+    for name in backend_names():  # (in the registry's order, as before)
         if name in r.backends:
-            warnings += backend.warnings(r, configs)
+            warnings += backend_plan(name).warnings(r, configs)
     tok = alignment(sources["target"], sources.get("draft"), memo_dir)
     if tok["verdict"] == "incompatible":
         raise RecipeError(r.source, [Problem("draft.model", "target and draft "

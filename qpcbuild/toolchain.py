@@ -18,7 +18,8 @@ SDK_VERSION_FILES = ("/opt/qti-aic/versions/apps.xml", "/opt/qti-aic/versions/pl
 HOST_RUNTIME = "onnxruntime"  # the package the host backend runs on (bench records its version)
 
 
-def _pkg(name: str) -> str | None:
+def package_version(name: str) -> str | None:
+    """An installed distribution's version (None: not installed)."""
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -42,8 +43,9 @@ def artifact_versions() -> dict[str, object]:
     """The versions that shape a bundle's artifacts: recorded in the manifest (and so in the
     bundle id) and in the cache keys. Tools that only run the build (Python, transformers)
     are left out, so two machines with the same toolchain build the same bundle."""
-    return {"qpcbuild": __version__, "onnx": _pkg("onnx"), "onnxruntime": _pkg("onnxruntime"),
-            "numpy": _pkg("numpy"), "qaic_sdk": qaic_sdk_versions()}
+    return {"qpcbuild": __version__, "onnx": package_version("onnx"),
+            "onnxruntime": package_version("onnxruntime"),
+            "numpy": package_version("numpy"), "qaic_sdk": qaic_sdk_versions()}
 
 
 def executable(name: str) -> str:
@@ -79,6 +81,6 @@ def compiler_identity(path: str | None) -> dict[str, str] | None:
 
 def versions() -> dict[str, object]:
     return {"qpcbuild": __version__, "python": platform.python_version(),
-            "onnx": _pkg("onnx"), "onnxruntime": _pkg("onnxruntime"),
-            "transformers": _pkg("transformers"), "tokenizers": _pkg("tokenizers"),
-            "numpy": _pkg("numpy"), "qaic_sdk": qaic_sdk_versions()}
+            "onnx": package_version("onnx"), "onnxruntime": package_version("onnxruntime"),
+            "transformers": package_version("transformers"), "tokenizers": package_version("tokenizers"),
+            "numpy": package_version("numpy"), "qaic_sdk": qaic_sdk_versions()}

@@ -230,7 +230,7 @@ def qaic_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def no_qaic_sdk(monkeypatch, tmp_path) -> tuple[str, str]:
     """This machine has no SDK; make sure the tests behave the same on one that does."""
-    import qpcbuild.plan_backends.qaic as qaic_plan
+    import qpcbuild.backends.qaic.plan as qaic_plan
 
     fake = (str(tmp_path / "sdk" / "qaic-compile"), str(tmp_path / "sdk" / "qaic-exec"))
     monkeypatch.setattr(qaic_plan, "QAIC_COMPILERS", fake)

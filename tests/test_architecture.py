@@ -20,7 +20,7 @@ PACKAGE = ROOT / "qpcbuild"
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 # Cycles known today, each with what removes it (none: the compile backends import their
-# interface from compile/interface.py, and the registry, compile/backends.py, finds them by name).
+# interface from bundle/backend.py, and the registry, backend_api.py, finds them by name).
 KNOWN_CYCLES: list[set[str]] = []
 
 

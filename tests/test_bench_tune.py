@@ -633,7 +633,7 @@ def test_roofline_reads_an_untied_head_and_only_a_drafts_subset_rows(tmp_path):
     # The plan's memory estimate keeps the whole fp16 table resident beside the MatMul weights.
     from qpcbuild.plan import make_plan
 
-    draft_gib = make_plan(r).role("draft").memory["weights_gib"]
+    draft_gib = make_plan(r).role("draft").memory.weights_gib
     assert draft_gib == pytest.approx(((363_136 + 128_000) * 2 + 4096 * 128 * 2) / 2**30)
 
 

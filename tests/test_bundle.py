@@ -26,7 +26,7 @@ import qpcbuild.export.model as export_mod  # where bundle/build.py finds export
 from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
 from qpcbuild.cache import Cache
 from qpcbuild.cli import app
-from qpcbuild.compile.onnxruntime import OrtBackend
+from qpcbuild.backends.onnxruntime.build import OrtBackend
 from qpcbuild.errors import BundleError, ToolchainError, UsageError
 from qpcbuild.plan import make_plan
 from qpcbuild.recipe import load_recipe

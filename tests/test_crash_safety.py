@@ -162,7 +162,7 @@ def test_an_interrupt_python_wrapped_in_another_error_still_ends_as_interrupted(
 SIGTERM_IN_IMPORT = """
 import os, signal, sys
 from qpcbuild.cli.app import _terminate
-from qpcbuild.compile.onnxruntime import OrtBackend
+from qpcbuild.backends.onnxruntime.build import OrtBackend
 from qpcbuild.errors import Terminated, ToolchainError
 
 

@@ -208,7 +208,7 @@ def _qdq_graph(heads: int, d: int):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from qpcbuild.compile.ort_graph import _Lowered
+    from qpcbuild.backends.onnxruntime.ort_graph import _Lowered
     from qpcbuild.export.builder import GraphBuilder
 
     g = GraphBuilder(io.BytesIO(), "unused.data")
@@ -280,8 +280,9 @@ def test_plan_numerics_cache_keys_and_unchanged_qaic_argv():
     exact = make_plan(_load()).role("target")
     emu = make_plan(_load("precision.quantization=mxfp6")).role("target")
     both = make_plan(_load("precision.quantization=mxfp6", "precision.kv_cache_dtype=mxint8"))
-    assert exact.ort["numerics"] == "exact" and emu.ort["numerics"] == "emulated"
-    assert emu.ort["numerics_formats"] == {"weights": "mxfp6-e2m3-block32", "kv": "float32"}
+    ort_exact, ort_emu = exact.backends["onnxruntime"], emu.backends["onnxruntime"]
+    assert ort_exact.numerics == "exact" and ort_emu.numerics == "emulated"
+    assert ort_emu.numerics_formats == {"weights": "mxfp6-e2m3-block32", "kv": "float32"}
     keys = {exact.cache_keys["onnxruntime"], emu.cache_keys["onnxruntime"],
             both.role("target").cache_keys["onnxruntime"]}
     assert len(keys) == 3  # the numerics are in the ORT artifact's key
@@ -289,10 +290,11 @@ def test_plan_numerics_cache_keys_and_unchanged_qaic_argv():
     card = make_plan(_load("precision.quantization=mxfp6", "backends=[qaic]"))
     pair = make_plan(_load("precision.quantization=mxfp6", "backends=[onnxruntime, qaic]"))
     for role in ("target", "draft"):
-        assert pair.role(role).compiler_argv == card.role(role).compiler_argv
-        assert "-mxfp6-matmul" in pair.role(role).compiler_argv
+        argv = pair.role(role).backends["qaic"].compiler_argv
+        assert argv == card.role(role).backends["qaic"].compiler_argv
+        assert "-mxfp6-matmul" in argv
         assert pair.role(role).cache_keys["qaic"] == card.role(role).cache_keys["qaic"]
-        assert pair.role(role).ort["numerics"] == "emulated"
+        assert pair.role(role).backends["onnxruntime"].numerics == "emulated"
 
 
 # ---------------------------------------------------------------- bundles

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from qpcbuild.errors import RecipeError
 from qpcbuild.plan import BuildPlan, make_plan, specializations
-from qpcbuild.plan_backends.qaic import custom_io_yaml, specializations_file
+from qpcbuild.backends.qaic.plan import custom_io_yaml, specializations_file
 from qpcbuild.recipe import Shapes, load_recipe, recipe_from_text, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,18 +41,18 @@ def plan_of(path: Path = REFERENCE, *overrides: str) -> BuildPlan:
 
 
 def symbols(plan: BuildPlan, role: str) -> list[dict[str, str]]:
-    return [s["symbols"] for s in plan.role(role).specializations]
+    return [s.symbols for s in plan.role(role).specializations]
 
 
 def names(plan: BuildPlan, role: str) -> list[str]:
-    return [s["name"] for s in plan.role(role).specializations]
+    return [s.name for s in plan.role(role).specializations]
 
 
 # ---------------------------------------------------------------- specializations
 def test_target_specializations_prefill_and_k_plus_1_decode():
     p = plan_of()
     assert p.method == "draft_model" and p.ks == (3,)
-    assert p.role("target").specializations == [
+    assert [s.model_dump() for s in p.role("target").specializations] == [
         {"name": "Prefill", "symbols": {"batch_size": "4", "seq_len": "128", "ctx_len": "2048",
                                         "num_logits_to_keep": "1"}},
         {"name": "Decode", "symbols": {"batch_size": "4", "seq_len": "4", "ctx_len": "2048",
@@ -64,7 +64,7 @@ def test_target_specializations_prefill_and_k_plus_1_decode():
 
 def test_draft_specializations_prefill_and_single_token_decode():
     p = plan_of()
-    assert p.role("draft").specializations == [
+    assert [s.model_dump() for s in p.role("draft").specializations] == [
         {"name": "Prefill", "symbols": {"batch_size": "4", "seq_len": "128", "ctx_len": "2048"}},
         {"name": "Decode", "symbols": {"batch_size": "4", "seq_len": "1", "ctx_len": "2048"}},
     ]
@@ -76,11 +76,11 @@ def test_draft_decode_omitted_when_prefill_is_one_token():
     # so the rule of reference section 2 is checked on the planner's function directly.
     r = load_recipe(REFERENCE)
     one = r.model_copy(update={"shapes": Shapes(batch_size=2, prefill_seq_len=1, ctx_len=64)})
-    assert specializations("draft", one, ()) == [
+    assert [s.model_dump() for s in specializations("draft", one, ())] == [
         {"name": "Prefill", "symbols": {"batch_size": "2", "seq_len": "1", "ctx_len": "64"}}]
     cb = r.model_copy(update={"shapes": Shapes(batch_size=2, full_batch_size=4,
                                                prefill_seq_len=1, ctx_len=64)})
-    assert [s["name"] for s in specializations("draft", cb, ())] == ["Prefill", "Decode"]
+    assert [s.name for s in specializations("draft", cb, ())] == ["Prefill", "Decode"]
 
 
 def test_ngram_compiles_k0_and_k():
@@ -163,25 +163,26 @@ def test_custom_io_two_entries_per_kv_tensor_per_layer_mxint8():
         layers = rp.arch.num_layers
         expected = [f"past_{kind}.{i}{suffix}" for i in range(layers) for kind in ("key", "value")
                     for suffix in ("", "_RetainedState")]
-        assert [e["IOName"] for e in rp.custom_io] == expected
-        assert len(rp.custom_io) == 4 * layers
-        assert {e["Precision"] for e in rp.custom_io} == {"mxint8"}
+        assert [e["IOName"] for e in rp.backends["qaic"].custom_io] == expected
+        assert len(rp.backends["qaic"].custom_io) == 4 * layers
+        assert {e["Precision"] for e in rp.backends["qaic"].custom_io} == {"mxint8"}
     assert (p.role("target").arch.num_layers, p.role("draft").arch.num_layers) == (32, 16)
-    text = custom_io_yaml(p.role("draft").custom_io)
+    text = custom_io_yaml(p.role("draft").backends["qaic"].custom_io)
     assert text.startswith(" - IOName: past_key.0\n   Precision: mxint8\n\n"
                            " - IOName: past_key.0_RetainedState\n   Precision: mxint8\n\n")
-    assert yaml.safe_load(text) == p.role("draft").custom_io
+    assert yaml.safe_load(text) == p.role("draft").backends["qaic"].custom_io
 
 
 def test_custom_io_follows_kv_dtype():
     p = plan_of(REFERENCE, "precision.kv_cache_dtype=float16")
-    assert {e["Precision"] for rp in p.roles for e in rp.custom_io} == {"float16"}
+    assert {e["Precision"] for rp in p.roles
+            for e in rp.backends["qaic"].custom_io} == {"float16"}
 
 
 def test_mdp_partition_four_devices_with_role_cores():
     p = plan_of()
     for role, cores in (("target", 10), ("draft", 6)):
-        assert p.role(role).mdp_partition == {
+        assert p.role(role).backends["qaic"].mdp_partition == {
             "connections": [{"devices": [0, 1, 2, 3], "type": "p2p"}],
             "partitions": [{"name": "Partition0",
                             "devices": [{"deviceId": d, "numCores": cores} for d in range(4)]}]}
@@ -192,27 +193,29 @@ def test_mdp_partition_four_devices_with_role_cores():
 def test_single_device_has_no_mdp_partition():
     p = plan_of(REFERENCE, "hardware.target.device_group=[2]", "hardware.draft.device_group=[3]")
     for rp in p.roles:
-        assert rp.mdp_partition is None
-        assert not any(a.startswith("-mdp-load-partition-config") for a in rp.compiler_argv)
+        assert rp.backends["qaic"].mdp_partition is None
+        assert not any(a.startswith("-mdp-load-partition-config")
+                       for a in rp.backends["qaic"].compiler_argv)
 
 
 # ---------------------------------------------------------------- compiler argv
 def test_compiler_argv_reference_token_order():
     p = plan_of()
-    assert p.role("target").compiler_argv == [
+    assert p.role("target").backends["qaic"].compiler_argv == [
         "qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m=target/onnx/model.onnx",
         "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=10",
         "-aic-enable-depth-first", "-mdp-load-partition-config=target/qaic/mdp_ts_4.json",
         "-network-specialization-config=target/qaic/specializations.json",
         "-custom-IO-list-file=target/qaic/custom_io.yaml", "-aic-binary-dir=target/qpc"]
-    assert p.role("draft").compiler_argv == [
+    assert p.role("draft").backends["qaic"].compiler_argv == [
         "qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m=draft/onnx/model.onnx",
         "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=6",
         "-aic-enable-depth-first", "-mdp-load-partition-config=draft/qaic/mdp_ts_4.json",
         "-network-specialization-config=draft/qaic/specializations.json",
         "-custom-IO-list-file=draft/qaic/custom_io.yaml", "-aic-binary-dir=draft/qpc"]
     roles = p.to_dict()["roles"]
-    assert roles["target"]["compiler_command"] == shlex.join(p.role("target").compiler_argv)
+    assert roles["target"]["backends"]["qaic"]["compiler_command"] == \
+        shlex.join(p.role("target").backends["qaic"].compiler_argv)
 
 
 def test_compiler_argv_optional_flags_in_order():
@@ -220,7 +223,7 @@ def test_compiler_argv_optional_flags_in_order():
                 "hardware.compiler_options.allow_mxint8_mdp_io=true",
                 "hardware.compiler_options.extra_flags=[-stats-level=70, -v]",
                 "hardware.aic_hw_version=ai200", "precision.quantization=none")
-    assert p.role("target").compiler_argv == [
+    assert p.role("target").backends["qaic"].compiler_argv == [
         "qaic-compile", "-aic-hw", "-aic-hw-version=ai200", "-m=target/onnx/model.onnx",
         "-retained-state", "-convert-to-fp16", "-aic-num-cores=10", "-aic-enable-depth-first",
         "-mos=2", "-allow-mxint8-mdp-io", "-stats-level=70", "-v",
@@ -232,7 +235,7 @@ def test_compiler_argv_optional_flags_in_order():
 def test_explicit_compiler_path_is_argv0(tmp_path):
     fake = tmp_path / "qaic-exec"
     p = make_plan(load_recipe(REFERENCE), compiler=str(fake))
-    assert p.role("target").compiler_argv[0] == str(fake)
+    assert p.role("target").backends["qaic"].compiler_argv[0] == str(fake)
 
 
 # ---------------------------------------------------------------- cores and memory
@@ -255,7 +258,7 @@ def test_core_split_on_shared_device_group(overrides, target, draft):
         assert row == {"qid": row["qid"], "target": target, "draft": draft,
                        "free": 16 - target - draft}
         assert row["target"] + row["draft"] <= 16
-    assert f"-aic-num-cores={target}" in p.role("target").compiler_argv
+    assert f"-aic-num-cores={target}" in p.role("target").backends["qaic"].compiler_argv
 
 
 def test_separate_device_groups_get_whole_qids():
@@ -270,7 +273,7 @@ def test_separate_device_groups_get_whole_qids():
 def test_memory_estimate_positive_and_no_warning_for_reference():
     p = plan_of()
     for rp in p.roles:
-        assert rp.memory["weights_gib"] > 0 and rp.memory["kv_cache_gib"] > 0
+        assert rp.memory.weights_gib > 0 and rp.memory.kv_cache_gib > 0
     assert p.dram_gib_per_qid == 32
     assert [row["qid"] for row in p.memory_per_qid] == [0, 1, 2, 3]
     for row in p.memory_per_qid:
@@ -280,20 +283,20 @@ def test_memory_estimate_positive_and_no_warning_for_reference():
     assert not any("on-board memory" in w for w in p.warnings)
     # KV: 2 (k, v) x 32 layers x 8 heads x 128 x 33/32 bytes x 2048 positions x 4 rows, over 4 QIDs
     expected = 2 * 32 * 8 * 128 * (33 / 32) * 2048 * 4 / 2**30 / 4
-    assert p.role("target").memory["kv_cache_gib"] == pytest.approx(expected)
+    assert p.role("target").memory.kv_cache_gib == pytest.approx(expected)
 
 
 def test_memory_warning_when_kv_exceeds_qid_dram():
     p = plan_of(REFERENCE, "shapes.ctx_len=131072", "shapes.batch_size=64")
-    assert p.role("target").memory["kv_cache_gib"] > 32
+    assert p.role("target").memory.kv_cache_gib > 32
     warnings = [w for w in p.warnings if "on-board memory" in w]
     assert len(warnings) == 4  # one per QID
     assert "QID 0" in warnings[0] and "32 GiB" in warnings[0]
 
 
 def test_mxfp6_shrinks_weights():
-    fp16 = plan_of(REFERENCE, "precision.quantization=none").role("target").memory["weights_gib"]
-    mx = plan_of().role("target").memory["weights_gib"]
+    fp16 = plan_of(REFERENCE, "precision.quantization=none").role("target").memory.weights_gib
+    mx = plan_of().role("target").memory.weights_gib
     assert 0 < mx < fp16 / 2
 
 
@@ -347,7 +350,7 @@ def test_plan_needs_no_network_and_no_weights(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     p = plan_of()
     for rp in p.roles:
-        assert rp.source["origin"] == "known-models" and rp.source["path"] is None
+        assert rp.source.origin == "known-models" and rp.source.path is None
     assert p.tokenizer["verdict"] == "same-family"
     assert any(w.startswith("tokenizers:") for w in p.warnings)
 
@@ -430,7 +433,7 @@ def test_tokenizers_identical(tmp_path):
     assert p.tokenizer["verdict"] == "identical"
     assert p.tokenizer["target_digest"] == p.tokenizer["draft_digest"] is not None
     assert not any(w.startswith("tokenizers:") for w in p.warnings)
-    assert {rp.source["origin"] for rp in p.roles} == {"local"}
+    assert {rp.source.origin for rp in p.roles} == {"local"}
 
 
 def test_tokenizers_target_padded(tmp_path):
@@ -578,5 +581,5 @@ def test_plan_of_any_valid_variant_is_a_plan_or_a_recipe_error(data):
     for row in p.cores_per_qid:
         assert sum(v for k, v in row.items() if k in ("target", "draft")) <= 16
     target = p.role("target")
-    assert [s["symbols"]["seq_len"] for s in target.specializations[1:]] == \
+    assert [s.symbols["seq_len"] for s in target.specializations[1:]] == \
         [str(k + 1) for k in p.ks]

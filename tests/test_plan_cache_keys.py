@@ -1,11 +1,11 @@
 """The settings part of every artifact's cache key, pinned for shipped recipes: a bundle cache
-(local or remote) is only as good as its keys, so a refactor of the plan must leave them
-byte-identical. Recorded before the backends' planning moved into qpcbuild/plan_backends/; a
-change here means every cached artifact is rebuilt, so it must be one that changes artifacts
-(bump EXPORTER_VERSION or ORT_LOWERING_VERSION for that). The batched and continuous-batching
-ONNX Runtime keys changed once since, on purpose: those bundles moved from the portable graph
-to the fused one with a symbolic batch (windows run once per row, single-token calls over all
-rows)."""
+(local or remote) is only as good as its keys, so a refactor of the plan must leave them byte-
+identical. Recorded before the backends' planning moved into qpcbuild/plan_backends/ (now
+backends/<name>/plan.py); a change here means every cached artifact is rebuilt, so it must be
+one that changes artifacts (bump EXPORTER_VERSION or ORT_LOWERING_VERSION for that). The batched
+and continuous-batching ONNX Runtime keys changed once since, on purpose: those bundles moved
+from the portable graph to the fused one with a symbolic batch (windows run once per row,
+single-token calls over all rows)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import yaml
 from typer.testing import CliRunner
 
 import qpcbuild.export.model as export_mod  # where bundle/build.py finds export_model
-import qpcbuild.compile.qaic as qaic_mod
+import qpcbuild.backends.qaic.build as qaic_mod
 from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bundle
 from qpcbuild.cli import app
 from qpcbuild.errors import ToolchainError
@@ -37,7 +37,7 @@ runner = CliRunner()
 
 # ---------------------------------------------------------------- helpers
 def plan_argv(recipe: Path, role: str, *overrides: str) -> list[str]:
-    return make_plan(load_recipe(recipe, list(overrides))).role(role).compiler_argv
+    return make_plan(load_recipe(recipe, list(overrides))).role(role).backends["qaic"].compiler_argv
 
 
 def reuse(result: BuildResult) -> dict[str, bool]:
@@ -133,7 +133,7 @@ def test_emit_only_writes_compiler_inputs(qaic_models, tmp_path, monkeypatch, st
         inputs, outputs, dims = _graph_io(out / role / "onnx" / "model.onnx")
 
         spec = json.loads((out / role / "qaic" / "specializations.json").read_text())
-        assert spec == {"specializations": rp.specializations}
+        assert spec == {"specializations": [s.model_dump() for s in rp.specializations]}
         for entry in spec["specializations"]:
             assert set(entry) == {"name", "symbols"}
             assert all(isinstance(v, str) for v in entry["symbols"].values())
@@ -148,12 +148,13 @@ def test_emit_only_writes_compiler_inputs(qaic_models, tmp_path, monkeypatch, st
 
         script = out / role / "qaic" / "compile.sh"
         assert os.access(script, os.X_OK)
-        assert _compile_sh_args(script) == rp.compiler_argv[1:]
-        assert rp.compiler_argv[0] == str(stand_in.path)  # the plan names what it found
+        assert _compile_sh_args(script) == rp.backends["qaic"].compiler_argv[1:]
+        # the plan names what it found
+        assert rp.backends["qaic"].compiler_argv[0] == str(stand_in.path)
         entry = m["roles"][role]["backends"]["qaic"]
         assert entry["status"] == "emitted" and entry["qpc"] is None
         # Not where the compiler is installed: that would make the id host-specific.
-        assert entry["compiler_args"] == rp.compiler_argv[1:]
+        assert entry["compiler_args"] == rp.backends["qaic"].compiler_argv[1:]
         assert m["roles"][role]["backends"]["onnxruntime"]["status"] == "compiled"
 
     names = [s["name"] for s in m["roles"]["target"]["specializations"]]
@@ -170,7 +171,7 @@ def test_emit_only_flat_specializations(qaic_models, tmp_path):
     plan = make_plan(load_recipe(recipe))
     for role in ROLES:
         spec = json.loads((out / role / "qaic" / "specializations.json").read_text())
-        assert spec == {"specializations": [s["symbols"] for s in plan.role(role).specializations]}
+        assert spec == {"specializations": [s.symbols for s in plan.role(role).specializations]}
         for entry in spec["specializations"]:
             assert "name" not in entry and "symbols" not in entry
             assert all(isinstance(v, str) for v in entry.values())

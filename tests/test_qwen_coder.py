@@ -149,7 +149,7 @@ def test_chat_prompt_equals_transformers_apply_chat_template(generator, referenc
 def test_tokenizers_are_identical_and_the_draft_weights_are_quantized(bundle):
     m = read_manifest(bundle)
     assert m.tokenizer.verdict == "identical", m.tokenizer
-    ort = {role: m.roles[role].backends.onnxruntime for role in ("target", "draft")}
+    ort = {role: m.roles[role].backends["onnxruntime"] for role in ("target", "draft")}
     assert ort["target"].weights == "float32"  # the output is the float32 target's
     assert ort["draft"].weights == load_recipe(RECIPE).onnxruntime.draft_weights != "float32"
 

@@ -78,8 +78,8 @@ def test_fused_ort_lowering_gives_the_tokens_of_the_portable_graph(tmp_path_fact
         "speculation.num_speculative_tokens=[0,1,3,4]", "onnxruntime.graph=portable"])
     fused_gen = qpcbuild.load(bundle_k_list, verify="none")
     portable_gen = qpcbuild.load(portable, verify="none")
-    assert fused_gen.manifest.target.backends.onnxruntime.graph == "fused"
-    assert portable_gen.manifest.target.backends.onnxruntime.graph == "portable"
+    assert fused_gen.manifest.target.backends["onnxruntime"].graph == "fused"
+    assert portable_gen.manifest.target.backends["onnxruntime"].graph == "portable"
     for p in prompts[:8]:
         assert _tokens(fused_gen.generate([p], max_new_tokens=48)) == \
             _tokens(portable_gen.generate([p], max_new_tokens=48))
@@ -108,7 +108,7 @@ def _matmul_nbits(x: np.ndarray, q: np.ndarray, scale: np.ndarray, k: int, n: in
 
 @pytest.mark.parametrize("k", [64, 72])  # 72: a last block padded with zeros
 def test_int8_weight_packing_is_what_onnxruntime_reads(k):
-    from qpcbuild.compile.ort_graph import blockwise_int8
+    from qpcbuild.backends.onnxruntime.ort_graph import blockwise_int8
 
     rng = np.random.default_rng(0)
     w = rng.normal(size=(k, 48)).astype(np.float32)
@@ -131,7 +131,7 @@ def test_int8_draft_weights_change_the_proposals_never_the_output(tmp_path_facto
     gen = qpcbuild.load(out, verify="none")
     ort_info = gen.manifest.to_json_dict()["roles"]["draft"]["backends"]["onnxruntime"]
     assert ort_info["weights"] == "int8"
-    assert gen.manifest.target.backends.onnxruntime.weights == "float32"
+    assert gen.manifest.target.backends["onnxruntime"].weights == "float32"
     graph = onnx.load(str(out / ort_info["artifact"]), load_external_data=False).graph
     ops = Counter(n.op_type for n in graph.node)
     assert ops["MatMulNBits"] == 4 * 2 + 1 and ops["MatMul"] == 0, ops  # 4 per layer + lm_head
@@ -260,7 +260,7 @@ def test_what_only_the_fused_graph_has_works_under_continuous_batching(tmp_path_
         *card, "shapes.full_batch_size=3"]), verify="none")
     single = qpcbuild.load(build(tmp_path_factory, "single-card", overrides=card),
                            verify="none")
-    assert cb.manifest.target.backends.onnxruntime.numerics == "emulated"
+    assert cb.manifest.target.backends["onnxruntime"].numerics == "emulated"
     batch = prompts[:5]
     spec, plain = cb.generate(batch, max_new_tokens=24), cb.generate(batch, max_new_tokens=24,
                                                                      target_only=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qpcbuild.plan_backends import qaic as qaic_plan
+from qpcbuild.backends.qaic import plan as qaic_plan
 from qpcbuild.bundle import build_bundle, read_manifest
 from qpcbuild.cache import Cache
 from qpcbuild.cli import app

@@ -20,7 +20,8 @@ import pytest
 from typer.testing import CliRunner
 
 import qpcbuild.bundle.build as build_mod
-from qpcbuild.bundle import build_bundle, finish_bundle, read_manifest, verify_bundle
+from qpcbuild.backends.qaic.finish import finish_bundle
+from qpcbuild.bundle import build_bundle, read_manifest, verify_bundle
 from qpcbuild.bundle import manifest as manifest_mod
 from qpcbuild.bundle.manifest import MANIFEST
 from qpcbuild.cache import Cache
@@ -380,7 +381,7 @@ def test_finish_by_hand_when_qpcbuild_is_not_on_the_sdk_machines_path(emitted):
     result = runner.invoke(app, ["finish", str(out), "--role", "target"])
     assert result.exit_code == 0, result.output
     assert verify_bundle(out) == []
-    assert read_manifest(out).draft.backends.qaic.status == "emitted"
+    assert read_manifest(out).draft.backends["qaic"].status == "emitted"
 
 
 def test_finish_refuses_a_missing_or_empty_qpc_naming_the_role(emitted):

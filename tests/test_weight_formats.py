@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
-from qpcbuild.compile.ort_graph import blockwise_nbits
+from qpcbuild.backends.onnxruntime.ort_graph import blockwise_nbits
 
 
 def spec_dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:

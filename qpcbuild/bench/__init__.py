@@ -27,10 +27,11 @@ markdown), plot.py. Ks, prompt sets and the measurement bundle come from qpcbuil
 which `tune` shares; `bench --numerics` is qpcbuild/numerics_bench.py (it uses both).
 """
 
-from ..measuring import (BENCH_KS, OUR_METHODS, PROMPT_DIR, PROMPT_SETS, build_for_measurement,
+from ..measuring import (BENCH_KS, PROMPT_DIR, PROMPT_SETS, build_for_measurement,
                          build_on_card, default_bench_dir, is_bundle, load_prompts, machine_info,
                          measurement_changes, parse_ks)
 from ..prompts import read_prompt_file
+from ..recipe import METHODS
 from .all_peers import PEERS
 from .measure import DEFAULT_PEERS, bench, run_bench
 from .peers import Peer
@@ -39,7 +40,7 @@ from .records import Measure
 from .report import (build_report, default_json_path, markdown_table, show_report,
                      write_json)
 
-__all__ = ["BENCH_KS", "DEFAULT_PEERS", "OUR_METHODS", "PEERS", "PROMPT_DIR", "PROMPT_SETS",
+__all__ = ["BENCH_KS", "DEFAULT_PEERS", "METHODS", "PEERS", "PROMPT_DIR", "PROMPT_SETS",
            "Measure", "Peer", "bench", "build_for_measurement", "build_on_card",
            "build_report", "default_bench_dir", "default_json_path", "is_bundle", "load_prompts",
            "machine_info", "markdown_table", "measurement_changes", "parse_ks", "plot_report",

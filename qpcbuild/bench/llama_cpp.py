@@ -16,7 +16,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..measuring import Say, _pkg_version
+from ..measuring import Say, package_version
 from .peers import NO_CHECKPOINT, Peer, _local_source
 from .records import Measure
 
@@ -98,7 +98,7 @@ def llama_cpp_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set
     except Exception as exc:
         return Peer("llama.cpp", "skipped", f"not installed ({type(exc).__name__}: {exc}); "
                     "pip install llama-cpp-python")
-    version = _pkg_version("llama-cpp-python") or getattr(llama_cpp, "__version__", None)
+    version = package_version("llama-cpp-python") or getattr(llama_cpp, "__version__", None)
     target = _local_source(manifest, "target")
     gguf = _gguf(target)
     if gguf is None:

@@ -11,9 +11,10 @@ from typing import Any, Callable
 from ..errors import UsageError
 from ..prompts import check_output_file
 from ..runtime import suffix_tree
+from ..recipe import METHODS
 from ..runtime.policy import ConfidenceStop
 from ..runtime.rows import prefill_calls
-from ..measuring import (BENCH_KS, OUR_METHODS, Say, build_for_measurement,
+from ..measuring import (BENCH_KS, Say, build_for_measurement,
                          default_bench_dir, is_bundle, load_prompts, machine_info)
 from .memory_turns import MemoryTurns
 from .records import Measure
@@ -76,7 +77,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     if repeats < 1:
         raise UsageError("--repeats must be at least 1")
     compiled = sorted(manifest.ks)
-    supported = [m for m in OUR_METHODS if m != "draft_model" or manifest.draft is not None]
+    supported = [m for m in METHODS if m != "draft_model" or manifest.draft is not None]
     methods = list(methods or supported)
     for m in methods:
         if m not in supported:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..measuring import Say, _pkg_version
+from ..measuring import Say, package_version
 from .records import Measure
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def transformers_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: 
     if target_path is None:
         return Peer("transformers", "skipped", NO_CHECKPOINT)
     draft_path = _local_source(manifest, "draft")
-    peer = Peer("transformers", "ok", version=_pkg_version("transformers"))
+    peer = Peer("transformers", "ok", version=package_version("transformers"))
     try:
         torch.set_num_threads(os.cpu_count() or 1)
         say(f"transformers: loading {target_path}" + (f" and {draft_path}" if draft_path else ""))
@@ -146,7 +146,7 @@ def genai_models(manifest: Manifest, cache_dir: Path | None, say: Say) -> dict[s
     from ..plan import digest
 
     roles = {r: _local_source(manifest, r) for r in ("target", "draft")}
-    key = digest({"genai": _pkg_version("onnxruntime-genai"), "precision": "fp32",
+    key = digest({"genai": package_version("onnxruntime-genai"), "precision": "fp32",
                   **{r: manifest.roles[r].source.weights_digest
                      for r in roles if roles[r]}, "paths": {r: str(p) for r, p in roles.items()}})
 
@@ -188,7 +188,7 @@ def ort_genai_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set
     except Exception as exc:
         return Peer("onnxruntime-genai", "skipped", f"not installed ({type(exc).__name__}: "
                     f"{exc}); pip install onnxruntime-genai")
-    version = _pkg_version("onnxruntime-genai")
+    version = package_version("onnxruntime-genai")
     if _local_source(manifest, "target") is None:
         return Peer("onnxruntime-genai", "skipped", NO_CHECKPOINT, version)
     try:

@@ -65,7 +65,7 @@ def _tarinfo(name: str, is_dir: bool, size: int = 0, executable: bool = False) -
 class _Counted:
     """A file read by tarfile, reporting the bytes read to the progress display."""
 
-    def __init__(self, f: BinaryIO, advance: Advance):
+    def __init__(self, f: BinaryIO | gzip.GzipFile, advance: Advance):
         self.f, self.advance = f, advance
 
     def read(self, n: int = -1) -> bytes:
@@ -84,7 +84,8 @@ def _add_entry(tar: tarfile.TarFile, arcname: str, entry: Entry, advance: Advanc
                              is_executable(entry.path)), _Counted(f, advance))
 
 
-def _write_tar(raw: BinaryIO, top: str, entries: list[Entry], advance: Advance) -> None:
+def _write_tar(raw: BinaryIO | gzip.GzipFile, top: str, entries: list[Entry],
+               advance: Advance) -> None:
     with tarfile.open(fileobj=raw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         tar.addfile(_tarinfo(top, True))
         for entry in entries:

@@ -8,26 +8,31 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
 from ..version import __version__
 from ..cache import Cache, ScratchCache
 from ..delivered import DeliveredFiles
-from ..compile import Backend, BuildContext, get_backend
 from ..errors import UsageError
 from ..models.source import (resolve, safetensors_files, tokenizer_files,
                              weights_missing_message)
 from ..models.vocab_subset import read_vocab_subset, subset_digest
 from ..plan import EXPORTER_VERSION, BuildPlan, RolePlan, digest
 from ..recipe import recipe_relative
+from ..recipe.schema import Recipe
 from ..toolchain import artifact_versions
 from ..tree import hash_tree
+from .backend import Backend, BuildCache, BuildContext, get_backend
 from .manifest import MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 from .staging import (check_writable_parent, publish, refuse_to_replace, remove_debris,
                       staging_folder)
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 # (stage, "reused" | "pulled" | "built", seconds); stages also say "from": local | remote | built
@@ -70,7 +75,7 @@ def artifact_key_inputs(role: RolePlan, weights_digest: str, backends: dict[str,
 
 
 def weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:
-    path = Path(role.source["path"])
+    path = role.source.folder()
     return [*safetensors_files(path, allow_pickle), path / "config.json"]
 
 
@@ -86,31 +91,33 @@ def _check_output(out: Path) -> None:
 
 
 # ---------------------------------------------------------------- the manifest
-def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dict],
-              tools: dict, files: dict, extra: dict[str, Any]) -> Manifest:
+def _manifest(plan: BuildPlan, exports: dict[str, dict[str, Any]],
+              backends: dict[str, dict[str, Any]], tools: dict[str, Any],
+              files: dict[str, Any], extra: dict[str, Any]) -> Manifest:
     r = plan.recipe
     roles = {}
     for rp in plan.roles:
         src = rp.source
         roles[rp.role] = {
-            "source": {"ref": src["recipe_ref"], "revision": src["revision"],
-                       "origin": src["origin"], "config_digest": src["config_digest"],
+            "source": {"ref": src.recipe_ref, "revision": src.revision,
+                       "origin": src.origin, "config_digest": src.config_digest,
                        "weights_digest": exports[rp.role]["weights_digest"],
-                       "smoke_weights": bool(src["smoke_of"])},
-            "arch": rp.arch.to_dict(), "io": rp.io, "specializations": rp.specializations,
+                       "smoke_weights": bool(src.smoke_of)},
+            "arch": rp.arch.to_dict(), "io": rp.io,
+            "specializations": [s.model_dump() for s in rp.specializations],
             "num_cores": rp.num_cores,
             "device_group": rp.device_group,
             "precision": {"weights": r.precision.quantization, "kv_cache": r.precision.kv_cache_dtype,
                           "export_dtype": r.precision.export_dtype},
-            "mdp_partition": rp.mdp_partition,
-            # How the runtime drives the artifact; its shapes and format are recorded once,
-            # in `shapes` and in backends.onnxruntime.
-            "ort": {k: rp.ort[k] for k in ("core_share", "intra_op_threads")},
+            # what each backend's plan part records beside the role's fields
+            **{k: v for part in rp.backends.values()
+               for k, v in part.manifest_role_fields().items()},
             "backends": {name: b[rp.role] for name, b in backends.items()},
         }
         if rp.vocab_subset:  # the ids live in the graph; the manifest says which set it was
-            roles[rp.role]["vocab_subset"] = {k: rp.vocab_subset[k] for k in ("ref", "size",
-                                                                               "sha256")}
+            subset = rp.vocab_subset
+            roles[rp.role]["vocab_subset"] = {"ref": subset.ref, "size": subset.size,
+                                              "sha256": subset.sha256}
     raw = {
         "schema": MANIFEST_SCHEMA, "name": r.name,
         "speculation": {"method": plan.method, "options": plan.method_options,
@@ -128,11 +135,11 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict], backends: dict[str, dic
     return Manifest.unsealed(raw)
 
 
-def runtime_speculation(r) -> dict:
+def runtime_speculation(r: Recipe) -> dict[str, Any]:
     """How the runtime speculates (docs/adaptive.md), where the recipe departs from the
     defaults (so bundles that do not keep their ids)."""
     sp = r.speculation
-    out: dict = {}
+    out: dict[str, Any] = {}
     if sp.policy != "fixed":
         out["policy"] = sp.policy
     if sp.draft_p_min:
@@ -148,7 +155,7 @@ def _bundle_recipe(plan: BuildPlan) -> str:
     the model they stand in for, not the cache path)."""
     data = plan.recipe.to_yaml_dict()
     for rp in plan.roles:
-        data[rp.role]["model"] = rp.source["recipe_ref"]
+        data[rp.role]["model"] = rp.source.recipe_ref
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -156,21 +163,21 @@ def _bundle_recipe(plan: BuildPlan) -> str:
 def _require_weights(plan: BuildPlan) -> None:
     """A plan may stand on a known config alone; a build needs each model's files."""
     for rp in plan.roles:
-        if rp.source["path"] is None:
+        if rp.source.path is None:
             ref = getattr(plan.recipe, rp.role).model
             raise UsageError(f"{rp.role}.model: " + weights_missing_message(
-                ref, rp.source["revision"], recipe_relative(plan.recipe, ref),
+                ref, rp.source.revision, recipe_relative(plan.recipe, ref),
                 plan.recipe.source))
 
 
-def _subset_ids(role: RolePlan):
+def _subset_ids(role: RolePlan) -> np.ndarray | None:
     """The plan's vocabulary subset, read again and checked to be the set the plan saw."""
     if not role.vocab_subset:
         return None
-    ids = read_vocab_subset(Path(role.vocab_subset["path"]), role.arch.vocab_size,
+    ids = read_vocab_subset(Path(role.vocab_subset.path), role.arch.vocab_size,
                             role.arch.eos_token_ids)
-    if subset_digest(ids) != role.vocab_subset["sha256"]:
-        raise UsageError(f"draft.vocab_subset: {role.vocab_subset['path']} changed while "
+    if subset_digest(ids) != role.vocab_subset.sha256:
+        raise UsageError(f"draft.vocab_subset: {role.vocab_subset.path} changed while "
                          "the bundle was being built")
     return ids
 
@@ -180,7 +187,7 @@ class _Build:
     """One build's state across its steps: the cache keys and inputs per role, each role's
     export (made on first use), and the stages done so far."""
     plan: BuildPlan
-    cache: Cache
+    cache: BuildCache
     backends: dict[str, Backend]
     ctx: BuildContext
     units: set[str] | None
@@ -211,7 +218,7 @@ class _Build:
             role, cache.weights_digest(weight_files(role, allow_pickle)), backends,
             self.ctx.compiler, self.ctx.emit_only)
         self.keys[role.role] = keys = {stage: digest(i) for stage, i in inputs.items()}
-        src = resolve(role.source["path"], role.source["revision"], allow_known=False)
+        src = resolve(str(role.source.folder()), role.source.revision, allow_known=False)
 
         def build(tmp: Path) -> dict[str, Any]:
             from ..export import export_model  # onnx is imported only when a graph is built
@@ -261,7 +268,7 @@ class _Build:
                 onnx_dir = staging / rp.role / "onnx"
                 cache.deliver(self.onnx_dirs[rp.role](), onnx_dir, known=self.ctx.delivered,
                               copy=True)
-                self.onnx_dirs[rp.role] = lambda onnx_dir=onnx_dir: onnx_dir
+                self.onnx_dirs[rp.role] = partial(Path, onnx_dir)
             for name, backend in todo.items():
                 t0 = time.perf_counter()
                 key = self.keys[rp.role][name]
@@ -277,16 +284,17 @@ class _Build:
 
 def _target_dir(plan: BuildPlan) -> Path:
     """The target's model folder, which must hold the tokenizer the bundle carries."""
-    target = plan.role("target")
-    target_dir = Path(target.source["path"])
+    target = plan.target
+    target_dir = target.source.folder()
     # Random smoke weights stand in for a model whose tokenizer is not on this machine.
-    if not (target_dir / "tokenizer.json").is_file() and not target.source["smoke_of"]:
+    if not (target_dir / "tokenizer.json").is_file() and not target.source.smoke_of:
         raise UsageError(f"target.model: {target_dir} has no tokenizer.json; a bundle carries the "
                          "target's tokenizer (run and serve need it)")
     return target_dir
 
 
-def _assemble_and_seal(run: _Build, out: Path, target_dir: Path, exports: dict[str, dict],
+def _assemble_and_seal(run: _Build, out: Path, target_dir: Path,
+                       exports: dict[str, dict[str, Any]],
                        built: dict[str, dict[str, Any]], tools: dict[str, Any],
                        manifest_extra: dict[str, Any]) -> Manifest:
     """Tokenizer and recipe next to the artifacts, every file hashed (what the cache delivered
@@ -298,7 +306,8 @@ def _assemble_and_seal(run: _Build, out: Path, target_dir: Path, exports: dict[s
     for f in tokenizer_files(target_dir):
         shutil.copyfile(f, tok_dir / f.name)
     (staging / "recipe.yaml").write_text(_bundle_recipe(run.plan))
-    known = run.ctx.delivered.unchanged()  # hashed by the cache already: not read again
+    # hashed by the cache already: not read again
+    known = run.ctx.delivered.unchanged() if run.ctx.delivered else {}
     files = hash_tree(staging, exclude=[*UNSEALED_FILES, *known], what=f"hashing {out}")
     files = dict(sorted({**files, **known}.items()))
     return write_manifest(staging, _manifest(
@@ -323,7 +332,7 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
     r = plan.recipe
     out = Path(out) if out else r.output_dir()
     _require_weights(plan)
-    backends = {name: get_backend(name) for name in r.backends}
+    backends: dict[str, Backend] = {name: get_backend(name) for name in r.backends}
     target_dir = _target_dir(plan)
     if push is None:
         _check_output(out)
@@ -331,16 +340,16 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         out.parent.mkdir(parents=True, exist_ok=True)
     remove_debris(out)
     with staging_folder(out) as staging:
-        cache = cache or ScratchCache(staging / SCRATCH)
-        cache.ensure_usable()
-        cache.remove_debris()
+        store: BuildCache = cache or ScratchCache(staging / SCRATCH)
+        store.ensure_usable()
+        store.remove_debris()
         if push is not None:
-            cache.defer_remote_bytes()
+            store.defer_remote_bytes()
         # what the cache put here (or, pushing, names), with checked digests
         delivered = DeliveredFiles(staging, by_reference=push is not None)
         ctx = BuildContext(plan, staging, emit_only, compiler, delivered)
         tools = {name: b.check(ctx) for name, b in backends.items()}  # fail before any export
-        run = _Build(plan, cache, backends, ctx, units, progress or (lambda *a: None))
+        run = _Build(plan, store, backends, ctx, units, progress or (lambda *a: None))
         roles = [rp for rp in plan.roles
                  if any(run.wanted(stage, rp.role) for stage in ("export", *backends))]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:

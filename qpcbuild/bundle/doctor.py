@@ -24,11 +24,14 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BundleError, UsageError
 from ..export.graph_form import graph_form
 from .manifest import Manifest, RoleIO
+
+if TYPE_CHECKING:
+    import onnx
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "qefficient_dialect.json"
 
@@ -122,7 +125,8 @@ def _top_level_findings(form: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     return findings
 
 
-def check_model(model, ref: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+def check_model(model: onnx.ModelProto,
+                ref: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
     """The graph's form and the findings against QEfficient's recorded forms."""
     ref = ref or reference()
     form = graph_form(model)

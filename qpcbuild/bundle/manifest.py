@@ -22,9 +22,13 @@ from typing import Any, Iterator
 
 from ..errors import BundleError, UsageError
 from ..smallfile import read_small_file
-# The typed model, importable from here too (readers need only this module's name).
-from .manifest_model import (MANIFEST_SCHEMA, GraphIO, Manifest, OrtBackend,  # noqa: F401
-                             QaicBackend, Role, RoleIO)
+# The typed model, importable from here too (readers need only this module's name): `X as X`
+# marks each as this module's export.
+from .manifest_model import MANIFEST_SCHEMA as MANIFEST_SCHEMA
+from .manifest_model import GraphIO as GraphIO
+from .manifest_model import Manifest as Manifest
+from .manifest_model import Role as Role
+from .manifest_model import RoleIO as RoleIO
 
 MANIFEST = "manifest.json"
 SIGNATURES = "signatures.json"  # beside the manifest, outside what it seals (signature.py)
@@ -201,7 +205,8 @@ def _read_json(bundle: Path) -> dict[str, Any]:
         raise BundleError(f"{path}: manifest schema {schema!r} is not supported (this qpcbuild "
                           f"reads schema {MANIFEST_SCHEMA})")
     check_structure(manifest, str(path))
-    return manifest
+    checked: dict[str, Any] = manifest  # (a mapping: check_structure says so)
+    return checked
 
 
 def _parse(raw: bytes, source: str) -> Any:
@@ -227,7 +232,8 @@ class SealedManifest:
 
     @property
     def files(self) -> dict[str, Any]:
-        return self._raw["files"]
+        files: dict[str, Any] = self._raw["files"]
+        return files
 
     def changed_fields(self) -> list[str]:
         return changed_fields(self._raw)

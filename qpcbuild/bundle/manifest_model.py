@@ -6,14 +6,23 @@ docs/manifest-schema.json (scripts/manifest_schema.py)."""
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, GetJsonSchemaHandler,
+                      SerializeAsAny, TypeAdapter, ValidationError, field_validator)
 
+from ..backend_api import BACKENDS, BackendEntry, entry_model
 from ..errors import BundleError
+from ..models.specialization import Specialization
+from ..recipe.schema import Method
 
-MANIFEST_SCHEMA = 3  # 3: Ks and shapes recorded once (no roles.*.compiled_ks, no ort shapes)
+E = TypeVar("E", bound=BackendEntry)
+
+# 3: Ks and shapes recorded once (no roles.*.compiled_ks, no ort shapes)
+SchemaVersion = Literal[3]
+MANIFEST_SCHEMA: int = get_args(SchemaVersion)[0]
 
 # ---------------------------------------------------------------- the typed manifest
 # What the runtime relies on, typed and bounded. The seal says a manifest was not changed since
@@ -39,7 +48,7 @@ class Shapes(_Part):
 
 
 class Speculation(_Part):
-    method: Literal["draft_model", "ngram", "suffix"]
+    method: Method
     options: dict[str, Any] = {}
     # The compiled Ks: the one place a bundle records them (the target decodes K+1 per step).
     num_speculative_tokens: list[int] = Field(min_length=1)
@@ -72,25 +81,6 @@ class Arch(_Part):
     eos_token_ids: list[int]
 
 
-class Specialization(_Part):
-    name: str
-    symbols: dict[str, str]
-
-    @field_validator("symbols")
-    @classmethod
-    def _sizes(cls, v: dict[str, str]) -> dict[str, str]:
-        missing = {"batch_size", "seq_len", "ctx_len"} - set(v)
-        if missing:
-            raise ValueError(f"lacks {', '.join(sorted(missing))}")
-        bad = [k for k, n in v.items() if not (n.isascii() and n.isdigit() and 0 < int(n) < 1 << 24)]
-        if bad:
-            raise ValueError(f"{bad[0]} must be a positive whole number, got {v[bad[0]]!r}")
-        return v
-
-    def size(self, symbol: str) -> int:
-        return int(self.symbols[symbol])
-
-
 class GraphIO(_Part):
     name: str
     dtype: str
@@ -119,39 +109,44 @@ class Precision(_Part):
 
 
 class OrtRole(_Part):
-    """How the runtime drives a role's ONNX Runtime artifact (its shapes are the bundle's)."""
+    """How the runtime drives a role's ONNX Runtime artifact (its shapes are the bundle's);
+    every role records it (backends/onnxruntime/plan.py, OrtPart.manifest_role_fields)."""
     core_share: float = Field(gt=0, le=1)
     intra_op_threads: Optional[int] = Field(default=None, ge=1, le=1024)
 
 
-class OrtBackend(_Part):
-    status: Literal["compiled"]
-    artifact: str
-    graph: Optional[str] = None  # fused (qpcbuild's lowering) | portable (ORT-optimized export)
-    kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
-    weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
-    numerics: Optional[str] = None
-    numerics_formats: Optional[dict[str, str]] = None
+def _backend_entries(v: Any) -> Any:
+    """Each backend's entry checked against its own model, picked by the backend's name (the
+    key): the registry's backends are the union this field accepts."""
+    if not isinstance(v, dict):
+        return v  # pydantic says what is wrong
+    out = {}
+    for name, entry in v.items():
+        if isinstance(entry, BackendEntry):
+            out[name] = entry
+            continue
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend '{name}' ({' | '.join(BACKENDS)})")
+        # checked under its name, so an error says where: backends.<name>.<field>
+        out[name] = _entries_of(name).validate_python({name: entry})[name]
+    return out
 
 
-class QaicBackend(_Part):
-    status: Literal["emitted", "compiled"]
-    inputs: Optional[str] = None  # the folder of compiler inputs (specializations, custom I/O)
-    compile_script: Optional[str] = None
-    compiler_args: list[str] = []
-    qpc: Optional[str] = None
-    qpc_files: Optional[list[str]] = None
-    log: Optional[str] = None
+class _EntriesSchema:
+    """The JSON Schema of roles.<role>.backends: each registered backend's entry, by its name
+    (docs/manifest-schema.json)."""
+
+    @staticmethod
+    def __get_pydantic_json_schema__(schema: Any, handler: GetJsonSchemaHandler) -> Any:
+        return {"type": "object", "additionalProperties": False,
+                "properties": {name: handler(entry_model(name).__pydantic_core_schema__)
+                               for name in BACKENDS}}
 
 
-class Backends(_Part):
-    onnxruntime: Optional[OrtBackend] = None
-    qaic: Optional[QaicBackend] = None
-
-    def built(self) -> dict[str, _Part]:
-        """Backend name -> its entry, for the backends this role was built for."""
-        return {name: entry for name in type(self).model_fields
-                if (entry := getattr(self, name)) is not None}
+@lru_cache(maxsize=None)
+def _entries_of(name: str) -> TypeAdapter[dict[str, BackendEntry]]:
+    # (the entry's class is known at run time only)
+    return TypeAdapter(dict[str, entry_model(name)])  # type: ignore[arg-type, misc]
 
 
 class Role(_Part):
@@ -163,7 +158,15 @@ class Role(_Part):
     device_group: list[int] = []
     precision: Precision = Precision()
     ort: Optional[OrtRole] = None
-    backends: Backends
+    # backend name -> its entry (backends/<name>/manifest.py), for the backends it was built for
+    # (SerializeAsAny: an entry is written with its own model's fields, not the base's)
+    backends: Annotated[dict[str, SerializeAsAny[BackendEntry]],
+                        BeforeValidator(_backend_entries), _EntriesSchema()]
+
+    def built(self, kind: type[E]) -> E | None:
+        """The role's entry of that model (e.g. backends.qaic.manifest.QaicEntry); None where
+        the role was not built for its backend."""
+        return next((e for e in self.backends.values() if isinstance(e, kind)), None)
 
 
 class TokenizerInfo(_Part):
@@ -192,7 +195,7 @@ class Manifest(_Part):
     """A bundle's manifest, checked field by field and across fields (see _disagreements).
     The one place that knows the JSON: everything else reads attributes."""
 
-    schema_version: Literal[MANIFEST_SCHEMA] = Field(alias="schema")
+    schema_version: SchemaVersion = Field(alias="schema")
     bundle_id: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # None: unsealed
     name: str = Field(min_length=1)
     speculation: Speculation
@@ -222,12 +225,15 @@ class Manifest(_Part):
 
     def to_json_dict(self) -> dict[str, Any]:
         """The manifest exactly as its JSON holds it (fields a file leaves out stay out)."""
-        return self.model_dump(mode="json", by_alias=True, exclude_unset=True,
-                               exclude={"roles": {r: {"source": {"path"}} for r in self.roles}})
+        never_sealed: dict[str, Any] = {"roles": {r: {"source": {"path"}} for r in self.roles}}
+        out: dict[str, Any] = self.model_dump(mode="json", by_alias=True, exclude_unset=True,
+                                              exclude=never_sealed)
+        return out
 
     def file_list(self) -> dict[str, dict[str, Any]]:
         """path -> {size, sha256[, executable]} as the JSON records them."""
-        return self.to_json_dict()["files"]
+        files: dict[str, dict[str, Any]] = self.to_json_dict()["files"]
+        return files
 
     def with_model_paths(self, paths: dict[str, Path]) -> "Manifest":
         """The same manifest with each role's local model folder known (never sealed)."""
@@ -317,11 +323,8 @@ def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) ->
     if tails:
         out.append(f"{where}.specializations: none prefills through shapes."
                    f"prefill_tail_seq_lens {tails[0]}")
-    if role.backends.onnxruntime is not None and role.ort is None:
-        out.append(f"{where}: built for onnxruntime, but has no ort settings")
-    if role.backends.qaic is not None and role.backends.qaic.status == "compiled" and \
-            not role.backends.qaic.qpc:
-        out.append(f"{where}.backends.qaic: compiled, but names no qpc")
+    for backend, entry in role.backends.items():
+        out += [f"{where}: {p}" for p in entry.problems(role.model_dump())]
     if any(not 0 <= e < role.arch.vocab_size for e in role.arch.eos_token_ids):
         out.append(f"{where}.arch.eos_token_ids: outside the vocabulary")
     return out

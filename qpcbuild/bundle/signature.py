@@ -19,12 +19,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BundleError, UsageError
 from ..smallfile import read_small_file
 from .manifest import SIGNATURES
 
+if TYPE_CHECKING:  # (cryptography is imported where a key is used: start-up stays quick)
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 ALGORITHM = "ed25519"
 # A PEM Ed25519 key is under 200 bytes, an encrypted one under 400; a signatures.json holds
 # about 250 bytes per signature.
@@ -39,22 +41,23 @@ def _message(bundle_id: str) -> bytes:
     return _CONTEXT + bundle_id.encode("ascii")
 
 
-def _public_bytes(public_key) -> bytes:
+def _public_bytes(public_key: Ed25519PublicKey) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def key_id(public_key) -> str:
+def key_id(public_key: Ed25519PublicKey) -> str:
     """A key's name in signatures.json: SHA-256 of its raw 32 bytes, as `sha256:` hex."""
     return "sha256:" + hashlib.sha256(_public_bytes(public_key)).hexdigest()
 
 
-def _read_key(path: Path, private: bool):
+def _read_key(path: Path, private: bool) -> object:
+    """The key in a PEM file (a bad file: UsageError, exit 2); _ed25519 checks its kind."""
     from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
 
     kind = "private" if private else "public"
+    key: object
     data = read_small_file(Path(path), MAX_KEY_BYTES, UsageError, f"--key {path}")
     try:
         if private:
@@ -67,11 +70,12 @@ def _read_key(path: Path, private: bool):
         raise UsageError(f"--key {path}: the key is encrypted; set {PASSPHRASE_ENV}") from None
     except ValueError as exc:
         raise UsageError(f"--key {path}: not a PEM {kind} key ({exc})") from None
-    want = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
-    if not isinstance(key, want):
-        raise UsageError(f"--key {path}: an Ed25519 {kind} key is needed, this is a "
-                         f"{type(key).__name__}")
     return key
+
+
+def _not_ed25519(path: Path, kind: str, key: object) -> UsageError:
+    return UsageError(f"--key {path}: an Ed25519 {kind} key is needed, this is a "
+                      f"{type(key).__name__}")
 
 
 def generate_key(path: Path) -> tuple[Path, str]:
@@ -125,9 +129,14 @@ def write_signatures(bundle: Path, entries: list[dict[str, Any]]) -> None:
     tmp.replace(Path(bundle) / SIGNATURES)
 
 
-def read_public_key(path: Path):
+def read_public_key(path: Path) -> Ed25519PublicKey:
     """An Ed25519 public key from a PEM file (a bad file is a usage error, exit 2)."""
-    return _read_key(path, private=False)
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = _read_key(path, private=False)
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise _not_ed25519(path, "public", key)
+    return key
 
 
 def sign_bundle(bundle: Path, key_path: Path) -> dict[str, Any]:
@@ -136,12 +145,18 @@ def sign_bundle(bundle: Path, key_path: Path) -> dict[str, Any]:
     from .manifest import read_manifest
     from .verify import verify_bundle
 
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
     key = _read_key(key_path, private=True)
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise _not_ed25519(key_path, "private", key)
     problems = verify_bundle(bundle)
     if problems:
         raise BundleError(f"{bundle} does not match its manifest, so it is not signed: "
                           + "; ".join(problems[:3]))
     bundle_id = read_manifest(bundle).bundle_id
+    if bundle_id is None:  # (a bundle that verifies is sealed)
+        raise BundleError(f"{bundle}: the manifest is not sealed, so it is not signed")
     kid = key_id(key.public_key())
     entry = {"algorithm": ALGORITHM, "key_id": kid, "bundle_id": bundle_id,
              "signature": base64.b64encode(key.sign(_message(bundle_id))).decode("ascii")}

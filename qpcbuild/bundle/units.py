@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache import Cache
-from ..compile.backends import get_backend
+from .backend import Backend, get_backend
 from ..errors import UsageError
 from ..plan import BuildPlan, digest
 from .build import artifact_key_inputs, unit_name, weight_files
@@ -35,7 +35,7 @@ def plan_units(plan: BuildPlan, cache: Cache, compiler: str | None = None) -> li
     """Every unit of the plan, keys computed as `compile` computes them (this reads the
     weights once to digest them; the digest is remembered per file state)."""
     cache.ensure_usable()
-    backends = {name: get_backend(name) for name in plan.recipe.backends}
+    backends: dict[str, Backend] = {name: get_backend(name) for name in plan.recipe.backends}
     exports, artifacts = [], []
     for rp in plan.roles:
         ref = getattr(plan.recipe, rp.role)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..errors import BundleError, QpcbuildError
 from ..tree import hash_tree, walk
 from .manifest import UNSEALED_FILES, SealedManifest
 
 
-def actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
+def actual_files(bundle: Path, fast: bool) -> dict[str, dict[str, Any]]:
     if not fast:
         return hash_tree(bundle, exclude=UNSEALED_FILES, what=f"hashing {bundle}")
     found = {}
@@ -19,7 +20,8 @@ def actual_files(bundle: Path, fast: bool) -> dict[str, dict]:
     return found
 
 
-def compare_files(expected: dict[str, dict], actual: dict[str, dict], fast: bool = False,
+def compare_files(expected: dict[str, dict[str, Any]], actual: dict[str, dict[str, Any]],
+                  fast: bool = False,
                   adopting: tuple[str, ...] = ()) -> list[str]:
     """Differences between the manifest's file list and the files found. `adopting`: folders
     whose new files are about to be added to the manifest (by `finish`), so they are not

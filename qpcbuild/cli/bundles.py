@@ -86,11 +86,12 @@ def finish(bundle: Path = typer.Argument(..., help="Bundle folder built with --e
            compiler: Optional[str] = typer.Option(None, help="The qaic-compile that built the "
                                                   "QPCs (recorded by name and digest).")):
     """Adopt QPCs compiled by <role>/qaic/compile.sh into the bundle and re-seal its manifest."""
-    from ..bundle import finish_bundle
+    from ..backends.qaic.finish import finish_bundle
+    from ..backends.qaic.manifest import QaicEntry
 
     m = finish_bundle(bundle, list(role or []) or None, compiler)
     for name, info in m.roles.items():
-        q = info.backends.qaic
+        q = info.built(QaicEntry)
         if q:
             console.print(f"{name}: {q.status}" + (f", {len(q.qpc_files or [])} QPC files in "
                                                    f"{q.qpc}" if q.qpc else ""))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shlex
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -55,7 +53,7 @@ def show_plan(plan: BuildPlan) -> None:
                   f"({plan.tokenizer['detail']})")
     for rp in plan.roles:
         a = rp.arch
-        heading(f"[bold]{rp.role}[/]: {rp.source['ref']} ({rp.source['origin']})")
+        heading(f"[bold]{rp.role}[/]: {rp.source.ref} ({rp.source.origin})")
         console.print(_kv_table("", [
             ("architecture", f"{a.architecture} ({a.family})"),
             ("parameters", f"{a.param_count:,}"),
@@ -65,10 +63,10 @@ def show_plan(plan: BuildPlan) -> None:
             ("rope", f"theta {a.rope_theta:g}, scaling {a.rope_scaling or 'none'}"),
             ("device group / cores per QID", f"{rp.device_group} / {rp.num_cores}"),
         ]))
-        spec = Table("name", *rp.specializations[0]["symbols"].keys(), title="specializations",
+        spec = Table("name", *rp.specializations[0].symbols.keys(), title="specializations",
                      title_justify="left")
         for s in rp.specializations:
-            spec.add_row(s["name"], *s["symbols"].values())
+            spec.add_row(s.name, *s.symbols.values())
         console.print(spec)
         io = Table("direction", "name", "dtype", "shape", title="graph I/O", title_justify="left")
         for direction in ("inputs", "outputs"):
@@ -80,27 +78,10 @@ def show_plan(plan: BuildPlan) -> None:
                 else:
                     io.add_row(direction[:-1], item["name"], item["dtype"], str(item["shape"]))
         console.print(io)
-        console.print(f"custom_io.yaml: {len(rp.custom_io)} entries, Precision "
-                      f"{rp.custom_io[0]['Precision']} (past_key.0, past_key.0_RetainedState, ...)")
-        if rp.mdp_partition:
-            console.print(f"mdp_ts_{len(rp.device_group)}.json: "
-                          f"{json.dumps(rp.mdp_partition, separators=(',', ':'))}")
-        if "qaic" in r.backends:
-            console.print(f"[bold]qaic compile[/] (cwd = bundle root):\n  "
-                          f"{shlex.join(rp.compiler_argv)}")
-        if "onnxruntime" in r.backends:
-            o = rp.ort
-            per_role = r.onnxruntime.intra_op_threads
-            threads = (f"{per_role} CPU threads per role" if per_role
-                       else "all CPU threads (one pool both roles share)")
-            console.print(f"[bold]onnxruntime[/]: {o['artifact']} with batch_size={o['batch_size']},"
-                          f" ctx_len={o['ctx_len']} fixed, {o['graph']} graph, {o['kv_dtype']} KV, "
-                          f"{threads}"
-                          + (f"; numerics emulated (weights {o['numerics_formats']['weights']}, "
-                             f"KV {o['numerics_formats']['kv']})"
-                             if o.get("numerics") == "emulated" else ""))
-        console.print(f"cache keys: export {rp.cache_keys['export']}, onnxruntime "
-                      f"{rp.cache_keys['onnxruntime']}, qaic {rp.cache_keys['qaic']}")
+        for name, part in rp.backends.items():
+            for line in part.describe(r, len(rp.device_group), name in r.backends):
+                console.print(line)
+        console.print("cache keys: " + ", ".join(f"{k} {v}" for k, v in rp.cache_keys.items()))
     heading("[bold]cores and memory per QID[/]")
     roles = [rp.role for rp in plan.roles]
     cores = Table("QID", *roles, "free", title="NSP cores", title_justify="left")
@@ -123,6 +104,8 @@ def smoke_roles(m: Manifest) -> list[str]:
 
 
 def show_manifest(m: Manifest) -> None:
+    from ..backends.qaic.manifest import QaicEntry  # (here: the CLI starts without pydantic)
+
     spd = m.speculation
     console.print(f"[bold]{m.name}[/]  bundle id {m.bundle_id}")
     smoke = smoke_roles(m)
@@ -140,10 +123,10 @@ def show_manifest(m: Manifest) -> None:
         t.add_row(role, info.source.ref, info.arch.architecture,
                   f"{info.arch.param_count:,}", specs,
                   f"{info.num_cores} x {info.device_group}",
-                  ", ".join(f"{k}: {v.status}" for k, v in info.backends.built().items()))
+                  ", ".join(f"{k}: {v.status}" for k, v in info.backends.items()))
     console.print(t)
     for role, info in m.roles.items():
-        q = info.backends.qaic
+        q = info.built(QaicEntry)
         if q and q.status == "compiled":
             qpc_bytes = sum(m.files[p].size for p in q.qpc_files or [])
             console.print(f"{role} QPC: {q.qpc} ({len(q.qpc_files or [])} files, "

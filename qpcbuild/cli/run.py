@@ -134,11 +134,11 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
 def numerics_of(manifest: Manifest, backend: str) -> dict:
     """Per role run on the host (ONNX Runtime): its artifact's numerics (exact | emulated) and
     formats. Empty for a backend whose numerics are the card's own."""
-    from ..bundle.manifest import OrtBackend as OrtEntry
+    from ..backends.onnxruntime.manifest import OrtEntry
 
     out = {}
     for role, info in manifest.roles.items():
-        o = info.backends.built().get(backend)
+        o = info.backends.get(backend)
         if isinstance(o, OrtEntry):
             out[role] = {"numerics": o.numerics or "exact",
                          **(o.numerics_formats or {"weights": "float32", "kv": "float32"}),

@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..compile.backends import backend_info, vllm_backend
+from ..backend_api import backend_info, vllm_backend
 from ..errors import UsageError
 
 if TYPE_CHECKING:
@@ -147,8 +147,8 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE) -> s
     if vllm_backend() not in m.backends:
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")
-    statuses = {r: info.backends.qaic.status for r, info in m.roles.items()
-                if info.backends.qaic is not None}
+    statuses = {r: q.status for r, info in m.roles.items()
+                if (q := info.backends.get(vllm_backend())) is not None}
     compiled = all(s == "compiled" for s in statuses.values())
     note = "" if compiled else \
         ("# note: QPCs not compiled yet (" + ", ".join(f"{r}: {s}" for r, s in statuses.items())

@@ -17,16 +17,16 @@ from typing import Any, Callable, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, RecipeError, UsageError
-from .file import dotted, parse_yaml, read_capped
+from .file import KeyPath, dotted, parse_yaml, read_capped
 from .schema import (  # noqa: F401  (the schema's names, for recipe's importers)
     MAX_K, MAX_CTX_LEN, CTX_LEN_MULTIPLE, CARDS, CARD_ROOFLINE_SOURCE, CARD_ROOFLINE, Method,
-    Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
+    METHODS, Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
     vllm_lookup_range, Speculation, Shapes, Precision, RoleHardware, CompilerOptions, Hardware,
     WeightFormat, OrtOptions, Recipe)
 
 
 # ---------------------------------------------------------------- validation
-def _allowed_keys(loc: tuple) -> list[str]:
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
     cls: Any = Recipe
     for part in loc:
         if isinstance(part, int):
@@ -42,7 +42,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return [f.alias or n for n, f in cls.model_fields.items()]
 
 
-def _schema_problems(exc: ValidationError, lines: dict[tuple, int]) -> list[Problem]:
+def _schema_problems(exc: ValidationError, lines: dict[KeyPath, int]) -> list[Problem]:
     problems = []
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and
@@ -208,6 +208,7 @@ def resolved_cores(r: Recipe) -> dict[str, int]:
     if t.num_cores is None and d.num_cores is None:
         return {"target": per_qid // 2, "draft": per_qid - per_qid // 2}
     if t.num_cores is None:
+        assert d.num_cores is not None  # (not both None: above)
         return {"target": max(1, per_qid - d.num_cores), "draft": d.num_cores}
     if d.num_cores is None:
         return {"target": t.num_cores, "draft": max(1, per_qid - t.num_cores)}
@@ -221,7 +222,7 @@ def resolved_cores(r: Recipe) -> dict[str, int]:
 RecipeChanges = Mapping[str, Any]
 
 
-def apply_override(data: dict, assignment: str) -> None:
+def apply_override(data: dict[str, Any], assignment: str) -> None:
     """`--set shapes.ctx_len=4096`: the value is parsed as a YAML scalar or flow sequence."""
     if "=" not in assignment:
         raise RecipeError("--set", [Problem(assignment, "expected KEY.PATH=VALUE")])
@@ -230,7 +231,7 @@ def apply_override(data: dict, assignment: str) -> None:
     _set_key(data, key, value)
 
 
-def _set_key(data: dict, key: str, value: Any) -> None:
+def _set_key(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise RecipeError("--set", [Problem(key, "empty key path")])
@@ -261,7 +262,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
                             changes=changes)
 
 
-def _without(data: dict, locs: list[tuple]) -> dict:
+def _without(data: dict[str, Any], locs: list[KeyPath]) -> dict[str, Any]:
     """A copy of data with the keys at `locs` removed, so defaults stand in for bad values."""
     out = copy.deepcopy(data)
     for loc in locs:
@@ -273,7 +274,8 @@ def _without(data: dict, locs: list[tuple]) -> dict:
     return out
 
 
-def _cross_field_problems(data: dict, exc: ValidationError, lines) -> list[Problem]:
+def _cross_field_problems(data: dict[str, Any], exc: ValidationError,
+                          lines: dict[KeyPath, int]) -> list[Problem]:
     """Cross-field problems of the rest of the recipe, found with the invalid keys taken out,
     so that one run reports schema and cross-field problems together."""
     bad = [tuple(p for p in e["loc"] if isinstance(p, (str, int)) and p not in
@@ -290,7 +292,8 @@ def _cross_field_problems(data: dict, exc: ValidationError, lines) -> list[Probl
             and not any(p.path.startswith(f) or f.startswith(p.path) for f in flagged)]
 
 
-def _missing_model_folders(data: dict, base_dir: Path | None, lines) -> list[Problem]:
+def _missing_model_folders(data: dict[str, Any], base_dir: Path | None,
+                           lines: dict[KeyPath, int]) -> list[Problem]:
     """Model folders named by a path that are not there, reported with the recipe's other
     problems (planning would find them only once those are fixed). Hub ids are left to it."""
     out = []
@@ -309,7 +312,8 @@ def _missing_model_folders(data: dict, base_dir: Path | None, lines) -> list[Pro
     return out
 
 
-def recipe_from_text(text: str, source: str = "<recipe>", overrides=(),
+def recipe_from_text(text: str, source: str = "<recipe>",
+                     overrides: list[str] | tuple[str, ...] = (),
                      base_dir: Path | None = None, changes: RecipeChanges | None = None
                      ) -> Recipe:
     duplicates: list[Problem] = []

@@ -14,10 +14,11 @@ import yaml
 from ..errors import Problem, RecipeError
 
 MAX_RECIPE_BYTES = 1 << 20
+KeyPath = tuple[str | int, ...]  # a key's place in the YAML: ("hardware", "target", "num_cores")
 
 
-def dotted(loc: tuple) -> str:
-    parts = []
+def dotted(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
     for p in loc:
         parts.append(f"[{p}]" if isinstance(p, int) else ("." if parts else "") + str(p))
     return "".join(parts) or "<root>"
@@ -26,17 +27,17 @@ def dotted(loc: tuple) -> str:
 class _NoAliasLoader(yaml.SafeLoader):
     """A safe loader that also refuses anchors/aliases, which enable exponential blow-up."""
 
-    def compose_node(self, parent, index):  # type: ignore[override]
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in PyYAML's stubs
             raise yaml.MarkedYAMLError("while composing", None,
                                        "YAML aliases (*name) are not allowed in recipes",
                                        event.start_mark)
         return super().compose_node(parent, index)
 
 
-def _key_lines(node: yaml.Node, path: tuple = (), out: dict | None = None,
-               duplicates: list | None = None) -> dict[tuple, int]:
+def _key_lines(node: yaml.Node, path: KeyPath = (), out: dict[KeyPath, int] | None = None,
+               duplicates: list[Problem] | None = None) -> dict[KeyPath, int]:
     out = {} if out is None else out
     out[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
@@ -59,7 +60,7 @@ def _key_lines(node: yaml.Node, path: tuple = (), out: dict | None = None,
 
 
 def parse_yaml(text: str, source: str,
-               duplicates: list | None = None) -> tuple[Any, dict[tuple, int]]:
+               duplicates: list[Problem] | None = None) -> tuple[Any, dict[KeyPath, int]]:
     """Data and the line of every key path; duplicate keys are appended to `duplicates`."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
         raise RecipeError(source, [Problem("<file>", f"recipe is larger than {MAX_RECIPE_BYTES} "

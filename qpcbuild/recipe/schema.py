@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -40,6 +40,7 @@ CARD_ROOFLINE: dict[str, dict[str, float]] = {
 }
 
 Method = Literal["draft_model", "ngram", "suffix"]
+METHODS: tuple[str, ...] = get_args(Method)  # the one list of speculation methods
 Backend = Literal["onnxruntime", "qaic"]
 
 
@@ -76,9 +77,10 @@ class Draft(_Strict):
 
 
 # vLLM's: both 5 when neither is given, one given -> the other takes its value (method_options)
-NGRAM_DEFAULTS = {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
-SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
-                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
+NGRAM_DEFAULTS: dict[str, Any] = {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
+SUFFIX_DEFAULTS: dict[str, Any] = {
+    "suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
 
 VLLM_NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min/max when neither is given
@@ -89,7 +91,11 @@ def vllm_lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
     other takes its value."""
     if lo is None and hi is None:
         return VLLM_NGRAM_DEFAULT, VLLM_NGRAM_DEFAULT
-    return (hi if lo is None else lo), (lo if hi is None else hi)
+    if lo is None or hi is None:
+        given = lo if hi is None else hi
+        assert given is not None  # (one of the two is given)
+        return given, given
+    return lo, hi
 
 
 class Speculation(_Strict):
@@ -167,15 +173,16 @@ class Recipe(_Strict):
     shapes: Shapes = Field(default_factory=Shapes)
     precision: Precision = Field(default_factory=Precision)
     hardware: Hardware = Field(default_factory=Hardware)
-    backends: list[Backend] = Field(default_factory=lambda: ["onnxruntime"], min_length=1)
+    backends: list[Backend] = Field(default_factory=lambda: list[Backend](["onnxruntime"]),
+                                    min_length=1)
     onnxruntime: OrtOptions = Field(default_factory=OrtOptions)
     output: str | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
     _source_dir: Path | None = PrivateAttr(default=None)
     _source: str = PrivateAttr(default="<recipe>")  # the file, for messages
-    _warnings: list = PrivateAttr(default_factory=list)
-    _lines: dict = PrivateAttr(default_factory=dict)
+    _warnings: list[Problem] = PrivateAttr(default_factory=list)
+    _lines: dict[tuple[str | int, ...], int] = PrivateAttr(default_factory=dict)  # key path -> line
 
     # ----- resolved views (one place decides each default) -----
     @property

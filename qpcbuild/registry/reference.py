@@ -37,9 +37,6 @@ class Reference:
         """What to ask the registry for: the digest when there is one, else the tag."""
         return self.digest or self.tag or DEFAULT_TAG
 
-    def with_tag(self, tag: str) -> "Reference":
-        return Reference(self.registry, self.repository, check_tag(tag))
-
     def __str__(self) -> str:
         return f"{self.registry}/{self.repository}" + (f":{self.tag}" if self.tag else "") + \
             (f"@{self.digest}" if self.digest else "")

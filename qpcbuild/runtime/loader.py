@@ -16,20 +16,16 @@ from typing import Any
 
 from ..bundle import verify_bundle
 from ..bundle.manifest import Manifest, SealedManifest
-from ..bundle.manifest import OrtBackend as OrtEntry, QaicBackend as QaicEntry
 from ..bundle.signature import check_signature
-from ..compile.backends import DEFAULT_BACKEND, backend_names
+from ..backend_api import DEFAULT_BACKEND, backend_module, backend_names
 from ..errors import BundleError, UsageError
+from ..recipe import METHODS
 from .chat import ChatTemplate, as_messages
 from .engine import Row, SpecDecoder, TokenCallback
 from .policy import POLICIES
 from .proposers import make_proposer
 from .sampling import SamplingParams
-from .session import OrtSession, RowwiseOrtSession, Specialization
 from .stats import SpecDecodingStats
-
-METHODS = ("draft_model", "ngram", "suffix")
-
 
 @dataclass
 class GenerationResult:
@@ -44,42 +40,10 @@ class GenerationResult:
                 "stats": self.stats.to_json()}
 
 
-def _open_ort(bundle: Path, manifest: Manifest, role: str, entry: OrtEntry):
-    info, shapes = manifest.roles[role], manifest.shapes
-    arch = info.arch
-    path = bundle / entry.artifact
-    if not path.is_file():
-        raise BundleError(f"{bundle}: missing {entry.artifact}")
-    specs = [Specialization.from_manifest(s) for s in info.specializations]
-    kv_shape = (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim)
-    if entry.graph == "fused" and shapes.kv_batch > 1:  # its windows take one row per call
-        return RowwiseOrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
-                                 info.ort.intra_op_threads)
-    return OrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
-                      info.ort.intra_op_threads, in_place=entry.kv_binding == "in_place")
-
-
-def _open_qaic(bundle: Path, manifest: Manifest, role: str, entry: QaicEntry):
-    info = manifest.roles[role]
-    if entry.status != "compiled":
-        raise BundleError(f"{bundle}: the {role} QPC was not compiled (status "
-                          f"{entry.status}); on a machine with the Cloud AI SDK run "
-                          f"`bash {role}/qaic/compile.sh` in the bundle (it ends with "
-                          f"`qpcbuild finish`), or use --backend {DEFAULT_BACKEND}")
-    from .qaic_session import QaicSession
-    return QaicSession(bundle / entry.qpc, role,
-                       [Specialization.from_manifest(s) for s in info.specializations],
-                       info.device_group, info.arch.num_layers, info.arch.vocab_size)
-
-
-# How each kind of compiled artifact is opened: by the manifest entry that describes it.
-OPENERS = {OrtEntry: _open_ort, QaicEntry: _open_qaic}
-
-
 def _backend_entry(bundle: Path, manifest: Manifest, role: str, backend: str):
     if backend not in backend_names():
         raise UsageError(f"unknown backend '{backend}' ({' | '.join(backend_names())})")
-    built = manifest.roles[role].backends.built()
+    built = manifest.roles[role].backends
     if backend not in built:
         raise BundleError(f"{bundle}: the {role} was not built for backend '{backend}' (built: "
                           f"{', '.join(built)})")
@@ -88,7 +52,7 @@ def _backend_entry(bundle: Path, manifest: Manifest, role: str, backend: str):
 
 def _open_session(bundle: Path, manifest: Manifest, role: str, backend: str):
     entry = _backend_entry(bundle, manifest, role, backend)
-    return OPENERS[type(entry)](bundle, manifest, role, entry)
+    return backend_module(backend, "session").open_session(bundle, manifest, role, entry)
 
 
 def available_memory() -> int | None:
@@ -111,12 +75,11 @@ def check_memory(bundle: Path, manifest: Manifest, roles: list[str], backend: st
     need = 0.0
     for role in roles:
         info = manifest.roles[role]
-        arch, ort = info.arch, info.backends.built().get(backend)
-        if not isinstance(ort, OrtEntry):
-            continue  # host memory is not where it runs, or _open_session says it is not built
-        copies = 1 if ort.kv_binding == "in_place" else 2  # ping-pong binds two
-        kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4.0
-        need += arch.param_count * 4.0 + copies * kv * shapes.ctx_len * batch
+        arch, entry = info.arch, info.backends.get(backend)
+        if entry is None:
+            continue  # _open_session says it is not built
+        kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4.0  # float32, per token
+        need += entry.host_bytes(arch.param_count, kv, shapes.ctx_len * batch)
     free = available_memory()
     if free is not None and need > free:
         raise BundleError(f"{bundle}: running it needs about {need / 2**30:.1f} GiB (float32 "

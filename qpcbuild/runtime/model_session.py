@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import UsageError
 
 if TYPE_CHECKING:  # only its type: the loader hands the entries over
-    from ..bundle.manifest_model import Specialization as ManifestSpecialization
+    from ..models.specialization import Specialization as ManifestSpecialization
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Specialization:
 
     @classmethod
     def from_manifest(cls, entry: ManifestSpecialization) -> "Specialization":
-        """From a manifest's (bundle.manifest.Specialization) symbols."""
+        """From a manifest's (models.specialization.Specialization) symbols."""
         return cls(entry.name, entry.size("batch_size"), entry.size("seq_len"),
                    entry.size("ctx_len"), int(entry.symbols.get("num_logits_to_keep", 1)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..compile.backends import DEFAULT_BACKEND
+from ..backend_api import DEFAULT_BACKEND
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

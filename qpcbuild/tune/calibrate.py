@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from ..compile.backends import backend_info
+from ..backend_api import backend_info
 from ..errors import UsageError
 from .acceptance import replayed, summed_run
 from .model import (P_MIN_GRID, best_k_per_batch, choose_k, confidence_stop_table, host_model,

@@ -14,7 +14,8 @@ import statistics
 import time
 from typing import Any
 
-from ..compile.backends import HOST_BACKEND, backend_info, card_backend, get_backend
+from ..bundle.backend import get_backend
+from ..backend_api import HOST_BACKEND, backend_info, card_backend
 from ..errors import UsageError
 
 ROOFLINE_ASSUMPTIONS = [
@@ -141,7 +142,7 @@ def roofline_call_s(role, r, tokens: int, position: int, batch: int,
     from ..plan import KV_BYTES, WEIGHT_BYTES
 
     arch, n_dev = role.arch, len(role.device_group)
-    head_rows = role.vocab_subset["size"] if role.vocab_subset else None
+    head_rows = role.vocab_subset.size if role.vocab_subset else None
     # A call reads every MatMul weight, but only the embedding rows of its own tokens.
     matmul_params = arch.matmul_param_count(head_rows)
     weights = (matmul_params * WEIGHT_BYTES[r.precision.quantization]

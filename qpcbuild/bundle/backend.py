@@ -1,16 +1,26 @@
-"""The interface every compile backend implements (see compile/__init__.py). A module of its
-own, so a backend imports it without importing the registry that finds the backends."""
+"""What every backend's build (backends/<name>/build.py, BUILDER) implements for the bundle builder,
+and the typed way to get one by name:
+- `check()` fails fast (before any export) when the backend cannot run here;
+- `key_inputs()` is what its artifact's cache key is the digest of;
+- `build_cached()` writes the role's artifacts under the staging bundle (from the cache when an
+  entry exists) and returns the manifest entry that describes them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
+
+from ..backend_api import backend_module
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..cache import Cache, ScratchCache
     from ..delivered import DeliveredFiles
     from ..plan import BuildPlan, RolePlan
+
+
+# The build's cache: a kept one, or --no-cache's scratch stand-in with the same methods.
+BuildCache = Union["Cache", "ScratchCache"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +49,14 @@ class Backend(Protocol):
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
         """What the role's artifact's cache key is the digest of."""
 
-    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
-                     inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
+    def build_cached(self, ctx: BuildContext, role: RolePlan, cache: BuildCache, key: str,
+                     inputs: dict[str, Any],
+                     onnx_dir: Callable[[], Path]) -> tuple[dict[str, Any], bool]:
         """Put `<role>/...` artifacts into ctx.staging, from the cache or built; return (the
         manifest entry, whether the cache's entry was reused)."""
 
+
+def get_backend(name: str) -> Backend:
+    """The backend's builder, its module imported on first use."""
+    builder: Backend = backend_module(name, "build").BUILDER()
+    return builder

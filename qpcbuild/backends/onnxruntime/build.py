@@ -13,14 +13,14 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import Terminated, ToolchainError
-from ..export import DATA_FILE, GRAPH_FILE
-from ..cache import META, Cache
-from ..plan import RolePlan
-from ..plan_backends.onnxruntime import ORT_LOWERING_VERSION
-from ..ort_threads import session_options
-from ..toolchain import _pkg
-from .interface import BuildContext
+from ...cache import META, Cache
+from ...errors import Terminated, ToolchainError
+from ...export import DATA_FILE, GRAPH_FILE
+from ...ort_threads import session_options
+from ...plan import RolePlan
+from ...toolchain import package_version
+from ...bundle.backend import BuildContext
+from .plan import ORT_LOWERING_VERSION, OrtPart
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
 
@@ -30,7 +30,7 @@ def fix_dims(model_path: Path, fixed: dict[str, int], out_path: Path) -> None:
     graph's dialect by what ONNX Runtime accepts (export/dialect.py, for_onnxruntime)."""
     import onnx  # here, not above: a compile whose artifacts are all cached never loads it
 
-    from ..export.dialect import for_onnxruntime
+    from ...export.dialect import for_onnxruntime
 
     model = onnx.load(str(model_path), load_external_data=False)
     for_onnxruntime(model)
@@ -53,7 +53,7 @@ class OrtBackend:
             if Terminated.requested:  # SIGTERM arrived while the extension was initializing
                 raise Terminated() from None
             raise ToolchainError(f"onnxruntime is not importable: {exc}") from None
-        return {"onnxruntime": _pkg("onnxruntime"), "optimization_level": ORT_LEVEL}
+        return {"onnxruntime": package_version("onnxruntime"), "optimization_level": ORT_LEVEL}
 
     def runtime_problem(self) -> str | None:
         return None  # onnxruntime is a dependency: it runs wherever qpcbuild does
@@ -75,8 +75,15 @@ class OrtBackend:
         cache.deliver(entry, ctx.staging, skip=(META,), known=ctx.delivered)
         return info, reused
 
+    @staticmethod
+    def part(role: RolePlan) -> OrtPart:
+        """This backend's part of the role's plan."""
+        part = role.backends[OrtBackend.name]
+        assert isinstance(part, OrtPart)  # planned by .plan.OrtPlan
+        return part
+
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
-        if role.ort["graph"] == "fused":
+        if self.part(role).graph == "fused":
             return self.build_fused(ctx, role, onnx_dir)
         return self.build_portable(ctx, role, onnx_dir)
 
@@ -89,16 +96,16 @@ class OrtBackend:
         weights = PortableWeights(onnx_dir / GRAPH_FILE)
         source = onnx.load(str(onnx_dir / GRAPH_FILE), load_external_data=False)
         metadata = {p.key: p.value for p in source.metadata_props}
-        batch, ctx_len = role.ort["batch_size"], role.ort["ctx_len"]
+        ort = self.part(role)
+        batch, ctx_len = ort.batch_size, ort.ctx_len
         build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
-                        {**metadata, "ort_graph": "fused"}, role.ort["weights"],
-                        role.ort["numerics_formats"] if role.ort["numerics"] == "emulated"
-                        else None)
+                        {**metadata, "ort_graph": "fused"}, ort.weights,
+                        ort.numerics_formats if ort.numerics == "emulated" else None)
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
-                "graph": "fused", "kv_binding": "in_place", "weights": role.ort["weights"],
+                "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,
                 # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)
-                "numerics": role.ort["numerics"],
-                "numerics_formats": dict(role.ort["numerics_formats"]),
+                "numerics": ort.numerics,
+                "numerics_formats": dict(ort.numerics_formats),
                 "fixed_dims": {"ctx_len": ctx_len, **({"batch_size": batch}
                                                       if isinstance(batch, int) else {})},
                 "execution_provider": "CPUExecutionProvider"}
@@ -140,3 +147,6 @@ class OrtBackend:
                 "numerics": "exact", "numerics_formats": {"weights": "float32", "kv": "float32"},
                 "fixed_dims": fixed, "optimization_level": ORT_LEVEL,
                 "execution_provider": "CPUExecutionProvider"}
+
+
+BUILDER = OrtBackend

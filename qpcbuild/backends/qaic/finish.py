@@ -13,14 +13,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..version import __version__
-from ..compile.qaic import QPC_FILE, QaicBackend
-from ..errors import BundleError, QpcbuildError, UsageError
-from ..toolchain import compiler_identity, qaic_sdk_versions
-from .manifest import Manifest, SealedManifest, write_manifest
-from .verify import actual_files, compare_files
-
-ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role
+from ...bundle.manifest import Manifest, SealedManifest, write_manifest
+from ...bundle.verify import actual_files, compare_files
+from ...errors import BundleError, QpcbuildError, UsageError
+from ...toolchain import compiler_identity, qaic_sdk_versions
+from ...version import __version__
+from .manifest import ADOPTED, NAME, QPC_FILE, QaicEntry
 
 
 def _under(path: str, folders: tuple[str, ...]) -> bool:
@@ -61,7 +59,9 @@ def _finish(bundle: Path, roles: list[str] | None,
             compiler_id: dict[str, str] | None) -> Manifest:
     sealed = SealedManifest(bundle)
     m = sealed.checked()
-    qaic_roles = [r for r, info in m.roles.items() if info.backends.qaic is not None]
+    qaic: dict[str, QaicEntry] = {r: e for r, info in m.roles.items()
+                                  if (e := info.built(QaicEntry)) is not None}
+    qaic_roles = list(qaic)
     if not qaic_roles:
         raise UsageError(f"{bundle}: not built for the qaic backend; there is no QPC to finish")
     roles = roles or qaic_roles
@@ -73,8 +73,7 @@ def _finish(bundle: Path, roles: list[str] | None,
     # SDK machine's PATH, or its own finish has not run yet) is adopted too: left out, its QPC
     # would be an unsealed extra file in a bundle `verify` rejects. Its own finish, when it
     # runs, hashes it again. An unfinished role without a QPC stays out of this manifest.
-    unfinished = [r for r in qaic_roles if r not in roles
-                  and m.roles[r].backends.qaic.status != "compiled"]
+    unfinished = [r for r in qaic_roles if r not in roles and qaic[r].status != "compiled"]
     roles = list(roles) + [r for r in unfinished if _nonempty(bundle / r / "qpc" / QPC_FILE)]
     adopting = tuple(f"{role}/{part}" for role in roles for part in ADOPTED)
     pending = tuple(f"{role}/{part}" for role in unfinished if role not in roles
@@ -107,5 +106,5 @@ def _finish(bundle: Path, roles: list[str] | None,
                       "log": log if (log := f"{role}/logs/qaic-compile.log") in files else None,
                       "compiler": compiler_id,
                       "sdk": sdk, "finished_by": f"qpcbuild {__version__}"} for role in roles}
-    return write_manifest(bundle, m.with_built(QaicBackend.name, entries, files,
+    return write_manifest(bundle, m.with_built(NAME, entries, files,
                                                {} if sdk is None else {"qaic_sdk": sdk}))

@@ -12,15 +12,14 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import ToolchainError
-from ..cache import META, Cache
-from ..plan import RolePlan
-from ..plan_backends.qaic import custom_io_yaml, find_compiler, specializations_file
-from ..toolchain import compiler_identity, qaic_sdk_versions
-from ..tree import copy_tree
-from .interface import BuildContext
-
-QPC_FILE = "programqpc.bin"
+from ...cache import META, Cache
+from ...errors import ToolchainError
+from ...plan import RolePlan
+from ...toolchain import compiler_identity, qaic_sdk_versions
+from ...tree import copy_tree
+from ...bundle.backend import BuildContext
+from .manifest import NAME, QPC_FILE
+from .plan import QaicPart, custom_io_yaml, find_compiler, specializations_file
 
 
 def missing_compiler_message(tried: list[str]) -> str:
@@ -31,7 +30,7 @@ def missing_compiler_message(tried: list[str]) -> str:
 
 
 class QaicBackend:
-    name = "qaic"
+    name = NAME
     cache_kind = "qpc"
     ships_graph = True  # the compiler inputs and compile.sh refer to the bundle's graph
 
@@ -80,17 +79,24 @@ class QaicBackend:
             cache.deliver(entry, ctx.staging, skip=(META,), known=ctx.delivered)
         return info, reused
 
+    @staticmethod
+    def part(role: RolePlan) -> QaicPart:
+        """This backend's part of the role's plan."""
+        part = role.backends[NAME]
+        assert isinstance(part, QaicPart)  # planned by .plan.QaicPlan
+        return part
+
     def write_inputs(self, ctx: BuildContext, role: RolePlan) -> list[str]:
-        r = ctx.plan.recipe
+        r, planned = ctx.plan.recipe, self.part(role)
         qdir = ctx.staging / role.role / "qaic"
         qdir.mkdir(parents=True, exist_ok=True)
         spec = specializations_file(role.specializations, r.hardware.specializations_format)
         (qdir / "specializations.json").write_text(json.dumps(spec, indent=2) + "\n")
-        (qdir / "custom_io.yaml").write_text(custom_io_yaml(role.custom_io))
-        if role.mdp_partition:
+        (qdir / "custom_io.yaml").write_text(custom_io_yaml(planned.custom_io))
+        if planned.mdp_partition:
             (qdir / f"mdp_ts_{len(role.device_group)}.json").write_text(
-                json.dumps(role.mdp_partition, indent=2) + "\n")
-        args = role.compiler_argv[1:]
+                json.dumps(planned.mdp_partition, indent=2) + "\n")
+        args = planned.compiler_argv[1:]
         script = qdir / "compile.sh"
         script.write_text(
             "#!/usr/bin/env bash\n"
@@ -116,7 +122,7 @@ class QaicBackend:
         args = self.write_inputs(ctx, role)
         entry: dict[str, Any] = {"inputs": f"{role.role}/qaic", "compile_script":
                                  f"{role.role}/qaic/compile.sh",
-                                 "compiler_args": role.compiler_argv[1:]}
+                                 "compiler_args": args}
         if ctx.emit_only:
             return {**entry, "status": "emitted", "qpc": None}
         compiler, tried = find_compiler(ctx.compiler)
@@ -149,3 +155,4 @@ class QaicBackend:
 
 
 QAIC_DEFAULT = "/opt/qti-aic/exec/qaic-compile"
+BUILDER = QaicBackend

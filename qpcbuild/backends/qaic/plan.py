@@ -1,17 +1,21 @@
 """The Qualcomm Cloud AI backend's planning: where the compiler is, its command line, the KV
 buffers' precision (custom_io.yaml) and the multi-device partition (mdp_ts_N.json), the
-compile's cache key and the warnings a card build earns. compile/qaic.py writes the side files
+compile's cache key and the warnings a card build earns. build.py writes the side files
 and runs the command exactly as planned here."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UsageError
-from ..recipe import Recipe
-from ..toolchain import executable
-from .interface import RoleFacts
+from ...errors import UsageError
+from ...models.specialization import Specialization
+from ...recipe.schema import Recipe
+from ...toolchain import executable
+from ...backend_api import BackendPart, RoleFacts
 
 QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 DEFAULT_COMPILER = "qaic-compile"  # argv[0] when none is found: compile.sh runs it from PATH
@@ -32,7 +36,7 @@ def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
     return None, tried
 
 
-def kv_buffers(io: dict) -> list[str]:
+def kv_buffers(io: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The KV cache's graph I/O names, from the declared I/O (each past input, then the output
     that retains it): the buffers whose precision the card's custom_io.yaml sets."""
     outputs = {e["name"] for e in io["outputs"]}
@@ -77,12 +81,12 @@ def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: st
     return argv
 
 
-def specializations_file(specs: list[dict[str, Any]], fmt: str) -> dict[str, Any]:
+def specializations_file(specs: list[Specialization], fmt: str) -> dict[str, Any]:
     """specializations.json for qaic-compile: QEfficient's named entries, or the flat form
     (each entry's symbols only) that older SDKs read."""
     if fmt == "flat":
-        return {"specializations": [s["symbols"] for s in specs]}
-    return {"specializations": specs}
+        return {"specializations": [s.symbols for s in specs]}
+    return {"specializations": [s.model_dump() for s in specs]}
 
 
 def custom_io_yaml(custom_io: list[dict[str, str]]) -> str:
@@ -91,21 +95,46 @@ def custom_io_yaml(custom_io: list[dict[str, str]]) -> str:
                    for e in custom_io)
 
 
-class QaicPlan:
-    def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> dict[str, Any]:
-        compiler = compiler or find_compiler()[0] or DEFAULT_COMPILER
-        return {
-            "custom_io": [{"IOName": n, "Precision": r.precision.kv_cache_dtype}
-                          for n in kv_buffers(facts.io)],
-            "mdp_partition": mdp_partition(facts.device_group, facts.cores),
-            # relative to the bundle root; argv[0] is the compiler
-            "compiler_argv": compiler_argv(facts.role, r, facts.cores,
-                                           len(facts.device_group), compiler)}
+@dataclass(frozen=True)
+class QaicPart(BackendPart):
+    """The role's compile for the card as planned: the compiler's side files and command."""
+    custom_io: list[dict[str, str]]  # custom_io.yaml's rows: {"IOName", "Precision"}
+    mdp_partition: dict[str, Any] | None  # mdp_ts_N.json (None: one device)
+    compiler_argv: list[str]  # relative to the bundle root; argv[0] is the compiler
 
-    def settings(self, r: Recipe, facts: RoleFacts, planned: dict[str, Any]) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "compiler_command": shlex.join(self.compiler_argv)}
+
+    def describe(self, r: Recipe, n_devices: int, built: bool) -> list[str]:
+        lines = [f"custom_io.yaml: {len(self.custom_io)} entries, Precision "
+                 f"{self.custom_io[0]['Precision']} (past_key.0, past_key.0_RetainedState, ...)"]
+        if self.mdp_partition:
+            lines.append(f"mdp_ts_{n_devices}.json: "
+                         f"{json.dumps(self.mdp_partition, separators=(',', ':'))}")
+        if built:
+            lines.append(f"[bold]qaic compile[/] (cwd = bundle root):\n  "
+                         f"{shlex.join(self.compiler_argv)}")
+        return lines
+
+    def manifest_role_fields(self) -> dict[str, Any]:
+        return {"mdp_partition": self.mdp_partition}
+
+
+class QaicPlan:
+    def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> QaicPart:
+        compiler = compiler or find_compiler()[0] or DEFAULT_COMPILER
+        return QaicPart(
+            custom_io=[{"IOName": n, "Precision": r.precision.kv_cache_dtype}
+                       for n in kv_buffers(facts.io)],
+            mdp_partition=mdp_partition(facts.device_group, facts.cores),
+            compiler_argv=compiler_argv(facts.role, r, facts.cores, len(facts.device_group),
+                                        compiler))
+
+    def settings(self, r: Recipe, facts: RoleFacts, part: QaicPart) -> dict[str, Any]:
         # argv[0] is left out: where the compiler is installed does not change the program
-        return {"export": facts.export_key, "argv": planned["compiler_argv"][1:],
-                "specs": facts.specializations, "custom_io": r.precision.kv_cache_dtype,
+        return {"export": facts.export_key, "argv": part.compiler_argv[1:],
+                "specs": [s.model_dump() for s in facts.specializations],
+                "custom_io": r.precision.kv_cache_dtype,
                 "fmt": r.hardware.specializations_format}
 
     def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
@@ -123,3 +152,6 @@ class QaicPlan:
                                "graph is its exact float32 upcast, compiled to float16 as "
                                "QEfficient compiles float32 checkpoints")
         return out
+
+
+PLAN = QaicPlan()

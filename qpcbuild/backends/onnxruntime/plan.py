@@ -3,10 +3,11 @@ lowering, shapes and numerics, how the runtime drives it), its cache key and war
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from ..recipe import CARDS, Recipe
-from .interface import RoleFacts
+from ...recipe.schema import CARDS, Recipe
+from ...backend_api import BackendPart, RoleFacts
 
 ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the same graph
 
@@ -36,7 +37,7 @@ def ort_numerics(r: Recipe) -> dict[str, Any]:
     (qpcbuild.numerics) when the recipe asks for mxfp6 / mxint8. Emulation exists in the fused
     lowering only; a portable ORT graph next to the qaic backend stays exact (the recipe refuses
     emulation on a portable graph without qaic)."""
-    from ..numerics import KV_FORMAT, WEIGHT_FORMAT
+    from ...numerics import KV_FORMAT, WEIGHT_FORMAT
 
     p = r.precision
     if (p.quantization == "none" and p.kv_cache_dtype == "float16") or ort_graph(r) != "fused":
@@ -46,26 +47,59 @@ def ort_numerics(r: Recipe) -> dict[str, Any]:
         "kv": KV_FORMAT if p.kv_cache_dtype == "mxint8" else "float32"}}
 
 
-class OrtPlan:
-    def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> dict[str, Any]:
-        role = facts.role
-        return {"ort": {
-            "artifact": f"{role}/ort/model.onnx",
-            "batch_size": ort_batch(r),
-            "ctx_len": r.shapes.ctx_len, "kv_dtype": "float32", "graph": ort_graph(r),
-            "weights": getattr(r.onnxruntime, f"{role}_weights"),
-            "core_share": facts.cores / CARDS[r.hardware.card]["cores_per_qid"],
-            "intra_op_threads": r.onnxruntime.intra_op_threads, **ort_numerics(r)}}
+@dataclass(frozen=True)
+class OrtPart(BackendPart):
+    """The role's ONNX Runtime artifact as planned: what it is built from and how it runs."""
+    artifact: str  # relative to the bundle root
+    batch_size: int | str  # a number, or "batch_size" where it stays symbolic (ort_batch)
+    ctx_len: int
+    kv_dtype: str
+    graph: str  # fused | portable (ort_graph)
+    weights: str  # the fused graph's matmul weights: float32 | int8 | int4
+    core_share: float  # of a QID's cores: the role's share of the host's threads
+    intra_op_threads: int | None
+    numerics: str  # exact | emulated (ort_numerics)
+    numerics_formats: dict[str, str]
 
-    def settings(self, r: Recipe, facts: RoleFacts, planned: dict[str, Any]) -> dict[str, Any]:
-        ort = planned["ort"]
+    def describe(self, r: Recipe, n_devices: int, built: bool) -> list[str]:
+        if not built:
+            return []
+        per_role = self.intra_op_threads
+        threads = (f"{per_role} CPU threads per role" if per_role
+                   else "all CPU threads (one pool both roles share)")
+        emulated = (f"; numerics emulated (weights {self.numerics_formats['weights']}, "
+                    f"KV {self.numerics_formats['kv']})" if self.numerics == "emulated" else "")
+        return [f"[bold]onnxruntime[/]: {self.artifact} with batch_size={self.batch_size}, "
+                f"ctx_len={self.ctx_len} fixed, {self.graph} graph, {self.kv_dtype} KV, "
+                f"{threads}{emulated}"]
+
+    def manifest_role_fields(self) -> dict[str, Any]:
+        # How the runtime drives the artifact; its shapes and format are recorded once, in
+        # `shapes` and in backends.onnxruntime.
+        return {"ort": {"core_share": self.core_share,
+                        "intra_op_threads": self.intra_op_threads}}
+
+
+class OrtPlan:
+    def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> OrtPart:
+        role = facts.role
+        numerics = ort_numerics(r)
+        return OrtPart(
+            artifact=f"{role}/ort/model.onnx", batch_size=ort_batch(r),
+            ctx_len=r.shapes.ctx_len, kv_dtype="float32", graph=ort_graph(r),
+            weights=getattr(r.onnxruntime, f"{role}_weights"),
+            core_share=facts.cores / CARDS[r.hardware.card]["cores_per_qid"],
+            intra_op_threads=r.onnxruntime.intra_op_threads,
+            numerics=numerics["numerics"], numerics_formats=numerics["numerics_formats"])
+
+    def settings(self, r: Recipe, facts: RoleFacts, part: OrtPart) -> dict[str, Any]:
         # Only what changes the artifact is in: K and threads do not change an onnxruntime
         # artifact, so they are not in its key.
         return {"export": facts.export_key, "lowering": ORT_LOWERING_VERSION,
-                **{k: ort[k] for k in ("graph", "batch_size", "ctx_len", "kv_dtype", "weights")},
+                "graph": part.graph, "batch_size": part.batch_size, "ctx_len": part.ctx_len,
+                "kv_dtype": part.kv_dtype, "weights": part.weights,
                 # emulated card formats (exact builds keep their key)
-                **({"numerics": ort["numerics_formats"]} if ort["numerics"] == "emulated"
-                   else {})}
+                **({"numerics": part.numerics_formats} if part.numerics == "emulated" else {})}
 
     def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
         out = []
@@ -74,3 +108,6 @@ class OrtPlan:
             out.append("onnxruntime: the portable graph runs exact float32; the mxfp6/mxint8 "
                        "numerics preview exists in the fused graph only")
         return out
+
+
+PLAN = OrtPlan()

@@ -30,12 +30,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..models.arch import ArchSpec
-from ..export.builder import GraphBuilder
-from ..export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
-from ..models.graph_io import declare, graph_io
-from ..numerics import BLOCK as MX_BLOCK
-from ..numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
+from ...models.arch import ArchSpec
+from ...export.builder import GraphBuilder
+from ...export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
+from ...models.graph_io import declare, graph_io
+from ...numerics import BLOCK as MX_BLOCK
+from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 
 MS = "com.microsoft"
 
