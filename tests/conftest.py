@@ -37,8 +37,16 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.15 * noise)
 
 
+# Windows shorter than the tested contexts (prompts of 10-20 tokens in a ctx_len of 32-64), so the
+# sliding layers' mask is exercised; Gemma 3 with sliding and full layers alternating, each with
+# its RoPE base, a query_pre_attn_scalar that is not head_dim and a final soft-cap; Gemma 2 with
+# transformers' default soft-caps (50 on scores, 30 on logits).
+GEMMA_SHAPE = dict(TINY_SHAPE, head_dim=16, sliding_window=6)
+
+
 def _tiny_variants():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              Qwen2Config, Qwen3Config)
 
     return {
         # name: (config, dtype written to disk)
@@ -50,6 +58,12 @@ def _tiny_variants():
                     "float32"),
         "qwen2": (Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False), "float32"),
         "qwen3": (Qwen3Config(**TINY_SHAPE, head_dim=16, tie_word_embeddings=False), "float32"),
+        "mistral_sliding": (MistralConfig(**TINY_SHAPE, head_dim=16, sliding_window=5,
+                                          tie_word_embeddings=False), "float32"),
+        "gemma3": (Gemma3TextConfig(**GEMMA_SHAPE, sliding_window_pattern=2,
+                                    query_pre_attn_scalar=24, final_logit_softcapping=3.0),
+                   "float32"),
+        "gemma2": (Gemma2Config(**GEMMA_SHAPE, query_pre_attn_scalar=16), "float32"),
     }
 
 

@@ -1,7 +1,9 @@
 """Architecture facts read from a Hugging Face config.json.
 
-Every supported family is one row of `FAMILIES`: what differs between Llama, Mistral, Qwen2 and
-Qwen3 is data (biases, q/k norms), so the exporter has exactly one decoder.
+Every supported family is one row of `FAMILIES`: what differs between Llama, Mistral, Qwen2,
+Qwen3, Gemma 2 and Gemma 3 is data (biases, q/k norms, (1 + w) norms, scaled embeddings, the
+feed-forward norms around each block, the activation, soft-capping, sliding layers and their
+RoPE base), so the exporter has exactly one decoder.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from ..errors import UsageError
 class Family:
     name: str
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    # Gemma: every RMSNorm scales by (1 + w), embeddings are multiplied by sqrt(hidden_size),
+    # the attention and MLP outputs are normed before their residual add and the MLP input by a
+    # norm of its own ("sandwich" norms), and scores are scaled by query_pre_attn_scalar.
+    gemma: bool = False
+    # transformers' defaults where config.json leaves a key out (Gemma 2: soft-capping on)
+    default_attn_softcap: float | None = None
+    default_final_softcap: float | None = None
+    sliding_pattern: int | None = None  # every Nth layer full, the rest sliding (no layer_types)
+    local_rope: bool = False  # sliding layers have a RoPE base of their own (Gemma 3)
 
 
 FAMILIES: dict[str, Family] = {
@@ -27,8 +38,14 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral"),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": Family("qwen3", qk_norm=True),
+    "Gemma2ForCausalLM": Family("gemma2", gemma=True, default_attn_softcap=50.0,
+                                default_final_softcap=30.0, sliding_pattern=2),
+    "Gemma3ForCausalLM": Family("gemma3", qk_norm=True, gemma=True, sliding_pattern=6,
+                                local_rope=True),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,43 @@ class ArchSpec:
     torch_dtype: str
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    sliding_window: int | None = None  # attention window; qpcbuild requires ctx_len <= it
+    # Attention window of the sliding layers (None: no layer slides). A sliding layer keeps the
+    # same ctx_len-long KV buffer as a full one; its mask hides keys `sliding_window` or more
+    # positions behind the query (export/decoder.py says why not a ring buffer).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () = all full
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): 1.0 for Gemma
+    embedding_scale: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(H))
+    sandwich_norms: bool = False  # pre/post feed-forward norms and a normed attention output
+    attention_scale: float | None = None  # scores scale; None: head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # sliding layers' RoPE base where it differs
+    local_rope_scaling: dict[str, Any] | None = None
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and bool(self.layer_types) and \
+            self.layer_types[layer] == SLIDING
+
+    @property
+    def scores_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+
+    def fused_ort_problem(self, ctx_len: int) -> str | None:
+        """Why qpcbuild's fused ONNX Runtime lowering cannot run this model at `ctx_len`, or
+        None. That lowering is Llama's block on ORT's GroupQueryAttention; Gemma's norms,
+        activation and soft-capping, and windows shorter than the context, run on the portable
+        graph (the exported one, exact)."""
+        if self.sandwich_norms or self.norm_offset or self.hidden_act != "silu" or \
+                self.attn_logit_softcapping or self.final_logit_softcapping or \
+                self.embedding_scale != 1.0:
+            return f"the fused lowering does not build {self.family}'s layers"
+        if any(self.is_sliding(i) for i in range(self.num_layers)) and \
+                ctx_len > self.sliding_window:
+            return (f"the fused lowering has no sliding window, and ctx_len {ctx_len} exceeds "
+                    f"the window ({self.sliding_window})")
+        return None
 
     @property
     def param_count(self) -> int:
@@ -62,7 +115,7 @@ class ArchSpec:
         q, kv = self.num_heads * d, self.num_kv_heads * d
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
         per_layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
-        per_layer += 2 * d * self.qk_norm
+        per_layer += 2 * d * self.qk_norm + 2 * h * self.sandwich_norms
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -108,6 +161,9 @@ class ArchSpec:
                     shapes[f"{p}.mlp.{name}.bias"] = (shape[0],)
             shapes[f"{p}.input_layernorm.weight"] = (h,)
             shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+            if self.sandwich_norms:
+                shapes[f"{p}.pre_feedforward_layernorm.weight"] = (h,)
+                shapes[f"{p}.post_feedforward_layernorm.weight"] = (h,)
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
@@ -116,14 +172,21 @@ class ArchSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
         d["param_count"] = self.param_count
         return d
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies [head_dim/2], float32, with the config's scaling applied."""
+    @property
+    def has_local_rope(self) -> bool:
+        return self.local_rope_theta is not None
+
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim/2], float32, with the config's scaling applied;
+        `local`: the sliding layers' own base (Gemma 3)."""
         dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        s = self.rope_scaling or {}
+        theta = self.local_rope_theta if local else self.rope_theta
+        inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        s = (self.local_rope_scaling if local else self.rope_scaling) or {}
         kind = s.get("rope_type", "default")
         if kind == "linear":
             inv = inv / s["factor"]
@@ -176,38 +239,107 @@ class _Reader:
         return float(value)
 
 
-def _rope(r: _Reader) -> tuple[float | None, dict[str, Any] | None]:
-    # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+def _rope(r: _Reader, fam: Family) -> tuple[tuple[float | None, dict[str, Any] | None],
+                                            tuple[float | None, dict[str, Any] | None] | None]:
+    """(theta, scaling) of the full layers and, for a family whose sliding layers have a base of
+    their own, of those (else None)."""
+    # transformers >= 5 writes `rope_parameters` (Gemma 3: one object per layer type); older
+    # configs `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`).
     config = r.config
     params = config.get("rope_parameters") or {}
     if not isinstance(params, dict):
         r.problems.append(f"rope_parameters: expected an object, got {params!r}")
         params = {}
+    if FULL in params or SLIDING in params:
+        full = _rope_params(r, params.get(FULL) or {}, f"rope_parameters.{FULL}", 1e6)
+        local = _rope_params(r, params.get(SLIDING) or {}, f"rope_parameters.{SLIDING}", 1e4)
+        return full, local if fam.local_rope else None
     theta = r.number("rope_theta", params.get("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    full = theta, _rope_scaling(r, scaling, "rope_scaling")
+    if not fam.local_rope:
+        return full, None
+    local = r.number("rope_local_base_freq", config.get("rope_local_base_freq", 10000.0))
+    return full, (local, None)
+
+
+def _rope_params(r: _Reader, params: Any, key: str,
+                 default_theta: float) -> tuple[float | None, dict[str, Any] | None]:
+    if not isinstance(params, dict):
+        r.problems.append(f"{key}: expected an object, got {params!r}")
+        return None, None
+    theta = r.number(f"{key}.rope_theta", params.get("rope_theta", default_theta))
+    return theta, _rope_scaling(r, {k: v for k, v in params.items() if k != "rope_theta"}, key)
+
+
+def _rope_scaling(r: _Reader, scaling: Any, key: str) -> dict[str, Any] | None:
     if scaling and not isinstance(scaling, dict):
-        r.problems.append(f"rope_scaling: expected an object, got {scaling!r}")
-        return theta, None
+        r.problems.append(f"{key}: expected an object, got {scaling!r}")
+        return None
     scaling = dict(scaling) if scaling else None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         scaling["rope_type"] = kind
         scaling.pop("type", None)
         if kind not in ROPE_TYPES:
-            r.problems.append(f"rope_scaling.rope_type: '{kind}' is not supported (supported: "
+            r.problems.append(f"{key}.rope_type: '{kind}' is not supported (supported: "
                               f"{', '.join(ROPE_TYPES)})")
-            return theta, None
+            return None
         needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor",
                                                     "high_freq_factor",
                                                     "original_max_position_embeddings")}
-        for key in needed.get(kind, ()):
-            r.number(f"rope_scaling.{key}", scaling.get(key))
+        for name in needed.get(kind, ()):
+            r.number(f"{key}.{name}", scaling.get(name))
         if kind == "llama3" and not r.problems and \
                 scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-            r.problems.append("rope_scaling: high_freq_factor must exceed low_freq_factor")
+            r.problems.append(f"{key}: high_freq_factor must exceed low_freq_factor")
         if kind == "default":
             scaling = None
-    return theta, scaling
+    return scaling
+
+
+def _layer_types(r: _Reader, fam: Family, layers: int | None,
+                 window: int | None) -> tuple[str, ...]:
+    """Each layer's attention kind: config.json's `layer_types`, else the family's pattern
+    (Gemma), else every layer sliding when a window is set (Mistral)."""
+    if not layers or not window:
+        return ()
+    given = r.config.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list) or len(given) != layers or \
+                any(t not in (SLIDING, FULL) for t in given):
+            r.problems.append(f"layer_types: expected {layers} entries, each '{SLIDING}' or "
+                              f"'{FULL}', got {given!r}")
+            return ()
+        return tuple(given)
+    if fam.sliding_pattern:
+        n = r.config.get("sliding_window_pattern", fam.sliding_pattern)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            r.problems.append(f"sliding_window_pattern: expected a positive integer, got {n!r}")
+            return ()
+        return tuple(SLIDING if (i + 1) % n else FULL for i in range(layers))
+    return (SLIDING,) * layers
+
+
+def _gemma_facts(r: _Reader, fam: Family, hidden: int | None) -> dict[str, Any]:
+    """The Gemma rows' numbers: (1 + w) norms, sqrt(H) embeddings, query_pre_attn_scalar and
+    the soft-capping values (transformers' defaults where config.json leaves them out)."""
+    config, out = r.config, {}
+    if config.get("use_bidirectional_attention"):
+        r.problems.append("use_bidirectional_attention: true is an encoder's attention; only "
+                          "causal decoders are supported")
+    for key, default in (("attn_logit_softcapping", fam.default_attn_softcap),
+                         ("final_logit_softcapping", fam.default_final_softcap)):
+        value = config.get(key, default)
+        out[key] = None if value is None else r.number(key, value)
+    if not fam.gemma:
+        return out
+    scalar = r.number("query_pre_attn_scalar", config.get("query_pre_attn_scalar", 256))
+    out.update(norm_offset=1.0, sandwich_norms=True,
+               # float32, as transformers holds it: a float32 buffer (the embedding's dtype here)
+               embedding_scale=float(np.float32((hidden or 1) ** 0.5)),
+               attention_scale=scalar ** -0.5 if scalar else None)
+    return out
 
 
 def arch_from_config(config: dict[str, Any], source: str = "config.json") -> ArchSpec:
@@ -239,11 +371,19 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
         r.problems.append(f"num_attention_heads {heads} is not a multiple of "
                           f"num_key_value_heads {kv}")
     eps = r.number("rms_norm_eps", config.get("rms_norm_eps", 1e-6))
-    # Qwen configs carry a window that is off unless use_sliding_window; Mistral's is on when set.
+    # Qwen configs carry a window that is off unless use_sliding_window; Mistral's and Gemma's
+    # are on when set.
     window = r.int("sliding_window", None, allow_none=True)
-    if config.get("use_sliding_window", config.get("model_type") == "mistral") is False:
+    on_when_set = config.get("model_type") == "mistral" or fam.sliding_pattern is not None
+    if config.get("use_sliding_window", on_when_set) is False:
         window = None
-    theta, scaling = _rope(r)
+    (theta, scaling), local_rope = _rope(r, fam)
+    layer_types = _layer_types(r, fam, layers, window)
+    act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        r.problems.append(f"hidden_act: '{act}' is not supported (supported: "
+                          f"{', '.join(ACTIVATIONS)})")
+    extra = _gemma_facts(r, fam, h)
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     bos = config.get("bos_token_id")
@@ -266,5 +406,8 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
         mlp_bias=config.get("mlp_bias", False), qk_norm=fam.qk_norm,
         max_position_embeddings=max_pos,
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-        bos_token_id=bos, eos_token_ids=eos_ids, sliding_window=window,
+        bos_token_id=bos, eos_token_ids=eos_ids,
+        sliding_window=window if SLIDING in layer_types else None, layer_types=layer_types,
+        hidden_act=act, local_rope_theta=local_rope[0] if local_rope else None,
+        local_rope_scaling=local_rope[1] if local_rope else None, **extra,
     )
