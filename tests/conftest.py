@@ -64,6 +64,7 @@ def _tiny_variants():
                                     query_pre_attn_scalar=24, final_logit_softcapping=3.0),
                    "float32"),
         "gemma2": (Gemma2Config(**GEMMA_SHAPE, query_pre_attn_scalar=16), "float32"),
+        "gemma3_bf16": (Gemma3TextConfig(**GEMMA_SHAPE), "bfloat16"),
     }
 
 

@@ -138,3 +138,19 @@ def test_card_recipe_for_a_gemma3_target_plans_and_emits(tiny_models, tmp_path, 
     for f in ("onnx/model.onnx", "qaic/specializations.json", "qaic/compile.sh", "ort/model.onnx"):
         assert (out / "target" / f).is_file(), f
     assert verify_bundle(out) == []
+
+
+def test_doctor_says_plainly_that_a_gemma3_verify_graph_is_qpcbuilds_own(tiny_models, tmp_path):
+    from qpcbuild.bundle.doctor import check_graph
+    from qpcbuild.export import export_model
+    from qpcbuild.models.source import resolve
+
+    gemma = export_model(resolve(str(tiny_models["gemma3"])), "target", tmp_path / "gemma3")
+    report = check_graph(gemma.onnx_path)
+    assert "qpcbuild's own" in report["note"] and "Gemma 3" in report["note"]
+    flagged = " | ".join(report["findings"])
+    assert "LessOrEqual" in flagged and "Tanh" in flagged  # the window mask, GELU's tanh form
+    # the (1 + w) norm weights are initializers, as CustomRMSNorm takes them from QEfficient
+    assert "weight from" not in flagged, flagged
+    llama = export_model(resolve(str(tiny_models["llama"])), "target", tmp_path / "llama")
+    assert "note" not in check_graph(llama.onnx_path)

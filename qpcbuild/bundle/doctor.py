@@ -32,6 +32,22 @@ from .manifest import Manifest, RoleIO
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "qefficient_dialect.json"
 
+# Families whose card graph as a verify target is qpcbuild's own form: QEfficient's SpDTransform
+# makes speculative targets of Llama, Qwen2 and Qwen3 only, and none of its recorded exports is of
+# these families, so the FLAG lines of such a graph are expected and say what is new to the
+# compiler. By the architecture the graph's metadata names.
+OWN_FORMS = {
+    "Gemma3ForCausalLM": "Gemma 3 as a verify target is qpcbuild's own graph (QEfficient exports "
+    "Gemma 3 as a plain causal LM, with a separate window-sized cache for its sliding layers): "
+    "sliding layers mask keys at or past the window behind each query over the full ctx_len "
+    "buffer (LessOrEqual, Or), GELU is written with Tanh, the norms' (1 + w) weights are folded "
+    "into their initializers, the attention output and the MLP's input and output are normed",
+    "Gemma2ForCausalLM": "Gemma 2 as a verify target is qpcbuild's own graph (no recorded "
+    "QEfficient export): sliding layers mask over the full ctx_len buffer (LessOrEqual, Or), "
+    "GELU and the soft-capping of scores and logits are written with Tanh, the norms' (1 + w) "
+    "weights are folded into their initializers",
+}
+
 
 @lru_cache(maxsize=None)
 def reference(path: Path = REFERENCE) -> dict[str, Any]:
@@ -154,6 +170,7 @@ def check_graph(path: Path, io: RoleIO | None = None) -> dict[str, Any]:
     except Exception as exc:  # onnx raises DecodeError and friends
         raise BundleError(f"{path}: not a readable ONNX model ({exc})") from None
     form, findings = check_model(model)
+    architecture = {p.key: p.value for p in model.metadata_props}.get("architecture")
     if io is not None:
         dtypes = form["io_dtypes"]
         for entry in [*io.inputs, *io.outputs]:
@@ -169,7 +186,8 @@ def check_graph(path: Path, io: RoleIO | None = None) -> dict[str, Any]:
                                                    "body_ops")}
                           for name, f in form["functions"].items()},
             "ops": {op: sum(c.values()) for op, c in form["top_level"].items()},
-            "findings": findings}
+            "findings": findings,
+            **({"note": OWN_FORMS[architecture]} if architecture in OWN_FORMS else {})}
 
 
 def doctor(target: Path, manifest: Manifest | None) -> dict[str, Any]:

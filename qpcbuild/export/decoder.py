@@ -38,8 +38,9 @@ SUBSET_COLUMN = "lm_head.vocab_subset.column"  # [1, V] int64: each token's colu
 SUBSET_KEPT = "lm_head.vocab_subset.kept"  # [V] bool: whether the subset keeps the token
 MASKED = -10000.0  # finite so fully masked pad rows stay finite, and representable in fp16
 
-# load(name, shape, transpose[, rows]) -> graph tensor name of that weight (float32 or
-# float16 + Cast); rows: keep only these rows (a draft's vocabulary subset)
+# load(name, shape, transpose[, rows][, offset]) -> graph tensor name of that weight (float32 or
+# float16 + Cast); rows: keep only these rows (a draft's vocabulary subset); offset: added to
+# every value (Gemma's norms scale by 1 + w)
 WeightLoader = Callable[..., str]
 
 
@@ -63,11 +64,9 @@ class Decoder:
 
     def norm(self, x: str, name: str, size: int) -> str:
         """RMSNorm by the checkpoint's weight `name`: scaled by w, or by (1 + w) for Gemma,
-        whose checkpoints store w - 1 (the Add is on a constant: folded before it runs)."""
-        w = self.load(name, (size,), False)
-        if self.a.norm_offset:
-            w = self.g.op("Add", w, self.g.const(self.a.norm_offset, np.float32))
-        return self.rms_norm(x, w)
+        whose checkpoints store w - 1 (added while exporting: the norm's weight stays an
+        initializer, as CustomRMSNorm takes it in QEfficient's graphs)."""
+        return self.rms_norm(x, self.load(name, (size,), False, offset=self.a.norm_offset))
 
     def activation(self, gate: str) -> str:
         """The gated MLP's activation: SiLU, or GELU's tanh form (Gemma's gelu_pytorch_tanh,
