@@ -87,8 +87,11 @@ class ArchSpec:
     local_rope_scaling: dict[str, Any] | None = None
 
     def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends to a window only; not where the window spans every position
+        the model has (its graph is then a full layer's, op for op)."""
         return bool(self.sliding_window) and bool(self.layer_types) and \
-            self.layer_types[layer] == SLIDING
+            self.layer_types[layer] == SLIDING and \
+            self.sliding_window < self.max_position_embeddings
 
     @property
     def scores_scale(self) -> float:
