@@ -45,8 +45,8 @@ GEMMA_SHAPE = dict(TINY_SHAPE, head_dim=16, sliding_window=6)
 
 
 def _tiny_variants():
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
+                              MistralConfig, Qwen2Config, Qwen3Config)
 
     return {
         # name: (config, dtype written to disk)
@@ -65,6 +65,10 @@ def _tiny_variants():
                    "float32"),
         "gemma2": (Gemma2Config(**GEMMA_SHAPE, query_pre_attn_scalar=16), "float32"),
         "gemma3_bf16": (Gemma3TextConfig(**GEMMA_SHAPE), "bfloat16"),
+        # multipliers far from 1 (Granite 3's are 12 / 0.0078 / 0.22 / 8), so each one shows
+        "granite": (GraniteConfig(**TINY_SHAPE, embedding_multiplier=3.0,
+                                  attention_multiplier=0.05, residual_multiplier=0.4,
+                                  logits_scaling=2.5, tie_word_embeddings=True), "float32"),
     }
 
 
@@ -180,6 +184,21 @@ def qwen_pair() -> tuple[Path, Path]:
     if why:
         pytest.skip(why)
     return QWEN_TARGET, QWEN_DRAFT
+
+
+# ==================================================================================================
+# Gemma 3 270M (tests marked real_model), fetched and converted by `make gemma3`
+# (scripts/get_models.py): the family with sliding-window layers, on its real weights.
+# ==================================================================================================
+
+GEMMA3_MODEL = MODELS / "gemma-3-270m"
+
+
+@pytest.fixture(scope="session")
+def gemma3_model() -> Path:
+    if not (GEMMA3_MODEL / "conversion.json").is_file():
+        pytest.skip(_unless_required(f"{GEMMA3_MODEL} is missing (run `make gemma3`)"))
+    return GEMMA3_MODEL
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The families beyond Llama's block (Gemma 3, Gemma 2) and sliding windows shorter than the
+"""The families beyond Llama's block (Gemma 3, Gemma 2, Granite) and sliding windows shorter than the
 context (Mistral's, Gemma's) as speculative targets, on tiny random checkpoints made with
 transformers' own classes (tests/conftest.py): greedy speculative decoding through a built bundle
 equals transformers' `generate`, the plan refuses the fused ONNX Runtime lowering where it does
@@ -26,8 +26,9 @@ from qpcbuild.runtime.loader import load
 from helpers_export import hf_model
 from helpers_qaic import build  # recipe -> plan -> bundle, as the CLI's compile does
 
-# Every prompt is longer than the variants' windows (5-6), so the sliding layers mask keys.
-SLIDING_VARIANTS = ("gemma3", "gemma2", "mistral_sliding")
+# Every prompt is longer than the variants' windows (5-6), so the sliding layers mask keys;
+# Granite has no window but its multipliers run through the whole loop.
+SPD_VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "granite")
 NEW_TOKENS = 24
 
 
@@ -78,7 +79,7 @@ def hf_greedy(path: Path, ids: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-@pytest.mark.parametrize("variant", SLIDING_VARIANTS)
+@pytest.mark.parametrize("variant", SPD_VARIANTS)
 def test_greedy_speculative_decoding_equals_transformers_generate(variant, method, tiny_models,
                                                                   tmp_path):
     target = tiny_models[variant]

@@ -153,8 +153,7 @@ class Decoder:
 
         x = g.op("Gather", self.load("model.embed_tokens.weight",
                                      (a.vocab_size, a.hidden_size), False), ids)  # [B,S,H]
-        if a.embedding_scale != 1.0:  # Gemma: rows times sqrt(H)
-            x = g.op("Mul", x, g.const(a.embedding_scale, np.float32))
+        x = self.scaled(x, a.embedding_scale)  # Gemma: rows times sqrt(H); Granite's multiplier
         for i in range(a.num_layers):
             sliding = a.is_sliding(i)
             cos, sin = rope[sliding and a.has_local_rope]
@@ -162,6 +161,10 @@ class Decoder:
         x = self.norm(x, "model.norm.weight", a.hidden_size)
         self.head(x, pos, nlk_input)
         declare(g, io["outputs"], output=True)
+
+    def scaled(self, x: str, factor: float) -> str:
+        """x * factor (a float32 constant), x itself for 1."""
+        return x if factor == 1.0 else self.g.op("Mul", x, self.g.const(factor, np.float32))
 
     def rope_at(self, pos: str, name: str, local: bool = False) -> tuple[str, str]:
         """cos, sin [B,1,S,D] at the positions, from tables of the model's max positions (as
@@ -205,7 +208,8 @@ class Decoder:
         scores = g.op("Where", mask, g.const(MASKED, np.float32), scores)
         attn = g.op("MatMul", g.op("Softmax", scores, axis=-1), v_rep)  # [B,nH,S,D]
         attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
-        attn = self.linear(attn, f"{p}.self_attn.o_proj", nh * d, h, a.o_bias)
+        attn = self.scaled(self.linear(attn, f"{p}.self_attn.o_proj", nh * d, h, a.o_bias),
+                           a.residual_scale)
         if a.sandwich_norms:  # Gemma: the attention output normed, the MLP input by its own
             attn = self.norm(attn, f"{p}.post_attention_layernorm.weight", h)
             x = g.op("Add", x, attn)
@@ -216,7 +220,8 @@ class Decoder:
         gate = self.linear(n, f"{p}.mlp.gate_proj", h, a.intermediate_size, a.mlp_bias)
         up = self.linear(n, f"{p}.mlp.up_proj", h, a.intermediate_size, a.mlp_bias)
         act = g.op("Mul", self.activation(gate), up)
-        out = self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, h, a.mlp_bias)
+        out = self.scaled(self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, h,
+                                      a.mlp_bias), a.residual_scale)
         if a.sandwich_norms:
             out = self.norm(out, f"{p}.post_feedforward_layernorm.weight", h)
         return g.op("Add", x, out)
@@ -312,12 +317,17 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
                                              g.const([1, 1, a.hidden_size])), axis=1)  # [B,N,H]
     subset = vocab_subset is not None or subset_columns is not None
     out = g._name("subset_logits") if subset else "logits"
-    # soft-capping (Gemma) on the head's own output, before a subset is spread (MASKED stays)
-    raw = g._name("raw_logits") if a.final_logit_softcapping else out
+    # Granite's divisor, then Gemma's soft-capping, on the head's own output, before a subset is
+    # spread (MASKED stays)
+    post = a.final_logit_softcapping or a.logits_divisor != 1.0
+    raw = g._name("raw_logits") if post else out
     if matmul is None:
         g.op("MatMul", picked, lm, out=raw)
     else:
         matmul(picked, raw)
+    if a.logits_divisor != 1.0:
+        raw = g.op("Div", raw, g.const(a.logits_divisor, np.float32),
+                   **({"out": out} if not a.final_logit_softcapping else {}))
     if a.final_logit_softcapping:
         soft_cap(g, raw, a.final_logit_softcapping, out=out)
     if subset_columns is not None:  # the ops and attributes of QEfficient's TLM row pick

@@ -1,9 +1,9 @@
 """Architecture facts read from a Hugging Face config.json.
 
 Every supported family is one row of `FAMILIES`: what differs between Llama, Mistral, Qwen2,
-Qwen3, Gemma 2 and Gemma 3 is data (biases, q/k norms, (1 + w) norms, scaled embeddings, the
-feed-forward norms around each block, the activation, soft-capping, sliding layers and their
-RoPE base), so the exporter has exactly one decoder.
+Qwen3, Gemma 2, Gemma 3 and Granite is data (biases, q/k norms, (1 + w) norms, scaled
+embeddings, the feed-forward norms around each block, the activation, soft-capping, multipliers,
+sliding layers and their RoPE base), so the exporter has exactly one decoder.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class Family:
     default_final_softcap: float | None = None
     sliding_pattern: int | None = None  # every Nth layer full, the rest sliding (no layer_types)
     local_rope: bool = False  # sliding layers have a RoPE base of their own (Gemma 3)
+    # Granite: Llama's block with four multipliers (embeddings, scores, each residual branch,
+    # and a divisor of the logits)
+    multipliers: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -42,6 +45,7 @@ FAMILIES: dict[str, Family] = {
                                 default_final_softcap=30.0, sliding_pattern=2),
     "Gemma3ForCausalLM": Family("gemma3", qk_norm=True, gemma=True, sliding_pattern=6,
                                 local_rope=True),
+    "GraniteForCausalLM": Family("granite", multipliers=True),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP
@@ -83,6 +87,8 @@ class ArchSpec:
     attention_scale: float | None = None  # scores scale; None: head_dim ** -0.5
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    residual_scale: float = 1.0  # each attention / MLP output times this before its residual add
+    logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
     local_rope_theta: float | None = None  # sliding layers' RoPE base where it differs
     local_rope_scaling: dict[str, Any] | None = None
 
@@ -104,7 +110,8 @@ class ArchSpec:
         graph (the exported one, exact)."""
         if self.sandwich_norms or self.norm_offset or self.hidden_act != "silu" or \
                 self.attn_logit_softcapping or self.final_logit_softcapping or \
-                self.embedding_scale != 1.0:
+                self.embedding_scale != 1.0 or self.residual_scale != 1.0 or \
+                self.logits_divisor != 1.0 or self.attention_scale is not None:
             return f"the fused lowering does not build {self.family}'s layers"
         if any(self.is_sliding(i) for i in range(self.num_layers)) and \
                 ctx_len > self.sliding_window:
@@ -324,9 +331,10 @@ def _layer_types(r: _Reader, fam: Family, layers: int | None,
     return (SLIDING,) * layers
 
 
-def _gemma_facts(r: _Reader, fam: Family, hidden: int | None) -> dict[str, Any]:
-    """The Gemma rows' numbers: (1 + w) norms, sqrt(H) embeddings, query_pre_attn_scalar and
-    the soft-capping values (transformers' defaults where config.json leaves them out)."""
+def _scales(r: _Reader, fam: Family, hidden: int | None) -> dict[str, Any]:
+    """The numbers that scale a block: soft-capping (transformers' defaults where config.json
+    leaves them out), Granite's multipliers, and Gemma's (1 + w) norms, sqrt(H) embeddings and
+    query_pre_attn_scalar."""
     config, out = r.config, {}
     if config.get("use_bidirectional_attention"):
         r.problems.append("use_bidirectional_attention: true is an encoder's attention; only "
@@ -335,6 +343,14 @@ def _gemma_facts(r: _Reader, fam: Family, hidden: int | None) -> dict[str, Any]:
                          ("final_logit_softcapping", fam.default_final_softcap)):
         value = config.get(key, default)
         out[key] = None if value is None else r.number(key, value)
+    if fam.multipliers:  # Granite's four, each 1.0 where config.json leaves it out
+        out.update(embedding_scale=r.number("embedding_multiplier",
+                                            config.get("embedding_multiplier", 1.0)),
+                   attention_scale=r.number("attention_multiplier",
+                                            config.get("attention_multiplier", 1.0)),
+                   residual_scale=r.number("residual_multiplier",
+                                           config.get("residual_multiplier", 1.0)),
+                   logits_divisor=r.number("logits_scaling", config.get("logits_scaling", 1.0)))
     if not fam.gemma:
         return out
     scalar = r.number("query_pre_attn_scalar", config.get("query_pre_attn_scalar", 256))
@@ -386,7 +402,7 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
     if act not in ACTIVATIONS:
         r.problems.append(f"hidden_act: '{act}' is not supported (supported: "
                           f"{', '.join(ACTIVATIONS)})")
-    extra = _gemma_facts(r, fam, h)
+    extra = _scales(r, fam, h)
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     bos = config.get("bos_token_id")
