@@ -46,7 +46,7 @@ GEMMA_SHAPE = dict(TINY_SHAPE, head_dim=16, sliding_window=6)
 
 def _tiny_variants():
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
-                              MistralConfig, Qwen2Config, Qwen3Config)
+                              MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
     return {
         # name: (config, dtype written to disk)
@@ -69,6 +69,14 @@ def _tiny_variants():
         "granite": (GraniteConfig(**TINY_SHAPE, embedding_multiplier=3.0,
                                   attention_multiplier=0.05, residual_multiplier=0.4,
                                   logits_scaling=2.5, tie_word_embeddings=True), "float32"),
+        # fused qkv / gate_up, RoPE on 12 of 16 head dims, longrope (its short factors: ctx_len
+        # stays within original_max_position_embeddings) with an attention factor from 512 / 128
+        "phi3": (Phi3Config(**TINY_SHAPE, head_dim=16, partial_rotary_factor=0.75,
+                            original_max_position_embeddings=128, bos_token_id=1,
+                            eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                            rope_scaling={"rope_type": "longrope",
+                                          "short_factor": [1.0 + 0.4 * i for i in range(6)],
+                                          "long_factor": [4.0] * 6}), "float32"),
     }
 
 

@@ -1,4 +1,4 @@
-"""The families beyond Llama's block (Gemma 3, Gemma 2, Granite) and sliding windows shorter than the
+"""The families beyond Llama's block (Gemma 3, Gemma 2, Granite, Phi-3) and sliding windows shorter than the
 context (Mistral's, Gemma's) as speculative targets, on tiny random checkpoints made with
 transformers' own classes (tests/conftest.py): greedy speculative decoding through a built bundle
 equals transformers' `generate`, the plan refuses the fused ONNX Runtime lowering where it does
@@ -27,13 +27,14 @@ from helpers_export import hf_model
 from helpers_qaic import build  # recipe -> plan -> bundle, as the CLI's compile does
 
 # Every prompt is longer than the variants' windows (5-6), so the sliding layers mask keys;
-# Granite has no window but its multipliers run through the whole loop.
-SPD_VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "granite")
+# Granite (multipliers) and Phi-3 (fused projections, partial longrope) have no window.
+SPD_VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "granite", "phi3")
 NEW_TOKENS = 24
 
 
 def write_recipe(folder: Path, target: Path, method: str, *, draft: Path | None = None,
-                 graph: str = "portable", backends: str = "[onnxruntime]") -> Path:
+                 graph: str = "portable", backends: str = "[onnxruntime]",
+                 ctx_len: int = 64) -> Path:
     proposer = {"ngram": "method: ngram\n  prompt_lookup_min: 1\n  prompt_lookup_max: 3",
                 "suffix": "method: suffix",
                 "draft_model": f"method: draft_model\n  model: {draft}"}[method]
@@ -51,7 +52,7 @@ speculation:
 shapes:
   batch_size: 1
   prefill_seq_len: 8
-  ctx_len: 64
+  ctx_len: {ctx_len}
 hardware:
   card: cloud-ai-100-ultra
   target: {{device_group: [0], num_cores: 8}}{draft_hw}
@@ -113,6 +114,16 @@ def test_fused_lowering_is_refused_where_it_does_not_apply_and_the_fix_is_named(
     assert "onnxruntime.graph" in text and "portable" in text
     if variant == "mistral_sliding":  # ctx_len 64 > window 5: the window is the reason
         assert "sliding window" in text and "64" in text
+
+
+def test_longrope_context_past_its_pretraining_length_is_refused(tiny_models, tmp_path):
+    """Phi-3's longrope switches to long factors past original_max_position_embeddings (128
+    here) for every position at once; the plan says so instead of building a wrong cache."""
+    recipe = write_recipe(tmp_path, tiny_models["phi3"], "ngram", ctx_len=256)
+    with pytest.raises(RecipeError) as err:
+        make_plan(load_recipe(recipe))
+    assert "shapes.ctx_len" in str(err.value) and "original_max_position_embeddings (128)" in \
+        str(err.value)
 
 
 def test_fused_lowering_still_plans_for_a_sliding_model_whose_window_covers_ctx_len(

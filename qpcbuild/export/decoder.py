@@ -50,7 +50,9 @@ def rope_tables(arch: ArchSpec, positions: int,
     the half-dimension repeated (rotate_half layout); `local`: the sliding layers' base."""
     freqs = np.outer(np.arange(positions, dtype=np.float32), arch.inv_freq(local))
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    factor = np.float32(arch.rope_attention_factor)  # longrope scales both (float32, as HF)
+    return (cos * factor, sin * factor) if factor != 1.0 else (cos, sin)
 
 
 class Decoder:
@@ -85,12 +87,32 @@ class Decoder:
         return self.g.op("Add", y, self.load(f"{prefix}.bias", (n_out,), False)) if bias else y
 
     def rope(self, x: str, cos: str, sin: str) -> str:
-        g, half, d = self.g, self.a.head_dim // 2, self.a.head_dim
+        g, d, r = self.g, self.a.head_dim, self.a.rope_dim
+        passed = None
+        if r != d:  # partial rotary (Phi-3): the first r dimensions rotate, the rest pass
+            passed = self.slice_last(x, r, d)
+            x = self.slice_last(x, 0, r)
         # rotate_half's two halves as Slices, the form of QEfficient's export
-        x1 = g.op("Slice", x, g.const([0]), g.const([half]), g.const([-1]))
-        x2 = g.op("Slice", x, g.const([half]), g.const([d]), g.const([-1]))
+        x1, x2 = self.slice_last(x, 0, r // 2), self.slice_last(x, r // 2, r)
         rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+        out = g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+        return out if passed is None else g.op("Concat", out, passed, axis=-1)
+
+    def slice_last(self, x: str, start: int, end: int) -> str:
+        g = self.g
+        return g.op("Slice", x, g.const([start]), g.const([end]), g.const([-1]))
+
+    def projections(self, x: str, prefix: str, sizes: dict[str, int], fused: str | None,
+                    bias: bool) -> list[str]:
+        """One linear per name in `sizes`, or (Phi-3) one linear of the fused weight `fused`
+        whose output is sliced in that order."""
+        n_in = self.a.hidden_size
+        if fused is None:
+            return [self.linear(x, f"{prefix}.{name}", n_in, size, bias)
+                    for name, size in sizes.items()]
+        y = self.linear(x, f"{prefix}.{fused}", n_in, sum(sizes.values()), bias)
+        bounds = np.cumsum([0, *sizes.values()])
+        return [self.slice_last(y, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def heads(self, x: str, n: int, norm: str | None = None) -> str:
         """[B,S,n*D] -> [B,n,S,D]; `norm`: a per-head RMSNorm weight (Qwen3's q/k norm),
@@ -189,11 +211,12 @@ class Decoder:
         p = f"model.layers.{i}"
         h, d, nh, nkv = a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads
         n = self.norm(x, f"{p}.input_layernorm.weight", h)
-        q = self.heads(self.linear(n, f"{p}.self_attn.q_proj", h, nh * d, a.qkv_bias), nh,
-                       f"{p}.self_attn.q_norm.weight" if a.qk_norm else None)
-        k = self.heads(self.linear(n, f"{p}.self_attn.k_proj", h, nkv * d, a.qkv_bias), nkv,
-                       f"{p}.self_attn.k_norm.weight" if a.qk_norm else None)
-        v = self.heads(self.linear(n, f"{p}.self_attn.v_proj", h, nkv * d, a.qkv_bias), nkv)
+        q, k, v = self.projections(n, f"{p}.self_attn", {"q_proj": nh * d, "k_proj": nkv * d,
+                                                         "v_proj": nkv * d},
+                                   "qkv_proj" if a.fused_projections else None, a.qkv_bias)
+        q = self.heads(q, nh, f"{p}.self_attn.q_norm.weight" if a.qk_norm else None)
+        k = self.heads(k, nkv, f"{p}.self_attn.k_norm.weight" if a.qk_norm else None)
+        v = self.heads(v, nkv)
         # RoPE's result Cast to the model's dtype, as QEfficient writes it (a no-op here)
         q, k = (g.op("Cast", self.rope(x, cos, sin), to=FLOAT) for x in (q, k))  # [B,n,S,D]
 
@@ -217,8 +240,9 @@ class Decoder:
         else:
             x = g.op("Add", x, attn)
             n = self.norm(x, f"{p}.post_attention_layernorm.weight", h)
-        gate = self.linear(n, f"{p}.mlp.gate_proj", h, a.intermediate_size, a.mlp_bias)
-        up = self.linear(n, f"{p}.mlp.up_proj", h, a.intermediate_size, a.mlp_bias)
+        gate, up = self.projections(n, f"{p}.mlp", {"gate_proj": a.intermediate_size,
+                                                    "up_proj": a.intermediate_size},
+                                    "gate_up_proj" if a.fused_projections else None, a.mlp_bias)
         act = g.op("Mul", self.activation(gate), up)
         out = self.scaled(self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, h,
                                       a.mlp_bias), a.residual_scale)

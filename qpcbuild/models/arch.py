@@ -34,6 +34,8 @@ class Family:
     # Granite: Llama's block with four multipliers (embeddings, scores, each residual branch,
     # and a divisor of the logits)
     multipliers: bool = False
+    # Phi-3: q/k/v in one qkv_proj and gate/up in one gate_up_proj (sliced after the MatMul)
+    fused_projections: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -46,8 +48,9 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family("gemma3", qk_norm=True, gemma=True, sliding_pattern=6,
                                 local_rope=True),
     "GraniteForCausalLM": Family("granite", multipliers=True),
+    "Phi3ForCausalLM": Family("phi3", fused_projections=True),
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -89,6 +92,8 @@ class ArchSpec:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     residual_scale: float = 1.0  # each attention / MLP output times this before its residual add
     logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
+    fused_projections: bool = False  # Phi-3's qkv_proj and gate_up_proj
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim of head_dim only (None: all)
     local_rope_theta: float | None = None  # sliding layers' RoPE base where it differs
     local_rope_scaling: dict[str, Any] | None = None
 
@@ -103,6 +108,30 @@ class ArchSpec:
     def scores_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def rope_ctx_limit(self) -> int | None:
+        """The longest context whose RoPE is one fixed table: longrope switches every position
+        to its long factors once a sequence passes original_max_position_embeddings (transformers
+        recomputes the whole cache then), which a retained-state cache cannot follow."""
+        s = self.rope_scaling or {}
+        return s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """cos and sin are multiplied by this (longrope's attention factor; 1 otherwise)."""
+        s = self.rope_scaling or {}
+        if s.get("rope_type") != "longrope":
+            return 1.0
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        original = s["original_max_position_embeddings"]
+        factor = s.get("factor") or self.max_position_embeddings / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
     def fused_ort_problem(self, ctx_len: int) -> str | None:
         """Why qpcbuild's fused ONNX Runtime lowering cannot run this model at `ctx_len`, or
         None. That lowering is Llama's block on ORT's GroupQueryAttention; Gemma's norms,
@@ -111,7 +140,9 @@ class ArchSpec:
         if self.sandwich_norms or self.norm_offset or self.hidden_act != "silu" or \
                 self.attn_logit_softcapping or self.final_logit_softcapping or \
                 self.embedding_scale != 1.0 or self.residual_scale != 1.0 or \
-                self.logits_divisor != 1.0 or self.attention_scale is not None:
+                self.logits_divisor != 1.0 or self.attention_scale is not None or \
+                self.fused_projections or self.rope_dim != self.head_dim or \
+                self.rope_attention_factor != 1.0:
             return f"the fused lowering does not build {self.family}'s layers"
         if any(self.is_sliding(i) for i in range(self.num_layers)) and \
                 ctx_len > self.sliding_window:
@@ -154,6 +185,8 @@ class ArchSpec:
             p = f"model.layers.{n}"
             proj = {"q_proj": self.num_heads * d, "k_proj": self.num_kv_heads * d,
                     "v_proj": self.num_kv_heads * d}
+            if self.fused_projections:
+                proj = {"qkv_proj": sum(proj.values())}
             for name, out in proj.items():
                 shapes[f"{p}.self_attn.{name}.weight"] = (out, h)
                 if self.qkv_bias:
@@ -164,8 +197,9 @@ class ArchSpec:
             if self.qk_norm:
                 shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
                 shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
-            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)),
-                                ("down_proj", (h, i))):
+            mlp = (("gate_up_proj", (2 * i, h)),) if self.fused_projections else \
+                (("gate_proj", (i, h)), ("up_proj", (i, h)))
+            for name, shape in (*mlp, ("down_proj", (h, i))):
                 shapes[f"{p}.mlp.{name}.weight"] = shape
                 if self.mlp_bias:
                     shapes[f"{p}.mlp.{name}.bias"] = (shape[0],)
@@ -193,12 +227,14 @@ class ArchSpec:
     def inv_freq(self, local: bool = False) -> np.ndarray:
         """RoPE inverse frequencies [head_dim/2], float32, with the config's scaling applied;
         `local`: the sliding layers' own base (Gemma 3)."""
-        dim = self.head_dim
+        dim = self.rope_dim
         theta = self.local_rope_theta if local else self.rope_theta
         inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
         s = (self.local_rope_scaling if local else self.rope_scaling) or {}
         kind = s.get("rope_type", "default")
-        if kind == "linear":
+        if kind == "longrope":  # the short factors: contexts up to rope_ctx_limit
+            inv = inv / np.asarray(s["short_factor"], np.float64)
+        elif kind == "linear":
             inv = inv / s["factor"]
         elif kind == "llama3":
             factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -300,12 +336,54 @@ def _rope_scaling(r: _Reader, scaling: Any, key: str) -> dict[str, Any] | None:
                                                     "original_max_position_embeddings")}
         for name in needed.get(kind, ()):
             r.number(f"{key}.{name}", scaling.get(name))
+        if kind == "longrope":
+            _longrope(r, scaling, key)
         if kind == "llama3" and not r.problems and \
                 scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             r.problems.append(f"{key}: high_freq_factor must exceed low_freq_factor")
         if kind == "default":
             scaling = None
     return scaling
+
+
+def _longrope(r: _Reader, scaling: dict[str, Any], key: str) -> None:
+    """Phi-3's longrope: short and long factors (one per rotary frequency) and the pretraining
+    length, which transformers 5 keeps in rope_parameters and older configs at the top level."""
+    scaling.pop("partial_rotary_factor", None)  # read with the head's shape (_rotary_dim)
+    original = scaling.get("original_max_position_embeddings",
+                           r.config.get("original_max_position_embeddings"))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        r.problems.append(f"{key}.original_max_position_embeddings: expected a positive "
+                          f"integer, got {original!r}")
+    scaling["original_max_position_embeddings"] = original
+    for name in ("short_factor", "long_factor"):
+        values = scaling.get(name)
+        if not isinstance(values, list) or not values or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                for v in values):
+            r.problems.append(f"{key}.{name}: expected a list of positive numbers, got "
+                              f"{values!r}")
+
+
+def _rotary_dim(r: _Reader, head_dim: int | None, scaling: dict[str, Any] | None) -> int | None:
+    """RoPE's share of head_dim (Phi-3's partial_rotary_factor); None for all of it."""
+    params = r.config.get("rope_parameters")
+    factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) or \
+        r.config.get("partial_rotary_factor", 1.0)
+    factor = r.number("partial_rotary_factor", factor)
+    if not head_dim or factor is None:
+        return None
+    dim = int(head_dim * factor)
+    if factor > 1.0 or dim < 2 or dim % 2:
+        r.problems.append(f"partial_rotary_factor: {factor:g} of head_dim {head_dim} is {dim} "
+                          "dimensions; RoPE needs an even number from 2 to head_dim")
+        return None
+    if scaling and scaling.get("rope_type") == "longrope":
+        for name in ("short_factor", "long_factor"):
+            if isinstance(scaling.get(name), list) and len(scaling[name]) != dim // 2:
+                r.problems.append(f"rope_scaling.{name}: {len(scaling[name])} factors for "
+                                  f"{dim // 2} rotary frequencies")
+    return None if dim == head_dim else dim
 
 
 def _layer_types(r: _Reader, fam: Family, layers: int | None,
@@ -397,6 +475,7 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
     if config.get("use_sliding_window", on_when_set) is False:
         window = None
     (theta, scaling), local_rope = _rope(r, fam)
+    rotary_dim = _rotary_dim(r, head_dim, scaling)
     layer_types = _layer_types(r, fam, layers, window)
     act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
@@ -427,6 +506,7 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         bos_token_id=bos, eos_token_ids=eos_ids,
         sliding_window=window if SLIDING in layer_types else None, layer_types=layer_types,
-        hidden_act=act, local_rope_theta=local_rope[0] if local_rope else None,
+        hidden_act=act, fused_projections=fam.fused_projections, rotary_dim=rotary_dim,
+        local_rope_theta=local_rope[0] if local_rope else None,
         local_rope_scaling=local_rope[1] if local_rope else None, **extra,
     )
