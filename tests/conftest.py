@@ -46,7 +46,8 @@ GEMMA_SHAPE = dict(TINY_SHAPE, head_dim=16, sliding_window=6)
 
 def _tiny_variants():
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
-                              MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
+                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     return {
         # name: (config, dtype written to disk)
@@ -77,6 +78,14 @@ def _tiny_variants():
                             rope_scaling={"rope_type": "longrope",
                                           "short_factor": [1.0 + 0.4 * i for i in range(6)],
                                           "long_factor": [4.0] * 6}), "float32"),
+        # 4 experts, 2 per token; Qwen3-MoE with a dense layer (mlp_only_layers) and without
+        # renormalizing the top 2, Mixtral (which always renormalizes) with a window of 6
+        "qwen3_moe": (Qwen3MoeConfig(**TINY_SHAPE, head_dim=16, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=32,
+                                     mlp_only_layers=[1], norm_topk_prob=False,
+                                     tie_word_embeddings=False), "float32"),
+        "mixtral": (MixtralConfig(**TINY_SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                  sliding_window=6, tie_word_embeddings=False), "float32"),
     }
 
 

@@ -1,6 +1,6 @@
-"""The families beyond Llama's block (Gemma 3, Gemma 2, Granite, Phi-3) and sliding windows shorter than the
-context (Mistral's, Gemma's) as speculative targets, on tiny random checkpoints made with
-transformers' own classes (tests/conftest.py): greedy speculative decoding through a built bundle
+"""The families beyond Llama's block (Gemma 3, Gemma 2, Granite, Phi-3, Qwen3-MoE, Mixtral) and
+sliding windows shorter than the context (Mistral's, Gemma's) as speculative targets, on tiny
+random checkpoints made with transformers' own classes (tests/conftest.py): greedy speculative decoding through a built bundle
 equals transformers' `generate`, the plan refuses the fused ONNX Runtime lowering where it does
 not apply and names the fix, and a card recipe for a Gemma 3 target plans and emits.
 
@@ -27,8 +27,8 @@ from helpers_export import hf_model
 from helpers_qaic import build  # recipe -> plan -> bundle, as the CLI's compile does
 
 # Every prompt is longer than the variants' windows (5-6), so the sliding layers mask keys;
-# Granite (multipliers) and Phi-3 (fused projections, partial longrope) have no window.
-SPD_VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "granite", "phi3")
+# Granite (multipliers), Phi-3 (fused projections, partial longrope) and Qwen3-MoE have none.
+SPD_VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "granite", "phi3", "qwen3_moe", "mixtral")
 NEW_TOKENS = 24
 
 

@@ -240,15 +240,48 @@ class Decoder:
         else:
             x = g.op("Add", x, attn)
             n = self.norm(x, f"{p}.post_attention_layernorm.weight", h)
-        gate, up = self.projections(n, f"{p}.mlp", {"gate_proj": a.intermediate_size,
-                                                    "up_proj": a.intermediate_size},
-                                    "gate_up_proj" if a.fused_projections else None, a.mlp_bias)
-        act = g.op("Mul", self.activation(gate), up)
-        out = self.scaled(self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, h,
-                                      a.mlp_bias), a.residual_scale)
+        out = self.scaled(self.experts(i, n) if i in a.moe_layers else self.mlp(p, n),
+                          a.residual_scale)
         if a.sandwich_norms:
             out = self.norm(out, f"{p}.post_feedforward_layernorm.weight", h)
         return g.op("Add", x, out)
+
+    def mlp(self, p: str, n: str) -> str:
+        """The gated MLP: down(act(gate(n)) * up(n))."""
+        a = self.a
+        gate, up = self.projections(n, f"{p}.mlp", {"gate_proj": a.intermediate_size,
+                                                    "up_proj": a.intermediate_size},
+                                    "gate_up_proj" if a.fused_projections else None, a.mlp_bias)
+        act = self.g.op("Mul", self.activation(gate), up)
+        return self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, a.hidden_size,
+                           a.mlp_bias)
+
+    def experts(self, i: int, n: str) -> str:
+        """A routed layer (Qwen3-MoE, Mixtral), exact and dense: the router's softmax, its top k
+        (renormalized where the model does) spread back to a [B,S,E] weight per expert, zero
+        for the experts a token did not choose, and every expert's MLP on every token, summed
+        in expert order as transformers adds them. E times the MLP's work per token: the
+        portable form, not a fast one."""
+        g, a = self.g, self.a
+        h, e_width, count = a.hidden_size, a.expert_intermediate_size, a.num_experts
+        block, gate_name, up_name, down_name = a.moe_names
+        p = f"model.layers.{i}.{block}"
+        probs = g.op("Softmax", self.linear(n, f"{p}.gate", h, count, False), axis=-1)
+        top, chosen = g.op("TopK", probs, g.const([a.experts_per_token]), axis=-1, n_out=2)
+        if a.norm_topk_prob:
+            top = g.op("Div", top, g.op("ReduceSum", top, g.const([-1]), keepdims=1))
+        weights = g.op("ScatterElements", g.op("Mul", probs, g.const(0.0, np.float32)), chosen,
+                       top, axis=-1)  # [B,S,E]
+        out = None
+        for j in range(count):
+            x = f"{p}.experts.{j}"
+            act = g.op("Mul", self.activation(self.linear(n, f"{x}.{gate_name}", h, e_width,
+                                                          False)),
+                       self.linear(n, f"{x}.{up_name}", h, e_width, False))
+            y = g.op("Mul", self.linear(act, f"{x}.{down_name}", e_width, h, False),
+                     self.slice_last(weights, j, j + 1))
+            out = y if out is None else g.op("Add", out, y)
+        return out
 
     def head(self, x: str, pos: str, nlk_input: str | None) -> None:
         a = self.a

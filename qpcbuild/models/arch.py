@@ -36,6 +36,18 @@ class Family:
     multipliers: bool = False
     # Phi-3: q/k/v in one qkv_proj and gate/up in one gate_up_proj (sliced after the MatMul)
     fused_projections: bool = False
+    # Mixture of experts: the checkpoint's names for the block, its router and each expert's
+    # gate / up / down projections; norm_topk: whether the top-k weights always sum to one
+    moe: "MoeNames | None" = None
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    block: str  # model.layers.{i}.<block>
+    gate: str
+    up: str
+    down: str
+    always_norm_topk: bool  # Mixtral renormalizes; Qwen3-MoE as config's norm_topk_prob says
 
 
 FAMILIES: dict[str, Family] = {
@@ -49,6 +61,10 @@ FAMILIES: dict[str, Family] = {
                                 local_rope=True),
     "GraniteForCausalLM": Family("granite", multipliers=True),
     "Phi3ForCausalLM": Family("phi3", fused_projections=True),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, moe=MoeNames(
+        "mlp", "gate_proj", "up_proj", "down_proj", always_norm_topk=False)),
+    "MixtralForCausalLM": Family("mixtral", moe=MoeNames(
+        "block_sparse_moe", "w1", "w3", "w2", always_norm_topk=True)),
 }
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP
@@ -93,6 +109,15 @@ class ArchSpec:
     residual_scale: float = 1.0  # each attention / MLP output times this before its residual add
     logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
     fused_projections: bool = False  # Phi-3's qkv_proj and gate_up_proj
+    # Mixture of experts (0: none): experts, how many each token uses, their MLP width, whether
+    # the chosen weights are renormalized, which layers route (the others are dense MLPs), and
+    # the checkpoint's names (block, gate, up, down)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    moe_names: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of head_dim only (None: all)
     local_rope_theta: float | None = None  # sliding layers' RoPE base where it differs
     local_rope_scaling: dict[str, Any] | None = None
@@ -141,7 +166,7 @@ class ArchSpec:
                 self.attn_logit_softcapping or self.final_logit_softcapping or \
                 self.embedding_scale != 1.0 or self.residual_scale != 1.0 or \
                 self.logits_divisor != 1.0 or self.attention_scale is not None or \
-                self.fused_projections or self.rope_dim != self.head_dim or \
+                self.fused_projections or self.rope_dim != self.head_dim or self.num_experts or \
                 self.rope_attention_factor != 1.0:
             return f"the fused lowering does not build {self.family}'s layers"
         if any(self.is_sliding(i) for i in range(self.num_layers)) and \
@@ -152,6 +177,8 @@ class ArchSpec:
 
     @property
     def param_count(self) -> int:
+        if self.num_experts:  # every tensor the decoder reads, each once
+            return sum(math.prod(shape) for shape in self.tensor_shapes().values())
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
@@ -199,7 +226,10 @@ class ArchSpec:
                 shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
             mlp = (("gate_up_proj", (2 * i, h)),) if self.fused_projections else \
                 (("gate_proj", (i, h)), ("up_proj", (i, h)))
-            for name, shape in (*mlp, ("down_proj", (h, i))):
+            if n in self.moe_layers:
+                shapes.update(self.expert_shapes(n))
+                mlp = ()
+            for name, shape in (*mlp, ("down_proj", (h, i))) if mlp else ():
                 shapes[f"{p}.mlp.{name}.weight"] = shape
                 if self.mlp_bias:
                     shapes[f"{p}.mlp.{name}.bias"] = (shape[0],)
@@ -213,10 +243,24 @@ class ArchSpec:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
 
+    def expert_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """The router and every expert's projections of a routed layer, by checkpoint name."""
+        h, e = self.hidden_size, self.expert_intermediate_size
+        block, gate, up, down = self.moe_names
+        p = f"model.layers.{layer}.{block}"
+        shapes: dict[str, tuple[int, ...]] = {f"{p}.gate.weight": (self.num_experts, h)}
+        for j in range(self.num_experts):
+            shapes.update({f"{p}.experts.{j}.{gate}.weight": (e, h),
+                           f"{p}.experts.{j}.{up}.weight": (e, h),
+                           f"{p}.experts.{j}.{down}.weight": (h, e)})
+        return shapes
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["moe_layers"] = list(self.moe_layers)
+        d["moe_names"] = list(self.moe_names)
         d["param_count"] = self.param_count
         return d
 
@@ -386,6 +430,36 @@ def _rotary_dim(r: _Reader, head_dim: int | None, scaling: dict[str, Any] | None
     return None if dim == head_dim else dim
 
 
+def _experts(r: _Reader, fam: Family, layers: int | None) -> dict[str, Any]:
+    """A mixture-of-experts family's routing facts; {} for a dense one."""
+    if fam.moe is None:
+        return {}
+    config = r.config
+    experts = r.int("num_local_experts" if "num_local_experts" in config else "num_experts")
+    top_k = r.int("num_experts_per_tok")
+    width = r.int("moe_intermediate_size") if "moe_intermediate_size" in config else \
+        r.int("intermediate_size")
+    step = r.int("decoder_sparse_step", 1)
+    only_mlp = config.get("mlp_only_layers") or []
+    if not isinstance(only_mlp, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                             for v in only_mlp):
+        r.problems.append(f"mlp_only_layers: expected a list of layer numbers, got {only_mlp!r}")
+        only_mlp = []
+    if experts and top_k and top_k > experts:
+        r.problems.append(f"num_experts_per_tok {top_k} exceeds the {experts} experts")
+    norm = config.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        r.problems.append(f"norm_topk_prob: expected true or false, got {norm!r}")
+    if not (experts and top_k and width and step and layers):
+        return {}
+    moe = fam.moe
+    return {"num_experts": experts, "experts_per_token": top_k,
+            "expert_intermediate_size": width, "norm_topk_prob": moe.always_norm_topk or norm,
+            "moe_layers": tuple(i for i in range(layers)
+                                if i not in only_mlp and (i + 1) % step == 0),
+            "moe_names": (moe.block, moe.gate, moe.up, moe.down)}
+
+
 def _layer_types(r: _Reader, fam: Family, layers: int | None,
                  window: int | None) -> tuple[str, ...]:
     """Each layer's attention kind: config.json's `layer_types`, else the family's pattern
@@ -468,10 +542,10 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
         r.problems.append(f"num_attention_heads {heads} is not a multiple of "
                           f"num_key_value_heads {kv}")
     eps = r.number("rms_norm_eps", config.get("rms_norm_eps", 1e-6))
-    # Qwen configs carry a window that is off unless use_sliding_window; Mistral's and Gemma's
-    # are on when set.
+    # Qwen configs carry a window that is off unless use_sliding_window; Mistral's, Mixtral's
+    # and Gemma's are on when set.
     window = r.int("sliding_window", None, allow_none=True)
-    on_when_set = config.get("model_type") == "mistral" or fam.sliding_pattern is not None
+    on_when_set = not fam.name.startswith("qwen")
     if config.get("use_sliding_window", on_when_set) is False:
         window = None
     (theta, scaling), local_rope = _rope(r, fam)
@@ -481,7 +555,7 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
     if act not in ACTIVATIONS:
         r.problems.append(f"hidden_act: '{act}' is not supported (supported: "
                           f"{', '.join(ACTIVATIONS)})")
-    extra = _scales(r, fam, h)
+    extra = {**_scales(r, fam, h), **_experts(r, fam, layers)}
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     bos = config.get("bos_token_id")
