@@ -31,7 +31,7 @@ def _randomize(model, seed: int) -> None:
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):  # every RMSNorm, including Qwen3's q_norm / k_norm
                 p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith(".bias"):  # Qwen2's q/k/v biases
+            elif name.endswith((".bias", "_bias", ".sinks")):  # biases, GPT-OSS's sinks
                 p.copy_(0.3 * noise)
             else:
                 p.copy_(0.15 * noise)
@@ -45,9 +45,9 @@ GEMMA_SHAPE = dict(TINY_SHAPE, head_dim=16, sliding_window=6)
 
 
 def _tiny_variants():
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
-                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     return {
         # name: (config, dtype written to disk)
@@ -86,6 +86,16 @@ def _tiny_variants():
                                      tie_word_embeddings=False), "float32"),
         "mixtral": (MixtralConfig(**TINY_SHAPE, num_local_experts=4, num_experts_per_tok=2,
                                   sliding_window=6, tie_word_embeddings=False), "float32"),
+        # sinks, sliding (6) and full layers alternating, YaRN (factor 4 over 64 positions),
+        # q/k/v/o biases, 4 stacked experts with biases and a clamped SwiGLU (limit 1.5, so the
+        # random weights reach the clamp)
+        "gpt_oss": (GptOssConfig(**dict(TINY_SHAPE, intermediate_size=32), head_dim=16,
+                                 num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                 swiglu_limit=1.5, eos_token_id=2, bos_token_id=1,
+                                 pad_token_id=0, rope_scaling={
+                                     "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 64}), "float32"),
     }
 
 

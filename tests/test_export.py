@@ -34,7 +34,7 @@ TOL = 1e-4
 # built by the `tiny_models` fixture (tests/conftest.py)
 TINY_FAMILY_VARIANTS = ("llama", "llama_untied_rope", "llama_bf16", "mistral", "qwen2", "qwen3",
                         "mistral_sliding", "gemma3", "gemma2", "gemma3_bf16", "granite",
-                        "phi3", "qwen3_moe", "mixtral")
+                        "phi3", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 # ------------------------------------------------------------------ helpers

@@ -1,9 +1,9 @@
-"""The families beyond Llama's block (Gemma 3, Gemma 2, Granite, Phi-3, Qwen3-MoE, Mixtral) and
-sliding windows shorter than the context (Mistral's, Gemma's) as speculative targets, on tiny
-random checkpoints made with transformers' own classes (tests/conftest.py): greedy speculative
-decoding through a built bundle equals transformers' `generate`, the plan refuses the fused ONNX
-Runtime lowering where it does not apply and names the fix, and a card recipe for a Gemma 3
-target plans and emits.
+"""The families beyond Llama's block (Gemma 3, Gemma 2, Granite, Phi-3, Qwen3-MoE, Mixtral,
+GPT-OSS) and sliding windows shorter than the context (Mistral's, Gemma's, GPT-OSS's) as
+speculative targets, on tiny random checkpoints made with transformers' own classes
+(tests/conftest.py): greedy speculative decoding through a built bundle equals transformers'
+`generate`, the plan refuses the fused ONNX Runtime lowering where it does not apply and names
+the fix, and a card recipe for a Gemma 3 target plans and emits.
 
 The graph's logits against transformers' forward (prefill, pads, decode, verify window, stale
 window, continuous batching) are tested in test_export.py for every family variant.
@@ -29,7 +29,9 @@ from helpers_qaic import build  # recipe -> plan -> bundle, as the CLI's compile
 
 # Every prompt is longer than the variants' windows (5-6), so the sliding layers mask keys;
 # Granite (multipliers), Phi-3 (fused projections, partial longrope) and Qwen3-MoE have none.
-SPD_VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "granite", "phi3", "qwen3_moe", "mixtral")
+# GPT-OSS: sinks, window 6, YaRN, stacked experts with a clamped SwiGLU.
+SPD_VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "granite", "phi3", "qwen3_moe", "mixtral",
+                "gpt_oss")
 NEW_TOKENS = 24
 
 
@@ -167,3 +169,25 @@ def test_doctor_says_plainly_that_a_gemma3_verify_graph_is_qpcbuilds_own(tiny_mo
     assert "weight from" not in flagged, flagged
     llama = export_model(resolve(str(tiny_models["llama"])), "target", tmp_path / "llama")
     assert "note" not in check_graph(llama.onnx_path)
+
+
+def test_gpt_oss_mxfp4_experts_are_refused_with_the_way_to_dequantize(tiny_models, tmp_path):
+    """The released GPT-OSS checkpoints pack their experts as MXFP4 blocks and scales; the
+    error says so and how to get float weights, instead of listing missing tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    from qpcbuild.errors import UsageError
+    from qpcbuild.export import export_model
+    from qpcbuild.models.source import resolve
+
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    for f in tiny_models["gpt_oss"].iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).symlink_to(f)
+    tensors = load_file(tiny_models["gpt_oss"] / "model.safetensors")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors[name + "_blocks"] = tensors.pop(name).view(np.uint8)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(UsageError, match="MXFP4.*dequantize"):
+        export_model(resolve(str(folder)), "target", tmp_path / "out")

@@ -35,7 +35,8 @@ REFERENCE = Path(__file__).resolve().parents[1] / "data" / "qefficient_dialect.j
 # Families whose card graph as a verify target is qpcbuild's own form: QEfficient's SpDTransform
 # makes speculative targets of Llama, Qwen2 and Qwen3 only, and none of its recorded exports is of
 # these families, so the FLAG lines of such a graph are expected and say what is new to the
-# compiler. By the architecture the graph's metadata names.
+# compiler. By the architecture the graph's metadata names. (Mistral's recorded export is
+# QEfficient's; a Mistral graph with an active window adds the window mask's ops.)
 OWN_FORMS = {
     "Gemma3ForCausalLM": "Gemma 3 as a verify target is qpcbuild's own graph (QEfficient exports "
     "Gemma 3 as a plain causal LM, with a separate window-sized cache for its sliding layers): "
@@ -46,6 +47,22 @@ OWN_FORMS = {
     "QEfficient export): sliding layers mask over the full ctx_len buffer (LessOrEqual, Or), "
     "GELU and the soft-capping of scores and logits are written with Tanh, the norms' (1 + w) "
     "weights are folded into their initializers",
+    "GraniteForCausalLM": "Granite as a verify target is qpcbuild's own graph: Llama's block with "
+    "its four multipliers as Muls and a Div of the logits; QEfficient's Granite export has not "
+    "been recorded here",
+    "Phi3ForCausalLM": "Phi-3 as a verify target is qpcbuild's own graph: one MatMul of the fused "
+    "qkv / gate_up weights, Sliced, and RoPE on the rotary part only; QEfficient's Phi-3 export "
+    "has not been recorded here",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE as a verify target is qpcbuild's own graph: an exact dense "
+    "routed block (TopK, ScatterElements, every expert on every token), not QEfficient's MoE "
+    "form, which has not been recorded here",
+    "MixtralForCausalLM": "Mixtral as a verify target is qpcbuild's own graph: an exact dense "
+    "routed block (TopK, ScatterElements, every expert on every token) and a sliding-window "
+    "mask over the full buffer, not QEfficient's form, which has not been recorded here",
+    "GptOssForCausalLM": "GPT-OSS as a verify target is qpcbuild's own graph: attention sinks as "
+    "a Concat column of the softmax, a windowed mask over the full buffer, YaRN in the RoPE "
+    "tables, experts Gathered from their stacks and run densely with a Clip-clamped SwiGLU; "
+    "QEfficient's GPT-OSS export has not been recorded here",
 }
 
 

@@ -229,7 +229,9 @@ class Decoder:
         scores = g.op("Mul", scores, g.const(a.scores_scale, np.float32))
         scores = soft_cap(g, scores, a.attn_logit_softcapping)
         scores = g.op("Where", mask, g.const(MASKED, np.float32), scores)
-        attn = g.op("MatMul", g.op("Softmax", scores, axis=-1), v_rep)  # [B,nH,S,D]
+        probs = self.softmax_with_sinks(scores, f"{p}.self_attn.sinks", ctx) if \
+            a.attention_sinks else g.op("Softmax", scores, axis=-1)
+        attn = g.op("MatMul", probs, v_rep)  # [B,nH,S,D]
         attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
         attn = self.scaled(self.linear(attn, f"{p}.self_attn.o_proj", nh * d, h, a.o_bias),
                            a.residual_scale)
@@ -245,6 +247,16 @@ class Decoder:
         if a.sandwich_norms:
             out = self.norm(out, f"{p}.post_feedforward_layernorm.weight", h)
         return g.op("Add", x, out)
+
+    def softmax_with_sinks(self, scores: str, name: str, ctx: str) -> str:
+        """GPT-OSS's attention sinks: each head's learned logit joins the softmax over the keys
+        as one more column, which is then dropped (the weights sum to less than one)."""
+        g, nh = self.g, self.a.num_heads
+        sinks = g.op("Reshape", self.load(name, (nh,), False), g.const([1, nh, 1, 1]))
+        shape = g.op("Concat", dim(g, scores, 0), g.const([nh]), dim(g, scores, 2),
+                     g.const([1]), axis=0)
+        joined = g.op("Concat", scores, g.op("Expand", sinks, shape), axis=-1)  # [B,nH,S,C+1]
+        return g.op("Slice", g.op("Softmax", joined, axis=-1), g.const([0]), ctx, g.const([-1]))
 
     def mlp(self, p: str, n: str) -> str:
         """The gated MLP: down(act(gate(n)) * up(n))."""
@@ -266,6 +278,8 @@ class Decoder:
         h, e_width, count = a.hidden_size, a.expert_intermediate_size, a.num_experts
         block, gate_name, up_name, down_name = a.moe_names
         p = f"model.layers.{i}.{block}"
+        if a.stacked_experts:
+            return self.stacked_experts(p, n)
         probs = g.op("Softmax", self.linear(n, f"{p}.gate", h, count, False), axis=-1)
         top, chosen = g.op("TopK", probs, g.const([a.experts_per_token]), axis=-1, n_out=2)
         if a.norm_topk_prob:
@@ -280,6 +294,40 @@ class Decoder:
                        self.linear(n, f"{x}.{up_name}", h, e_width, False))
             y = g.op("Mul", self.linear(act, f"{x}.{down_name}", e_width, h, False),
                      self.slice_last(weights, j, j + 1))
+            out = y if out is None else g.op("Add", out, y)
+        return out
+
+    def stacked_experts(self, p: str, n: str) -> str:
+        """GPT-OSS's routed block, exact and dense like `experts`: a softmax over the top-k
+        router logits (router with a bias), experts stacked in [E, ...] tensors with biases
+        (each one Gathered from the stack), gate and up interleaved in gate_up_proj, and the
+        clamped SwiGLU (up + 1) * gate * sigmoid(alpha * gate)."""
+        g, a = self.g, self.a
+        h, width, count = a.hidden_size, a.expert_intermediate_size, a.num_experts
+        logits = self.linear(n, f"{p}.router", h, count, True)
+        top, chosen = g.op("TopK", logits, g.const([a.experts_per_token]), axis=-1, n_out=2)
+        weights = g.op("ScatterElements", g.op("Mul", logits, g.const(0.0, np.float32)), chosen,
+                       g.op("Softmax", top, axis=-1), axis=-1)  # [B,S,E]
+        x = f"{p}.experts"
+        stacks = {name: self.load(f"{x}.{name}", shape, False) for name, shape in (
+            ("gate_up_proj", (count, h, 2 * width)), ("gate_up_proj_bias", (count, 2 * width)),
+            ("down_proj", (count, width, h)), ("down_proj_bias", (count, h)))}
+        f = lambda v: g.const(v, np.float32)  # noqa: E731
+        out = None
+        for j in range(count):
+            pick = {name: g.op("Gather", t, g.const(j), axis=0) for name, t in stacks.items()}
+            gate_up = g.op("Add", g.op("MatMul", n, pick["gate_up_proj"]),
+                           pick["gate_up_proj_bias"])
+            gate = g.op("Slice", gate_up, g.const([0]), g.const([2 * width]), g.const([-1]),
+                        g.const([2]))
+            up = g.op("Slice", gate_up, g.const([1]), g.const([2 * width]), g.const([-1]),
+                      g.const([2]))
+            gate = g.op("Clip", gate, "", f(a.swiglu_limit))
+            up = g.op("Clip", up, f(-a.swiglu_limit), f(a.swiglu_limit))
+            glu = g.op("Mul", gate, g.op("Sigmoid", g.op("Mul", gate, f(a.swiglu_alpha))))
+            y = g.op("Add", g.op("MatMul", g.op("Mul", g.op("Add", up, f(1.0)), glu),
+                                 pick["down_proj"]), pick["down_proj_bias"])
+            y = g.op("Mul", y, self.slice_last(weights, j, j + 1))
             out = y if out is None else g.op("Add", out, y)
         return out
 

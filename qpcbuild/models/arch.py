@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .config_reader import (FULL, LIMITS, ROPE_TYPES, SLIDING, ConfigReader, read_rope,
-                            rotary_dim_of)
+                            rotary_dim_of, yarn_attention_factor, yarn_inv_freq)
 
 __all__ = ["ACTIVATIONS", "FAMILIES", "FULL", "LIMITS", "ROPE_TYPES", "SLIDING", "ArchSpec",
            "Family", "MoeNames", "arch_from_config"]
@@ -44,6 +44,11 @@ class Family:
     # Mixture of experts: the checkpoint's names for the block, its router and each expert's
     # gate / up / down projections; norm_topk: whether the top-k weights always sum to one
     moe: "MoeNames | None" = None
+    # GPT-OSS: a learned "sink" logit per head joins each softmax; experts stored stacked
+    # ([E, ...] tensors with biases), routed by a softmax over the top-k logits, with a clamped
+    # SwiGLU
+    attention_sinks: bool = False
+    stacked_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,9 @@ FAMILIES: dict[str, Family] = {
         "mlp", "gate_proj", "up_proj", "down_proj", always_norm_topk=False)),
     "MixtralForCausalLM": Family("mixtral", moe=MoeNames(
         "block_sparse_moe", "w1", "w3", "w2", always_norm_topk=True)),
+    "GptOssForCausalLM": Family("gpt_oss", moe=MoeNames(
+        "mlp", "gate_up_proj", "gate_up_proj", "down_proj", always_norm_topk=False),
+        attention_sinks=True, stacked_experts=True),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP
 
@@ -121,6 +129,10 @@ class ArchSpec:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     moe_names: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
+    attention_sinks: bool = False
+    stacked_experts: bool = False  # GPT-OSS's experts (see Family)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of head_dim only (None: all)
     local_rope_theta: float | None = None  # sliding layers' RoPE base where it differs
     local_rope_scaling: dict[str, Any] | None = None
@@ -152,6 +164,8 @@ class ArchSpec:
     def rope_attention_factor(self) -> float:
         """cos and sin are multiplied by this (longrope's attention factor; 1 otherwise)."""
         s = self.rope_scaling or {}
+        if s.get("rope_type") == "yarn":
+            return yarn_attention_factor(s)
         if s.get("rope_type") != "longrope":
             return 1.0
         if s.get("attention_factor") is not None:
@@ -170,6 +184,7 @@ class ArchSpec:
                 self.embedding_scale != 1.0 or self.residual_scale != 1.0 or \
                 self.logits_divisor != 1.0 or self.attention_scale is not None or \
                 self.fused_projections or self.rope_dim != self.head_dim or self.num_experts or \
+                self.attention_sinks or \
                 self.rope_attention_factor != 1.0:
             return f"the fused lowering does not build {self.family}'s layers"
         if any(self.is_sliding(i) for i in range(self.num_layers)) and \
@@ -224,6 +239,8 @@ class ArchSpec:
             shapes[f"{p}.self_attn.o_proj.weight"] = (h, self.num_heads * d)
             if self.o_bias:
                 shapes[f"{p}.self_attn.o_proj.bias"] = (h,)
+            if self.attention_sinks:
+                shapes[f"{p}.self_attn.sinks"] = (self.num_heads,)
             if self.qk_norm:
                 shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
                 shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
@@ -248,9 +265,14 @@ class ArchSpec:
 
     def expert_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The router and every expert's projections of a routed layer, by checkpoint name."""
-        h, e = self.hidden_size, self.expert_intermediate_size
+        h, e, n = self.hidden_size, self.expert_intermediate_size, self.num_experts
         block, gate, up, down = self.moe_names
         p = f"model.layers.{layer}.{block}"
+        if self.stacked_experts:  # GPT-OSS
+            return {f"{p}.router.weight": (n, h), f"{p}.router.bias": (n,),
+                    f"{p}.experts.gate_up_proj": (n, h, 2 * e),
+                    f"{p}.experts.gate_up_proj_bias": (n, 2 * e),
+                    f"{p}.experts.down_proj": (n, e, h), f"{p}.experts.down_proj_bias": (n, h)}
         shapes: dict[str, tuple[int, ...]] = {f"{p}.gate.weight": (self.num_experts, h)}
         for j in range(self.num_experts):
             shapes.update({f"{p}.experts.{j}.{gate}.weight": (e, h),
@@ -281,6 +303,8 @@ class ArchSpec:
         kind = s.get("rope_type", "default")
         if kind == "longrope":  # the short factors: contexts up to rope_ctx_limit
             inv = inv / np.asarray(s["short_factor"], np.float64)
+        elif kind == "yarn":
+            inv = yarn_inv_freq(inv, s, dim, theta)
         elif kind == "linear":
             inv = inv / s["factor"]
         elif kind == "llama3":
@@ -319,7 +343,11 @@ def _experts(r: ConfigReader, fam: Family, layers: int | None) -> dict[str, Any]
     if not (experts and top_k and width and step and layers):
         return {}
     moe = fam.moe
-    return {"num_experts": experts, "experts_per_token": top_k,
+    swiglu = {}
+    if fam.stacked_experts:
+        swiglu = {"swiglu_alpha": r.number("swiglu_alpha", config.get("swiglu_alpha", 1.702)),
+                  "swiglu_limit": r.number("swiglu_limit", config.get("swiglu_limit", 7.0))}
+    return {**swiglu, "num_experts": experts, "experts_per_token": top_k,
             "expert_intermediate_size": width, "norm_topk_prob": moe.always_norm_topk or norm,
             "moe_layers": tuple(i for i in range(layers)
                                 if i not in only_mlp and (i + 1) % step == 0),
@@ -447,6 +475,7 @@ def arch_from_config(config: dict[str, Any], source: str = "config.json") -> Arc
         bos_token_id=bos, eos_token_ids=eos_ids,
         sliding_window=window if SLIDING in layer_types else None, layer_types=layer_types,
         hidden_act=act, fused_projections=fam.fused_projections, rotary_dim=rotary_dim,
+        attention_sinks=fam.attention_sinks, stacked_experts=fam.stacked_experts,
         local_rope_theta=local_rope[0] if local_rope else None,
         local_rope_scaling=local_rope[1] if local_rope else None, **extra,
     )

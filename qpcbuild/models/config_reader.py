@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -101,6 +101,12 @@ def _rope_scaling(r: ConfigReader, scaling: Any, key: str) -> dict[str, Any] | N
             r.number(f"{key}.{name}", scaling.get(name))
         if kind == "longrope":
             _longrope(r, scaling, key)
+        if kind == "yarn":
+            r.number(f"{key}.factor", scaling.get("factor"))
+            original = scaling.get("original_max_position_embeddings",
+                                   r.config.get("original_max_position_embeddings"))
+            r.number(f"{key}.original_max_position_embeddings", original)
+            scaling["original_max_position_embeddings"] = original
         if kind == "llama3" and not r.problems and \
                 scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             r.problems.append(f"{key}: high_freq_factor must exceed low_freq_factor")
@@ -148,3 +154,41 @@ def rotary_dim_of(r: ConfigReader, head_dim: int | None,
                 r.problems.append(f"rope_scaling.{name}: {len(scaling[name])} factors for "
                                   f"{dim // 2} rotary frequencies")
     return None if dim == head_dim else dim
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(s: dict[str, Any]) -> float:
+    """YaRN's cos/sin scale: the config's attention_factor, else its mscale ratio, else
+    0.1 ln(factor) + 1 (transformers' _compute_yarn_parameters)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = s["factor"]
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(factor, s["mscale"]) / yarn_mscale(factor, s["mscale_all_dim"])
+    return yarn_mscale(factor)
+
+
+def yarn_inv_freq(inv: Any, s: dict[str, Any], dim: int, theta: float) -> Any:
+    """YaRN: high frequencies (many rotations within the pretraining length) kept, low ones
+    divided by `factor`, a linear ramp between the correction dimensions of beta_fast and
+    beta_slow rotations (floored / ceiled unless `truncate` is false)."""
+    import numpy as np
+
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the extrapolation (unscaled) share of each frequency
+    return (inv / factor) * (1 - keep) + inv * keep
