@@ -142,7 +142,8 @@ def _safetensors_header(path: Path) -> str:
 
 @pytest.mark.parametrize("stale_extra", [0, 3], ids=["same-slots", "longer-stale-window"])
 @pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.parametrize("variant", ["llama", "gemma3"])  # gemma3: a window (6) < the prompt
+# gemma3, gpt_oss: windows (6) shorter than the prompt; gpt_oss: sinks and experts; phi3: longrope
+@pytest.mark.parametrize("variant", ["llama", "gemma3", "gpt_oss", "phi3"])
 def test_verify_window_equals_sequential_decode_even_over_stale_kv(variant, k, stale_extra,
                                                                   tiny_models, exported):
     """A K+1 verify call gives the logits of K+1 single-token calls, also when its slots (and
@@ -351,7 +352,7 @@ def test_graph_io_contract_opset_and_metadata(role, cb, tiny_models, exported):
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
-@pytest.mark.parametrize("variant", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("variant", ["qwen2", "gemma3", "gpt_oss"])
 def test_continuous_batching_batch_index_maps_rows_to_kv_slots(variant, role, exported):
     """Rows 0 and 1 of each call live in KV slots 2 and 0 of a pool of 3; logits equal the plain
     graph's, the pool slots hold the plain graph's rows, and the unused slot stays untouched."""
