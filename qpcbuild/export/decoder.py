@@ -31,6 +31,7 @@ from ..models.graph_io import declare, graph_io
 from . import dialect
 from .dialect import INT32_MAX, INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX
 from .builder import GraphBuilder
+from .experts import RoutedExperts
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 VOCAB_SUBSET = "lm_head.vocab_subset"  # [Vs, 1] int64: a draft's kept token ids (ORT lowering)
@@ -55,7 +56,7 @@ def rope_tables(arch: ArchSpec, positions: int,
     return (cos * factor, sin * factor) if factor != 1.0 else (cos, sin)
 
 
-class Decoder:
+class Decoder(RoutedExperts):
     def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader,
                  vocab_subset: np.ndarray | None = None):
         self.g, self.a, self.load, self.vocab_subset = g, arch, load, vocab_subset
@@ -147,8 +148,6 @@ class Decoder:
         ctx_len = g.op("Gather", g.op("Shape", past[0][0]), g.const(2))  # [] = C
         ctx = g.op("Unsqueeze", ctx_len, g.const([0]))  # [1] = C
 
-        # RoPE from tables of the model's max positions (as QEfficient: one graph serves every
-        # ctx_len); position -1 reads the last row, harmless for a pad.
         rope = {False: self.rope_at(pos, "rope")}  # (cos, sin), each [B,1,S,D]
         if a.has_local_rope:  # Gemma 3's sliding layers: a base of their own
             rope[True] = self.rope_at(pos, "rope.local", local=True)
@@ -267,69 +266,6 @@ class Decoder:
         act = self.g.op("Mul", self.activation(gate), up)
         return self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, a.hidden_size,
                            a.mlp_bias)
-
-    def experts(self, i: int, n: str) -> str:
-        """A routed layer (Qwen3-MoE, Mixtral), exact and dense: the router's softmax, its top k
-        (renormalized where the model does) spread back to a [B,S,E] weight per expert, zero
-        for the experts a token did not choose, and every expert's MLP on every token, summed
-        in expert order as transformers adds them. E times the MLP's work per token: the
-        portable form, not a fast one."""
-        g, a = self.g, self.a
-        h, e_width, count = a.hidden_size, a.expert_intermediate_size, a.num_experts
-        block, gate_name, up_name, down_name = a.moe_names
-        p = f"model.layers.{i}.{block}"
-        if a.stacked_experts:
-            return self.stacked_experts(p, n)
-        probs = g.op("Softmax", self.linear(n, f"{p}.gate", h, count, False), axis=-1)
-        top, chosen = g.op("TopK", probs, g.const([a.experts_per_token]), axis=-1, n_out=2)
-        if a.norm_topk_prob:
-            top = g.op("Div", top, g.op("ReduceSum", top, g.const([-1]), keepdims=1))
-        weights = g.op("ScatterElements", g.op("Mul", probs, g.const(0.0, np.float32)), chosen,
-                       top, axis=-1)  # [B,S,E]
-        out = None
-        for j in range(count):
-            x = f"{p}.experts.{j}"
-            act = g.op("Mul", self.activation(self.linear(n, f"{x}.{gate_name}", h, e_width,
-                                                          False)),
-                       self.linear(n, f"{x}.{up_name}", h, e_width, False))
-            y = g.op("Mul", self.linear(act, f"{x}.{down_name}", e_width, h, False),
-                     self.slice_last(weights, j, j + 1))
-            out = y if out is None else g.op("Add", out, y)
-        return out
-
-    def stacked_experts(self, p: str, n: str) -> str:
-        """GPT-OSS's routed block, exact and dense like `experts`: a softmax over the top-k
-        router logits (router with a bias), experts stacked in [E, ...] tensors with biases
-        (each one Gathered from the stack), gate and up interleaved in gate_up_proj, and the
-        clamped SwiGLU (up + 1) * gate * sigmoid(alpha * gate)."""
-        g, a = self.g, self.a
-        h, width, count = a.hidden_size, a.expert_intermediate_size, a.num_experts
-        logits = self.linear(n, f"{p}.router", h, count, True)
-        top, chosen = g.op("TopK", logits, g.const([a.experts_per_token]), axis=-1, n_out=2)
-        weights = g.op("ScatterElements", g.op("Mul", logits, g.const(0.0, np.float32)), chosen,
-                       g.op("Softmax", top, axis=-1), axis=-1)  # [B,S,E]
-        x = f"{p}.experts"
-        stacks = {name: self.load(f"{x}.{name}", shape, False) for name, shape in (
-            ("gate_up_proj", (count, h, 2 * width)), ("gate_up_proj_bias", (count, 2 * width)),
-            ("down_proj", (count, width, h)), ("down_proj_bias", (count, h)))}
-        f = lambda v: g.const(v, np.float32)  # noqa: E731
-        out = None
-        for j in range(count):
-            pick = {name: g.op("Gather", t, g.const(j), axis=0) for name, t in stacks.items()}
-            gate_up = g.op("Add", g.op("MatMul", n, pick["gate_up_proj"]),
-                           pick["gate_up_proj_bias"])
-            gate = g.op("Slice", gate_up, g.const([0]), g.const([2 * width]), g.const([-1]),
-                        g.const([2]))
-            up = g.op("Slice", gate_up, g.const([1]), g.const([2 * width]), g.const([-1]),
-                      g.const([2]))
-            gate = g.op("Clip", gate, "", f(a.swiglu_limit))
-            up = g.op("Clip", up, f(-a.swiglu_limit), f(a.swiglu_limit))
-            glu = g.op("Mul", gate, g.op("Sigmoid", g.op("Mul", gate, f(a.swiglu_alpha))))
-            y = g.op("Add", g.op("MatMul", g.op("Mul", g.op("Add", up, f(1.0)), glu),
-                                 pick["down_proj"]), pick["down_proj_bias"])
-            y = g.op("Mul", y, self.slice_last(weights, j, j + 1))
-            out = y if out is None else g.op("Add", out, y)
-        return out
 
     def head(self, x: str, pos: str, nlk_input: str | None) -> None:
         a = self.a
