@@ -19,6 +19,7 @@ class RoutedExperts:
     g: GraphBuilder
     a: ArchSpec
     load: Callable[..., str]
+
     def experts(self, i: int, n: str) -> str:
         """A routed layer (Qwen3-MoE, Mixtral), exact and dense: the router's softmax, its top k
         (renormalized where the model does) spread back to a [B,S,E] weight per expert, zero
