@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -26,6 +27,14 @@ from qpcbuild.runtime.loader import load
 from helpers_export import GraphDriver, hf_model, prefill
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_transformers_model():
+    """transformers' float32 Gemma (1 GB) stays cached for this module only."""
+    yield
+    hf_model.cache_clear()
+    gc.collect()
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 512
 NEW_TOKENS = 24  # each Gemma step is ~0.1-0.3 s here: two recipes stay near two minutes
@@ -58,6 +67,13 @@ def hf_last_logits(path: Path, tokens: list[int], keep: int) -> np.ndarray:
 
 
 def test_exported_graph_matches_transformers_past_the_sliding_window(gemma3_model, tmp_path):
+    try:
+        _check_fidelity(gemma3_model, tmp_path)
+    finally:  # 1.4 GB of weights: not kept in pytest's retained temporary folders
+        shutil.rmtree(tmp_path / "onnx", ignore_errors=True)
+
+
+def _check_fidelity(gemma3_model: Path, tmp_path: Path) -> None:
     result = export_model(resolve(str(gemma3_model)), "target", tmp_path / "onnx")
     tokens = source_tokens(tokenizer(gemma3_model))[:606]
     ref = hf_last_logits(gemma3_model, tokens, 7)  # positions 599..605
@@ -89,10 +105,18 @@ def reference(gemma3_model) -> dict[str, tuple[list[int], list[int]]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def bundles_root(tmp_path_factory):
+    """Where both recipes build (sharing one cache: one export), removed afterwards (~5 GB)."""
+    root = tmp_path_factory.mktemp("gemma3-bundles")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.parametrize("recipe", ["gemma3-270m", "gemma3-270m-suffix"])
 def test_greedy_speculative_decoding_past_the_window_equals_generate(recipe, reference,
-                                                                     tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "gemma3-bundles"
+                                                                     bundles_root):
+    root = bundles_root
     out = root / recipe
     built = CliRunner().invoke(app, ["compile", str(ROOT / "recipes" / f"{recipe}.yaml"), "-o",
                                      str(out), "--cache-dir", str(root / "cache")])
