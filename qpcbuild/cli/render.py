@@ -10,6 +10,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:  # the plan's imports (onnx, numpy) would slow every command's start
     from ..bundle.manifest import Manifest
+    from ..models.arch import ArchSpec
     from ..plan import BuildPlan
 
 console = Console(highlight=False)
@@ -60,7 +61,9 @@ def show_plan(plan: BuildPlan) -> None:
             ("layers / heads / kv heads / head_dim", f"{a.num_layers} / {a.num_heads} / "
              f"{a.num_kv_heads} / {a.head_dim}"),
             ("hidden / mlp / vocab", f"{a.hidden_size} / {a.intermediate_size} / {a.vocab_size}"),
-            ("rope", f"theta {a.rope_theta:g}, scaling {a.rope_scaling or 'none'}"),
+            ("rope", f"theta {a.rope_theta:g}, scaling {a.rope_scaling or 'none'}"
+             + (f"; sliding layers theta {a.local_rope_theta:g}" if a.has_local_rope else "")),
+            *_attention_rows(a),
             ("device group / cores per QID", f"{rp.device_group} / {rp.num_cores}"),
         ]))
         spec = Table("name", *rp.specializations[0].symbols.keys(), title="specializations",
@@ -193,3 +196,16 @@ def weights_note(role: str, numerics: dict) -> str:
     effect = "changes proposals only" if role == "draft" else \
         "the OUTPUT differs from the float32 target; see bench --numerics"
     return f"; matmul weights in {fmt} blocks with int8 activations ({effect})"
+
+
+def _attention_rows(a: ArchSpec) -> list[tuple[str, str]]:
+    """Plan rows for what is not Llama's plain block: sliding layers and routed experts."""
+    rows = []
+    sliding = sum(a.is_sliding(i) for i in range(a.num_layers))
+    if sliding:
+        rows.append(("sliding-window layers", f"{sliding} of {a.num_layers}, window "
+                     f"{a.sliding_window} (masked over the full ctx_len buffer)"))
+    if a.num_experts:
+        rows.append(("routed layers / experts / per token",
+                     f"{len(a.moe_layers)} / {a.num_experts} / {a.experts_per_token}"))
+    return rows

@@ -10,11 +10,18 @@ back; position -1 marks a padded slot. The card graph speaks the op vocabulary t
 compiler knows from QEfficient (see dialect.py): CtxScatter / CtxGather for the KV cache,
 CustomRMSNorm, RoPE read from cos/sin tables, KV heads repeated for grouped-query attention and
 an lm_head that is a MatMul weight of its own.
+
+Sliding-window layers (Mistral, Gemma 2/3) keep the same ctx_len-long buffer as full layers, and
+their mask also hides key k from query q when k <= position q - window. The mask comes from
+positions alone, so a rejected verify window, stale slots and continuous batching behave as in a
+full layer; a ring buffer of `window` slots would save memory but its slots would be overwritten
+by a window that is then rejected (the keys just behind it would be lost) and every row would need
+its own wrap-around, so it is not worth it at the context lengths a card serves.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -24,6 +31,7 @@ from ..models.graph_io import declare, graph_io
 from . import dialect
 from .dialect import INT32_MAX, INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX
 from .builder import GraphBuilder
+from .experts import RoutedExperts
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 VOCAB_SUBSET = "lm_head.vocab_subset"  # [Vs, 1] int64: a draft's kept token ids (ORT lowering)
@@ -31,20 +39,24 @@ SUBSET_COLUMN = "lm_head.vocab_subset.column"  # [1, V] int64: each token's colu
 SUBSET_KEPT = "lm_head.vocab_subset.kept"  # [V] bool: whether the subset keeps the token
 MASKED = -10000.0  # finite so fully masked pad rows stay finite, and representable in fp16
 
-# load(name, shape, transpose[, rows]) -> graph tensor name of that weight (float32 or
-# float16 + Cast); rows: keep only these rows (a draft's vocabulary subset)
+# load(name, shape, transpose[, rows][, offset]) -> graph tensor name of that weight (float32 or
+# float16 + Cast); rows: keep only these rows (a draft's vocabulary subset); offset: added to
+# every value (Gemma's norms scale by 1 + w)
 WeightLoader = Callable[..., str]
 
 
-def rope_tables(arch: ArchSpec, positions: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(arch: ArchSpec, positions: int,
+                local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [positions, D] as transformers computes them: float32 angles pos * inv_freq,
-    the half-dimension repeated (rotate_half layout)."""
-    freqs = np.outer(np.arange(positions, dtype=np.float32), arch.inv_freq())
+    the half-dimension repeated (rotate_half layout); `local`: the sliding layers' base."""
+    freqs = np.outer(np.arange(positions, dtype=np.float32), arch.inv_freq(local))
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    factor = np.float32(arch.rope_attention_factor)  # longrope scales both (float32, as HF)
+    return (cos * factor, sin * factor) if factor != 1.0 else (cos, sin)
 
 
-class Decoder:
+class Decoder(RoutedExperts):
     def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader,
                  vocab_subset: np.ndarray | None = None):
         self.g, self.a, self.load, self.vocab_subset = g, arch, load, vocab_subset
@@ -53,17 +65,59 @@ class Decoder:
     def rms_norm(self, x: str, weight: str) -> str:
         return self.g.call(dialect.custom_rms_norm(), x, weight, epsilon=self.a.rms_norm_eps)
 
+    def norm(self, x: str, name: str, size: int) -> str:
+        """RMSNorm by the checkpoint's weight `name`: scaled by w, or by (1 + w) for Gemma,
+        whose checkpoints store w - 1 (added while exporting: the norm's weight stays an
+        initializer, as CustomRMSNorm takes it in QEfficient's graphs)."""
+        return self.rms_norm(x, self.load(name, (size,), False, offset=self.a.norm_offset))
+
+    def activation(self, gate: str) -> str:
+        """The gated MLP's activation: SiLU, or GELU's tanh form (Gemma's gelu_pytorch_tanh,
+        opset 17 has no Gelu): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+        g = self.g
+        if self.a.hidden_act == "silu":
+            return g.op("Mul", gate, g.op("Sigmoid", gate))
+        f = lambda v: g.const(v, np.float32)  # noqa: E731
+        cube = g.op("Mul", g.op("Mul", gate, gate), gate)
+        inner = g.op("Mul", g.op("Add", gate, g.op("Mul", cube, f(0.044715))),
+                     f(float(np.sqrt(2.0 / np.pi))))
+        return g.op("Mul", g.op("Mul", gate, f(0.5)), g.op("Add", g.op("Tanh", inner), f(1.0)))
+
     def linear(self, x: str, prefix: str, n_in: int, n_out: int, bias: bool) -> str:
         y = self.g.op("MatMul", x, self.load(f"{prefix}.weight", (n_out, n_in), True))
         return self.g.op("Add", y, self.load(f"{prefix}.bias", (n_out,), False)) if bias else y
 
     def rope(self, x: str, cos: str, sin: str) -> str:
-        g, half, d = self.g, self.a.head_dim // 2, self.a.head_dim
+        g, d, r = self.g, self.a.head_dim, self.a.rope_dim
+        passed = None
+        if r != d:  # partial rotary (Phi-3): the first r dimensions rotate, the rest pass
+            passed = self.slice_last(x, r, d)
+            x = self.slice_last(x, 0, r)
         # rotate_half's two halves as Slices, the form of QEfficient's export
-        x1 = g.op("Slice", x, g.const([0]), g.const([half]), g.const([-1]))
-        x2 = g.op("Slice", x, g.const([half]), g.const([d]), g.const([-1]))
+        x1, x2 = self.slice_last(x, 0, r // 2), self.slice_last(x, r // 2, r)
         rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+        out = g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+        return out if passed is None else g.op("Concat", out, passed, axis=-1)
+
+    def slice_last(self, x: str, start: int, end: int) -> str:
+        g = self.g
+        return g.op("Slice", x, g.const([start]), g.const([end]), g.const([-1]))
+
+    def projections(self, x: str, prefix: str, sizes: dict[str, int], fused: str | None,
+                    bias: bool, then: Sequence[Callable[[str], str]] | None = None) -> list[str]:
+        """One linear per name in `sizes`, or (Phi-3) one linear of the fused weight `fused`
+        whose output is sliced in that order. `then`: one function per output, applied as soon
+        as that output exists, so each projection's own nodes follow its MatMul (the node order
+        of the graphs exported before fused projections: their bytes, and so bundle ids, stay)."""
+        n_in = self.a.hidden_size
+        then = then or [lambda y: y] * len(sizes)
+        if fused is None:
+            return [f(self.linear(x, f"{prefix}.{name}", n_in, size, bias))
+                    for (name, size), f in zip(sizes.items(), then)]
+        y = self.linear(x, f"{prefix}.{fused}", n_in, sum(sizes.values()), bias)
+        bounds = np.cumsum([0, *sizes.values()])
+        return [f(self.slice_last(y, int(a), int(b)))
+                for a, b, f in zip(bounds[:-1], bounds[1:], then)]
 
     def heads(self, x: str, n: int, norm: str | None = None) -> str:
         """[B,S,n*D] -> [B,n,S,D]; `norm`: a per-head RMSNorm weight (Qwen3's q/k norm),
@@ -71,7 +125,7 @@ class Decoder:
         g = self.g
         x = g.op("Reshape", x, g.const([0, 0, n, self.a.head_dim]))
         if norm is not None:
-            x = self.rms_norm(x, self.load(norm, (self.a.head_dim,), False))
+            x = self.norm(x, norm, self.a.head_dim)
         return g.op("Transpose", x, perm=[0, 2, 1, 3])
 
     def repeat_kv(self, kv: str, ctx: str) -> str:
@@ -98,18 +152,17 @@ class Decoder:
         ctx_len = g.op("Gather", g.op("Shape", past[0][0]), g.const(2))  # [] = C
         ctx = g.op("Unsqueeze", ctx_len, g.const([0]))  # [1] = C
 
-        # RoPE from tables of the model's max positions (as QEfficient: one graph serves every
-        # ctx_len); position -1 reads the last row, harmless for a pad.
-        cos_t, sin_t = rope_tables(a, a.max_position_embeddings)
-        cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos_cached", cos_t), pos),
-                   g.const([1]))  # [B,1,S,D]
-        sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope.sin_cached", sin_t), pos),
-                   g.const([1]))
+        rope = {False: self.rope_at(pos, "rope")}  # (cos, sin), each [B,1,S,D]
+        if a.has_local_rope:  # Gemma 3's sliding layers: a base of their own
+            rope[True] = self.rope_at(pos, "rope.local", local=True)
 
         keys = g.op("Range", g.const(0), ctx_len, g.const(1))  # [C]
         # Mask [B,1,S,C]: key k hidden from query q when k > position of q.
-        mask = g.op("Unsqueeze", g.op("Greater", keys, g.op("Unsqueeze", pos, g.const([-1]))),
-                    g.const([1]))
+        query_pos = g.op("Unsqueeze", pos, g.const([-1]))  # [B,S,1]
+        mask = g.op("Unsqueeze", g.op("Greater", keys, query_pos), g.const([1]))
+        masks = {False: mask}
+        if any(a.is_sliding(i) for i in range(a.num_layers)):
+            masks[True] = self.sliding_mask(mask, keys, query_pos)
         # Slots past a row's last position are invalid: they gather at INT32_MAX, their values
         # are zeroed and their keys masked (dialect.py says why INT32_MAX).
         limit = g.op("Unsqueeze", g.op("ReduceMax", pos, axes=[1], keepdims=1), g.const([1]))
@@ -125,23 +178,49 @@ class Decoder:
 
         x = g.op("Gather", self.load("model.embed_tokens.weight",
                                      (a.vocab_size, a.hidden_size), False), ids)  # [B,S,H]
+        x = self.scaled(x, a.embedding_scale)  # Gemma: rows times sqrt(H); Granite's multiplier
         for i in range(a.num_layers):
-            x = self.layer(i, x, cos, sin, mask, kv, past[i], ctx)
-        x = self.rms_norm(x, self.load("model.norm.weight", (a.hidden_size,), False))
+            sliding = a.is_sliding(i)
+            cos, sin = rope[sliding and a.has_local_rope]
+            x = self.layer(i, x, cos, sin, masks[sliding], kv, past[i], ctx)
+        x = self.norm(x, "model.norm.weight", a.hidden_size)
         self.head(x, pos, nlk_input)
         declare(g, io["outputs"], output=True)
+
+    def scaled(self, x: str, factor: float) -> str:
+        """x * factor (a float32 constant), x itself for 1."""
+        return x if factor == 1.0 else self.g.op("Mul", x, self.g.const(factor, np.float32))
+
+    def rope_at(self, pos: str, name: str, local: bool = False) -> tuple[str, str]:
+        """cos, sin [B,1,S,D] at the positions, from tables of the model's max positions (as
+        QEfficient: one graph serves every ctx_len); position -1 reads the last row, harmless
+        for a pad."""
+        g = self.g
+        cos_t, sin_t = rope_tables(self.a, self.a.max_position_embeddings, local)
+        return tuple(g.op("Unsqueeze", g.op("Gather", g.weight(f"{name}.{kind}_cached", t), pos),
+                          g.const([1])) for kind, t in (("cos", cos_t), ("sin", sin_t)))
+
+    def sliding_mask(self, causal: str, keys: str, query_pos: str) -> str:
+        """The causal mask [B,1,S,C] of a sliding layer: key k also hidden when k <= q - window
+        (transformers' sliding_window_overlay keeps k > q - window), from positions only."""
+        g = self.g
+        behind = g.op("LessOrEqual", g.op("Add", keys, g.const(self.a.sliding_window)),
+                      query_pos)  # [B,S,C]
+        return g.op("Or", causal, g.op("Unsqueeze", behind, g.const([1])))
 
     def layer(self, i: int, x: str, cos: str, sin: str, mask: str, kv: "_KvAccess",
               past: tuple[str, str], ctx: str) -> str:
         g, a = self.g, self.a
         p = f"model.layers.{i}"
         h, d, nh, nkv = a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads
-        n = self.rms_norm(x, self.load(f"{p}.input_layernorm.weight", (h,), False))
-        q = self.heads(self.linear(n, f"{p}.self_attn.q_proj", h, nh * d, a.qkv_bias), nh,
-                       f"{p}.self_attn.q_norm.weight" if a.qk_norm else None)
-        k = self.heads(self.linear(n, f"{p}.self_attn.k_proj", h, nkv * d, a.qkv_bias), nkv,
-                       f"{p}.self_attn.k_norm.weight" if a.qk_norm else None)
-        v = self.heads(self.linear(n, f"{p}.self_attn.v_proj", h, nkv * d, a.qkv_bias), nkv)
+        n = self.norm(x, f"{p}.input_layernorm.weight", h)
+        q_norm, k_norm = (f"{p}.self_attn.{w}_norm.weight" if a.qk_norm else None for w in "qk")
+        q, k, v = self.projections(n, f"{p}.self_attn", {"q_proj": nh * d, "k_proj": nkv * d,
+                                                         "v_proj": nkv * d},
+                                   "qkv_proj" if a.fused_projections else None, a.qkv_bias,
+                                   then=[lambda y: self.heads(y, nh, q_norm),
+                                         lambda y: self.heads(y, nkv, k_norm),
+                                         lambda y: self.heads(y, nkv)])
         # RoPE's result Cast to the model's dtype, as QEfficient writes it (a no-op here)
         q, k = (g.op("Cast", self.rope(x, cos, sin), to=FLOAT) for x in (q, k))  # [B,n,S,D]
 
@@ -151,18 +230,47 @@ class Decoder:
 
         k_rep, v_rep = self.repeat_kv(k_all, ctx), self.repeat_kv(v_all, ctx)  # [B,nH,C,D]
         scores = g.op("MatMul", q, g.op("Transpose", k_rep, perm=[0, 1, 3, 2]))  # [B,nH,S,C]
-        scores = g.op("Mul", scores, g.const(d ** -0.5, np.float32))
+        scores = g.op("Mul", scores, g.const(a.scores_scale, np.float32))
+        scores = soft_cap(g, scores, a.attn_logit_softcapping)
         scores = g.op("Where", mask, g.const(MASKED, np.float32), scores)
-        attn = g.op("MatMul", g.op("Softmax", scores, axis=-1), v_rep)  # [B,nH,S,D]
+        probs = self.softmax_with_sinks(scores, f"{p}.self_attn.sinks", ctx) if \
+            a.attention_sinks else g.op("Softmax", scores, axis=-1)
+        attn = g.op("MatMul", probs, v_rep)  # [B,nH,S,D]
         attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
-        x = g.op("Add", x, self.linear(attn, f"{p}.self_attn.o_proj", nh * d, h, a.o_bias))
+        attn = self.scaled(self.linear(attn, f"{p}.self_attn.o_proj", nh * d, h, a.o_bias),
+                           a.residual_scale)
+        if a.sandwich_norms:  # Gemma: the attention output normed, the MLP input by its own
+            attn = self.norm(attn, f"{p}.post_attention_layernorm.weight", h)
+            x = g.op("Add", x, attn)
+            n = self.norm(x, f"{p}.pre_feedforward_layernorm.weight", h)
+        else:
+            x = g.op("Add", x, attn)
+            n = self.norm(x, f"{p}.post_attention_layernorm.weight", h)
+        out = self.scaled(self.experts(i, n) if i in a.moe_layers else self.mlp(p, n),
+                          a.residual_scale)
+        if a.sandwich_norms:
+            out = self.norm(out, f"{p}.post_feedforward_layernorm.weight", h)
+        return g.op("Add", x, out)
 
-        n = self.rms_norm(x, self.load(f"{p}.post_attention_layernorm.weight", (h,), False))
-        gate = self.linear(n, f"{p}.mlp.gate_proj", h, a.intermediate_size, a.mlp_bias)
-        up = self.linear(n, f"{p}.mlp.up_proj", h, a.intermediate_size, a.mlp_bias)
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # SiLU(gate) * up
-        return g.op("Add", x, self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, h,
-                                          a.mlp_bias))
+    def softmax_with_sinks(self, scores: str, name: str, ctx: str) -> str:
+        """GPT-OSS's attention sinks: each head's learned logit joins the softmax over the keys
+        as one more column, which is then dropped (the weights sum to less than one)."""
+        g, nh = self.g, self.a.num_heads
+        sinks = g.op("Reshape", self.load(name, (nh,), False), g.const([1, nh, 1, 1]))
+        shape = g.op("Concat", dim(g, scores, 0), g.const([nh]), dim(g, scores, 2),
+                     g.const([1]), axis=0)
+        joined = g.op("Concat", scores, g.op("Expand", sinks, shape), axis=-1)  # [B,nH,S,C+1]
+        return g.op("Slice", g.op("Softmax", joined, axis=-1), g.const([0]), ctx, g.const([-1]))
+
+    def mlp(self, p: str, n: str) -> str:
+        """The gated MLP: down(act(gate(n)) * up(n))."""
+        a = self.a
+        gate, up = self.projections(n, f"{p}.mlp", {"gate_proj": a.intermediate_size,
+                                                    "up_proj": a.intermediate_size},
+                                    "gate_up_proj" if a.fused_projections else None, a.mlp_bias)
+        act = self.g.op("Mul", self.activation(gate), up)
+        return self.linear(act, f"{p}.mlp.down_proj", a.intermediate_size, a.hidden_size,
+                           a.mlp_bias)
 
     def head(self, x: str, pos: str, nlk_input: str | None) -> None:
         a = self.a
@@ -185,6 +293,15 @@ def dim(g: GraphBuilder, x: str, axis: int) -> str:
     """[1] = size of `x` along `axis`, as Gather(Shape(x), [axis]): QEfficient's graphs use
     Shape without start/end."""
     return g.op("Gather", g.op("Shape", x), g.const([axis]))
+
+
+def soft_cap(g: GraphBuilder, x: str, cap: float | None, out: str | None = None) -> str:
+    """cap * tanh(x / cap) (Gemma 2's scores, Gemma's logits where configured); x itself
+    without a cap."""
+    if not cap:
+        return x if out is None else g.op("Identity", x, out=out)
+    c = g.const(cap, np.float32)
+    return g.op("Mul", g.op("Tanh", g.op("Div", x, c)), c, out=out)
 
 
 def invalid_index(g: GraphBuilder, name: str) -> str:
@@ -246,10 +363,19 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
                                              g.const([1, 1, a.hidden_size])), axis=1)  # [B,N,H]
     subset = vocab_subset is not None or subset_columns is not None
     out = g._name("subset_logits") if subset else "logits"
+    # Granite's divisor, then Gemma's soft-capping, on the head's own output, before a subset is
+    # spread (MASKED stays)
+    post = a.final_logit_softcapping or a.logits_divisor != 1.0
+    raw = g._name("raw_logits") if post else out
     if matmul is None:
-        g.op("MatMul", picked, lm, out=out)
+        g.op("MatMul", picked, lm, out=raw)
     else:
-        matmul(picked, out)
+        matmul(picked, raw)
+    if a.logits_divisor != 1.0:
+        raw = g.op("Div", raw, g.const(a.logits_divisor, np.float32),
+                   **({"out": out} if not a.final_logit_softcapping else {}))
+    if a.final_logit_softcapping:
+        soft_cap(g, raw, a.final_logit_softcapping, out=out)
     if subset_columns is not None:  # the ops and attributes of QEfficient's TLM row pick
         column, kept = subset_columns
         rows = g.op("Reshape", out, g.const([0, -1]))  # [B,Vs]

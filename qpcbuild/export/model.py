@@ -91,16 +91,22 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
             np_dtype = np.float16 if weight_dtype == "float16" else np.float32
 
             def load(name: str, shape: tuple[int, ...], transpose: bool,
-                     rows: np.ndarray | None = None) -> str:
+                     rows: np.ndarray | None = None, offset: float = 0.0) -> str:
                 key = f"{name}{'^T' if transpose else ''}{'[subset]' if rows is not None else ''}"
+                key += f"+{offset:g}" if offset else ""
                 if key not in loaded:
                     stored = reader.stored(name, shape)
                     if stored.non_finite():
                         raise UsageError(f"{model_dir}: tensor '{name}' holds NaN or infinite "
                                          "values; the checkpoint is damaged")
                     values = stored.values if rows is None else stored.values[rows]
+                    widen = stored.widen
+                    if offset:  # in float32, as transformers computes (1.0 + w.float())
+                        values = (widen(values) if widen else values).astype(np.float32) + \
+                            np.float32(offset)
+                        widen = None
                     w = g.weight(key, values.T if transpose else values, stored.sha256, np_dtype,
-                                 widen=stored.widen)
+                                 widen=widen)
                     del stored, values  # the mapping is released tensor by tensor
                     if name not in written:  # not again for its transposed or subset form
                         written.add(name)

@@ -37,6 +37,11 @@ def checkpoint_problems(path: Path, arch: ArchSpec, allow_pickle: bool = False,
         tensors.update(read_header(f))
     expected = arch.tensor_shapes()
     problems = []
+    packed = sorted(n for n in tensors if n.endswith(("_blocks", "_scales")))
+    if arch.stacked_experts and packed:  # GPT-OSS as released: MXFP4 experts
+        return [f"the experts are MXFP4-packed ({_listed(packed, 2)}); qpcbuild reads float "
+                "weights: dequantize them first (transformers: from_pretrained(..., "
+                "quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)"]
     missing = [n for n in expected if n not in tensors]
     if missing:
         problems.append(f"{len(missing)} tensor(s) the config implies are missing from the "
