@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from qpcbuild.cli import app
+from qpcbuild.errors import UsageError
+from qpcbuild.prompts import read_prompt_file
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -29,3 +32,18 @@ def test_keygen_under_a_file_exits_2_naming_it_and_writes_nothing(tmp_path):
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert str(tmp_path / "keys") in " ".join(result.output.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keys"]
+
+
+# ---------------------------------------------------------------- 14: a JSON list is not a prompt
+@pytest.mark.parametrize("text", ["[1,2]\n", "hello\n [1, 2] \n", '{"prompt": "a"}\n[1,2]\n'])
+def test_a_prompt_line_that_is_a_json_list_is_refused_naming_the_line(tmp_path, text):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=r"prompts.jsonl:\d: .*JSON list"):
+        read_prompt_file(path)
+
+
+def test_a_bracketed_text_prompt_that_is_not_json_stays_text(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("[INST] write a haiku [/INST]\n[1, 2\n")
+    assert read_prompt_file(path) == ["[INST] write a haiku [/INST]", "[1, 2"]

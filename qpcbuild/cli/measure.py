@@ -13,7 +13,8 @@ from .render import console, err_console
 
 # Options bench and tune share (the prompts they measure on).
 PromptsOpt = typer.Option(None, "--prompts", help="Prompt file: JSONL with a \"prompt\" (or "
-                          "\"text\") key, or one prompt per line (default: a shipped set).")
+                          "\"text\") key, or one prompt per line (default: a shipped set); "
+                          "a JSON-list line is refused (text, not token ids).")
 PromptSetOpt = typer.Option(None, "--prompt-set", help="Shipped prompts: code | echo | prose "
                             "(default: code).")
 NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use the first N prompts only.")
