@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import QpcbuildError
+from ..runtime.chat import NoChatTemplate
 from ..runtime.loader import Generator
 from ..runtime.sampling import SamplingParams
 from .metrics import ServerMetrics, openai_finish_reason
@@ -32,6 +33,7 @@ from .worker import EngineWorker, Job
 log = logging.getLogger("qpcbuild.server")
 MAX_BODY = 4 << 20
 BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive (a stalled client gets 408)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 # An absolute path (not part of a URL): clients are not told where the server keeps its files.
@@ -39,9 +41,13 @@ _SERVER_PATH = re.compile(r"(?<![\w:/.~-])/[^\s'\":;,()]+")
 
 
 class ApiError(Exception):
+    """An OpenAI-shaped error. Messages that may quote the server's files are scrubbed of paths;
+    `scrub=False` is for messages built only from what the client sent (its own route)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        message = _SERVER_PATH.sub("<server path>", message)
+                 param: str | None = None, code: str | None = None, scrub: bool = True):
+        if scrub:
+            message = _SERVER_PATH.sub("<server path>", message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code
@@ -152,6 +158,10 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 return [gen.chat_prompt(messages)]
             return [gen.encode(p) for p in req.prompt]
+        except NoChatTemplate:  # the CLI's wording names --chat; a client needs the route
+            raise ApiError(400, f"the model '{model_name}' has no chat template, so "
+                           "/v1/chat/completions cannot render `messages`; send the text as "
+                           "`prompt` to /v1/completions", param="messages", scrub=False) from None
         except (QpcbuildError, ValueError) as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
 
@@ -302,9 +312,18 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def not_found(request: Request, exc):
+        # The client's own route, as it sent it (its raw path, cut short), never scrubbed as if
+        # it were a server path; a 405 says which methods the route takes.
         status = getattr(exc, "status_code", 404)
-        return ApiError(status, f"{request.method} {request.url.path}: "
-                        f"{'not found' if status == 404 else 'not allowed'}").response()
+        route = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
+        route = route if len(route) <= 200 else route[:200] + "..."
+        if status == 405:
+            allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+            why = f"method not allowed (this route takes {allowed})" if allowed else \
+                "method not allowed"
+        else:
+            why = f"not found (routes: {', '.join(ROUTES)})"
+        return ApiError(status, f"{request.method} {route}: {why}", scrub=False).response()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
