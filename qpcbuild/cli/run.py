@@ -178,7 +178,11 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                  format: str = typer.Option("vllm", "--format", help="vllm | docker | env | "
                                             "legacy | json"),
                  image: str = typer.Option("ghcr.io/quic/cloud_ai_inference_vllm:latest",
-                                           help="Cloud AI vLLM image for --format docker.")):
+                                           help="Cloud AI vLLM image for --format docker."),
+                 recipe_dir: Optional[Path] = typer.Option(
+                     None, help="Folder of the recipe that built the bundle: its relative model "
+                     "paths are found from there (default: looked for from here, the bundle's "
+                     "parent folders and the shipped recipes/).")):
     """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
     from ..bundle import read_manifest
     from ..errors import UsageError
@@ -191,4 +195,4 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                          "built with --smoke-weights to check the toolchain); a server would "
                          "answer with noise under the real model's name. Build it from the "
                          "real checkpoints to serve it")
-    sys.stdout.write(render(m, bundle, format, image))
+    sys.stdout.write(render(m, bundle, format, image, recipe_dir))
