@@ -47,3 +47,34 @@ def test_a_bracketed_text_prompt_that_is_not_json_stays_text(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("[INST] write a haiku [/INST]\n[1, 2\n")
     assert read_prompt_file(path) == ["[INST] write a haiku [/INST]", "[1, 2"]
+
+
+# ---------------------------------------------------------------- 4: advice that can be followed
+def test_missing_hub_model_advice_names_the_download_command_the_installed_hub_ships(tmp_path):
+    from importlib import metadata
+
+    scripts = {ep.name for ep in metadata.distribution("huggingface_hub").entry_points
+               if ep.group == "console_scripts"}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "llama8b-1b.yaml").read_text())
+    result = runner.invoke(app, ["compile", str(recipe), "-o", str(tmp_path / "b")],
+                           env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    named = "hf" if "hf" in scripts else "huggingface-cli"
+    assert f"`{named} download meta-llama/Llama-3.1-8B-Instruct" in text
+    assert named in scripts  # a command the user actually has
+
+
+@pytest.mark.parametrize("folder, target", [("qwen2.5-coder-1.5b-instruct", "make qwen-coder"),
+                                            ("smollm2-135m-instruct", "make smollm2")])
+def test_a_missing_project_model_folder_names_the_make_target_that_makes_it(tmp_path, folder,
+                                                                            target):
+    recipe = tmp_path / "recipes" / "r.yaml"
+    recipe.parent.mkdir()
+    text = (REPO / "recipes" / "qwen-coder-ngram.yaml").read_text()
+    recipe.write_text(text.replace("qwen2.5-coder-1.5b-instruct", folder))
+    result = runner.invoke(app, ["plan", str(recipe)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert f"`{target}`" in said and "`make models`" in said, said
