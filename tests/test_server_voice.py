@@ -4,10 +4,18 @@ start-up, one line per request, periodic throughput and acceptance, and a flag t
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import httpx
 import pytest
 
-from helpers_server import LiveServer
+from helpers_server import ROOT, LiveServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +63,69 @@ def test_an_empty_prompt_is_a_400_naming_the_field(server):
                    json={"model": server.name, "prompt": "", "max_tokens": 2})
     err = error_of(r, 400)
     assert err["param"] == "prompt"
+
+
+# ---------------------------------------------------------------- 5: the server's own log
+class Served:
+    """`qpcbuild serve` as a process, its log in a file."""
+
+    def __init__(self, bundle: Path, log: Path, *extra: str):
+        self.port, self.log = free_port(), log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qpcbuild", "serve", str(bundle), "--port", str(self.port),
+             "--verify", "none", *extra], stdout=subprocess.DEVNULL, stderr=log.open("w"),
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wait_for(lambda: httpx.get(self.url + "/health", timeout=1).status_code == 200)
+
+    def wait_for(self, ready, seconds: float = 60.0) -> None:
+        deadline = time.time() + seconds
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if ready():
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, self.log.read_text()
+            time.sleep(0.1)
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+        return self.log.read_text()
+
+
+def test_serve_says_its_url_logs_each_request_and_reports_throughput(demo_build, tmp_path):
+    s = Served(demo_build[0], tmp_path / "log", "--stats-interval", "0.5")
+    try:
+        assert f"at http://127.0.0.1:{s.port}/v1 " in s.log.read_text()
+        r = httpx.post(s.url + "/v1/completions", timeout=60,
+                       json={"model": "demo", "prompt": "def fib", "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        httpx.get(s.url + "/no/such/route", timeout=10)
+        s.wait_for(lambda: "GET /no/such/route 404" in s.log.read_text()
+                   and "throughput:" in s.log.read_text(), 20)
+    finally:
+        log = s.stop()
+    said = f"POST /v1/completions 200, {usage['prompt_tokens']} prompt + " \
+        f"{usage['completion_tokens']} generated tokens, "
+    assert said in log, log
+    stats = next(line for line in log.splitlines() if "throughput:" in line)
+    assert re.search(r"generation [1-9][\d.]* tokens/s", stats), stats
+    assert re.search(r"draft acceptance [\d.]+%, mean acceptance length [\d.]+", stats), stats
+    assert "Traceback" not in log
+
+
+def test_serve_quiet_keeps_only_the_start_up_line(demo_build, tmp_path):
+    s = Served(demo_build[0], tmp_path / "log", "--quiet", "--stats-interval", "0.2")
+    try:
+        r = httpx.post(s.url + "/v1/completions", timeout=60,
+                       json={"model": "demo", "prompt": "def fib", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        time.sleep(0.6)  # three stats intervals
+    finally:
+        log = s.stop()
+    assert f"http://127.0.0.1:{s.port}/v1" in log
+    assert "POST /v1/completions" not in log and "throughput:" not in log, log

@@ -159,7 +159,11 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
           served_model_name: Optional[str] = typer.Option(
               None, help="Model id clients ask for (default: the bundle's name)."),
           spec_policy: Optional[str] = SpecPolicyOpt,
-          log_level: str = typer.Option("info", help="uvicorn log level.")):
+          log_level: str = typer.Option("info", help="uvicorn log level."),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per request and no "
+                                     "throughput lines (the start-up line and errors stay)."),
+          stats_interval: float = typer.Option(10.0, help="Seconds between throughput and "
+                                               "acceptance lines while requests run (0: none).")):
     """OpenAI-compatible server on the bundle (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics with vLLM's metric names)."""
     from ..errors import UsageError
@@ -168,8 +172,8 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
     folder = bundle_folder(bundle, insecure, signatures=require_signature is not None)
-    run_server(folder, host, port, backend, verify, served_model_name, log_level,
-               signed_by=require_signature, spec_policy=spec_policy)
+    run_server(folder, host, port, backend, verify, served_model_name, log_level, quiet,
+               stats_interval, signed_by=require_signature, spec_policy=spec_policy)
 
 
 @app.command("serve-config")

@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -26,6 +27,7 @@ from ..errors import QpcbuildError
 from ..runtime.chat import NoChatTemplate
 from ..runtime.loader import Generator
 from ..runtime.sampling import SamplingParams
+from .access import RequestLog, ServerLog
 from .metrics import ServerMetrics, openai_finish_reason
 from .schema import BadRequest, ChatRequest, CompletionRequest, parse_request
 from .worker import EngineWorker, Job
@@ -125,7 +127,8 @@ def _prefix_at_end(text: str, stop: str) -> int:
 
 # Over 80 lines: the routes are closures over one engine worker, its metrics and the model's
 # limits; each handler below is short and named for its route.
-def build_app(gen: Generator, model_name: str) -> Starlette:
+def build_app(gen: Generator, model_name: str,
+              server_log: ServerLog | None = None) -> Starlette:
     metrics: ServerMetrics | None = None
     worker: EngineWorker | None = None
     ctx_len = gen.decoder.ctx_len
@@ -207,6 +210,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                 job.cancel()
         texts, reasons = [t for t, _ in results], [r for _, r in results]
         usage = _usage(jobs)
+        request.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
         if chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
                         "finish_reason": reasons[0], "logprobs": None}]
@@ -273,6 +277,8 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
         finally:  # the client went away, or we are done: either way free the slots
             for job in jobs:
                 job.cancel()
+            usage = _usage(jobs)
+            request.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
 
     def _check(job: Job) -> None:
         if job.error:
@@ -327,7 +333,11 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        reporter = asyncio.ensure_future(server_log.report(worker, metrics)) \
+            if server_log is not None else None
         yield
+        if reporter is not None:
+            reporter.cancel()
         worker.close()
 
     app = Starlette(routes=[
@@ -336,7 +346,8 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-    ], exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
+    ], exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan,
+        middleware=[Middleware(RequestLog, log=server_log)] if server_log else None)
     app.state.worker, app.state.metrics = worker, metrics
     return app
 
