@@ -19,6 +19,7 @@ from ..bundle.manifest import check_relative
 from ..errors import BundleError
 from .client import OCI_MANIFEST, RegistryClient, encode_manifest, sha256_digest
 from .errors import RegistryDigestMismatch, RegistryError
+from .resume import LocalBlobs
 
 TITLE = "org.opencontainers.image.title"
 EXECUTABLE = "vnd.qpcbuild.file.executable"
@@ -135,19 +136,27 @@ def layer_files(manifest: dict, where: str) -> dict[str, dict]:
 
 
 def download_folder(client: RegistryClient, repo: str, files: dict[str, dict], dest: Path,
-                    say: Say | None = None) -> int:
+                    say: Say | None = None, local: LocalBlobs | None = None) -> int:
     """Download every file into `dest` (which the caller discards on failure), each checked
-    against its digest as it arrives. Returns the bytes downloaded."""
+    against its digest as it arrives. `local`: verified copies already on this machine, used
+    instead of a download, and kept for a resumed pull as each download finishes. Returns the
+    bytes downloaded."""
     say = say or (lambda m: None)
     for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
 
-    def download(rel: str, meta: dict) -> None:
+    def download(rel: str, meta: dict) -> int:
         target = dest / rel
-        client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"], target, what=rel)
+        found = local.place(rel, meta, target) if local else None
+        if found is None:
+            client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"], target,
+                                 what=rel)
+            if local:
+                local.keep(meta, target)
         if meta.get("executable"):
             os.chmod(target, 0o755)
-        say(f"pulled {rel} ({meta['size']:,} bytes)")
+        say(f"pulled {rel} ({meta['size']:,} bytes)" if found is None
+            else f"{rel}: {found} (verified), not downloaded")
+        return 0 if found else meta["size"]
 
-    _largest_beside_rest(files, download)
-    return sum(meta["size"] for meta in files.values())
+    return sum(_largest_beside_rest(files, download).values())
