@@ -78,3 +78,23 @@ def test_a_missing_project_model_folder_names_the_make_target_that_makes_it(tmp_
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert f"`{target}`" in said and "`make models`" in said, said
+
+
+# ---------------------------------------------------------------- 1: the heavy tier, said and skippable
+def test_make_test_states_the_heavy_tiers_cost_and_how_to_skip_it_and_ci_requires_it():
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("make test   #"):readme.index("```", readme.index("make test   #"))]
+    assert "9.6 GB" in block and "15 GB of memory" in block and "QPCBUILD_HEAVY=skip" in block
+    makefile = (REPO / "Makefile").read_text()
+    assert "skip) echo" in makefile and "QPCBUILD_HEAVY=required" in makefile
+    assert "export QPCBUILD_HEAVY=required" in (REPO / ".ci" / "run").read_text()
+
+
+def test_heavy_skip_dry_run_fetches_nothing(tmp_path):
+    import subprocess
+
+    done = subprocess.run(["make", "-n", "test", "QPCBUILD_HEAVY=skip",
+                           f"VENV={tmp_path / 'venv'}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert "QPCBUILD_HEAVY=skip: Qwen2.5-Coder not fetched" in done.stdout, done.stdout
+    assert "get_models.py qwen-coder" not in done.stdout
