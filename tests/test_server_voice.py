@@ -129,3 +129,21 @@ def test_serve_quiet_keeps_only_the_start_up_line(demo_build, tmp_path):
         log = s.stop()
     assert f"http://127.0.0.1:{s.port}/v1" in log
     assert "POST /v1/completions" not in log and "throughput:" not in log, log
+
+
+# ---------------------------------------------------------------- 3: a decode heard in a log
+def test_run_in_a_log_says_how_far_decoding_is_while_it_runs(demo_build, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fib\nclass Tree\nimport os\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "qpcbuild", "run", str(demo_build[0]), "--prompt-file",
+         str(prompts), "--max-new-tokens", "64", "--verify", "none", "--compare-baseline"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "QPCBUILD_PROGRESS_INTERVAL": "0.01"})
+    assert done.returncode == 0, done.stderr
+    running = [line for line in done.stderr.splitlines() if line.endswith("s so far")]
+    assert running, done.stderr
+    assert re.match(r"decoding \S+ \(and target-only\): [\d,]+ tokens of 384 tokens \(\d+%\)",
+                    running[0]), running[0]
+    assert re.search(r"decoding \S+ \(and target-only\): [\d,]+ tokens in [\d.]+ s "
+                     r"\([\d.]+ tokens/s\)", done.stderr), done.stderr

@@ -96,18 +96,22 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         on_token = lambda row, ids: console.print(  # noqa: E731
             gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False, highlight=False)
     results, baselines = [], []
-    # (not while streaming: the tokens are the progress, and a bar would cut through them)
+    # Progress in generated tokens, counted as the engine commits them, so a log hears from a
+    # long decode while it runs (not while streaming: the tokens are the progress, and a bar
+    # would cut through them). The total is the most that can come (rows may stop early).
+    runs = 2 if compare_baseline else 1
     with nullcontext(lambda n: None) if on_token else step(
             f"decoding {bundle}" + (" (and target-only)" if compare_baseline else ""),
-            len(prompts), "prompts") as advance:
+            len(prompts) * max_new_tokens * runs, "tokens") as advance:
+        counted = on_token or (lambda row, ids: advance(len(ids)))
         for start in range(0, len(prompts), batch):
             chunk = prompts[start:start + batch]
             results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
-                                        on_token, chat=chat, system=system))
+                                        counted, chat=chat, system=system))
             if compare_baseline:
                 baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
-                                              seed, target_only=True, chat=chat, system=system))
-            advance(len(chunk))
+                                              seed, None if on_token else counted,
+                                              target_only=True, chat=chat, system=system))
     if stream and not json_out:
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,

@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..bundle.manifest import check_relative
 from ..errors import BundleError
+from ..progress import step
 from .client import OCI_MANIFEST, RegistryClient, encode_manifest, sha256_digest
 from .errors import RegistryDigestMismatch, RegistryError
 from .resume import LocalBlobs
@@ -76,18 +77,24 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
         source = sources.get(rel, root / rel)
         try:
             if isinstance(source, Path):
-                sent_now = client.push_blob(repo, digest, meta["size"], path=source)
-            else:
+                sent_now = client.push_blob(repo, digest, meta["size"], path=source,
+                                            advance=advance)
+            else:  # (a mounted or cache-delivered blob: counted whole when it is there)
                 sent_now = source.copy_to(client, repo, digest, meta["size"], root)
+                advance(meta["size"])
         except RegistryDigestMismatch:
             raise BundleError(f"{root / rel}: its bytes do not hash to the recorded digest "
                               f"{digest} (the registry refused them); nothing was tagged") \
                 from None
+        if not sent_now and isinstance(source, Path):
+            advance(meta["size"])
         say(f"pushed {rel} ({meta['size']:,} bytes)" if sent_now
             else f"{rel}: already in the registry")
         return sent_now
 
-    sent = _largest_beside_rest(files, upload)
+    with step(f"pushing {len(files)} files to {client.registry}/{repo}",
+              sum(m["size"] for m in files.values()), "bytes") as advance:
+        sent = _largest_beside_rest(files, upload)
     layers = [{"mediaType": FILE_LAYER, "digest": f"sha256:{meta['sha256']}",
                "size": meta["size"],
                "annotations": {TITLE: rel, **({EXECUTABLE: "true"}
@@ -150,13 +157,17 @@ def download_folder(client: RegistryClient, repo: str, files: dict[str, dict], d
         found = local.place(rel, meta, target) if local else None
         if found is None:
             client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"], target,
-                                 what=rel)
+                                 what=rel, advance=advance)
             if local:
                 local.keep(meta, target)
+        else:
+            advance(meta["size"])
         if meta.get("executable"):
             os.chmod(target, 0o755)
         say(f"pulled {rel} ({meta['size']:,} bytes)" if found is None
             else f"{rel}: {found} (verified), not downloaded")
         return 0 if found else meta["size"]
 
-    return sum(_largest_beside_rest(files, download).values())
+    with step(f"pulling {len(files)} files from {client.registry}/{repo}",
+              sum(m["size"] for m in files.values()), "bytes") as advance:
+        return sum(_largest_beside_rest(files, download).values())

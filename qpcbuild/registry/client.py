@@ -45,7 +45,10 @@ def encode_manifest(manifest: dict) -> bytes:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
+def _file_piece(path: Path, offset: int, length: int,
+                advance: Callable[[int], None] | None = None) -> Iterator[bytes]:
+    """The bytes of a file's range, piece by piece; `advance` hears of each piece as it goes
+    (a piece sent again after a broken connection is counted again: bytes sent)."""
     with open(path, "rb") as f:
         f.seek(offset)
         while length > 0:
@@ -53,6 +56,8 @@ def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
             if not piece:
                 raise RegistryError(f"{path}: shorter than expected while uploading (changed?)")
             length -= len(piece)
+            if advance:
+                advance(len(piece))
             yield piece
 
 
@@ -214,18 +219,20 @@ class RegistryClient(Authentication):
         raise self._fail(resp, f"checking blob {digest}")
 
     def push_blob(self, repo: str, digest: str, size: int, path: Path | None = None,
-                  data: bytes | None = None) -> bool:
+                  data: bytes | None = None,
+                  advance: Callable[[int], None] | None = None) -> bool:
         """Upload a blob unless the repository has it already; True when bytes were sent.
         A blob up to UPLOAD_CHUNK goes in one streamed request, sent again whole if the
         connection breaks; a larger one in UPLOAD_CHUNK pieces, a broken piece resent from the
         offset the registry confirms."""
         if self.has_blob(repo, digest):
             return False
-        body = (lambda: data) if data is not None else (lambda: _file_piece(path, 0, size))
+        body = (lambda: data) if data is not None else \
+            (lambda: _file_piece(path, 0, size, advance))
         for failures in range(RETRIES + 1):
             location = self._start_upload(repo, digest)
             if data is None and size > UPLOAD_CHUNK:
-                return self._upload_chunks(repo, location, digest, size, path)
+                return self._upload_chunks(repo, location, digest, size, path, advance)
             try:
                 return self._finish_upload(repo, location, digest, body, size)
             except RegistryUnavailable:
@@ -255,13 +262,15 @@ class RegistryClient(Authentication):
             raise self._fail(resp, f"starting the upload of {digest}")
         return resp.headers["Location"]
 
-    def _upload_chunks(self, repo: str, location: str, digest: str, size: int, path: Path) -> bool:
+    def _upload_chunks(self, repo: str, location: str, digest: str, size: int, path: Path,
+                       advance: Callable[[int], None] | None = None) -> bool:
         offset, failures = 0, 0
         while offset < size:
             length = min(UPLOAD_CHUNK, size - offset)
             try:
                 resp = self._send("PATCH", location, repo, push=True,
-                                  body=lambda o=offset, n=length: _file_piece(path, o, n),
+                                  body=lambda o=offset, n=length: _file_piece(path, o, n,
+                                                                              advance),
                                   headers={"Content-Type": "application/octet-stream",
                                            "Content-Length": str(length),
                                            "Content-Range": f"{offset}-{offset + length - 1}"})
@@ -317,7 +326,7 @@ class RegistryClient(Authentication):
         return data
 
     def download_blob(self, repo: str, digest: str, size: int, dest: Path,
-                      what: str = "") -> None:
+                      what: str = "", advance: Callable[[int], None] | None = None) -> None:
         """Stream a blob into `dest`, hashing as it arrives; a broken transfer continues from
         the last byte written. Raises when the bytes do not match `digest` and `size`."""
         h, written, failures = hashlib.sha256(), 0, 0
@@ -335,6 +344,8 @@ class RegistryClient(Authentication):
                             h.update(piece)  # here, while the writer thread writes the last
                             writer.write(piece)
                             written += len(piece)
+                            if advance:
+                                advance(len(piece))
                             if written > size:
                                 break
                     break
