@@ -49,7 +49,7 @@ def progress_line(what: str, done: float, total: float | None, unit: str, second
                                                                       else "")
     share = f" of {amount(total, unit)} ({100 * done / total:.0f}%)" if total else ""
     return f"{what}: {amount(done, unit)}{share}" + (f", {rate}" if rate else "") + \
-        f", {seconds:.0f} s so far"
+        f", {seconds:.1f} s so far"
 
 
 class _Lines:
