@@ -204,3 +204,35 @@ def test_compile_in_a_log_says_a_backend_step_is_still_running(tmp_path):
     out = done.stdout + done.stderr
     assert "onnxruntime target: running, " in out and " s so far" in out, out
     assert "exporting target" in out and "tensors of 56 tensors" in out, out
+
+
+# ---------------------------------------------------------------- 6: one rule for a tuned K
+def test_a_tuned_k_keeps_the_recipes_lower_ks_by_one_rule():
+    from qpcbuild.tune.recipe_edit import tuned_k_value
+
+    assert tuned_k_value([0, 4], {"chosen_k": 3}) == [0, 3]
+    assert tuned_k_value([0, 2, 8], {"chosen_k": 5}) == [0, 2, 5]
+    assert tuned_k_value(4, {"chosen_k": 3}) == 3
+    stop = {"beats_best_fixed_k": True, "ks": [2, 6], "draft_p_min": 0.3}
+    assert tuned_k_value([0, 4], {"chosen_k": 6, "confidence_stop": stop}) == [0, 2, 6]
+
+
+def test_a_k_its_own_model_check_contradicts_is_refused_unless_forced_naming_busy_runner_ways():
+    from qpcbuild.errors import QpcbuildError
+    from qpcbuild.tune.report import refuse_if_contradicted
+
+    result = {"chosen_k": 3, "model_check_disagrees": [
+        "K=3 predicted 120 tokens/s, measured 34 (3.5x; the tolerance is 2x either way)"]}
+    with pytest.raises(QpcbuildError) as info:
+        refuse_if_contradicted(result, False, "--tune-force")
+    text = str(info.value)
+    assert info.value.exit_code == 1 and "(3.5x" in text
+    assert "--cost-model" in text and "--rounds 60" in text and "--tune-force" in text
+    refuse_if_contradicted(result, True, "--tune-force")  # forced: goes ahead
+    refuse_if_contradicted({"chosen_k": 3, "model_check_disagrees": []}, False, "--force")
+
+
+def test_compile_tune_options_need_tune():
+    result = runner.invoke(app, ["compile", str(REPO / "recipes" / "demo.yaml"),
+                                 "--tune-cost-model"])
+    assert result.exit_code == 2 and "go with --tune" in result.output, result.output

@@ -174,12 +174,12 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                     "model check disagrees with the prediction."),
          verify: str = VerifyOpt):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
-    from ..errors import QpcbuildError, UsageError
+    from ..errors import UsageError
     from ..bench import parse_ks
     from ..prompts import check_output_file
     from ..recipe import load_recipe
     from ..tune import show_tune, tune as run_tune, write_tuned_recipe
-    from ..tune.report import disagreements
+    from ..tune.report import disagreements, refuse_if_contradicted
 
     if write is not None and in_place:
         raise UsageError("give --write FILE or --in-place, not both")
@@ -192,7 +192,8 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                       per_batch=parse_ks(per_batch), verify=verify)
     written = None
     result["model_check_disagrees"] = disagreements(result)
-    refused = bool(result["model_check_disagrees"]) and not force and (write or in_place)
+    refused = bool(result["model_check_disagrees"]) and not force and \
+        (write is not None or in_place)
     if (write is not None or in_place) and not refused:
         written = write_tuned_recipe(recipe, result, None if in_place else write)
         result["written"] = str(written)
@@ -206,5 +207,4 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     else:
         show_tune(result, console)
     if refused:
-        raise QpcbuildError("the model check disagrees with the prediction, so the recipe was not "
-                            "written (measure on a quieter machine, or pass --force)")
+        refuse_if_contradicted(result, force, "--force")
