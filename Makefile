@@ -37,6 +37,13 @@ demo-run: $(VENV)/.installed
 	$(BIN)/qpcbuild compile recipes/$(RECIPE).yaml
 	$(BIN)/qpcbuild verify build/$(RECIPE)
 	$(BIN)/qpcbuild run build/$(RECIPE) $(RUN_ARGS) --compare-baseline
+	@echo ""
+	@echo "What next (the bundle is build/$(RECIPE); the commands are in $(BIN)):"
+	@echo "  qpcbuild run build/$(RECIPE) --prompt 'your prompt' --stream    generate from your own prompt"
+	@echo "  qpcbuild serve build/$(RECIPE)                                  an OpenAI-compatible server on 127.0.0.1:8000"
+	@echo "  qpcbuild bench build/$(RECIPE)                                  every method and K side by side"
+	@echo "  qpcbuild inspect build/$(RECIPE)                                what the bundle holds"
+	@echo "  qpcbuild compile recipes/$(RECIPE).yaml --emit-only             the Cloud AI SDK hand-off (docs/commands.md)"
 
 # The SmolLM2 tests are skipped when the model cannot be fetched (.ci/run makes them required).
 # The heavy tier, the Qwen2.5-Coder pair, costs ~1.5 GB of download, 9.6 GB of float32 folders

@@ -236,3 +236,46 @@ def test_compile_tune_options_need_tune():
     result = runner.invoke(app, ["compile", str(REPO / "recipes" / "demo.yaml"),
                                  "--tune-cost-model"])
     assert result.exit_code == 2 and "go with --tune" in result.output, result.output
+
+
+# ---------------------------------------------------------------- 10: the smaller list
+def test_readme_command_table_names_every_command():
+    import typer
+
+    table = (REPO / "README.md").read_text().split("## Commands", 1)[1].split("\n## ", 1)[0]
+    for name in typer.main.get_command(app).list_commands(None):
+        assert f"`qpcbuild {name}" in table or f"/ `{name}`" in table or f"`{name}`" in table, \
+            name
+
+
+def test_make_demo_states_its_disk_footprint_and_ends_with_what_next(tmp_path):
+    import subprocess
+
+    readme = (REPO / "README.md").read_text()
+    assert "the bundle `build/smollm2` 666 MB" in readme and "build cache 1.4 GB" in readme
+    done = subprocess.run(["make", "-n", "demo-run", "RECIPE=demo", f"VENV={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "What next" in done.stdout and "qpcbuild serve build/demo" in done.stdout
+
+
+def test_a_plot_asked_for_without_matplotlib_names_the_extra(tmp_path):
+    from qpcbuild.bench.report import write_outputs
+
+    def no_matplotlib(report, path):
+        raise ImportError("No module named 'matplotlib'")
+
+    report = {"notes": []}
+    json_path, png = write_outputs(report, tmp_path / "r.json", None, no_matplotlib)
+    assert png is None and json_path.is_file()
+    assert "pip install -e '.[bench]'" in report["notes"][0]
+
+
+@pytest.mark.slow
+def test_sampled_runs_say_not_applicable_and_a_capped_budget_is_said(demo_build):
+    result = runner.invoke(app, ["run", str(demo_build[0]), "--prompt", "w1 w2 w3",
+                                 "--max-new-tokens", "600", "--temperature", "0.8", "--seed",
+                                 "1", "--compare-baseline", "--verify", "none"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "greedy outputs match: not applicable (sampling)" in said
+    assert "--max-new-tokens 600 capped to" in said and "ctx_len 512" in said

@@ -239,7 +239,8 @@ def write_outputs(report: dict[str, Any], json_path: Path, plot: Path | None | b
         try:
             png = plotter(report, plot if isinstance(plot, Path) else json_path.with_suffix(".png"))
         except ImportError as exc:
-            report["notes"].append(f"no plot: matplotlib is not installed ({exc})")
+            report["notes"].append(f"no plot: matplotlib is not installed ({exc}); it is in "
+                                   "the bench extra: pip install -e '.[bench]' (or --no-plot)")
             write_json(report, json_path)
     return json_path, png
 

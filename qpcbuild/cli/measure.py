@@ -63,7 +63,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           json_out: Optional[Path] = typer.Option(None, "--json-out", help="JSON report (default: "
                                                   "bench-<name>.json next to the bundle)."),
           plot: Optional[Path] = typer.Option(None, "--plot", help="PNG plot (default: the JSON "
-                                              "path with .png)."),
+                                              "path with .png). Needs matplotlib, in the bench "
+                                              "extra: pip install -e '.[bench]'."),
           no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
           json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
                                            "of the tables."),
@@ -85,9 +86,14 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                             "per prompt batch; > 0: outputs are not compared)."),
           verify: str = VerifyOpt):
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
+    from importlib.util import find_spec
+
     from ..bench import bench as run_bench, parse_ks, show_report
     from ..errors import UsageError
 
+    if plot is not None and not no_plot and find_spec("matplotlib") is None:  # before the work
+        raise UsageError(f"--plot {plot}: needs matplotlib, which is not installed; it is in the "
+                         "bench extra: pip install -e '.[bench]' (or leave out --plot)")
     if numerics:
         from ..numerics_bench import bench_numerics, show_numerics
 

@@ -10,7 +10,7 @@ import typer
 
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
-from .render import console
+from .render import console, err_console
 
 if TYPE_CHECKING:
     from ..bundle.manifest import Manifest
@@ -130,10 +130,32 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
                                   [b.stats for b in baselines]).totals_json(),
                               "speedup_e2e": round(base / max(spd, 1e-9), 3),
                               "outputs_match": same if temperature == 0 else None}
+    capped = capped_budgets(results, max_new_tokens, gen.decoder.ctx_len)
+    if capped:
+        report["max_new_tokens_capped"] = capped
+        for c in capped:  # said, not silently shortened
+            err_console.print(f"note: prompt {c['prompt'] + 1}: --max-new-tokens "
+                              f"{max_new_tokens} capped to {c['max_new_tokens']} (the bundle's "
+                              f"ctx_len {gen.decoder.ctx_len} less the prompt's "
+                              f"{c['prompt_tokens']} tokens)", soft_wrap=True, markup=False)
     if json_out:
         emit_json(report)
     else:
         show_run(report, show_text=not stream)
+
+
+def capped_budgets(results, max_new_tokens: int, ctx_len: int) -> list[dict]:
+    """The prompts whose new-token budget the context cut short: {prompt, prompt_tokens,
+    max_new_tokens (what the context left)}."""
+    out, index = [], 0
+    for result in results:
+        for row in result.rows:
+            room = ctx_len - len(row.prompt)
+            if room < max_new_tokens:
+                out.append({"prompt": index, "prompt_tokens": len(row.prompt),
+                            "max_new_tokens": room})
+            index += 1
+    return out
 
 
 def numerics_of(manifest: Manifest, backend: str) -> dict:
