@@ -92,6 +92,17 @@ class _Lines:
         self._print(progress_line(what, done, total, unit, time.perf_counter() - started, True))
 
 
+def fit(what: str, room: int) -> str:
+    """`what` in at most `room` characters: its first word (the step's verb) and its end (the
+    file's name), the middle left out."""
+    if len(what) <= room:
+        return what
+    verb = what.split(" ", 1)[0]
+    verb = verb if len(verb) + 8 <= room else ""
+    head = f"{verb} …" if verb else "…"
+    return head + what[len(what) - (room - len(head)):]
+
+
 class _Bars:
     """On a terminal: one rich Progress shared by every step running at the time."""
 
@@ -107,16 +118,22 @@ class _Bars:
         from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                                    TimeElapsedColumn)
 
+        width = self.console.width
+        bar = 10 if width < 100 else 30
         with self.lock:
             if self.progress is None:
                 self.progress = Progress(
-                    TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                    TextColumn("{task.fields[shown]}"), TimeElapsedColumn(),
-                    console=self.console)
+                    TextColumn("{task.description}"), BarColumn(bar_width=bar),
+                    TaskProgressColumn(), TextColumn("{task.fields[shown]}"),
+                    TimeElapsedColumn(), console=self.console)
                 self.progress.start()
             self.open += 1
             progress = self.progress
-            task = progress.add_task(what, total=total, shown="")
+            # The counts stay whole and the description gives way in its middle: on an
+            # 80-column terminal `hashing …/build/smollm2`, never `31.1 M…`.
+            widest = len(amount(total, unit)) * 2 + 4 if total else 12
+            room = max(16, width - bar - widest - 22)
+            task = progress.add_task(fit(what, room), total=total, shown="")
         done = 0.0
         counting = threading.Lock()  # transfers advance from two threads
 

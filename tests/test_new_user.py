@@ -279,3 +279,40 @@ def test_sampled_runs_say_not_applicable_and_a_capped_budget_is_said(demo_build)
     said = " ".join(result.output.split())
     assert "greedy outputs match: not applicable (sampling)" in said
     assert "--max-new-tokens 600 capped to" in said and "ctx_len 512" in said
+
+
+@pytest.mark.slow
+def test_progress_on_an_80_column_terminal_keeps_the_counts_whole(demo_build, tmp_path):
+    import fcntl
+    import os
+    import pty
+    import re
+    import shutil
+    import struct
+    import sys
+    import termios
+
+    bundle = tmp_path / ("a-folder-whose-name-is-long-enough-to-overflow-" * 2) / "the-bundle"
+    shutil.copytree(demo_build[0], bundle)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = str(REPO)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: verify with an 80-column terminal for its output
+        os.execve(sys.executable, [sys.executable, "-m", "qpcbuild", "verify", str(bundle)], env)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+    out = b""
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+    os.waitpid(pid, 0)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace"))
+    bars = [line for line in re.split(r"[\r\n]+", text) if line.startswith("hashing ")]
+    assert bars, text
+    assert all(len(line) <= 80 for line in bars), bars
+    assert any(re.search(r"hashing …[\w/-]*/the-bundle .*\d+\.\d MB of \d+\.\d MB", line)
+               for line in bars), bars
