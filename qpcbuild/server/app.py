@@ -318,17 +318,13 @@ def build_app(gen: Generator, model_name: str,
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def not_found(request: Request, exc):
-        # The client's own route, as it sent it (its raw path, cut short), never scrubbed as if
-        # it were a server path; a 405 says which methods the route takes.
+        # The client's own route as sent (cut short), never scrubbed as if a server path; a
+        # 405 names the methods the route takes.
         status = getattr(exc, "status_code", 404)
-        route = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
-        route = route if len(route) <= 200 else route[:200] + "..."
-        if status == 405:
-            allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
-            why = f"method not allowed (this route takes {allowed})" if allowed else \
-                "method not allowed"
-        else:
-            why = f"not found (routes: {', '.join(ROUTES)})"
+        route = (request.scope.get("raw_path", b"").decode("latin-1") or request.url.path)[:200]
+        allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        why = f"method not allowed (this route takes {allowed})" if status == 405 else \
+            f"not found (routes: {', '.join(ROUTES)})"
         return ApiError(status, f"{request.method} {route}: {why}", scrub=False).response()
 
     @contextlib.asynccontextmanager
