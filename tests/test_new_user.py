@@ -224,12 +224,13 @@ def test_a_k_its_own_model_check_contradicts_is_refused_unless_forced_naming_bus
     result = {"chosen_k": 3, "model_check_disagrees": [
         "K=3 predicted 120 tokens/s, measured 34 (3.5x; the tolerance is 2x either way)"]}
     with pytest.raises(QpcbuildError) as info:
-        refuse_if_contradicted(result, False, "--tune-force")
+        refuse_if_contradicted(result, False, "--tune-force", "nothing was built")
     text = str(info.value)
     assert info.value.exit_code == 1 and "(3.5x" in text
     assert "--cost-model" in text and "--rounds 60" in text and "--tune-force" in text
-    refuse_if_contradicted(result, True, "--tune-force")  # forced: goes ahead
-    refuse_if_contradicted({"chosen_k": 3, "model_check_disagrees": []}, False, "--force")
+    assert "so nothing was built" in text
+    refuse_if_contradicted(result, True, "--tune-force", "-")  # forced: goes ahead
+    refuse_if_contradicted({"chosen_k": 3, "model_check_disagrees": []}, False, "--force", "-")
 
 
 def test_compile_tune_options_need_tune():

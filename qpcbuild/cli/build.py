@@ -247,7 +247,7 @@ def _tuned(recipe: Path, sets: list[str], cache_dir: Path | None, json_out: bool
     tuning["model_check_disagrees"] = disagreements(tuning)
     if not json_out:
         show_tune(tuning, console)
-    refuse_if_contradicted(tuning, force, "--tune-force")
+    refuse_if_contradicted(tuning, force, "--tune-force", "nothing was built")
     for problem in tuning["model_check_disagrees"]:  # forced: said, then built
         err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
                           f"own check contradicts: {problem}", soft_wrap=True)

@@ -213,4 +213,4 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     else:
         show_tune(result, console)
     if refused:
-        refuse_if_contradicted(result, force, "--force")
+        refuse_if_contradicted(result, force, "--force", "the recipe was not written")
