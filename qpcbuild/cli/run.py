@@ -46,9 +46,9 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="Prompt text "
                                                    "(repeatable: one batch)."),
         prompt_file: Optional[Path] = typer.Option(None, help="One prompt per line ('\\n' for "
-                                                   "newlines), or JSONL with a \"prompt\" key; a line "
-                                                   "that is a JSON list is refused (text only, "
-                                                   "not token ids)."),
+                                                   "newlines), or JSONL with a \"prompt\" key; "
+                                                   "a line that is a JSON list is refused (text "
+                                                   "only, not token ids)."),
         max_new_tokens: int = typer.Option(64, help="New tokens per prompt."),
         temperature: float = typer.Option(0.0, help="0 = greedy."),
         top_p: float = typer.Option(1.0), top_k: int = typer.Option(0),
