@@ -155,18 +155,28 @@ def download_folder(client: RegistryClient, repo: str, files: dict[str, dict], d
     def download(rel: str, meta: dict) -> int:
         target = dest / rel
         found = local.place(rel, meta, target) if local else None
+        got = 0
         if found is None:
-            client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"], target,
-                                 what=rel, advance=advance)
+            resume = local.start(meta, target) if local else False
+            try:
+                got = client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"],
+                                           target, what=rel, advance=advance, resume=resume)
+            except RegistryDigestMismatch:
+                if local:
+                    local.failed(meta)
+                raise
             if local:
                 local.keep(meta, target)
+            if resume:
+                found = f"resumed at byte {meta['size'] - got:,} of an interrupted pull"
         else:
             advance(meta["size"])
         if meta.get("executable"):
             os.chmod(target, 0o755)
         say(f"pulled {rel} ({meta['size']:,} bytes)" if found is None
-            else f"{rel}: {found} (verified), not downloaded")
-        return 0 if found else meta["size"]
+            else f"{rel}: {found} (verified), " + (f"{got:,} bytes downloaded" if got
+                                                   else "not downloaded"))
+        return got
 
     with step(f"pulling {len(files)} files from {client.registry}/{repo}",
               sum(m["size"] for m in files.values()), "bytes") as advance:

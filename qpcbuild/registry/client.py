@@ -326,35 +326,55 @@ class RegistryClient(Authentication):
         return data
 
     def download_blob(self, repo: str, digest: str, size: int, dest: Path,
-                      what: str = "", advance: Callable[[int], None] | None = None) -> None:
+                      what: str = "", advance: Callable[[int], None] | None = None,
+                      resume: bool = False) -> int:
         """Stream a blob into `dest`, hashing as it arrives; a broken transfer continues from
-        the last byte written. Raises when the bytes do not match `digest` and `size`."""
-        h, written, failures = hashlib.sha256(), 0, 0
-        with open(dest, "wb") as out, BackgroundWriter(out) as writer:
-            while True:
-                headers = {"Range": f"bytes={written}-"} if written else {}
-                try:
-                    with open_blob(self, repo, digest, headers, what or digest) as resp:
-                        if written and resp.status == 200:  # no range support: restart
-                            writer.flush()
-                            out.seek(0)
-                            out.truncate()
-                            h, written = hashlib.sha256(), 0
-                        for piece in read_pieces(resp, self.registry, writer.buffer):
-                            h.update(piece)  # here, while the writer thread writes the last
-                            writer.write(piece)
-                            written += len(piece)
-                            if advance:
-                                advance(len(piece))
-                            if written > size:
-                                break
-                    break
-                except RegistryUnavailable:
-                    failures += 1
-                    if failures > RETRIES:
-                        raise
-            writer.flush()
+        the last byte written. `resume`: `dest` holds the blob's first bytes (an interrupted
+        pull's), hashed again here, and the rest is asked for from there. Raises when the
+        bytes do not match `digest` and `size`. Returns the bytes received."""
+        h, written = hashlib.sha256(), 0
+        with open(dest, "r+b" if resume else "wb") as out:
+            while resume and (piece := out.read(READ_PIECE)):  # leaves the file at its end
+                h.update(piece)
+                written += len(piece)
+            prefix = written
+            if advance and prefix:
+                advance(prefix)
+            with BackgroundWriter(out) as writer:
+                h = self._receive(repo, digest, size, out, writer, h, written, what, advance)
+                writer.flush()
+            written = out.tell()
         if written != size or "sha256:" + h.hexdigest() != digest:
-            raise RegistryError(f"{what or digest}: the bytes from {self.registry}/{repo} do not "
-                                f"match the layer's digest {digest} (got {written} bytes of "
-                                f"{size}); the blob is damaged in the registry or in transit")
+            raise RegistryDigestMismatch(
+                f"{what or digest}: the bytes from {self.registry}/{repo} do not match the "
+                f"layer's digest {digest} (got {written} bytes of {size}); the blob is damaged "
+                "in the registry or in transit")
+        return written - prefix
+
+    def _receive(self, repo: str, digest: str, size: int, out, writer: BackgroundWriter,
+                 h, written: int, what: str, advance: Callable[[int], None] | None):
+        """The blob's bytes from `written` on, into `out` through `writer`, hashed on top of
+        `h` (the bytes before). Returns the hash of everything in `out`."""
+        failures = 0
+        while True:
+            headers = {"Range": f"bytes={written}-"} if written else {}
+            try:
+                with open_blob(self, repo, digest, headers, what or digest) as resp:
+                    if written and resp.status == 200:  # no range support: restart
+                        writer.flush()
+                        out.seek(0)
+                        out.truncate()
+                        h, written = hashlib.sha256(), 0
+                    for piece in read_pieces(resp, self.registry, writer.buffer):
+                        h.update(piece)  # here, while the writer thread writes the last
+                        writer.write(piece)
+                        written += len(piece)
+                        if advance:
+                            advance(len(piece))
+                        if written > size:
+                            break
+                return h
+            except RegistryUnavailable:
+                failures += 1
+                if failures > RETRIES:
+                    raise

@@ -1,7 +1,8 @@
 """Blobs a pull need not download again: the files of the bundle already at the destination
 (an earlier pull of the same or an older version) and the verified blobs an interrupted pull
-kept beside it (`.NAME.partial/<sha256>`), as docker keeps the layers it has. Every file found
-is hashed before it is used: only bytes that match the sealed digest stand in for a download."""
+kept beside it (`.NAME.partial/<sha256>`), as docker keeps the layers it has, and the first
+bytes of a blob it was cut off in (`<sha256>.part`, resumed from where it stopped). Every file
+found is hashed before it is used: only bytes that match the sealed digest count."""
 
 from __future__ import annotations
 
@@ -47,17 +48,38 @@ class LocalBlobs:
             return f"unchanged in {self.out}"
         return None
 
+    def start(self, meta: dict, target: Path) -> bool:
+        """Before a download into `target`: give it a second name, `<sha256>.part` in the kept
+        folder, so the bytes it receives outlive an interrupted pull (even a SIGKILLed one).
+        True when such a part was there: `target` then holds the blob's first bytes, to
+        resume from (the download hashes them again; a wrong prefix fails the digest)."""
+        part = self.kept / f"{meta['sha256']}.part"
+        try:
+            self.kept.mkdir(exist_ok=True)
+            if not part.is_symlink() and part.is_file() and \
+                    0 < part.stat().st_size < meta["size"]:
+                os.link(part, target)
+                return True
+            part.unlink(missing_ok=True)
+            target.touch()
+            os.link(target, part)
+        except OSError:  # no hard links here: the download simply starts from its first byte
+            pass
+        return False
+
+    def failed(self, meta: dict) -> None:
+        """The download's bytes did not match the digest: its part is no prefix to resume."""
+        (self.kept / f"{meta['sha256']}.part").unlink(missing_ok=True)
+
     def keep(self, meta: dict, downloaded: Path) -> None:
         """Remember a finished, verified download, so that an interrupted pull resumes after
         it. A hard link: no bytes copied, and the partial folder goes once the pull succeeds."""
-        self.kept.mkdir(exist_ok=True)
         name = self.kept / meta["sha256"]
         try:
             os.link(downloaded, name)
-        except FileExistsError:
+        except OSError:  # there already, or no hard links here: then it is simply not kept
             pass
-        except OSError:  # no hard links on this filesystem: the blob is simply not kept
-            pass
+        (self.kept / f"{meta['sha256']}.part").unlink(missing_ok=True)
 
     def discard(self) -> None:
         shutil.rmtree(self.kept, ignore_errors=True)
