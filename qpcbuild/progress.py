@@ -8,6 +8,7 @@ worker threads (target and draft export together) report too.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -27,26 +28,79 @@ def amount(value: float, unit: str) -> str:
     return f"{int(value)} bytes"
 
 
+def interval_s() -> float:
+    """Seconds between progress lines in a log (QPCBUILD_PROGRESS_INTERVAL, default 10; 0 or
+    less: only the line at the end)."""
+    try:
+        return float(os.environ.get("QPCBUILD_PROGRESS_INTERVAL", "10"))
+    except ValueError:
+        return 10.0
+
+
+def progress_line(what: str, done: float, total: float | None, unit: str, seconds: float,
+                  finished: bool) -> str:
+    """`pulling x: 1.2 GB of 3.4 GB (35%), 110.3 MB/s, 11.0 s` while it runs; `... in 31.0 s`
+    at the end. Rates per second, in the step's own unit."""
+    rate = f"{amount(done / seconds, unit)}/s" if seconds > 0 and done else ""
+    if unit == "bytes":
+        rate = rate.replace(" bytes/s", " B/s")
+    if finished:
+        return f"{what}: {amount(done, unit)} in {seconds:.1f} s" + (f" ({rate})" if rate
+                                                                      else "")
+    share = f" of {amount(total, unit)} ({100 * done / total:.0f}%)" if total else ""
+    return f"{what}: {amount(done, unit)}{share}" + (f", {rate}" if rate else "") + \
+        f", {seconds:.1f} s so far"
+
+
 class _Lines:
-    """Outside a terminal: one full line per finished step, nothing that redraws."""
+    """Outside a terminal (a log, a pipe, CI): a line every interval_s() while a step runs, as
+    pip and docker print, and one when it ends; nothing that redraws."""
 
     def __init__(self, console):
         self.console = console
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     @contextmanager
     def step(self, what: str, total: float | None, unit: str) -> Iterator[Advance]:
         done = 0.0
         lock = threading.Lock()
         started = time.perf_counter()
+        stop, every = threading.Event(), interval_s()
 
         def advance(n: float = 1) -> None:
             nonlocal done
             with lock:
                 done += n
 
-        yield advance
-        self.console.print(f"{what}: {amount(done, unit)} in {time.perf_counter() - started:.1f} s",
-                           markup=False, highlight=False, soft_wrap=True)
+        def tick() -> None:
+            while not stop.wait(every):
+                self._print(progress_line(what, done, total, unit,
+                                          time.perf_counter() - started, False))
+
+        ticker = threading.Thread(target=tick, daemon=True, name="progress") if every > 0 \
+            else None
+        if ticker:
+            ticker.start()
+        try:
+            yield advance
+        finally:
+            stop.set()
+            if ticker:
+                ticker.join()
+        self._print(progress_line(what, done, total, unit, time.perf_counter() - started, True))
+
+
+def fit(what: str, room: int) -> str:
+    """`what` in at most `room` characters: its first word (the step's verb) and its end (the
+    file's name), the middle left out."""
+    if len(what) <= room:
+        return what
+    verb = what.split(" ", 1)[0]
+    verb = verb if len(verb) + 8 <= room else ""
+    head = f"{verb} …" if verb else "…"
+    return head + what[len(what) - (room - len(head)):]
 
 
 class _Bars:
@@ -59,25 +113,34 @@ class _Bars:
         self.open = 0
 
     @contextmanager
-    def step(self, what: str, total: float | None, unit: str) -> Iterator[Advance]:
+    def step(self, what: str, total: float | None, unit: str,
+             transient: bool = False) -> Iterator[Advance]:
         from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                                    TimeElapsedColumn)
 
+        width = self.console.width
+        bar = 10 if width < 100 else 30
         with self.lock:
             if self.progress is None:
                 self.progress = Progress(
-                    TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                    TextColumn("{task.fields[shown]}"), TimeElapsedColumn(),
-                    console=self.console)
+                    TextColumn("{task.description}"), BarColumn(bar_width=bar),
+                    TaskProgressColumn(), TextColumn("{task.fields[shown]}"),
+                    TimeElapsedColumn(), console=self.console)
                 self.progress.start()
             self.open += 1
             progress = self.progress
-            task = progress.add_task(what, total=total, shown="")
+            # The counts stay whole and the description gives way in its middle: on an
+            # 80-column terminal `hashing …/build/smollm2`, never `31.1 M…`.
+            widest = len(amount(total, unit)) * 2 + 4 if total else 12
+            room = max(16, width - bar - widest - 22)
+            task = progress.add_task(fit(what, room), total=total, shown="")
         done = 0.0
+        counting = threading.Lock()  # transfers advance from two threads
 
         def advance(n: float = 1) -> None:
             nonlocal done
-            done += n
+            with counting:
+                done += n
             progress.update(task, advance=n, shown=amount(done, unit) + (
                 f" of {amount(total, unit)}" if total else ""))
 
@@ -85,11 +148,42 @@ class _Bars:
             yield advance
         finally:
             with self.lock:
-                progress.update(task, total=done or total, completed=done)
+                if transient:
+                    progress.remove_task(task)
+                else:
+                    progress.update(task, total=done or total, completed=done)
                 self.open -= 1
                 if not self.open:
                     progress.stop()
                     self.progress = None
+
+
+@contextmanager
+def running(what: str) -> Iterator[None]:
+    """A step with nothing to count (an external compiler, a graph optimizer) whose end the
+    caller reports itself: in a log, `what: running, 40 s so far` every interval_s(); on a
+    terminal, a bar that pulses while it runs and goes when it ends."""
+    if _reporter is None:
+        yield
+    elif isinstance(_reporter, _Lines):
+        stop, every, started = threading.Event(), interval_s(), time.perf_counter()
+
+        def tick() -> None:
+            while not stop.wait(every):
+                _reporter._print(f"{what}: running, {time.perf_counter() - started:.0f} s so far")
+
+        ticker = threading.Thread(target=tick, daemon=True, name="progress")
+        if every > 0:
+            ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if every > 0:
+                ticker.join()
+    else:
+        with _reporter.step(what, None, "s", transient=True):
+            yield
 
 
 @contextmanager

@@ -37,6 +37,7 @@ def read_prompt_file(path: Path) -> list[str]:
         if jsonl or line.lstrip().startswith("{"):
             value = _json_prompt(line, f"{path}:{n}")
         else:
+            _refuse_json_list(line, f"{path}:{n}")
             value = line.replace("\\n", "\n")
         prompts.append(check_prompt_text(value, f"{path}:{n}"))
     if not prompts:
@@ -58,6 +59,20 @@ def _json_prompt(line: str, where: str) -> str:
         raise UsageError(f"{where}: a JSON line needs a non-empty \"prompt\" (or \"text\") "
                          "string")
     return value
+
+
+def _refuse_json_list(line: str, where: str) -> None:
+    """A line that is a JSON list (`[1, 2]`) looks like token ids; prompts are text, so it is
+    refused rather than run as the characters "[1, 2]". `[INST] hi`, not JSON, stays text."""
+    if not line.lstrip().startswith("["):
+        return
+    try:
+        item = json.loads(line)
+    except (ValueError, RecursionError):
+        return
+    if isinstance(item, list):
+        raise UsageError(f"{where}: a JSON list is not a prompt (token ids are not read); give "
+                         "the text, or a JSON line {\"prompt\": \"...\"}")
 
 
 def check_prompt_text(text: str, where: str) -> str:

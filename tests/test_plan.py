@@ -504,7 +504,7 @@ def test_unknown_model_explains_how_to_get_it(tmp_path):
         make_plan(load_recipe(path))
     (problem,) = info.value.problems
     assert problem.path == "target.model" and problem.line == 4
-    assert "huggingface-cli download acme-labs/no-such-model-7b --revision v2" in problem.message
+    assert "hf download acme-labs/no-such-model-7b --revision v2" in problem.message
     assert "HF_TOKEN" in problem.message
 
 
@@ -513,7 +513,7 @@ def test_both_unknown_models_are_reported_together(tmp_path):
     with pytest.raises(RecipeError) as info:
         make_plan(load_recipe(path))
     assert [p.path for p in info.value.problems] == ["target.model", "draft.model"]
-    assert all("huggingface-cli download" in p.message for p in info.value.problems)
+    assert all("hf download" in p.message for p in info.value.problems)
 
 
 @pytest.mark.parametrize("ref, fragment", [

@@ -227,3 +227,38 @@ def test_recorded_names_match_the_installed_vllm():
                             and o not in listed)}
     assert live_options == listed
     assert live["speculative_config_fields"] == recorded["speculative_config_fields"]
+
+
+# ------------------------------------------------- paths that work from where the command runs
+@pytest.fixture(scope="module")
+def demo_qaic(tmp_path_factory) -> Path:
+    """The shipped demo recipe (model folders written relative to recipes/), qaic emitted."""
+    out = tmp_path_factory.mktemp("demo-qaic") / "bundle"
+    res = runner.invoke(app, ["compile", str(REPO / "recipes" / "demo.yaml"), "-o", str(out),
+                              "--set", "backends=[onnxruntime,qaic]", "--emit-only",
+                              "--cache-dir", str(out.parent / "cache")])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_model_paths_are_absolute_from_any_folder_and_docker_binds_are_absolute(
+        demo_qaic, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # neither recipes/ nor the repository
+    vllm = runner.invoke(app, ["serve-config", str(demo_qaic), "--format", "json"])
+    assert vllm.exit_code == 0, vllm.output
+    doc = json.loads(vllm.stdout)
+    want = {r: str((REPO / "models" / "demo" / r).resolve()) for r in ("target", "draft")}
+    assert doc["models"] == want
+    assert doc["vllm"][2] == want["target"]
+    spec = json.loads(_flags(doc["vllm"])["--speculative-config"])
+    assert spec["model"] == want["draft"]
+    binds = [doc["docker"][i + 1].split(":")[0] for i, a in enumerate(doc["docker"]) if a == "-v"]
+    assert binds and all(Path(b).is_absolute() for b in binds), binds  # docker needs that
+    assert set(want.values()) <= set(binds)
+
+
+def test_a_model_folder_not_found_is_noted_not_printed_as_if_it_worked(demo_qaic, tmp_path):
+    res = runner.invoke(app, ["serve-config", str(demo_qaic), "--recipe-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "# note: target model '../models/demo/target'" in res.stdout
+    assert "--recipe-dir" in res.stdout

@@ -16,6 +16,7 @@ from ..runtime.policy import ConfidenceStop
 from ..runtime.rows import prefill_calls
 from ..measuring import (BENCH_KS, Say, build_for_measurement,
                          default_bench_dir, is_bundle, load_prompts, machine_info)
+from .contention import snapshot
 from .memory_turns import MemoryTurns
 from .records import Measure
 
@@ -94,6 +95,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     peer_ks = list(peer_ks) if peer_ks is not None else ks
 
     machine = machine_info()  # the load average now, before this run adds to it
+    cpu_start = snapshot()  # the machine's CPU counters, to tell others' use from ours
     # One Generator per method, all over the same sessions (one target, one draft): a method
     # is only a different proposer in front of them.
     base = load(bundle, method=methods[0], verify=verify)
@@ -135,7 +137,7 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     del probe
     report = build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new_tokens,
                           repeats, ks, methods, ours, peer_objs, notes, gen, machine, bandwidth,
-                          sampled=temperature > 0)
+                          sampled=temperature > 0, cpu_start=cpu_start)
     report["settings"].update({"spec_policies": list(policies), "draft_p_min": draft_p_min,
                                "temperature": temperature})
     if "suffix" in methods:  # the C tree or the Python one: the same proposals, not the same cost

@@ -19,11 +19,11 @@ from typing import Any, Callable
 from .bandwidth import bandwidth_line
 from ..errors import UsageError
 from ..measuring import loadavg
+from .contention import CpuSnapshot, judge, snapshot
 from ..runtime.rates import acceptance_rate
 from .records import Measure
 
 REPORT_SCHEMA = 1
-NOISY_SPREAD = 0.10  # target-only tokens/s varying more than this across repeats: a busy machine
 
 
 def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
@@ -126,7 +126,7 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
 # Over 80 lines: one JSON record assembled field by field, in the order the report lists them.
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
             ours, peer_objs, notes, gen, machine, bandwidth=None,
-            sampled: bool = False) -> dict[str, Any]:
+            sampled: bool = False, cpu_start: CpuSnapshot | None = None) -> dict[str, Any]:
     from ..version import __version__, code_version
 
     base = ours[0][0]
@@ -162,10 +162,11 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
     base_tps = base.tps()
     spread = statistics.pstdev(base_tps) / statistics.fmean(base_tps) \
         if len(base_tps) > 1 and statistics.fmean(base_tps) > 0 else 0.0
-    noisy = spread > NOISY_SPREAD
+    contention, reasons = judge(cpu_start, snapshot(), spread)
+    noisy = bool(reasons)
     if noisy:
-        notes.append(f"target-only tokens/s varied by {spread:.0%} across repeats ("
-                     + ", ".join(f"{t:,.0f}" for t in base_tps) + "): the machine was not quiet; "
+        notes.append("the machine was not quiet: " + "; ".join(reasons) + " (target-only "
+                     "tokens/s by repeat: " + ", ".join(f"{t:,.0f}" for t in base_tps) + "); "
                      "compare configurations within a repeat (per_repeat) or run again")
     machine["threads"] = {"qpcbuild_target": getattr(gen.target, "threads", None),
                           "qpcbuild_draft": getattr(gen.draft, "threads", None)}
@@ -202,7 +203,8 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
         "rows": rows,
         "all_greedy_outputs_match": all(r["greedy_matches_target_only"] is not False
                                         for r in rows),
-        "noisy": noisy, "target_only_spread": round(spread, 4),
+        "noisy": noisy, "noisy_because": reasons, "contention": contention,
+        "target_only_spread": round(spread, 4),
         "target_only_bandwidth": bandwidth,
         "peers": peers_out,
         "ratios": ratios,
@@ -249,7 +251,8 @@ def write_outputs(report: dict[str, Any], json_path: Path, plot: Path | None | b
         try:
             png = plotter(report, plot if isinstance(plot, Path) else json_path.with_suffix(".png"))
         except ImportError as exc:
-            report["notes"].append(f"no plot: matplotlib is not installed ({exc})")
+            report["notes"].append(f"no plot: matplotlib is not installed ({exc}); it is in "
+                                   "the bench extra: pip install -e '.[bench]' (or --no-plot)")
             write_json(report, json_path)
     return json_path, png
 

@@ -22,6 +22,7 @@ from ..models.source import (resolve, safetensors_files, tokenizer_files,
                              weights_missing_message)
 from ..models.vocab_subset import read_vocab_subset, subset_digest
 from ..plan import EXPORTER_VERSION, BuildPlan, RolePlan, digest
+from ..progress import running
 from ..recipe import recipe_relative
 from ..recipe.schema import Recipe
 from ..toolchain import artifact_versions
@@ -272,9 +273,10 @@ class _Build:
             for name, backend in todo.items():
                 t0 = time.perf_counter()
                 key = self.keys[rp.role][name]
-                info, reused = backend.build_cached(self.ctx, rp, cache, key,
-                                                    self.inputs[rp.role][name],
-                                                    self.onnx_dirs[rp.role])
+                with running(f"{name} {rp.role}"):  # minutes under qaic-compile
+                    info, reused = backend.build_cached(self.ctx, rp, cache, key,
+                                                        self.inputs[rp.role][name],
+                                                        self.onnx_dirs[rp.role])
                 built[name][rp.role] = info
                 self.record(f"{name} {rp.role}" + (" (emit only)" if info.get("status") ==
                                                    "emitted" else ""), reused, t0,

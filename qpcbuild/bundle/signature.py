@@ -87,13 +87,29 @@ def generate_key(path: Path) -> tuple[Path, str]:
     for p in (path, pub):
         if p.exists():
             raise UsageError(f"{p} exists; not overwriting a key")
+    # `keygen keys/release` on a fresh clone: the folder is made (private, like ~/.ssh); a
+    # parent that cannot be made (a file in the way, no permission) is named, not a traceback.
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{path.parent}: cannot make the key's folder "
+                         f"({exc.strerror or exc})") from None
     key = ed25519.Ed25519PrivateKey.generate()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                   serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    made = False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        made = True
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key.private_bytes(serialization.Encoding.PEM,
+                                       serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+        pub.write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    except OSError as exc:
+        if made:
+            path.unlink(missing_ok=True)  # never half a pair
+        raise UsageError(f"{exc.filename or path}: cannot write the key "
+                         f"({exc.strerror or exc})") from None
     return pub, key_id(key.public_key())
 
 

@@ -114,7 +114,15 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                              "per model (0 = all)."),
             tune_k: bool = typer.Option(False, "--tune", help="Pick K first from measured "
                                         "acceptance and costs (`qpcbuild tune` with its "
-                                        "defaults) and record the evidence."),
+                                        "defaults) and record the evidence; the recipe's other "
+                                        "Ks below K are kept, as `tune --write` keeps them."),
+            tune_cost_model: bool = typer.Option(
+                False, "--tune-cost-model", help="With --tune: call costs from the card's "
+                "roofline model instead of timing them here (for a shared or busy runner; "
+                "labelled so in the evidence)."),
+            tune_force: bool = typer.Option(
+                False, "--tune-force", help="With --tune: build even when tune's own model check "
+                "contradicts the costs K rests on (as `tune --write --force`)."),
             remote_cache: Optional[str] = typer.Option(
                 None, "--remote-cache", envvar="QPCBUILD_REMOTE_CACHE", help="REGISTRY/REPO "
                 "shared by builders: each artifact missing locally is pulled from it, or built "
@@ -160,21 +168,14 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
         raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
                          "built through the cache")
     tuning = None
+    if (tune_cost_model or tune_force) and not tune_k:
+        raise UsageError("--tune-cost-model and --tune-force go with --tune")
     if tune_k:
-        from ..tune import show_tune, tune as run_tune
-        from ..tune.report import disagreements
-
         if smoke_weights:
             raise UsageError("--tune measures the real models; it cannot be combined with "
                              "--smoke-weights")
-        tuning = run_tune(recipe, set_ or [], cache_dir=cache_dir, say=progress_line)
-        tuning["model_check_disagrees"] = disagreements(tuning)
-        if not json_out:
-            show_tune(tuning, console)
-        for problem in tuning["model_check_disagrees"]:
-            err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
-                              f"own check contradicts: {problem}", soft_wrap=True)
-        set_ = [*(set_ or []), f"speculation.num_speculative_tokens={tuning['chosen_k']}"]
+        set_, tuning = _tuned(recipe, set_ or [], cache_dir, json_out, tune_cost_model,
+                              tune_force)
     push_to = _pusher(push_ref, insecure, json_out)  # a bad reference fails before any work
     r = load_recipe(recipe, set_ or [])
     # Smoke weights are a check, not an artifact: their random checkpoints and graphs live
@@ -227,6 +228,37 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
         if tuning is not None:
             console.print(f"K={tuning['chosen_k']} from tuning; evidence in "
                           f"{tuning.get('file', 'the manifest (key tuning)')}")
+
+
+def _tuned(recipe: Path, sets: list[str], cache_dir: Path | None, json_out: bool,
+           cost_model: bool, force: bool) -> tuple[list[str], dict]:
+    """`compile --tune`: tune, then the recipe's K by the rule `tune --write` follows (same
+    kept Ks, the confidence stop's Ks and threshold when it won, a contradicted model check
+    refused unless forced). Returns (the --set overrides with tune's choice, the evidence)."""
+    import json
+
+    from ..recipe import load_recipe
+    from ..tune import show_tune, tune as run_tune
+    from ..tune.recipe_edit import tuned_k_value
+    from ..tune.report import disagreements, refuse_if_contradicted
+
+    tuning = run_tune(recipe, sets, cache_dir=cache_dir, say=progress_line,
+                      cost_model=cost_model)
+    tuning["model_check_disagrees"] = disagreements(tuning)
+    if not json_out:
+        show_tune(tuning, console)
+    refuse_if_contradicted(tuning, force, "--tune-force", "nothing was built")
+    for problem in tuning["model_check_disagrees"]:  # forced: said, then built
+        err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
+                          f"own check contradicts: {problem}", soft_wrap=True)
+    before = load_recipe(recipe, sets).speculation.num_speculative_tokens
+    value = tuned_k_value(before, tuning)
+    stop = tuning.get("confidence_stop")
+    out = [*sets, "speculation.num_speculative_tokens="
+           + (json.dumps(value) if isinstance(value, list) else str(value))]
+    if stop and stop["beats_best_fixed_k"]:
+        out.append(f"speculation.draft_p_min={stop['draft_p_min']}")
+    return out, tuning
 
 
 def _pusher(ref: str | None, insecure: bool, quiet: bool):

@@ -13,7 +13,8 @@ from .render import console, err_console
 
 # Options bench and tune share (the prompts they measure on).
 PromptsOpt = typer.Option(None, "--prompts", help="Prompt file: JSONL with a \"prompt\" (or "
-                          "\"text\") key, or one prompt per line (default: a shipped set).")
+                          "\"text\") key, or one prompt per line (default: a shipped set); "
+                          "a JSON-list line is refused (text, not token ids).")
 PromptSetOpt = typer.Option(None, "--prompt-set", help="Shipped prompts: code | echo | prose "
                             "(default: code).")
 NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use the first N prompts only.")
@@ -62,7 +63,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           json_out: Optional[Path] = typer.Option(None, "--json-out", help="JSON report (default: "
                                                   "bench-<name>.json next to the bundle)."),
           plot: Optional[Path] = typer.Option(None, "--plot", help="PNG plot (default: the JSON "
-                                              "path with .png)."),
+                                              "path with .png). Needs matplotlib, in the bench "
+                                              "extra: pip install -e '.[bench]'."),
           no_plot: bool = typer.Option(False, "--no-plot", help="Skip the plot."),
           json_stdout: bool = typer.Option(False, "--json", help="Print the JSON report instead "
                                            "of the tables."),
@@ -85,9 +87,14 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                             "per prompt batch; > 0: outputs are not compared)."),
           verify: str = VerifyOpt):
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
+    from importlib.util import find_spec
+
     from ..bench import bench as run_bench, parse_ks, show_report
     from ..errors import UsageError
 
+    if plot is not None and not no_plot and find_spec("matplotlib") is None:  # before the work
+        raise UsageError(f"--plot {plot}: needs matplotlib, which is not installed; it is in the "
+                         "bench extra: pip install -e '.[bench]' (or leave out --plot)")
     if numerics:
         from ..numerics_bench import bench_numerics, show_numerics
 
@@ -174,12 +181,12 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                     "model check disagrees with the prediction."),
          verify: str = VerifyOpt):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
-    from ..errors import QpcbuildError, UsageError
+    from ..errors import UsageError
     from ..bench import parse_ks
     from ..prompts import check_output_file
     from ..recipe import load_recipe
     from ..tune import show_tune, tune as run_tune, write_tuned_recipe
-    from ..tune.report import disagreements
+    from ..tune.report import disagreements, refuse_if_contradicted
 
     if write is not None and in_place:
         raise UsageError("give --write FILE or --in-place, not both")
@@ -192,7 +199,8 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                       per_batch=parse_ks(per_batch), verify=verify)
     written = None
     result["model_check_disagrees"] = disagreements(result)
-    refused = bool(result["model_check_disagrees"]) and not force and (write or in_place)
+    refused = bool(result["model_check_disagrees"]) and not force and \
+        (write is not None or in_place)
     if (write is not None or in_place) and not refused:
         written = write_tuned_recipe(recipe, result, None if in_place else write)
         result["written"] = str(written)
@@ -206,5 +214,4 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     else:
         show_tune(result, console)
     if refused:
-        raise QpcbuildError("the model check disagrees with the prediction, so the recipe was not "
-                            "written (measure on a quieter machine, or pass --force)")
+        refuse_if_contradicted(result, force, "--force", "the recipe was not written")

@@ -66,14 +66,17 @@ def pull(ref: str = typer.Argument(..., help="REGISTRY/REPOSITORY:TAG or "
     reference = parse_reference(ref, "REF")
     out = dest or Path(reference.repository.rsplit("/", 1)[-1])
     with RegistryClient(reference.registry, insecure) as client:
-        bundle_id, digest, signatures = pull_bundle(reference, out, client,
-                                                    None if json_out else progress_line,
-                                                    signed_by=require_signature)
+        got = pull_bundle(reference, out, client, None if json_out else progress_line,
+                          signed_by=require_signature)
     if json_out:
-        emit_json({"reference": str(reference), "bundle": str(out), "bundle_id": bundle_id,
-                   "digest": digest, "signatures": signatures,
-                   "signed_by": str(require_signature) if require_signature else None})
+        emit_json({"reference": str(reference), "bundle": str(out), "bundle_id": got.bundle_id,
+                   "digest": got.digest, "signatures": got.signatures,
+                   "signed_by": str(require_signature) if require_signature else None,
+                   "up_to_date": got.up_to_date, "downloaded_bytes": got.downloaded})
     else:
-        console.print(f"pulled {reference} into {out}: bundle id {bundle_id} ({digest})"
-                      + (f", {signatures} signature(s)" if signatures else "")
+        done = f"{out} is up to date with {reference}" if got.up_to_date else \
+            f"pulled {reference} into {out}"
+        console.print(f"{done}: bundle id {got.bundle_id} ({got.digest})"
+                      + ("" if got.up_to_date else f", {got.downloaded:,} bytes downloaded")
+                      + (f", {got.signatures} signature(s)" if got.signatures else "")
                       + (f", signed by {require_signature}" if require_signature else ""))

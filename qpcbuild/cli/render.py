@@ -184,8 +184,10 @@ def show_run(report: dict[str, Any], show_text: bool = True) -> None:
     if "baseline" in report:
         b = report["baseline"]
         base_tps = (b.get("total") or b["batches"][0]["stats"])["e2e_tokens_per_s"]
+        match = "not applicable (sampling)" if b["outputs_match"] is None else \
+            ("yes" if b["outputs_match"] else "no")
         console.print(f"target-only: {base_tps} tokens/s; speedup {b['speedup_e2e']}x; greedy "
-                      f"outputs match: {b['outputs_match']}")
+                      f"outputs match: {match}")
 
 
 def weights_note(role: str, numerics: dict) -> str:

@@ -10,7 +10,7 @@ import typer
 
 from .app import app, emit_json, handles_errors
 from .refs import BUNDLE_HELP, InsecureOpt, bundle_folder
-from .render import console
+from .render import console, err_console
 
 if TYPE_CHECKING:
     from ..bundle.manifest import Manifest
@@ -46,7 +46,9 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="Prompt text "
                                                    "(repeatable: one batch)."),
         prompt_file: Optional[Path] = typer.Option(None, help="One prompt per line ('\\n' for "
-                                                   "newlines), or JSONL with a \"prompt\" key."),
+                                                   "newlines), or JSONL with a \"prompt\" key; "
+                                                   "a line that is a JSON list is refused (text "
+                                                   "only, not token ids)."),
         max_new_tokens: int = typer.Option(64, help="New tokens per prompt."),
         temperature: float = typer.Option(0.0, help="0 = greedy."),
         top_p: float = typer.Option(1.0), top_k: int = typer.Option(0),
@@ -95,18 +97,22 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
             console.print(gen.tokenizer.decode(ids), end="", soft_wrap=True, markup=False,
                           highlight=False)
     results, baselines = [], []
-    # (not while streaming: the tokens are the progress, and a bar would cut through them)
+    # Progress in generated tokens, counted as the engine commits them, so a log hears from a
+    # long decode while it runs (not while streaming: the tokens are the progress, and a bar
+    # would cut through them). The total is the most that can come (rows may stop early).
+    runs = 2 if compare_baseline else 1
     with nullcontext(lambda n: None) if on_token else step(
             f"decoding {bundle}" + (" (and target-only)" if compare_baseline else ""),
-            len(prompts), "prompts") as advance:
+            len(prompts) * max_new_tokens * runs, "tokens") as advance:
+        counted = on_token or (lambda row, ids: advance(len(ids)))
         for start in range(0, len(prompts), batch):
             chunk = prompts[start:start + batch]
             results.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p, seed,
-                                        on_token, chat=chat, system=system))
+                                        counted, chat=chat, system=system))
             if compare_baseline:
                 baselines.append(gen.generate(chunk, max_new_tokens, temperature, top_k, top_p,
-                                              seed, target_only=True, chat=chat, system=system))
-            advance(len(chunk))
+                                              seed, None if on_token else counted,
+                                              target_only=True, chat=chat, system=system))
     if stream and not json_out:
         console.print()
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
@@ -125,10 +131,32 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
                                   [b.stats for b in baselines]).totals_json(),
                               "speedup_e2e": round(base / max(spd, 1e-9), 3),
                               "outputs_match": same if temperature == 0 else None}
+    capped = capped_budgets(results, max_new_tokens, gen.decoder.ctx_len)
+    if capped:
+        report["max_new_tokens_capped"] = capped
+        for c in capped:  # said, not silently shortened
+            err_console.print(f"note: prompt {c['prompt'] + 1}: --max-new-tokens "
+                              f"{max_new_tokens} capped to {c['max_new_tokens']} (the bundle's "
+                              f"ctx_len {gen.decoder.ctx_len} less the prompt's "
+                              f"{c['prompt_tokens']} tokens)", soft_wrap=True, markup=False)
     if json_out:
         emit_json(report)
     else:
         show_run(report, show_text=not stream)
+
+
+def capped_budgets(results, max_new_tokens: int, ctx_len: int) -> list[dict]:
+    """The prompts whose new-token budget the context cut short: {prompt, prompt_tokens,
+    max_new_tokens (what the context left)}."""
+    out, index = [], 0
+    for result in results:
+        for row in result.rows:
+            room = ctx_len - len(row.prompt)
+            if room < max_new_tokens:
+                out.append({"prompt": index, "prompt_tokens": len(row.prompt),
+                            "max_new_tokens": room})
+            index += 1
+    return out
 
 
 def numerics_of(manifest: Manifest, backend: str) -> dict:
@@ -158,7 +186,11 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
           served_model_name: Optional[str] = typer.Option(
               None, help="Model id clients ask for (default: the bundle's name)."),
           spec_policy: Optional[str] = SpecPolicyOpt,
-          log_level: str = typer.Option("info", help="uvicorn log level.")):
+          log_level: str = typer.Option("info", help="uvicorn log level."),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per request and no "
+                                     "throughput lines (the start-up line and errors stay)."),
+          stats_interval: float = typer.Option(10.0, help="Seconds between throughput and "
+                                               "acceptance lines while requests run (0: none).")):
     """OpenAI-compatible server on the bundle (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics with vLLM's metric names)."""
     from ..errors import UsageError
@@ -167,8 +199,8 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
     folder = bundle_folder(bundle, insecure, signatures=require_signature is not None)
-    run_server(folder, host, port, backend, verify, served_model_name, log_level,
-               signed_by=require_signature, spec_policy=spec_policy)
+    run_server(folder, host, port, backend, verify, served_model_name, log_level, quiet,
+               stats_interval, signed_by=require_signature, spec_policy=spec_policy)
 
 
 @app.command("serve-config")
@@ -177,7 +209,11 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                  format: str = typer.Option("vllm", "--format", help="vllm | docker | env | "
                                             "legacy | json"),
                  image: str = typer.Option("ghcr.io/quic/cloud_ai_inference_vllm:latest",
-                                           help="Cloud AI vLLM image for --format docker.")):
+                                           help="Cloud AI vLLM image for --format docker."),
+                 recipe_dir: Optional[Path] = typer.Option(
+                     None, help="Folder of the recipe that built the bundle: its relative model "
+                     "paths are found from there (default: looked for from here, the bundle's "
+                     "parent folders and the shipped recipes/).")):
     """Emit the vLLM (Cloud AI) serve command, env vars or docker line for this bundle."""
     from ..bundle import read_manifest
     from ..errors import UsageError
@@ -190,4 +226,4 @@ def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                          "built with --smoke-weights to check the toolchain); a server would "
                          "answer with noise under the real model's name. Build it from the "
                          "real checkpoints to serve it")
-    sys.stdout.write(render(m, bundle, format, image))
+    sys.stdout.write(render(m, bundle, format, image, recipe_dir))

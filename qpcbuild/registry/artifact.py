@@ -17,8 +17,10 @@ from typing import Callable
 
 from ..bundle.manifest import check_relative
 from ..errors import BundleError
+from ..progress import step
 from .client import OCI_MANIFEST, RegistryClient, encode_manifest, sha256_digest
 from .errors import RegistryDigestMismatch, RegistryError
+from .resume import LocalBlobs
 
 TITLE = "org.opencontainers.image.title"
 EXECUTABLE = "vnd.qpcbuild.file.executable"
@@ -75,18 +77,24 @@ def push_folder(client: RegistryClient, repo: str, tag: str, root: Path,
         source = sources.get(rel, root / rel)
         try:
             if isinstance(source, Path):
-                sent_now = client.push_blob(repo, digest, meta["size"], path=source)
-            else:
+                sent_now = client.push_blob(repo, digest, meta["size"], path=source,
+                                            advance=advance)
+            else:  # (a mounted or cache-delivered blob: counted whole when it is there)
                 sent_now = source.copy_to(client, repo, digest, meta["size"], root)
+                advance(meta["size"])
         except RegistryDigestMismatch:
             raise BundleError(f"{root / rel}: its bytes do not hash to the recorded digest "
                               f"{digest} (the registry refused them); nothing was tagged") \
                 from None
+        if not sent_now and isinstance(source, Path):
+            advance(meta["size"])
         say(f"pushed {rel} ({meta['size']:,} bytes)" if sent_now
             else f"{rel}: already in the registry")
         return sent_now
 
-    sent = _largest_beside_rest(files, upload)
+    with step(f"pushing {len(files)} files to {client.registry}/{repo}",
+              sum(m["size"] for m in files.values()), "bytes") as advance:
+        sent = _largest_beside_rest(files, upload)
     layers = [{"mediaType": FILE_LAYER, "digest": f"sha256:{meta['sha256']}",
                "size": meta["size"],
                "annotations": {TITLE: rel, **({EXECUTABLE: "true"}
@@ -135,19 +143,41 @@ def layer_files(manifest: dict, where: str) -> dict[str, dict]:
 
 
 def download_folder(client: RegistryClient, repo: str, files: dict[str, dict], dest: Path,
-                    say: Say | None = None) -> int:
+                    say: Say | None = None, local: LocalBlobs | None = None) -> int:
     """Download every file into `dest` (which the caller discards on failure), each checked
-    against its digest as it arrives. Returns the bytes downloaded."""
+    against its digest as it arrives. `local`: verified copies already on this machine, used
+    instead of a download, and kept for a resumed pull as each download finishes. Returns the
+    bytes downloaded."""
     say = say or (lambda m: None)
     for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
 
-    def download(rel: str, meta: dict) -> None:
+    def download(rel: str, meta: dict) -> int:
         target = dest / rel
-        client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"], target, what=rel)
+        found = local.place(rel, meta, target) if local else None
+        got = 0
+        if found is None:
+            resume = local.start(meta, target) if local else False
+            try:
+                got = client.download_blob(repo, f"sha256:{meta['sha256']}", meta["size"],
+                                           target, what=rel, advance=advance, resume=resume)
+            except RegistryDigestMismatch:
+                if local:
+                    local.failed(meta)
+                raise
+            if local:
+                local.keep(meta, target)
+            if resume:
+                found = f"resumed at byte {meta['size'] - got:,} of an interrupted pull"
+        else:
+            advance(meta["size"])
         if meta.get("executable"):
             os.chmod(target, 0o755)
-        say(f"pulled {rel} ({meta['size']:,} bytes)")
+        say(f"pulled {rel} ({meta['size']:,} bytes)" if found is None
+            else f"{rel}: {found} (verified), " + (f"{got:,} bytes downloaded" if got
+                                                   else "not downloaded"))
+        return got
 
-    _largest_beside_rest(files, download)
-    return sum(meta["size"] for meta in files.values())
+    with step(f"pulling {len(files)} files from {client.registry}/{repo}",
+              sum(m["size"] for m in files.values()), "bytes") as advance:
+        return sum(_largest_beside_rest(files, download).values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from platformdirs import user_data_dir
@@ -32,6 +33,7 @@ from .artifact import Say, Transfer, download_folder, layer_files, push_folder, 
 from .client import OCI_MANIFEST, RegistryClient
 from .errors import RegistryError
 from .reference import Reference, carries_credentials, looks_like_reference, parse_reference
+from .resume import LocalBlobs
 
 BUNDLE_ARTIFACT = "application/vnd.qpcbuild.bundle.v1"
 BUNDLE_CONFIG = "application/vnd.qpcbuild.bundle.manifest.v1+json"
@@ -127,12 +129,23 @@ def _hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass(frozen=True)
+class Pulled:
+    bundle_id: str
+    digest: str  # the OCI manifest's
+    signatures: int
+    downloaded: int  # bytes that crossed the wire
+    up_to_date: bool  # `out` already held exactly this bundle: nothing was downloaded
+
+
 def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | None = None,
-                signed_by: Path | None = None) -> tuple[str, str, int]:
+                signed_by: Path | None = None) -> Pulled:
     """Download the bundle `ref` names into `out` (replacing a bundle there), with the
-    signatures attached to it in the registry. Returns (bundle id, manifest digest, number of
-    signatures). `signed_by`: a public key; the bundle is refused unless one of them is a valid
-    signature by it. Nothing appears at `out` unless every check passed."""
+    signatures attached to it in the registry. `signed_by`: a public key; the bundle is refused
+    unless one of them is a valid signature by it. Nothing appears at `out` unless every check
+    passed. A bundle at `out` with the same manifest whose files all hash to it is up to date
+    (only its signatures are brought up to date); files already on this machine (unchanged in
+    `out`, or kept by an interrupted pull) are verified and copied instead of downloaded."""
     where = str(ref)
     if signed_by is not None:
         read_public_key(signed_by)  # a bad key file is an error before any download
@@ -157,17 +170,33 @@ def pull_bundle(ref: Reference, out: Path, client: RegistryClient, say: Say | No
                               "artifact's bundle id annotation differs; refusing it"
                               + (f" ({'; '.join(problems[:3])})" if problems else ""))
         _check_layers(files, m.file_list(), raw, where)
-        download_folder(client, ref.repository,
-                        {rel: meta for rel, meta in files.items() if rel != MANIFEST},
-                        staging, say)
         signatures = fetch_signatures(client, ref.repository, digest, where, say,
                                       strict=signed_by is not None)
         if signatures:
             write_signatures(staging, signatures)
-        if signed_by is not None:
+        if signed_by is not None:  # before any download: the files are checked against the
+            # sealed list the signed bundle id covers, so the signature holds for them too
             check_signature(staging, m.bundle_id, signed_by, where=f"{where} ({digest})")
+        if _up_to_date(out, raw):
+            if signatures:
+                write_signatures(out, signatures)
+            return Pulled(m.bundle_id, digest, len(signatures), 0, True)
+        local = LocalBlobs(out)
+        got = download_folder(client, ref.repository,
+                              {rel: meta for rel, meta in files.items() if rel != MANIFEST},
+                              staging, say, local)
         publish(staging, out)
-    return m.bundle_id, digest, len(signatures)
+        local.discard()
+    return Pulled(m.bundle_id, digest, len(signatures), got, False)
+
+
+def _up_to_date(out: Path, raw: bytes) -> bool:
+    """`out` holds this very manifest and every file it seals, digests checked (hashing is
+    cheaper than downloading the same bytes again)."""
+    try:
+        return (out / MANIFEST).read_bytes() == raw and not verify_bundle(out)
+    except OSError:
+        return False
 
 
 def _check_layers(layers: dict[str, dict], sealed: dict[str, dict], raw: bytes,

@@ -47,7 +47,10 @@ def encode_manifest(manifest: dict) -> bytes:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
+def _file_piece(path: Path, offset: int, length: int,
+                advance: Callable[[int], None] | None = None) -> Iterator[bytes]:
+    """The bytes of a file's range, piece by piece; `advance` hears of each piece as it goes
+    (a piece sent again after a broken connection is counted again: bytes sent)."""
     with open(path, "rb") as f:
         f.seek(offset)
         while length > 0:
@@ -55,6 +58,8 @@ def _file_piece(path: Path, offset: int, length: int) -> Iterator[bytes]:
             if not piece:
                 raise RegistryError(f"{path}: shorter than expected while uploading (changed?)")
             length -= len(piece)
+            if advance:
+                advance(len(piece))
             yield piece
 
 
@@ -229,18 +234,20 @@ class RegistryClient(Authentication):
         raise self._fail(resp, f"checking blob {digest}")
 
     def push_blob(self, repo: str, digest: str, size: int, path: Path | None = None,
-                  data: bytes | None = None) -> bool:
+                  data: bytes | None = None,
+                  advance: Callable[[int], None] | None = None) -> bool:
         """Upload a blob unless the repository has it already; True when bytes were sent.
         A blob up to UPLOAD_CHUNK goes in one streamed request, sent again whole if the
         connection breaks; a larger one in UPLOAD_CHUNK pieces, a broken piece resent from the
         offset the registry confirms."""
         if self.has_blob(repo, digest):
             return False
-        body = (lambda: data) if data is not None else (lambda: _file_piece(path, 0, size))
+        body = (lambda: data) if data is not None else \
+            (lambda: _file_piece(path, 0, size, advance))
         for failures in range(RETRIES + 1):
             location = self._start_upload(repo, digest)
             if data is None and size > UPLOAD_CHUNK:
-                return self._upload_chunks(repo, location, digest, size, path)
+                return self._upload_chunks(repo, location, digest, size, path, advance)
             try:
                 return self._finish_upload(repo, location, digest, body, size)
             except RegistryUnavailable:
@@ -270,13 +277,15 @@ class RegistryClient(Authentication):
             raise self._fail(resp, f"starting the upload of {digest}")
         return resp.headers["Location"]
 
-    def _upload_chunks(self, repo: str, location: str, digest: str, size: int, path: Path) -> bool:
+    def _upload_chunks(self, repo: str, location: str, digest: str, size: int, path: Path,
+                       advance: Callable[[int], None] | None = None) -> bool:
         offset, failures = 0, 0
         while offset < size:
             length = min(UPLOAD_CHUNK, size - offset)
             try:
                 resp = self._send("PATCH", location, repo, push=True,
-                                  body=lambda o=offset, n=length: _file_piece(path, o, n),
+                                  body=lambda o=offset, n=length: _file_piece(path, o, n,
+                                                                              advance),
                                   headers={"Content-Type": "application/octet-stream",
                                            "Content-Length": str(length),
                                            "Content-Range": f"{offset}-{offset + length - 1}"})
@@ -332,33 +341,55 @@ class RegistryClient(Authentication):
         return data
 
     def download_blob(self, repo: str, digest: str, size: int, dest: Path,
-                      what: str = "") -> None:
+                      what: str = "", advance: Callable[[int], None] | None = None,
+                      resume: bool = False) -> int:
         """Stream a blob into `dest`, hashing as it arrives; a broken transfer continues from
-        the last byte written. Raises when the bytes do not match `digest` and `size`."""
-        h, written, failures = hashlib.sha256(), 0, 0
-        with open(dest, "wb") as out, BackgroundWriter(out) as writer:
-            while True:
-                headers = {"Range": f"bytes={written}-"} if written else {}
-                try:
-                    with open_blob(self, repo, digest, headers, what or digest) as resp:
-                        if written and resp.status == 200:  # no range support: restart
-                            writer.flush()
-                            out.seek(0)
-                            out.truncate()
-                            h, written = hashlib.sha256(), 0
-                        for piece in read_pieces(resp, self.registry, writer.buffer):
-                            h.update(piece)  # here, while the writer thread writes the last
-                            writer.write(piece)
-                            written += len(piece)
-                            if written > size:
-                                break
-                    break
-                except RegistryUnavailable:
-                    failures += 1
-                    if failures > RETRIES:
-                        raise
-            writer.flush()
+        the last byte written. `resume`: `dest` holds the blob's first bytes (an interrupted
+        pull's), hashed again here, and the rest is asked for from there. Raises when the
+        bytes do not match `digest` and `size`. Returns the bytes received."""
+        h, written = hashlib.sha256(), 0
+        with open(dest, "r+b" if resume else "wb") as out:
+            while resume and (piece := out.read(READ_PIECE)):  # leaves the file at its end
+                h.update(piece)
+                written += len(piece)
+            prefix = written
+            if advance and prefix:
+                advance(prefix)
+            with BackgroundWriter(out) as writer:
+                h = self._receive(repo, digest, size, out, writer, h, written, what, advance)
+                writer.flush()
+            written = out.tell()
         if written != size or "sha256:" + h.hexdigest() != digest:
-            raise RegistryError(f"{what or digest}: the bytes from {self.registry}/{repo} do not "
-                                f"match the layer's digest {digest} (got {written} bytes of "
-                                f"{size}); the blob is damaged in the registry or in transit")
+            raise RegistryDigestMismatch(
+                f"{what or digest}: the bytes from {self.registry}/{repo} do not match the "
+                f"layer's digest {digest} (got {written} bytes of {size}); the blob is damaged "
+                "in the registry or in transit")
+        return written - prefix
+
+    def _receive(self, repo: str, digest: str, size: int, out, writer: BackgroundWriter,
+                 h, written: int, what: str, advance: Callable[[int], None] | None):
+        """The blob's bytes from `written` on, into `out` through `writer`, hashed on top of
+        `h` (the bytes before). Returns the hash of everything in `out`."""
+        failures = 0
+        while True:
+            headers = {"Range": f"bytes={written}-"} if written else {}
+            try:
+                with open_blob(self, repo, digest, headers, what or digest) as resp:
+                    if written and resp.status == 200:  # no range support: restart
+                        writer.flush()
+                        out.seek(0)
+                        out.truncate()
+                        h, written = hashlib.sha256(), 0
+                    for piece in read_pieces(resp, self.registry, writer.buffer):
+                        h.update(piece)  # here, while the writer thread writes the last
+                        writer.write(piece)
+                        written += len(piece)
+                        if advance:
+                            advance(len(piece))
+                        if written > size:
+                            break
+                return h
+            except RegistryUnavailable:
+                failures += 1
+                if failures > RETRIES:
+                    raise

@@ -62,6 +62,10 @@ def as_messages(prompt: object, system: str | None = None) -> list[dict[str, Any
     return messages
 
 
+class NoChatTemplate(UsageError):
+    """The bundle cannot render chat messages (the server words this for HTTP clients)."""
+
+
 class ChatTemplate:
     def __init__(self, tokenizer_dir: Path):
         from jinja2 import TemplateError
@@ -69,8 +73,8 @@ class ChatTemplate:
 
         source = read_chat_template(tokenizer_dir)
         if source is None:
-            raise UsageError(f"{tokenizer_dir}: the bundle's tokenizer has no chat template; "
-                             "give plain prompts (without --chat)")
+            raise NoChatTemplate(f"{tokenizer_dir}: the bundle's tokenizer has no chat "
+                                 "template; give plain prompts (without --chat)")
         # The settings Hugging Face renders templates with, so the text is the same.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])

@@ -18,13 +18,16 @@ import uuid
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import QpcbuildError
+from ..runtime.chat import NoChatTemplate
 from ..runtime.loader import Generator
 from ..runtime.sampling import SamplingParams
+from .access import RequestLog, ServerLog
 from .metrics import ServerMetrics, openai_finish_reason
 from .schema import BadRequest, ChatRequest, CompletionRequest, parse_request
 from .worker import EngineWorker, Job
@@ -32,6 +35,7 @@ from .worker import EngineWorker, Job
 log = logging.getLogger("qpcbuild.server")
 MAX_BODY = 4 << 20
 BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive (a stalled client gets 408)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 # An absolute path (not part of a URL): clients are not told where the server keeps its files.
@@ -39,9 +43,13 @@ _SERVER_PATH = re.compile(r"(?<![\w:/.~-])/[^\s'\":;,()]+")
 
 
 class ApiError(Exception):
+    """An OpenAI-shaped error. Messages that may quote the server's files are scrubbed of paths;
+    `scrub=False` is for messages built only from what the client sent (its own route)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        message = _SERVER_PATH.sub("<server path>", message)
+                 param: str | None = None, code: str | None = None, scrub: bool = True):
+        if scrub:
+            message = _SERVER_PATH.sub("<server path>", message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code
@@ -119,7 +127,8 @@ def _prefix_at_end(text: str, stop: str) -> int:
 
 # Over 80 lines: the routes are closures over one engine worker, its metrics and the model's
 # limits; each handler below is short and named for its route.
-def build_app(gen: Generator, model_name: str) -> Starlette:
+def build_app(gen: Generator, model_name: str,
+              server_log: ServerLog | None = None) -> Starlette:
     metrics: ServerMetrics | None = None
     worker: EngineWorker | None = None
     ctx_len = gen.decoder.ctx_len
@@ -152,6 +161,10 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 return [gen.chat_prompt(messages)]
             return [gen.encode(p) for p in req.prompt]
+        except NoChatTemplate:  # the CLI's wording names --chat; a client needs the route
+            raise ApiError(400, f"the model '{model_name}' has no chat template, so "
+                           "/v1/chat/completions cannot render `messages`; send the text as "
+                           "`prompt` to /v1/completions", param="messages", scrub=False) from None
         except (QpcbuildError, ValueError) as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
 
@@ -197,6 +210,7 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
                 job.cancel()
         texts, reasons = [t for t, _ in results], [r for _, r in results]
         usage = _usage(jobs)
+        request.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
         if chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
                         "finish_reason": reasons[0], "logprobs": None}]
@@ -263,6 +277,8 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
         finally:  # the client went away, or we are done: either way free the slots
             for job in jobs:
                 job.cancel()
+            usage = _usage(jobs)
+            request.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
 
     def _check(job: Job) -> None:
         if job.error:
@@ -302,13 +318,22 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def not_found(request: Request, exc):
+        # The client's own route as sent (cut short), never scrubbed as if a server path; a
+        # 405 names the methods the route takes.
         status = getattr(exc, "status_code", 404)
-        return ApiError(status, f"{request.method} {request.url.path}: "
-                        f"{'not found' if status == 404 else 'not allowed'}").response()
+        route = (request.scope.get("raw_path", b"").decode("latin-1") or request.url.path)[:200]
+        allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        why = f"method not allowed (this route takes {allowed})" if status == 405 else \
+            f"not found (routes: {', '.join(ROUTES)})"
+        return ApiError(status, f"{request.method} {route}: {why}", scrub=False).response()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        reporter = asyncio.ensure_future(server_log.report(worker, metrics)) \
+            if server_log is not None else None
         yield
+        if reporter is not None:
+            reporter.cancel()
         worker.close()
 
     app = Starlette(routes=[
@@ -317,7 +342,8 @@ def build_app(gen: Generator, model_name: str) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-    ], exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
+    ], exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan,
+        middleware=[Middleware(RequestLog, log=server_log)] if server_log else None)
     app.state.worker, app.state.metrics = worker, metrics
     return app
 

@@ -61,7 +61,13 @@ class ServerMetrics:
               registry=r).labels(model_name).set_function(running)
         Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", labels,
               registry=r).labels(model_name).set_function(waiting)
-        self._drafted = self._accepted = 0
+        self._drafted = self._accepted = self._drafts = 0
+
+    def acceptance(self) -> tuple[float | None, float | None]:
+        """(accepted / proposed tokens, mean acceptance length = 1 + accepted per verify step
+        with a proposal, vLLM's definition) over the finished requests; None before any."""
+        rate = acceptance_rate(self._accepted, self._drafted)
+        return rate, (1 + self._accepted / self._drafts) if self._drafts else None
 
     def record_switches(self, switches: list[dict]) -> None:
         """The gate's switches so far (all of them, in order, possibly still growing in the
@@ -82,6 +88,7 @@ class ServerMetrics:
         for pos, n in enumerate(st.accepted_per_pos):
             self.accepted_per_pos.labels(m, str(pos)).inc(n)
         self._drafted += st.num_draft_tokens
+        self._drafts += st.num_drafts
         self._accepted += st.num_accepted_tokens
         rate = acceptance_rate(self._accepted, self._drafted)
         if rate is not None:

@@ -51,6 +51,8 @@ class EngineWorker:
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        # Totals since start, counted as the engine goes (the log's throughput lines).
+        self.prompt_tokens = self.generated_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="qpcbuild-engine", daemon=True)
         self._thread.start()
 
@@ -101,6 +103,7 @@ class EngineWorker:
                 self._finish(job)
                 continue
             job.taken = True
+            self.prompt_tokens += len(job.row.prompt)
             jobs.append(job)
         return jobs
 
@@ -128,6 +131,7 @@ class EngineWorker:
         if job is None:
             return
         job.tokens.extend(ids)
+        self.generated_tokens += len(ids)
         if job.row.done:  # counted before the client hears of the end, so /metrics agrees
             self._finish(job, notify=False)
         job.listener(job, ids, job.row.done)

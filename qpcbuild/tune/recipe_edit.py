@@ -79,6 +79,25 @@ def _flow_list(items: list[int]):
     return seq
 
 
+def kept_ks(old: Any, k: int) -> list[int]:
+    """The recipe's other Ks that a tuned K keeps: K replaces a list's largest K, and the Ks
+    below K stay (K=0 for target-only baselines, a ladder of shorter verify windows for
+    ngram/suffix): the user asked for them. A single K keeps nothing."""
+    old_ks = [x for x in old if isinstance(x, int)] if isinstance(old, list) else []
+    largest = max(old_ks, default=None)
+    return sorted({x for x in old_ks if x < k and x != largest})
+
+
+def tuned_k_value(recipe_k: Any, result: dict[str, Any]) -> int | list[int]:
+    """num_speculative_tokens after tuning, by the one rule `tune --write` and `compile --tune`
+    share: the chosen K with the recipe's kept Ks, or the confidence stop's Ks when it won."""
+    k, stop = result["chosen_k"], result.get("confidence_stop")
+    kept = kept_ks(recipe_k, k)
+    if stop and stop["beats_best_fixed_k"]:
+        return sorted(set(stop["ks"]) | set(kept))
+    return kept + [k] if kept else k
+
+
 def set_k_in_text(text: str, method: str, k: int, comment: list[str],
                   model_paths: dict[str, str] | None = None,
                   schedule: dict[int, int] | None = None,
@@ -105,12 +124,7 @@ def set_k_in_text(text: str, method: str, k: int, comment: list[str],
     else:
         spec.fa.set_block_style()  # a comment line cannot stand inside {...}
     ks = recommended_ks(method, k)
-    old = spec.get(K_KEY)
-    # K replaces a list's largest K; the list keeps its other Ks below K (K=0 for target-only
-    # baselines, a ladder of shorter verify windows for ngram/suffix): the user asked for them.
-    old_ks = [x for x in old if isinstance(x, int)] if isinstance(old, list) else []
-    largest = max(old_ks, default=None)
-    kept = sorted({x for x in old_ks if x < k and x != largest})
+    kept = kept_ks(spec.get(K_KEY), k)
     spec[K_KEY] = _flow_list(kept + [k]) if kept else k
     note = "tuned (see above)" + (f"; {kept} kept from the list" if kept else
                                   f"; compiled as {ks}" if len(ks) > 1 else "")

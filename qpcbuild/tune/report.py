@@ -167,6 +167,25 @@ def disagreements(result: dict[str, Any], factor: float = CHECK_FACTOR) -> list[
     return out
 
 
+BUSY_RUNNER = ("on a shared or busy runner, tune with --cost-model (call costs from the card's "
+               "roofline model, labelled so in the evidence; acceptance still measured) or with "
+               "more timed calls (--rounds 60); or accept it with {force}")
+
+
+def refuse_if_contradicted(result: dict[str, Any], force: bool, force_flag: str,
+                           refused: str) -> None:
+    """The one rule `tune --write` and `compile --tune` share: a K whose costs the run's own
+    model check contradicts is not written or built (exit 1) unless forced. `refused`: what
+    was not done ("the recipe was not written")."""
+    from ..errors import QpcbuildError
+
+    problems = result.get("model_check_disagrees") or []
+    if problems and not force:
+        raise QpcbuildError(f"K={result['chosen_k']} rests on costs the run's own model check "
+                            f"contradicts ({problems[0]}), so {refused}. "
+                            + BUSY_RUNNER.format(force=force_flag))
+
+
 def write_json(result: dict[str, Any], path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
