@@ -754,22 +754,6 @@ def test_tune_per_batch_times_a_cb_recipe_on_its_own_slots(tmp_path, monkeypatch
                   max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache", per_batch=[8])
 
 
-def test_decode_profile_breaks_a_call_down_by_operator(tiny_bundle):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("decode_profile",
-                                                  ROOT / "benchmarks" / "decode_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for role, seq_lens in (("target", [1, 3]), ("draft", [1])):
-        r = mod.profile(tiny_bundle, seq_lens, calls=4, role=role)
-        assert [w["seq_len"] for w in r["windows"]] == seq_lens and r["role"] == role
-        for w in r["windows"]:
-            # every MatMul of the graph ran: the op table holds them, and kernel time sits
-            # inside the calls' wall time (means of the same calls)
-            assert w["ops_ms"].get("MatMul", 0) > 0 and w["matmul_gbs"] > 0
-            assert 0 < w["kernels_ms"] <= w["call_ms"] * 1.05
-        assert r["probe"]["gbs"] > 0 and r["threads"] >= 1
-
 
 @pytest.mark.parametrize("peer", ["llama.cpp", "vllm"])
 def test_bench_names_where_the_peers_that_need_a_build_are_measured(peer, tmp_path):
