@@ -107,11 +107,12 @@ smollm2-gguf: smollm2
 	$(BIN)/python scripts/get_smollm2.py --gguf-f32
 
 # The systems bench compares against, on the Qwen2.5-Coder pair's own weights
-# (scripts/get_peers.py): llama.cpp built from the pinned llama-cpp-python sdist (10-25 minutes),
+# (benchmarks/peers/get_peers.py): llama.cpp built from the pinned llama-cpp-python sdist (10-25 minutes),
 # GGUF copies of both folders (f32 target, Q4_0 draft as our int4 one), vLLM's CPU build in its
-# own venv (~6 minutes, 3.4 GB). It prints the two variables `qpcbuild bench` reads.
+# own venv (~6 minutes, 3.4 GB). It prints the two variables benchmarks/peers/run.py reads
+# (`qpcbuild bench` with these peers added: docs/bench-tune.md).
 peers: qwen-coder
-	$(BIN)/python scripts/get_peers.py all
+	$(BIN)/python benchmarks/peers/get_peers.py all
 
 # The documentation site (docs/ + mkdocs.yml) into site/; strict: a broken link or a page missing
 # from the navigation fails the build.

@@ -29,13 +29,13 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from registry_server import RegistryServer, free_port  # noqa: E402  (after its sys.path entry)
+sys.path.insert(0, str(REPO))
 
 from qpcbuild.bundle import read_manifest  # noqa: E402  (after its sys.path entry)
 from qpcbuild.registry.bundles import pull_bundle, push_bundle  # noqa: E402  (after its sys.path entry)
 from qpcbuild.registry.client import RegistryClient  # noqa: E402  (after its sys.path entry)
 from qpcbuild.registry.reference import parse_reference  # noqa: E402  (after its sys.path entry)
+from qpcbuild.testing import RegistryServer, free_port  # noqa: E402  (after its sys.path entry)
 from qpcbuild.tree import file_digest  # noqa: E402  (after its sys.path entry)
 
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]

@@ -239,29 +239,11 @@ def gemma3_model() -> Path:
 
 @pytest.fixture
 def peer_manifest():
-    """make(target, draft=None, *, threads=None, ctx=256, local=True) -> a checked Manifest of a
-    bundle whose roles' checkpoints are those folders (as `bench` hands them to the peers): the
-    smallest manifest the typed model accepts, for the peer tests that need no built bundle."""
-    from qpcbuild.bundle.manifest import Manifest
+    """qpcbuild.testing.small_manifest: a checked Manifest whose roles' checkpoints are the
+    folders given (the peer tests that need no built bundle)."""
+    from qpcbuild.testing import small_manifest
 
-    def role(path, threads, ctx):
-        specs = [{"name": f"Decode_{n}", "symbols": {"batch_size": "1", "seq_len": str(n),
-                                                      "ctx_len": str(ctx)}} for n in (1, 5)]
-        return {"source": {"ref": str(path)}, "specializations": specs,
-                "arch": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "vocab_size": 8,
-                         "param_count": 0, "eos_token_ids": []},
-                "ort": {"core_share": 1.0, "intra_op_threads": threads}, "backends": {}}
-
-    def make(target, draft=None, *, threads=None, ctx=256, local=True):
-        paths = {"target": target, **({"draft": draft} if draft is not None else {})}
-        m = Manifest.unsealed({
-            "schema": 3, "name": "peer-test", "tokenizer": {"verdict": "identical"},
-            "speculation": {"method": "draft_model" if draft is not None else "ngram",
-                            "options": {}, "num_speculative_tokens": [0, 4]},
-            "shapes": {"batch_size": 1, "prefill_seq_len": 1, "ctx_len": ctx},
-            "roles": {r: role(p, threads, ctx) for r, p in paths.items()}})
-        return m.with_model_paths(paths) if local else m
-    return make
+    return small_manifest
 
 
 # ==================================================================================================

@@ -269,3 +269,52 @@ def test_the_size_check_finds_what_it_should(tmp_path):
     (tmp_path / "big_ok.py").write_text('"""Doc."""\n# Over 400 lines: one table\nimport os\n'
                                         + "x = 1\n" * 400)
     assert oversized(tmp_path) == ["big.py: 401 lines", "long.py:4: long_one 81 lines"]
+
+
+# ---------------------------------------------------------------- tests and benchmarks apart
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def cross_imports(source: str, others: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each import in `source` of a module named in `others` (the other
+    folder's top-level names), and each file loaded by path (importlib's
+    spec_from_file_location) or sys.path entry that names one of them."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(
+                ("spec_from_file_location", "sys.path.insert", "sys.path.append")):
+            text = ast.unparse(node)
+            if any(f"'{o}" in text for o in others):  # a quoted path that starts there
+                found.append((node.lineno, text))
+            continue
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in others]
+    return sorted(found)
+
+
+def test_tests_and_benchmarks_do_not_import_each_other():
+    """What both need is in qpcbuild/testing.py; a benchmark's own tests live beside it
+    (benchmarks/tests, benchmarks/peers/tests) and import it by name."""
+    test_names = {p.stem for p in TESTS.glob("*.py")} | {"tests"}
+    offenders = {str(p.relative_to(ROOT)): found for p in sorted(TESTS.glob("*.py"))
+                 if (found := cross_imports(p.read_text(encoding="utf-8"), {"benchmarks"}))}
+    offenders |= {str(p.relative_to(ROOT)): found for p in sorted(BENCHMARKS.rglob("*.py"))
+                  if (found := cross_imports(p.read_text(encoding="utf-8"), test_names))}
+    assert offenders == {}, offenders
+
+
+def test_the_cross_import_check_finds_each_way_in():
+    source = ("import sys\nfrom benchmarks.peers import PEERS\n\n\ndef f():\n"
+              "    import importlib.util\n"
+              "    importlib.util.spec_from_file_location('x', 'benchmarks/x.py')\n"
+              "    sys.path.insert(0, str(ROOT / 'benchmarks'))\n")
+    assert [line for line, _ in cross_imports(source, {"benchmarks"})] == [2, 7, 8]
+    assert cross_imports("from registry_server import free_port\n", {"registry_server"}) == \
+        [(1, "registry_server")]
+    assert cross_imports("import os\nfrom qpcbuild.testing import free_port\n",
+                         {"registry_server", "benchmarks"}) == []

@@ -245,9 +245,8 @@ def tiny_bundle(tmp_path_factory) -> Path:
 
 def _no_peers(monkeypatch):
     # `None` in sys.modules makes `import x` raise ImportError: the peers look uninstalled.
-    for mod in ("torch", "transformers", "onnxruntime_genai", "llama_cpp"):
+    for mod in ("torch", "transformers", "onnxruntime_genai"):
         monkeypatch.setitem(sys.modules, mod, None)
-    monkeypatch.delenv("QPCBUILD_LLAMA_CPP_BIN", raising=False)  # no llama-lookup program
 
 
 @pytest.mark.slow
@@ -317,11 +316,11 @@ def test_bench_report_rows_speedups_greedy_and_plot(tiny_bundle, tmp_path, monke
     spd = [r for r in rows if r["method"] == "draft_model"]
     assert all(0 <= r["acceptance_rate"] <= 1 and r["ideal_speedup"] > 0 for r in spd)
     assert all(len(r["acceptance_per_position"]) == r["k"] for r in spd)
-    for name in ("transformers", "onnxruntime-genai", "llama.cpp"):
+    for name in ("transformers", "onnxruntime-genai"):
         assert report["peers"][name]["status"] == "skipped"
         assert "not installed" in report["peers"][name]["note"]
-    assert report["peers"]["llama-lookup"]["status"] == "skipped"  # no QPCBUILD_LLAMA_CPP_BIN
-    assert "QPCBUILD_LLAMA_CPP_BIN" in report["peers"]["llama-lookup"]["note"]
+    # the peers that need a build are not the package's: bench's report leaves them out
+    assert set(report["peers"]) == {"transformers", "onnxruntime-genai"}
     # the CLI's default --peers is the same list
     import inspect
     from qpcbuild.cli.measure import bench as bench_cmd
@@ -758,18 +757,17 @@ def test_tune_per_batch_times_a_cb_recipe_on_its_own_slots(tmp_path, monkeypatch
                   max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache", per_batch=[8])
 
 
-def test_decode_profile_breaks_a_call_down_by_operator(tiny_bundle):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("decode_profile",
-                                                  ROOT / "benchmarks" / "decode_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for role, seq_lens in (("target", [1, 3]), ("draft", [1])):
-        r = mod.profile(tiny_bundle, seq_lens, calls=4, role=role)
-        assert [w["seq_len"] for w in r["windows"]] == seq_lens and r["role"] == role
-        for w in r["windows"]:
-            # every MatMul of the graph ran: the op table holds them, and kernel time sits
-            # inside the calls' wall time (means of the same calls)
-            assert w["ops_ms"].get("MatMul", 0) > 0 and w["matmul_gbs"] > 0
-            assert 0 < w["kernels_ms"] <= w["call_ms"] * 1.05
-        assert r["probe"]["gbs"] > 0 and r["threads"] >= 1
+
+@pytest.mark.parametrize("peer", ["llama.cpp", "vllm"])
+def test_bench_names_where_the_peers_that_need_a_build_are_measured(peer, tmp_path):
+    """llama.cpp and vLLM are not the package's peers: asking for one is bad input (exit 2),
+    answered before any bundle is built, with the script that measures it."""
+    from typer.testing import CliRunner
+    from qpcbuild.cli import app
+
+    result = CliRunner().invoke(app, ["bench", str(ROOT / "recipes" / "demo.yaml"),
+                                      "--peers", f"transformers,{peer}",
+                                      "--bundle-dir", str(tmp_path / "b")])
+    assert result.exit_code == 2, result.output
+    assert f"peer '{peer}'" in result.output and "benchmarks/peers/run.py" in result.output
+    assert not (tmp_path / "b").exists()

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from qpcbuild.bundle import read_manifest, verify_bundle
 from qpcbuild.cli import app
 from helpers_registry import compile_json, demo_checkout, origins
-from registry_server import free_port, start_registry
+from qpcbuild.testing import free_port
+from registry_server import start_registry
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()

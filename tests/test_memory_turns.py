@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qpcbuild import bench
-from qpcbuild.bench import all_peers
+from qpcbuild.bench import PEERS
 from qpcbuild.bench.peers import Peer
 from qpcbuild.bench.records import Measure
 from qpcbuild.runtime import loader
@@ -74,7 +74,7 @@ def _record(monkeypatch, events: list[str]) -> None:
 def test_bench_makes_room_for_a_heavy_peer_only_when_memory_is_short(bundle, monkeypatch,
                                                                      free_gib, turns):
     events: list[str] = []
-    monkeypatch.setitem(all_peers.PEERS, "heavy", _heavy_peer(events))
+    monkeypatch.setitem(PEERS, "heavy", _heavy_peer(events))
     monkeypatch.setattr(loader, "available_memory", lambda: free_gib * 2**30)
     _record(monkeypatch, events)
     prompts = bench.load_prompts(prompt_set="code", limit=2)[1]

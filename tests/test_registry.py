@@ -30,7 +30,8 @@ from qpcbuild.registry.client import RegistryClient
 from qpcbuild.registry.credentials import Credentials
 from qpcbuild.tree import hash_tree
 from helpers_registry import compile_demo, push
-from registry_server import RegistryServer, free_port, start_registry
+from qpcbuild.testing import RegistryServer, free_port
+from registry_server import start_registry
 
 # oci_registry, registry_demo_bundle and demo_checkout are session fixtures (conftest.py).
 pytestmark = pytest.mark.slow

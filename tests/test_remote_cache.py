@@ -22,7 +22,8 @@ from qpcbuild.plan import make_plan
 from qpcbuild.recipe import load_recipe
 from qpcbuild.registry.remote_cache import RemoteCache
 from helpers_registry import compile_json, demo_checkout, origins
-from registry_server import free_port, start_registry
+from qpcbuild.testing import free_port
+from registry_server import start_registry
 
 pytestmark = pytest.mark.slow
 QPCBUILD = [sys.executable, "-m", "qpcbuild"]

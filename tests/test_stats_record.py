@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qpcbuild.runtime.rows import GateStats, LoopTimes, Row, RowStats
+from qpcbuild.runtime.rows import GateStats, LoopTimes, RequestStats, Row
 from qpcbuild.runtime.stats import SpecDecodingStats
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qpcbuild"
@@ -18,8 +18,9 @@ RECORD = PACKAGE / "runtime" / "stats.py"
 
 def _row(new_tokens: int, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int],
          reason: str = "length", ttft_s: float = 0.25) -> Row:
-    return Row([1, 2, 3], 64, finish_reason=reason, stats=RowStats(
-        prompt_tokens=3, new_tokens=new_tokens, ttft_s=ttft_s, e2e_s=2.0, num_drafts=drafts,
+    return Row([1, 2, 3], 64, stats=RequestStats(
+        prompt_tokens=3, new_tokens=new_tokens, finish_reason=reason, ttft_s=ttft_s, e2e_s=2.0,
+        num_drafts=drafts,
         num_draft_tokens=draft_tokens, num_accepted_tokens=accepted, accepted_per_pos=per_pos))
 
 
@@ -81,6 +82,21 @@ def test_no_drafts_means_no_rates():
     # a request's own figures (the server's response) are 0 and 1 then, as vLLM's
     assert st.per_request[0].to_json()["acceptance_rate"] == 0.0
     assert st.per_request[0].to_json()["mean_acceptance_length"] == 1.0
+
+
+def test_a_request_has_one_record_counted_live_and_kept_as_the_call_ended():
+    """The row's statistics are the record the call's `per_request` holds (no second class to
+    copy field by field): its finish reason is the row's, and the snapshot the call keeps does
+    not move when the same record counts on."""
+    row = _row(5, 2, 4, 3, [2, 1], reason="")
+    row.finish_reason = "eos"
+    assert row.stats.finish_reason == "eos"
+    kept = SpecDecodingStats.from_rows([row], LoopTimes(total_s=1.0), "draft_model").per_request[0]
+    assert isinstance(kept, RequestStats) and kept == row.stats and kept is not row.stats
+    row.stats.accepted_per_pos[0] += 1
+    row.stats.num_accepted_tokens += 1
+    assert (kept.accepted_per_pos, kept.num_accepted_tokens) == ([2, 1], 3)
+    assert kept.to_json()["finish_reason"] == "eos" and kept.acceptance_rate == 0.75
 
 
 def test_json_of_a_call_and_of_a_run():

@@ -18,10 +18,10 @@ from ..measuring import (BENCH_KS, Say, build_for_measurement,
                          default_bench_dir, is_bundle, load_prompts, machine_info)
 from .contention import snapshot
 from .memory_turns import MemoryTurns
+from .peers import find_peer
 from .records import Measure
 
-DEFAULT_PEERS = ("transformers", "onnxruntime-genai", "llama.cpp", "llama-lookup",
-                 "llama-speculative", "vllm")
+DEFAULT_PEERS = ("transformers", "onnxruntime-genai")
 SLOW_PEER_FRACTION = 0.25  # a peer configuration slower than this x its target-only is skipped
 
 
@@ -148,13 +148,9 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
 def _make_peers(peers: tuple[str, ...], manifest: dict, peer_ks: list[int], max_new_tokens: int,
                 eos_ids: set[int], cache_dir: Path | None, say: Say) -> list:
     """Each requested peer with its cases (or the reason it is skipped)."""
-    from .all_peers import PEERS
-
     peer_objs: list = []
     for name in peers:
-        make = PEERS.get("onnxruntime-genai" if name == "ort-genai" else name)
-        if make is None:
-            raise UsageError(f"unknown peer '{name}' ({' | '.join(PEERS)})")
+        make = find_peer(name)
         peer_objs.append(make(manifest, peer_ks, max_new_tokens, eos_ids, cache_dir, say))
         p = peer_objs[-1]
         say(f"peer {p.name}: {p.status}" + (f" ({p.note})" if p.note else ""))

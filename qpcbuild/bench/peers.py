@@ -1,9 +1,10 @@
-"""The peers a user would otherwise pick, on the same checkpoints and prompts: Hugging Face
-transformers (PyTorch, CPU), onnxruntime-genai, llama.cpp through llama-cpp-python, and
-llama.cpp's own prompt lookup program `llama-lookup` (both in llama_cpp.py). Each is run only
-when installed and never faked: a missing one is reported as skipped, with the reason.
-Every peer is `make(manifest, ks, max_new, eos_ids, cache_dir, say) -> Peer`; its cases are
-(Measure, run) pairs that `run_bench` times beside ours. all_peers.py names them all."""
+"""The peers a user would otherwise pick, on the same checkpoints and prompts, that a pip install
+provides: Hugging Face transformers (PyTorch, CPU) and onnxruntime-genai. Each is run only when
+installed and never faked: a missing one is reported as skipped, with the reason.
+Every peer is a `PeerMaker`: `make(manifest, ks, max_new, eos_ids, cache_dir, say) -> Peer`; its
+cases are (Measure, run) pairs that `run_bench` times beside ours. `PEERS` names them by the name
+`--peers` takes; the peers that need a build or an environment of their own (llama.cpp, vLLM) live
+in a checkout's benchmarks/peers/, which adds them here with `add_peers` before it runs bench."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from ..errors import UsageError
 from ..measuring import Say, package_version
 from .records import Measure
 
@@ -41,12 +43,19 @@ class Peer:
     stop: Callable[[], None] | None = None
 
 
+class PeerMaker(Protocol):
+    """A peer's set-up: its cases for this bundle, or the reason it is skipped."""
+
+    def __call__(self, manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
+                 cache_dir: Path | None, say: Say) -> Peer: ...
+
+
 NO_CHECKPOINT = ("the target's checkpoint folder is not known: a bundle records its models by "
                  "reference only, so bench the recipe (not the bundle) to run this peer; or the "
                  "bundle was built with smoke weights")
 
 
-def _local_source(manifest: Manifest, role: str) -> Path | None:
+def local_source(manifest: Manifest, role: str) -> Path | None:
     """The role's checkpoint folder on this machine, when bench was told it."""
     info = manifest.roles.get(role)
     path = info and info.source.path
@@ -64,10 +73,10 @@ def transformers_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: 
     except Exception as exc:  # ImportError, or a broken install
         return Peer("transformers", "skipped", f"not installed ({type(exc).__name__}: {exc}); "
                     "pip install 'qpcbuild[bench]'")
-    target_path = _local_source(manifest, "target")
+    target_path = local_source(manifest, "target")
     if target_path is None:
         return Peer("transformers", "skipped", NO_CHECKPOINT)
-    draft_path = _local_source(manifest, "draft")
+    draft_path = local_source(manifest, "draft")
     peer = Peer("transformers", "ok", version=package_version("transformers"))
     try:
         torch.set_num_threads(os.cpu_count() or 1)
@@ -145,7 +154,7 @@ def genai_models(manifest: Manifest, cache_dir: Path | None, say: Say) -> dict[s
     from ..cache import Cache
     from ..plan import digest
 
-    roles = {r: _local_source(manifest, r) for r in ("target", "draft")}
+    roles = {r: local_source(manifest, r) for r in ("target", "draft")}
     key = digest({"genai": package_version("onnxruntime-genai"), "precision": "fp32",
                   **{r: manifest.roles[r].source.weights_digest
                      for r in roles if roles[r]}, "paths": {r: str(p) for r, p in roles.items()}})
@@ -189,7 +198,7 @@ def ort_genai_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set
         return Peer("onnxruntime-genai", "skipped", f"not installed ({type(exc).__name__}: "
                     f"{exc}); pip install onnxruntime-genai")
     version = package_version("onnxruntime-genai")
-    if _local_source(manifest, "target") is None:
+    if local_source(manifest, "target") is None:
         return Peer("onnxruntime-genai", "skipped", NO_CHECKPOINT, version)
     try:
         dirs = genai_models(manifest, cache_dir, say)
@@ -249,3 +258,30 @@ def ort_genai_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set
     peer.note = (f"speculative decoding available in {version}: draft model (genai_config "
                  f"model.draft) and n-gram (ngram_size={OG_NGRAM_SIZE})")
     return peer
+
+
+PEERS: dict[str, PeerMaker] = {"transformers": transformers_peer,
+                               "onnxruntime-genai": ort_genai_peer}
+ALIASES = {"ort-genai": "onnxruntime-genai"}
+
+# The peers a pip install cannot provide: named here only so that asking for one says where it is
+MEASURED_FROM_A_CHECKOUT = ("llama.cpp", "llama-lookup", "llama-speculative", "vllm")
+
+
+def add_peers(makers: Mapping[str, PeerMaker]) -> None:
+    """Make more peers available to `--peers` in this process (benchmarks/peers/run.py adds
+    llama.cpp's and vLLM's this way)."""
+    PEERS.update(makers)
+
+
+def find_peer(name: str) -> PeerMaker:
+    """The peer `--peers` calls `name`; a UsageError naming the choices when there is none."""
+    name = ALIASES.get(name, name)
+    if name in PEERS:
+        return PEERS[name]
+    if name in MEASURED_FROM_A_CHECKOUT:
+        raise UsageError(f"peer '{name}' needs a build or an environment of its own, so the "
+                         "package does not carry it: from a checkout, `make peers` sets it up and "
+                         f"`python benchmarks/peers/run.py BUNDLE --peers {name}` measures it "
+                         "beside ours (docs/bench.md)")
+    raise UsageError(f"unknown peer '{name}' ({' | '.join(PEERS)})")

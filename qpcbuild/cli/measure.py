@@ -50,9 +50,10 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           max_new_tokens: int = MaxNewTokensOpt,
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),
-          peers: str = typer.Option("transformers,onnxruntime-genai,llama.cpp,llama-lookup,"
-                                    "llama-speculative,vllm",
-                                    help="Peers to run when installed (comma list), or 'none'."),
+          peers: str = typer.Option("transformers,onnxruntime-genai",
+                                    help="Peers to run when installed (comma list), or 'none'. "
+                                    "llama.cpp and vLLM are measured from a checkout: "
+                                    "benchmarks/peers/run.py."),
           peer_ks: Optional[str] = typer.Option(None, "--peer-ks", help="Ks for the peers' "
                                                 "speculative decoding (default: --ks)."),
           cache_dir: Optional[Path] = typer.Option(None, help="Build cache (also holds the "
@@ -89,7 +90,7 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
     """Measure every method and K of a bundle, target-only, and the installed peers side by side."""
     from importlib.util import find_spec
 
-    from ..bench import bench as run_bench, parse_ks, show_report
+    from ..bench import bench as run_bench, find_peer, parse_ks, show_report
     from ..errors import UsageError
 
     if plot is not None and not no_plot and find_spec("matplotlib") is None:  # before the work
@@ -109,6 +110,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
         _print_report(report, show_numerics, json_path, png, json_stdout)
         return
     peer_list = tuple(p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none")
+    for name in peer_list:  # before a recipe's bench bundle is built (minutes)
+        find_peer(name)
     policies = _policies(spec_policy)
     if draft_p_min is not None and not 0 <= draft_p_min <= 1:
         raise UsageError(f"--draft-p-min must be in 0..1, got {draft_p_min}")

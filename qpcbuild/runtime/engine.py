@@ -22,7 +22,7 @@ from .policy import ConfidenceStop, KSchedule, SpeculationPolicy, TargetOnly
 from .proposers import Proposer
 # The loop's values live in rows.py (drafting and replay read them without importing the
 # engine); they are named here too, where the loader and the server have always found them.
-from .rows import (LoopTimes, Row, RowStats, TokenCallback, new_row, prefill_calls,  # noqa: F401
+from .rows import (LoopTimes, RequestStats, Row, TokenCallback, new_row, prefill_calls,  # noqa: F401
                    prefill_feeds)
 from .sampling import (SamplingParams, WindowProbabilities, accept_greedy, accept_sampling,
                        probabilities, sample)
@@ -336,7 +336,7 @@ class SpecDecoder:
                 run.proposer.extend(i, r.tokens[old_len:])
 
     @staticmethod
-    def _count(st: RowStats, drafted: int, accepted: int) -> None:
+    def _count(st: RequestStats, drafted: int, accepted: int) -> None:
         st.target_calls += 1
         if not drafted:
             return

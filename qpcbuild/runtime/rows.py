@@ -1,4 +1,4 @@
-"""The decoding loop's values: a request as the loop keeps it (Row, with its RowStats), the
+"""The decoding loop's values: a request as the loop keeps it (Row, with its RequestStats), the
 loop's timings (LoopTimes) and the prefill chunk layout. The engine (engine.py), the draft's
 side of a step (drafting.py) and the replay (replay.py) all read these; none of them is
 imported back from here."""
@@ -6,13 +6,13 @@ imported back from here."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..errors import UsageError
-from .rates import RequestFigures
+from .rates import acceptance_rate, mean_acceptance_length
 from .sampling import SamplingParams
 
 # (prompt index, new token ids); ids are empty when a cancelled row ends
@@ -60,9 +60,13 @@ class RowRate:
 
 
 @dataclass
-class RowStats(RequestFigures):
+class RequestStats:
+    """One request's statistics, the one record of them: the engine counts into it while the
+    request runs, the server reads it live (per-request metrics), and a generate call's record
+    (stats.SpecDecodingStats.per_request) keeps a `snapshot` of each as the call ended."""
     prompt_tokens: int = 0
     new_tokens: int = 0
+    finish_reason: str = ""  # "" while the request runs (Row.finish_reason is this field)
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     num_drafts: int = 0  # verify steps that carried at least one proposed token
@@ -74,6 +78,34 @@ class RowStats(RequestFigures):
     spec_steps: int = 0  # verify steps this row took with speculation on (goodput gate)
     plain_steps: int = 0  # ... and with it off
 
+    # 0 and 1 where nothing was drafted, not None, as vLLM's per-request metrics read
+    @property
+    def acceptance_rate(self) -> float:
+        rate = acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+        return 0.0 if rate is None else rate
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        length = mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
+        return 1.0 if length is None else length
+
+    def snapshot(self) -> RequestStats:
+        """A copy that the row's further counting does not change."""
+        return replace(self, accepted_per_pos=list(self.accepted_per_pos),
+                       accepted_histogram=list(self.accepted_histogram))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "finish_reason": self.finish_reason, "ttft_s": round(self.ttft_s, 4),
+                "e2e_s": round(self.e2e_s, 4),
+                "spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "steps_with_speculation": self.spec_steps,
+                "steps_without_speculation": self.plain_steps}
+
 
 @dataclass
 class Row:
@@ -83,15 +115,23 @@ class Row:
     target_len: int = 0  # tokens whose target KV is valid (positions 0..target_len-1)
     draft_len: int = 0
     done: bool = False
-    finish_reason: str = ""
     index: int = -1  # position in the caller's prompt list (a request id when serving)
-    stats: RowStats = field(default_factory=RowStats)
+    stats: RequestStats = field(default_factory=RequestStats)
     sp: SamplingParams = field(default_factory=SamplingParams)
     # new_row seeds it; a row made otherwise (the loop's idle slots) never samples
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
     cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
     rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
+
+    # The finish reason is the request's record's (one place); the loop sets it here.
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+    @finish_reason.setter
+    def finish_reason(self, reason: str) -> None:
+        self.stats.finish_reason = reason
 
 
 def new_row(prompt: list[int], max_new_tokens: int, ctx_len: int, sp: SamplingParams,

@@ -4,7 +4,7 @@ One record, `SpecDecodingStats` (as vLLM's SpecDecodingStats): the engine fills 
 generate call's rows and timings, records add up (`merged`), and every reader (run, bench,
 tune, numerics) takes its counts and its derived figures from it. The figures are properties
 computed here and nowhere else; the acceptance formulas themselves are in rates.py, which the
-per-request counters (rows.RowStats) share."""
+per-request record (rows.RequestStats) shares."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .rates import RequestFigures, acceptance_rate, mean_acceptance_length, per_position_acceptance
-from .rows import GateStats, LoopTimes, Row
+from .rates import acceptance_rate, mean_acceptance_length, per_position_acceptance
+from .rows import GateStats, LoopTimes, RequestStats, Row
 
 _TINY_S = 1e-9  # a divisor for a time that may be 0
 
@@ -21,40 +21,6 @@ _TINY_S = 1e-9  # a divisor for a time that may be 0
 def _sum_per_position(lists: Sequence[Sequence[int]]) -> tuple[int, ...]:
     width = max((len(x) for x in lists), default=0)
     return tuple(sum(x[j] for x in lists if j < len(x)) for j in range(width))
-
-
-@dataclass(frozen=True)
-class RequestStats(RequestFigures):
-    """One request's counters as the call ended (a snapshot of its RowStats)."""
-    prompt_tokens: int
-    new_tokens: int
-    finish_reason: str
-    ttft_s: float
-    e2e_s: float
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    spec_steps: int
-    plain_steps: int
-
-    @classmethod
-    def from_row(cls, row: Row) -> RequestStats:
-        s = row.stats
-        return cls(s.prompt_tokens, s.new_tokens, row.finish_reason, s.ttft_s, s.e2e_s,
-                   s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.spec_steps,
-                   s.plain_steps)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-                "finish_reason": self.finish_reason, "ttft_s": round(self.ttft_s, 4),
-                "e2e_s": round(self.e2e_s, 4),
-                "spec_decode_num_drafts": self.num_drafts,
-                "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "acceptance_rate": round(self.acceptance_rate, 4),
-                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-                "steps_with_speculation": self.spec_steps,
-                "steps_without_speculation": self.plain_steps}
 
 
 @dataclass(frozen=True)
@@ -95,7 +61,7 @@ class SpecDecodingStats:
             accepted_per_pos=_sum_per_position([r.stats.accepted_per_pos for r in rows]),
             verify_windows=dict(sorted(times.windows.items())),
             catch_up_calls=times.catch_up_calls, gate=times.gate,
-            per_request=tuple(RequestStats.from_row(r) for r in rows))
+            per_request=tuple(r.stats.snapshot() for r in rows))
 
     @classmethod
     def merged(cls, records: Sequence[SpecDecodingStats]) -> SpecDecodingStats:

@@ -3,27 +3,16 @@ to end on the smallest setting, and its refusals."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks import k_schedule as bench
 from qpcbuild.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("k_schedule_bench",
-                                                  REPO / "benchmarks" / "k_schedule.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+REPO = Path(__file__).resolve().parents[2]
 
 
 def compile_cb(recipe: str, root: Path, ks: str, schedule: str) -> Path:

@@ -1,20 +1,17 @@
-"""scripts/get_peers.py: the checks that guard the peers' set-up, without building anything
+"""benchmarks/peers/get_peers.py: the checks that guard the peers' set-up, without building anything
 (the llama.cpp build and the conversions are measured in docs/qwen-coder.md, not in CI)."""
 
 from __future__ import annotations
 
 import io
 import json
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import get_peers  # noqa: E402  (after its sys.path entry)
-from get_peers import PeerError  # noqa: E402  (after its sys.path entry)
+from benchmarks.peers import get_peers
+from benchmarks.peers.get_peers import PeerError
 
 
 def _tarball(path: Path, members: dict[str, bytes], links: dict[str, str] | None = None) -> Path:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from qpcbuild.bench import all_peers
-from qpcbuild.bench.llama_cpp import (LLAMA_CPP_BIN_ENV, _CountingDraft, _cut_at_eos,
-                                  llama_cpp_peer, llama_lookup_peer, parse_lookup_output)
+from benchmarks.peers import PEERS
+from benchmarks.peers.llama_cpp import (LLAMA_CPP_BIN_ENV, _CountingDraft, _cut_at_eos,
+                                      llama_cpp_peer, llama_lookup_peer, parse_lookup_output)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 GGUF = SMOLLM2 / "model-f32.gguf"
 
@@ -170,8 +170,8 @@ def test_llama_cpp_skipped_when_not_installed(tmp_path, monkeypatch, peer_manife
 
 
 def test_both_llama_peers_are_registered():
-    assert all_peers.PEERS["llama.cpp"] is llama_cpp_peer
-    assert all_peers.PEERS["llama-lookup"] is llama_lookup_peer
+    assert PEERS["llama.cpp"] is llama_cpp_peer
+    assert PEERS["llama-lookup"] is llama_lookup_peer
 
 
 def test_llama_lookup_runner_command_prompt_file_and_figures(tmp_path, monkeypatch,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qpcbuild.bench import all_peers
-from qpcbuild.bench.llama_cpp import LLAMA_CPP_BIN_ENV, llama_speculative_peer, parse_lookup_output
+from benchmarks.peers import PEERS
+from benchmarks.peers.llama_cpp import LLAMA_CPP_BIN_ENV, llama_speculative_peer, parse_lookup_output
 
 # The lines that matter, in the format of examples/speculative/speculative.cpp (llama.cpp
 # 0.5.0-dev, the source llama-cpp-python 0.3.36 vendors), run with -lv 5.
@@ -69,7 +69,7 @@ def test_skipped_without_program_draft_or_gguf(tmp_path, monkeypatch, peer_manif
 
 
 def test_registered():
-    assert all_peers.PEERS["llama-speculative"] is llama_speculative_peer
+    assert PEERS["llama-speculative"] is llama_speculative_peer
 
 
 def test_runner_command_and_figures(tmp_path, monkeypatch, peer_manifest):

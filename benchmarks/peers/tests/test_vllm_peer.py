@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from qpcbuild.bench import all_peers
-from qpcbuild.bench.vllm_peer import VLLM_PYTHON_ENV, vllm_peer
-from qpcbuild.bench.vllm_worker import REPLY
+from benchmarks.peers import PEERS
+from benchmarks.peers.vllm_peer import VLLM_PYTHON_ENV, vllm_peer
+from benchmarks.peers.vllm_worker import REPLY
 
 
 def _checkpoints(tmp_path: Path) -> tuple[Path, Path]:
@@ -22,7 +22,7 @@ def _checkpoints(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_registered_and_skipped_without_the_environment(tmp_path, monkeypatch, peer_manifest):
-    assert all_peers.PEERS["vllm"] is vllm_peer
+    assert PEERS["vllm"] is vllm_peer
     monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
     p = vllm_peer(peer_manifest(*_checkpoints(tmp_path)), [4], 16, {2}, None, print)
     assert p.status == "skipped" and VLLM_PYTHON_ENV in p.note and not p.cases

@@ -16,12 +16,11 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..measuring import Say, package_version
-from .peers import NO_CHECKPOINT, Peer, _local_source
-from .records import Measure
+from qpcbuild.bench import NO_CHECKPOINT, Measure, Peer, Say, local_source
+from qpcbuild.toolchain import package_version
 
 if TYPE_CHECKING:
-    from ..bundle.manifest import Manifest
+    from qpcbuild.bundle.manifest import Manifest
 
 
 def _gguf(folder: Path | None) -> Path | None:
@@ -39,7 +38,7 @@ TIMING_NOTE = ("tokens/s timed as ours: new tokens over the wall time of each pr
 
 def _backend_threads(manifest: Manifest) -> int:
     """The CPU threads our ONNX Runtime target session runs with for this bundle (same rule)."""
-    from ..ort_threads import thread_count
+    from qpcbuild.ort_threads import thread_count
 
     ort = manifest.target.ort
     return thread_count(ort.intra_op_threads if ort else None)
@@ -99,7 +98,7 @@ def llama_cpp_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set
         return Peer("llama.cpp", "skipped", f"not installed ({type(exc).__name__}: {exc}); "
                     "pip install llama-cpp-python")
     version = package_version("llama-cpp-python") or getattr(llama_cpp, "__version__", None)
-    target = _local_source(manifest, "target")
+    target = local_source(manifest, "target")
     gguf = _gguf(target)
     if gguf is None:
         return Peer("llama.cpp", "skipped", NO_GGUF if target else NO_CHECKPOINT, version)
@@ -318,7 +317,7 @@ def llama_lookup_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: 
     exe, why = _llama_program("llama-lookup")
     if exe is None:
         return Peer("llama-lookup", "skipped", why)
-    target = _local_source(manifest, "target")
+    target = local_source(manifest, "target")
     gguf = _gguf(target)
     if gguf is None:
         return Peer("llama-lookup", "skipped", NO_GGUF if target else NO_CHECKPOINT)
@@ -362,7 +361,7 @@ def llama_speculative_peer(manifest: Manifest, ks: list[int], max_new: int, eos_
     exe, why = _llama_program("llama-speculative")
     if exe is None:
         return Peer("llama-speculative", "skipped", why)
-    target, draft = _local_source(manifest, "target"), _local_source(manifest, "draft")
+    target, draft = local_source(manifest, "target"), local_source(manifest, "draft")
     if draft is None:
         return Peer("llama-speculative", "skipped", "the bundle has no draft model (or its "
                     "checkpoint folder is not known: bench the recipe)")

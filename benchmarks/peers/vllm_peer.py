@@ -18,12 +18,10 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..measuring import Say
-from .peers import NO_CHECKPOINT, Peer, _local_source
-from .records import Measure
+from qpcbuild.bench import NO_CHECKPOINT, Measure, Peer, Say, local_source
 
 if TYPE_CHECKING:
-    from ..bundle.manifest import Manifest
+    from qpcbuild.bundle.manifest import Manifest
 
 VLLM_PYTHON_ENV = "QPCBUILD_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -99,7 +97,7 @@ def vllm_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int]
     python_path = Path(python).expanduser()
     if not python_path.is_file():
         return Peer("vllm", "skipped", f"{python_path}: no such program (from {VLLM_PYTHON_ENV})")
-    target, draft = _local_source(manifest, "target"), _local_source(manifest, "draft")
+    target, draft = local_source(manifest, "target"), local_source(manifest, "draft")
     if target is None:
         return Peer("vllm", "skipped", NO_CHECKPOINT)
     try:

@@ -1,9 +1,9 @@
 """Install the systems `qpcbuild bench` compares against, on the same weights as ours.
 
-    python scripts/get_peers.py llama-cpp   # llama.cpp's programs, built from a pinned source
-    python scripts/get_peers.py gguf        # the Qwen2.5-Coder pair as GGUF files for llama.cpp
-    python scripts/get_peers.py vllm        # vLLM's CPU build in an environment of its own
-    python scripts/get_peers.py all         # the three, in that order (`make peers`)
+    python benchmarks/peers/get_peers.py llama-cpp   # llama.cpp's programs, built from a pinned source
+    python benchmarks/peers/get_peers.py gguf        # the Qwen2.5-Coder pair as GGUF files for llama.cpp
+    python benchmarks/peers/get_peers.py vllm        # vLLM's CPU build in an environment of its own
+    python benchmarks/peers/get_peers.py all         # the three, in that order (`make peers`)
 
 llama.cpp comes from the `llama-cpp-python` sdist on the package registry (its vendored source;
 the sdist's SHA-256 is pinned below), built with cmake for the programs bench runs
@@ -34,10 +34,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from get_smollm2 import sha256  # the fetchers' one file digest
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from get_smollm2 import sha256  # noqa: E402  (after its sys.path entry; the fetchers' one file digest)
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36",
                    "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 LLAMA_PROGRAMS = ("llama-completion", "llama-lookup", "llama-speculative", "llama-quantize")

@@ -1,0 +1,116 @@
+"""What the tests and the benchmarks both need, so that neither imports the other: a real OCI
+registry (Debian's `docker-registry`, the CNCF distribution server) on a free loopback port with
+scratch storage, stopped by its PID; and the smallest manifest the typed model accepts, for the
+bench peers' tests. Nothing here imports pytest: tests/registry_server.py adds the skips.
+
+It is in the package (like numpy.testing) because both sides already import the package, which
+needs no sys.path entry; nothing else in the package imports it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    from .bundle.manifest import Manifest
+
+BINARY = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RegistryServer:
+    def __init__(self, root: Path, htpasswd: Path | None = None, auth_config: str = ""):
+        self.root = Path(root)
+        self.storage = self.root / "storage"
+        self.htpasswd = htpasswd
+        self.auth_config = auth_config  # an `auth:` section of its own (a token service)
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "RegistryServer":
+        self.port = self.port or free_port()
+        self.storage.mkdir(parents=True, exist_ok=True)
+        auth = (f"auth:\n  htpasswd:\n    realm: qpcbuild-test\n    path: {self.htpasswd}\n"
+                if self.htpasswd else self.auth_config)
+        config = self.root / "config.yml"
+        config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+                          f"    rootdirectory: {self.storage}\n  delete:\n    enabled: true\n"
+                          f"http:\n  addr: {self.address}\n{auth}")
+        log = open(self.root / "registry.log", "ab")
+        self.proc = subprocess.Popen([BINARY, "serve", str(config)], stdout=log, stderr=log,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"docker-registry exited: "
+                                   f"{(self.root / 'registry.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://{self.address}/v2/", timeout=1).status_code in (200, 401):
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("docker-registry did not answer within 20 s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def blob_path(self, digest: str) -> Path:
+        hexdigest = digest.split(":", 1)[-1]
+        return (self.storage / "docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest /
+                "data")
+
+    def blob_bytes(self) -> int:
+        """What the registry stores in blobs (each stored once, whoever refers to it)."""
+        root = self.storage / "docker/registry/v2/blobs"
+        return sum(p.stat().st_size for p in root.rglob("data")) if root.is_dir() else 0
+
+
+def small_manifest(target: Path, draft: Path | None = None, *, threads: int | None = None,
+                   ctx: int = 256, local: bool = True) -> Manifest:
+    """A checked Manifest of a bundle whose roles' checkpoints are these folders (as `bench`
+    hands them to the peers): the smallest manifest the typed model accepts, for the peer tests
+    that need no built bundle. `local`: the folders are known on this machine."""
+    from .bundle.manifest import Manifest
+
+    def role(path: Path) -> dict[str, Any]:
+        specs = [{"name": f"Decode_{n}", "symbols": {"batch_size": "1", "seq_len": str(n),
+                                                      "ctx_len": str(ctx)}} for n in (1, 5)]
+        return {"source": {"ref": str(path)}, "specializations": specs,
+                "arch": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "vocab_size": 8,
+                         "param_count": 0, "eos_token_ids": []},
+                "ort": {"core_share": 1.0, "intra_op_threads": threads}, "backends": {}}
+
+    paths = {"target": target, **({"draft": draft} if draft is not None else {})}
+    m = Manifest.unsealed({
+        "schema": 3, "name": "peer-test", "tokenizer": {"verdict": "identical"},
+        "speculation": {"method": "draft_model" if draft is not None else "ngram",
+                        "options": {}, "num_speculative_tokens": [0, 4]},
+        "shapes": {"batch_size": 1, "prefill_seq_len": 1, "ctx_len": ctx},
+        "roles": {r: role(p) for r, p in paths.items()}})
+    return m.with_model_paths(paths) if local else m
