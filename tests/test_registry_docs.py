@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from qpcbuild.cli import app
 from qpcbuild.tree import hash_tree
-from registry_server import BINARY, free_port, require_registry
+from qpcbuild.testing import free_port
+from registry_server import BINARY, require_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "registry.md").read_text()
