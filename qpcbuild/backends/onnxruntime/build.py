@@ -60,9 +60,15 @@ class OrtBackend:
 
     def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
+        from .moe import MOE_FORM, uses_moe_op  # onnx is imported by the build only
+
+        # A MoE model's portable artifact runs its experts on the MoE kernel (moe.py): its own
+        # key, while every other model's stays as it was.
+        experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) \
+            and self.part(role).graph == "portable" else {}
         return {"export": export_digest, "settings": role.cache_keys[self.name],
                 "lowering": ORT_LOWERING_VERSION, "onnxruntime": tools["onnxruntime"],
-                "onnx": tools["onnx"]}
+                "onnx": tools["onnx"], **experts}
 
     def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
                      inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
@@ -113,6 +119,8 @@ class OrtBackend:
     def build_portable(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         import onnxruntime as ort
 
+        from .moe import MOE_FORM, rebuild_with_moe_op, uses_moe_op
+
         out = ctx.staging / role.role / "ort"
         work = ctx.staging / role.role / ".ort-work"
         out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +134,12 @@ class OrtBackend:
             os.link(onnx_dir / DATA_FILE, work / DATA_FILE)
         except OSError:
             shutil.copyfile(onnx_dir / DATA_FILE, work / DATA_FILE)
-        fix_dims(onnx_dir / GRAPH_FILE, fixed, work / GRAPH_FILE)
+        experts = {}
+        if uses_moe_op(role.arch):  # the routed layers on ORT's MoE kernel, not dense
+            fix_dims(rebuild_with_moe_op(onnx_dir, work, role.arch), fixed, work / GRAPH_FILE)
+            experts = {"experts": MOE_FORM}
+        else:
+            fix_dims(onnx_dir / GRAPH_FILE, fixed, work / GRAPH_FILE)
 
         so, _ = session_options(1)  # optimizing a graph needs no threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -146,7 +159,7 @@ class OrtBackend:
                 "graph": "portable", "kv_binding": "ping_pong",
                 "numerics": "exact", "numerics_formats": {"weights": "float32", "kv": "float32"},
                 "fixed_dims": fixed, "optimization_level": ORT_LEVEL,
-                "execution_provider": "CPUExecutionProvider"}
+                "execution_provider": "CPUExecutionProvider", **experts}
 
 
 BUILDER = OrtBackend
