@@ -16,12 +16,16 @@ import onnx
 import pytest
 
 from qpcbuild.backends.onnxruntime.moe import MOE_FORM, rebuild_with_moe_op
+from qpcbuild.errors import RecipeError
 from qpcbuild.export import DATA_FILE, export_model
 from qpcbuild.models.source import resolve
+from qpcbuild.plan import make_plan
+from qpcbuild.recipe import load_recipe
+from qpcbuild.runtime.loader import load
 
 from helpers_export import GraphDriver, hf_logits, run_mixed_batch
 from helpers_qaic import build
-from test_families import write_recipe
+from test_families import NEW_TOKENS, hf_greedy, prompts, write_recipe
 
 MOE_VARIANTS = ("qwen3_moe", "mixtral", "gpt_oss")
 TOL = 1e-4
@@ -95,3 +99,41 @@ def test_onnxruntime_artifact_of_a_moe_target_holds_folded_expert_stacks(tiny_mo
     assert matmuls <= 2 * 7 + 1, matmuls
     manifest = json.loads((out / "manifest.json").read_text())
     assert MOE_FORM in json.dumps(manifest)
+
+
+def without_window(model: Path, folder: Path) -> Path:
+    """`model` with config.json's sliding_window removed (transformers then attends to every
+    position too): a Mixtral the fused lowering can run at any ctx_len."""
+    folder.mkdir()
+    for f in model.iterdir():
+        os.link(f, folder / f.name)
+    config = json.loads((model / "config.json").read_text())
+    config["sliding_window"] = None
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_fused_lowering_runs_routed_layers_on_the_moe_kernel_and_equals_generate(
+        variant, tiny_models, tmp_path):
+    """Qwen3-MoE (a dense layer among routed ones, top 2 not renormalized) and Mixtral on the
+    fused graph: GroupQueryAttention and the MoE kernel; greedy n-gram SpD equals `generate`."""
+    target = tiny_models[variant]
+    if variant == "mixtral":
+        target = without_window(target, tmp_path / "mixtral-no-window")
+    out = tmp_path / "bundle"
+    build(write_recipe(tmp_path, target, "ngram", graph="fused"), tmp_path / "cache", out)
+    assert ops(out / "target" / "ort" / "model.onnx")["MoE"] == (1 if variant == "qwen3_moe"
+                                                                  else 2)
+    gen = load(out)
+    for ids in prompts(7):
+        ours = gen.generate([ids], max_new_tokens=NEW_TOKENS).rows[0].tokens[len(ids):]
+        assert ours == hf_greedy(target, ids), (variant, ids)
+
+
+def test_fused_lowering_refuses_int8_experts_and_names_the_key(tiny_models, tmp_path):
+    recipe = write_recipe(tmp_path, tiny_models["qwen3_moe"], "ngram", graph="fused")
+    with pytest.raises(RecipeError) as err:
+        make_plan(load_recipe(recipe, ["onnxruntime.target_weights=int8"]))
+    assert "onnxruntime.target_weights" in str(err.value) and "float32" in str(err.value)

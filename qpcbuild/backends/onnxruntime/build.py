@@ -107,7 +107,10 @@ class OrtBackend:
         build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
                         ort.numerics_formats if ort.numerics == "emulated" else None)
-        return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
+        from .moe import MOE_FORM, uses_moe_op
+
+        experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) else {}
+        return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}", **experts,
                 "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,
                 # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)
                 "numerics": ort.numerics,

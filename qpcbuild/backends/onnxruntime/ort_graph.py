@@ -283,8 +283,36 @@ class _Lowered:
         y = self.norm(g.op("Reshape", x, g.const([0, 0, heads, d])), weight)
         return g.op("Reshape", y, g.const([0, 0, heads * d]))
 
+    def routed(self, i: int, h: str) -> str:
+        """A routed layer (Qwen3-MoE, Mixtral) as one com.microsoft.MoE node, which runs only the
+        top-k experts of each token: the router's logits in, the kernel's softmax and top k
+        (renormalized as the model says), SwiGLU with alpha 1 and beta 0 (SiLU gating). Its
+        weights are stacked here: gate and up interleaved row by row [E, 2W, H], down [E, H, W]
+        (the plan keeps int8/int4 and MXFP6 weights away from these layers)."""
+        g, a = self.g, self.a
+        block, gate, up, down = a.moe_names
+        p = f"model.layers.{i}.{block}"
+        experts = [f"{p}.experts.{j}" for j in range(a.num_experts)]
+        fc1 = np.stack([np.stack([self.w.get(f"{x}.{gate}.weight^T").T,
+                                  self.w.get(f"{x}.{up}.weight^T").T], axis=1)
+                        .reshape(2 * a.expert_intermediate_size, a.hidden_size)
+                        for x in experts])
+        fc2 = np.stack([self.w.get(f"{x}.{down}.weight^T").T for x in experts])
+        router = g.op("Reshape", self.project(h, f"{p}.gate.weight^T"),
+                      g.const([-1, a.num_experts]))
+        out = g._name("moe")
+        g.nodes.append(helper.make_node(
+            "MoE", [h, router, self.weight(f"{p}.experts.fc1", fc1), "",
+                    self.weight(f"{p}.experts.fc2", fc2)], [out], domain=MS,
+            name=f"n{len(g.nodes)}_MoE", k=a.experts_per_token, activation_type="swiglu",
+            swiglu_fusion=1, normalize_routing_weights=int(a.norm_topk_prob),
+            activation_alpha=1.0, activation_beta=0.0))
+        return out
+
     def mlp(self, i: int, h: str) -> str:
         g, a = self.g, self.a
+        if i in a.moe_layers:
+            return self.routed(i, h)
         p = f"model.layers.{i}.mlp"
         gate_up = np.concatenate([self.w.get(f"{p}.gate_proj.weight^T"),
                                   self.w.get(f"{p}.up_proj.weight^T")], axis=1)
