@@ -137,3 +137,29 @@ def test_fused_lowering_refuses_int8_experts_and_names_the_key(tiny_models, tmp_
     with pytest.raises(RecipeError) as err:
         make_plan(load_recipe(recipe, ["onnxruntime.target_weights=int8"]))
     assert "onnxruntime.target_weights" in str(err.value) and "float32" in str(err.value)
+
+
+@pytest.mark.parametrize("form", ["draft-vocab-subset", "float16-weights"])
+def test_moe_kernel_graph_keeps_a_vocab_subset_and_float16_weights_of_the_export(
+        form, tiny_models, tmp_path):
+    """The rebuild reads what the export holds: a draft's vocabulary subset (its head rows and
+    the spread back over the vocabulary) and float16 weights Cast where they are used. Its logits
+    equal the exported graph's on the same calls (that graph is checked against transformers in
+    test_export.py)."""
+    path = tiny_models["gpt_oss"]
+    subset = np.arange(4, 200, 3) if form == "draft-vocab-subset" else None
+    res = export_model(resolve(str(path)), "draft" if subset is not None else "target",
+                       tmp_path / "export", vocab_subset=subset,
+                       weight_dtype="float16" if subset is None else "float32")
+    work = tmp_path / "ort"
+    work.mkdir()
+    os.link(res.onnx_path.parent / DATA_FILE, work / DATA_FILE)
+    rebuilt = rebuild_with_moe_op(res.onnx_path.parent, work, res.arch)
+    tokens = np.random.default_rng(4).integers(4, 256, (2, 20))
+    ours, theirs = (run_mixed_batch(GraphDriver(g, 2, ctx_len=32), tokens, [14, 10], 3)
+                    for g in (rebuilt, res.onnx_path))
+    for step in ours:
+        assert np.abs(ours[step] - theirs[step]).max() <= TOL, step
+    if subset is not None:  # tokens outside the subset are masked in both
+        assert (ours["decode"] < -1e3).sum() == 2 * (256 - len(subset))
+    assert ops(rebuilt)["MoE"] == 2
