@@ -20,7 +20,7 @@ from ...ort_threads import session_options
 from ...plan import RolePlan
 from ...toolchain import package_version
 from ...bundle.backend import BuildContext
-from .plan import ORT_LOWERING_VERSION, OrtPart
+from .plan import MOE_FORM, ORT_LOWERING_VERSION, OrtPart, uses_moe_op
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
 
@@ -60,8 +60,6 @@ class OrtBackend:
 
     def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
-        from .moe import MOE_FORM, uses_moe_op  # onnx is imported by the build only
-
         # A MoE model's portable artifact runs its experts on the MoE kernel (moe.py): its own
         # key, while every other model's stays as it was.
         experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) \
@@ -107,8 +105,6 @@ class OrtBackend:
         build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
                         ort.numerics_formats if ort.numerics == "emulated" else None)
-        from .moe import MOE_FORM, uses_moe_op
-
         experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) else {}
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}", **experts,
                 "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,
@@ -122,7 +118,7 @@ class OrtBackend:
     def build_portable(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         import onnxruntime as ort
 
-        from .moe import MOE_FORM, rebuild_with_moe_op, uses_moe_op
+        from .moe import rebuild_with_moe_op
 
         out = ctx.staging / role.role / "ort"
         work = ctx.staging / role.role / ".ort-work"

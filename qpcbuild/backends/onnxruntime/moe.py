@@ -23,15 +23,9 @@ from ...export.builder import GraphBuilder, weight_key
 from ...export.decoder import SUBSET_KEPT, Decoder
 from ...export.experts import MS
 from ...models.arch import ArchSpec
+from .plan import MOE_FORM
 
-MOE_FORM = "com.microsoft.MoE"  # what the manifest and the artifact's cache key record
 TABLES_FILE = "model.onnx.tables"  # the rebuilt graph's own small tensors
-
-
-def uses_moe_op(arch: ArchSpec) -> bool:
-    """Whether the onnxruntime artifact runs this model's routed layers on the MoE kernel: every
-    MoE family but one whose experts' activation the kernel lacks (it has SwiGLU only)."""
-    return bool(arch.num_experts) and (arch.stacked_experts or arch.hidden_act == "silu")
 
 
 def rebuild_with_moe_op(export_dir: Path, out_dir: Path, arch: ArchSpec) -> Path:
