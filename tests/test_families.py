@@ -108,7 +108,7 @@ def test_gemma2_draft_model_speeds_a_gemma3_target_and_output_equals_generate(ti
         assert ours == hf_greedy(target, ids), ids
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding"])
+@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding", "gpt_oss", "phi3"])
 def test_fused_lowering_is_refused_where_it_does_not_apply_and_the_fix_is_named(
         variant, tiny_models, tmp_path):
     recipe = write_recipe(tmp_path, tiny_models[variant], "ngram", graph="fused")
