@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -107,7 +108,7 @@ def test_gemma2_draft_model_speeds_a_gemma3_target_and_output_equals_generate(ti
         assert ours == hf_greedy(target, ids), ids
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding"])
+@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding", "gpt_oss", "phi3"])
 def test_fused_lowering_is_refused_where_it_does_not_apply_and_the_fix_is_named(
         variant, tiny_models, tmp_path):
     recipe = write_recipe(tmp_path, tiny_models[variant], "ngram", graph="fused")
@@ -140,6 +141,21 @@ def test_fused_lowering_still_plans_for_a_sliding_model_whose_window_covers_ctx_
     (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
     plan = make_plan(load_recipe(write_recipe(tmp_path, folder, "ngram", graph="fused")))
     assert plan.role("target").backends["onnxruntime"].graph == "fused"
+
+
+def test_fused_lowering_runs_granite_with_its_multipliers_and_equals_generate(tiny_models,
+                                                                             tmp_path):
+    """Granite on the fused graph: the scores' multiplier is GroupQueryAttention's scale, the
+    embedding and residual multipliers and the logits divisor are Muls and a Div around it."""
+    target = tiny_models["granite"]
+    out = tmp_path / "bundle"
+    build(write_recipe(tmp_path, target, "ngram", graph="fused"), tmp_path / "cache", out)
+    graph = onnx.load(str(out / "target" / "ort" / "model.onnx"), load_external_data=False)
+    assert "GroupQueryAttention" in {n.op_type for n in graph.graph.node}
+    gen = load(out)
+    for ids in prompts(5):
+        ours = gen.generate([ids], max_new_tokens=NEW_TOKENS).rows[0].tokens[len(ids):]
+        assert ours == hf_greedy(target, ids), ids
 
 
 def test_card_recipe_for_a_gemma3_target_plans_and_emits(tiny_models, tmp_path, no_qaic_sdk):

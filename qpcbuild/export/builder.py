@@ -16,6 +16,13 @@ BLOCK_ELEMENTS = 1 << 24  # at most 64 MiB of float32 staged per write
 TILE = 64
 
 
+def weight_key(name: str, transpose: bool, subset: bool, offset: float) -> str:
+    """The exported graph's name of one form of checkpoint tensor `name`: transposed (a MatMul
+    weight), cut to a draft's vocabulary subset, or offset (Gemma's 1 + w)."""
+    key = f"{name}{'^T' if transpose else ''}{'[subset]' if subset else ''}"
+    return key + (f"+{offset:g}" if offset else "")
+
+
 class GraphBuilder:
     def __init__(self, data_file: BinaryIO, data_name: str):
         self.nodes: list[onnx.NodeProto] = []

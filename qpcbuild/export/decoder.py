@@ -58,8 +58,11 @@ def rope_tables(arch: ArchSpec, positions: int,
 
 class Decoder(RoutedExperts):
     def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader,
-                 vocab_subset: np.ndarray | None = None):
+                 vocab_subset: np.ndarray | None = None, moe_op: bool = False):
+        """moe_op: routed layers as ONNX Runtime's MoE operator (experts.py), not the card's
+        dense form."""
         self.g, self.a, self.load, self.vocab_subset = g, arch, load, vocab_subset
+        self.moe_op = moe_op
 
     # ------------------------------------------------------------ small pieces
     def rms_norm(self, x: str, weight: str) -> str:

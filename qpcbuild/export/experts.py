@@ -1,24 +1,34 @@
 """Routed (mixture-of-experts) blocks of the decoder: Qwen3-MoE and Mixtral (one tensor per
-expert projection), GPT-OSS (experts stacked in [E, ...] tensors). Both forms are exact and
-dense: every expert runs on every token and the router's weights, zero for experts a token did
-not choose, pick the sum. The methods are part of `decoder.Decoder` (its g, a, load, linear,
-activation and slice_last)."""
+expert projection), GPT-OSS (experts stacked in [E, ...] tensors), in two forms:
+
+- the card's (`experts`, `stacked_experts`), exact and dense: every expert runs on every token
+  and the router's weights, zero for experts a token did not choose, pick the sum;
+- ONNX Runtime's (`moe_op`, when the decoder is built with `moe_op=True`): one
+  com.microsoft.MoE node per routed layer, whose CPU kernel runs only the top-k experts of each
+  token (the ORT backend rebuilds a MoE model's graph in this form, backends/onnxruntime/moe.py).
+
+The methods are part of `decoder.Decoder` (its g, a, load, linear, activation and slice_last)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+from onnx import helper
 
 if TYPE_CHECKING:
     from ..models.arch import ArchSpec
     from .builder import GraphBuilder
 
 
+MS = "com.microsoft"  # the domain of ONNX Runtime's MoE operator
+
+
 class RoutedExperts:
     g: GraphBuilder
     a: ArchSpec
     load: Callable[..., str]
+    moe_op: bool = False  # ONNX Runtime's MoE operator instead of the dense form
 
     def experts(self, i: int, n: str) -> str:
         """A routed layer (Qwen3-MoE, Mixtral), exact and dense: the router's softmax, its top k
@@ -30,6 +40,8 @@ class RoutedExperts:
         h, e_width, count = a.hidden_size, a.expert_intermediate_size, a.num_experts
         block, gate_name, up_name, down_name = a.moe_names
         p = f"model.layers.{i}.{block}"
+        if self.moe_op and (a.stacked_experts or a.hidden_act == "silu"):
+            return self.routed_by_moe_op(p, n)
         if a.stacked_experts:
             return self.stacked_experts(p, n)
         probs = g.op("Softmax", self.linear(n, f"{p}.gate", h, count, False), axis=-1)
@@ -81,4 +93,55 @@ class RoutedExperts:
                                  pick["down_proj"]), pick["down_proj_bias"])
             y = g.op("Mul", y, self.slice_last(weights, j, j + 1))
             out = y if out is None else g.op("Add", out, y)
+        return out
+
+    def routed_by_moe_op(self, p: str, n: str) -> str:
+        """A routed layer as one com.microsoft.MoE node: the router's logits in, the kernel's
+        softmax over all experts and its top k (renormalized: a softmax over the top-k logits,
+        as GPT-OSS routes), then each chosen expert's SwiGLU MLP only. The kernel takes gate and
+        up interleaved row by row ([E, 2W, H]) and down as [E, H, W]: the stacks are built here
+        from the exported tensors by Transposes and Concats of initializers, which ONNX
+        Runtime's optimizer folds into single weights when the artifact is built.
+
+        SwiGLU is gate * sigmoid(alpha * gate) * (up + beta), gate clamped at `limit` and up
+        within +-limit: SiLU gating is alpha 1, beta 0 and no limit; GPT-OSS's is its
+        swiglu_alpha, beta 1 and swiglu_limit."""
+        g, a = self.g, self.a
+        h, width, count = a.hidden_size, a.expert_intermediate_size, a.num_experts
+        if a.stacked_experts:
+            x = f"{p}.experts"
+            logits = self.linear(n, f"{p}.router", h, count, True)
+            fc1 = g.op("Transpose", self.load(f"{x}.gate_up_proj", (count, h, 2 * width),
+                                              False), perm=[0, 2, 1])  # [E, 2W, H]
+            fc2 = g.op("Transpose", self.load(f"{x}.down_proj", (count, width, h), False),
+                       perm=[0, 2, 1])  # [E, H, W]
+            biases = [self.load(f"{x}.gate_up_proj_bias", (count, 2 * width), False),
+                      self.load(f"{x}.down_proj_bias", (count, h), False)]
+            activation = {"activation_alpha": a.swiglu_alpha, "activation_beta": 1.0,
+                          "swiglu_limit": a.swiglu_limit}
+            normalize = True
+        else:
+            _, gate_name, up_name, down_name = a.moe_names
+            logits = self.linear(n, f"{p}.gate", h, count, False)
+            rows, downs = [], []
+            for j in range(count):
+                x = f"{p}.experts.{j}"
+                gate, up = (g.op("Unsqueeze", self.load(f"{x}.{name}.weight", (width, h), True),
+                                 g.const([-1])) for name in (gate_name, up_name))  # [H, W, 1]
+                # [1, H, 2W]: gate and up columns interleaved
+                rows.append(g.op("Reshape", g.op("Concat", gate, up, axis=-1),
+                                 g.const([1, h, 2 * width])))
+                downs.append(g.op("Unsqueeze", self.load(f"{x}.{down_name}.weight", (h, width),
+                                                         True), g.const([0])))  # [1, W, H]
+            fc1 = g.op("Transpose", g.op("Concat", *rows, axis=0), perm=[0, 2, 1])
+            fc2 = g.op("Transpose", g.op("Concat", *downs, axis=0), perm=[0, 2, 1])
+            biases = ["", ""]
+            activation = {"activation_alpha": 1.0, "activation_beta": 0.0}
+            normalize = a.norm_topk_prob
+        router = g.op("Reshape", logits, g.const([-1, count]))  # [B*S, E]: the kernel's form
+        out = g._name("moe")
+        g.nodes.append(helper.make_node(
+            "MoE", [n, router, fc1, biases[0], fc2, biases[1]], [out], domain=MS,
+            name=f"n{len(g.nodes)}_MoE", k=a.experts_per_token, activation_type="swiglu",
+            swiglu_fusion=1, normalize_routing_weights=int(normalize), **activation))
         return out

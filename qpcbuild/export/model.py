@@ -21,9 +21,8 @@ from ..models.source import ModelSource, safetensors_files, tokenizer_files
 from ..models.vocab_subset import subset_digest
 from ..progress import step
 from . import DATA_FILE, GRAPH_FILE, OPSET
-from .builder import GraphBuilder, save
+from .builder import GraphBuilder, save, weight_key
 from .decoder import Decoder
-
 
 
 @dataclass(frozen=True)
@@ -92,8 +91,7 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
 
             def load(name: str, shape: tuple[int, ...], transpose: bool,
                      rows: np.ndarray | None = None, offset: float = 0.0) -> str:
-                key = f"{name}{'^T' if transpose else ''}{'[subset]' if rows is not None else ''}"
-                key += f"+{offset:g}" if offset else ""
+                key = weight_key(name, transpose, rows is not None, offset)
                 if key not in loaded:
                     stored = reader.stored(name, shape)
                     if stored.non_finite():

@@ -176,15 +176,16 @@ class ArchSpec:
 
     def fused_ort_problem(self, ctx_len: int) -> str | None:
         """Why qpcbuild's fused ONNX Runtime lowering cannot run this model at `ctx_len`, or
-        None. That lowering is Llama's block on ORT's GroupQueryAttention; Gemma's norms,
-        activation and soft-capping, and windows shorter than the context, run on the portable
+        None. That lowering is Llama's block on ORT's GroupQueryAttention (with Qwen's biases
+        and q/k norms, Granite's multipliers: the scores' one is the kernel's scale), and routed
+        layers of SiLU experts on ORT's MoE kernel (Qwen3-MoE, Mixtral); Gemma's norms,
+        activation and soft-capping, Phi-3's partial and longrope RoPE, GPT-OSS's sinks,
+        stacked experts and YaRN, and windows shorter than the context, run on the portable
         graph (the exported one, exact)."""
         if self.sandwich_norms or self.norm_offset or self.hidden_act != "silu" or \
                 self.attn_logit_softcapping or self.final_logit_softcapping or \
-                self.embedding_scale != 1.0 or self.residual_scale != 1.0 or \
-                self.logits_divisor != 1.0 or self.attention_scale is not None or \
-                self.fused_projections or self.rope_dim != self.head_dim or self.num_experts or \
-                self.attention_sinks or \
+                self.fused_projections or self.rope_dim != self.head_dim or \
+                self.stacked_experts or self.attention_sinks or \
                 self.rope_attention_factor != 1.0:
             return f"the fused lowering does not build {self.family}'s layers"
         if any(self.is_sliding(i) for i in range(self.num_layers)) and \

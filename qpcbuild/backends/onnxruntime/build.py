@@ -20,7 +20,7 @@ from ...ort_threads import session_options
 from ...plan import RolePlan
 from ...toolchain import package_version
 from ...bundle.backend import BuildContext
-from .plan import ORT_LOWERING_VERSION, OrtPart
+from .plan import MOE_FORM, ORT_LOWERING_VERSION, OrtPart, uses_moe_op
 
 ORT_LEVEL = "extended"  # "all" adds layout rewrites tied to the building CPU; not portable
 
@@ -60,9 +60,13 @@ class OrtBackend:
 
     def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
+        # A MoE model's portable artifact runs its experts on the MoE kernel (moe.py): its own
+        # key, while every other model's stays as it was.
+        experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) \
+            and self.part(role).graph == "portable" else {}
         return {"export": export_digest, "settings": role.cache_keys[self.name],
                 "lowering": ORT_LOWERING_VERSION, "onnxruntime": tools["onnxruntime"],
-                "onnx": tools["onnx"]}
+                "onnx": tools["onnx"], **experts}
 
     def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,
                      inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
@@ -101,7 +105,8 @@ class OrtBackend:
         build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
                         ort.numerics_formats if ort.numerics == "emulated" else None)
-        return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
+        experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) else {}
+        return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}", **experts,
                 "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,
                 # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)
                 "numerics": ort.numerics,
@@ -112,6 +117,8 @@ class OrtBackend:
 
     def build_portable(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         import onnxruntime as ort
+
+        from .moe import rebuild_with_moe_op
 
         out = ctx.staging / role.role / "ort"
         work = ctx.staging / role.role / ".ort-work"
@@ -126,7 +133,12 @@ class OrtBackend:
             os.link(onnx_dir / DATA_FILE, work / DATA_FILE)
         except OSError:
             shutil.copyfile(onnx_dir / DATA_FILE, work / DATA_FILE)
-        fix_dims(onnx_dir / GRAPH_FILE, fixed, work / GRAPH_FILE)
+        experts = {}
+        if uses_moe_op(role.arch):  # the routed layers on ORT's MoE kernel, not dense
+            fix_dims(rebuild_with_moe_op(onnx_dir, work, role.arch), fixed, work / GRAPH_FILE)
+            experts = {"experts": MOE_FORM}
+        else:
+            fix_dims(onnx_dir / GRAPH_FILE, fixed, work / GRAPH_FILE)
 
         so, _ = session_options(1)  # optimizing a graph needs no threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -146,7 +158,7 @@ class OrtBackend:
                 "graph": "portable", "kv_binding": "ping_pong",
                 "numerics": "exact", "numerics_formats": {"weights": "float32", "kv": "float32"},
                 "fixed_dims": fixed, "optimization_level": ORT_LEVEL,
-                "execution_provider": "CPUExecutionProvider"}
+                "execution_provider": "CPUExecutionProvider", **experts}
 
 
 BUILDER = OrtBackend

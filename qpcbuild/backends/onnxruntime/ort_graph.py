@@ -153,6 +153,10 @@ class _Lowered:
             N=arr.shape[1], bits=self.bits, block_size=INT8_BLOCK, accuracy_level=4))
         return out
 
+    def scaled(self, x: str, factor: float) -> str:
+        """x * factor, x itself for 1 (every family but Granite)."""
+        return x if factor == 1.0 else self.g.op("Mul", x, self.g.const(factor, np.float32))
+
     def norm(self, x: str, weight: str) -> str:
         return self.g.op("SimplifiedLayerNormalization", x, self.weight(weight), axis=-1,
                          epsilon=self.a.rms_norm_eps, stash_type=1)
@@ -194,12 +198,15 @@ class _Lowered:
             steps = g.op("Range", g.const(0), g.op("Squeeze", seq, g.const([0])), g.const(1))
             self.rot_pos = g.op("Add", g.op("Unsqueeze", start, g.const([1])), steps)
 
-        x = g.op("Gather", self.weight("model.embed_tokens.weight"), ids)
+        x = self.scaled(g.op("Gather", self.weight("model.embed_tokens.weight"), ids),
+                        a.embedding_scale)  # Granite's embedding multiplier
         h = self.norm(x, "model.layers.0.input_layernorm.weight")
         for i in range(a.num_layers):
-            delta = self.attention(i, h, past[i], seqlens, total, cos, sin)
+            # Granite scales each residual branch
+            delta = self.scaled(self.attention(i, h, past[i], seqlens, total, cos, sin),
+                                a.residual_scale)
             h, x = self.skip_norm(x, delta, f"model.layers.{i}.post_attention_layernorm.weight")
-            delta = self.mlp(i, h)
+            delta = self.scaled(self.mlp(i, h), a.residual_scale)
             nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < a.num_layers \
                 else "model.norm.weight"
             h, x = self.skip_norm(x, delta, nxt)
@@ -234,7 +241,7 @@ class _Lowered:
             [out, f"past_key.{i}_RetainedState", f"past_value.{i}_RetainedState"], domain=MS,
             name=f"n{len(g.nodes)}_GQA", num_heads=a.num_heads, kv_num_heads=a.num_kv_heads,
             do_rotary=0 if self.mxint8 else 1, rotary_interleaved=0,
-            scale=a.head_dim ** -0.5))
+            scale=a.scores_scale))  # 1/sqrt(head_dim), or Granite's attention multiplier
         o = self.project(out, f"{p}.o_proj.weight^T")
         return g.op("Add", o, self.weight(f"{p}.o_proj.bias")) if a.o_bias else o
 
@@ -283,8 +290,36 @@ class _Lowered:
         y = self.norm(g.op("Reshape", x, g.const([0, 0, heads, d])), weight)
         return g.op("Reshape", y, g.const([0, 0, heads * d]))
 
+    def routed(self, i: int, h: str) -> str:
+        """A routed layer (Qwen3-MoE, Mixtral) as one com.microsoft.MoE node, which runs only the
+        top-k experts of each token: the router's logits in, the kernel's softmax and top k
+        (renormalized as the model says), SwiGLU with alpha 1 and beta 0 (SiLU gating). Its
+        weights are stacked here: gate and up interleaved row by row [E, 2W, H], down [E, H, W]
+        (the plan keeps int8/int4 and MXFP6 weights away from these layers)."""
+        g, a = self.g, self.a
+        block, gate, up, down = a.moe_names
+        p = f"model.layers.{i}.{block}"
+        experts = [f"{p}.experts.{j}" for j in range(a.num_experts)]
+        fc1 = np.stack([np.stack([self.w.get(f"{x}.{gate}.weight^T").T,
+                                  self.w.get(f"{x}.{up}.weight^T").T], axis=1)
+                        .reshape(2 * a.expert_intermediate_size, a.hidden_size)
+                        for x in experts])
+        fc2 = np.stack([self.w.get(f"{x}.{down}.weight^T").T for x in experts])
+        router = g.op("Reshape", self.project(h, f"{p}.gate.weight^T"),
+                      g.const([-1, a.num_experts]))
+        out = g._name("moe")
+        g.nodes.append(helper.make_node(
+            "MoE", [h, router, self.weight(f"{p}.experts.fc1", fc1), "",
+                    self.weight(f"{p}.experts.fc2", fc2)], [out], domain=MS,
+            name=f"n{len(g.nodes)}_MoE", k=a.experts_per_token, activation_type="swiglu",
+            swiglu_fusion=1, normalize_routing_weights=int(a.norm_topk_prob),
+            activation_alpha=1.0, activation_beta=0.0))
+        return out
+
     def mlp(self, i: int, h: str) -> str:
         g, a = self.g, self.a
+        if i in a.moe_layers:
+            return self.routed(i, h)
         p = f"model.layers.{i}.mlp"
         gate_up = np.concatenate([self.w.get(f"{p}.gate_proj.weight^T"),
                                   self.w.get(f"{p}.up_proj.weight^T")], axis=1)

@@ -8,8 +8,17 @@ from typing import Any
 
 from ...recipe.schema import CARDS, Recipe
 from ...backend_api import BackendPart, RoleFacts
+from ...models.arch import ArchSpec
 
 ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the same graph
+MOE_FORM = "com.microsoft.MoE"  # a MoE model's experts in the artifact (manifest, cache key)
+
+
+def uses_moe_op(arch: ArchSpec) -> bool:
+    """Whether the onnxruntime artifact runs this model's routed layers on ONNX Runtime's MoE
+    kernel (moe.py): every MoE family but one whose experts' activation the kernel lacks (it has
+    SwiGLU only)."""
+    return bool(arch.num_experts) and (arch.stacked_experts or arch.hidden_act == "silu")
 
 
 def ort_graph(r: Recipe) -> str:
