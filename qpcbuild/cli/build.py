@@ -13,6 +13,7 @@ from .refs import InsecureOpt
 from .render import console, err_console
 
 if TYPE_CHECKING:
+    from ..recipe.changes import RecipeChanges
     from ..tune.decision import Decision
 
 
@@ -170,17 +171,17 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     if no_cache and tune_k:
         raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
                          "built through the cache")
-    tuning = None
+    tuning, tuned = None, None
     if (tune_cost_model or tune_force) and not tune_k:
         raise UsageError("--tune-cost-model and --tune-force go with --tune")
     if tune_k:
         if smoke_weights:
             raise UsageError("--tune measures the real models; it cannot be combined with "
                              "--smoke-weights")
-        set_, tuning = _tuned(recipe, set_ or [], cache_dir, json_out, tune_cost_model,
-                              tune_force)
+        tuned, tuning = _tuned(recipe, set_ or [], cache_dir, json_out, tune_cost_model,
+                               tune_force)
     push_to = _pusher(push_ref, insecure, json_out)  # a bad reference fails before any work
-    r = load_recipe(recipe, set_ or [])
+    r = load_recipe(recipe, set_ or [], tuned)
     # Smoke weights are a check, not an artifact: their random checkpoints and graphs live
     # only as long as this build (checkpoints in $TMPDIR, graphs moved into the bundle), never
     # in the shared cache, so that an 8B check leaves the bundle behind and nothing else.
@@ -234,13 +235,12 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
 
 
 def _tuned(recipe: Path, sets: list[str], cache_dir: Path | None, json_out: bool,
-           cost_model: bool, force: bool) -> tuple[list[str], Decision]:
+           cost_model: bool, force: bool) -> tuple[RecipeChanges, Decision]:
     """`compile --tune`: tune, then the recipe's K by the rule `tune --write` follows (same
     kept Ks, the confidence stop's Ks and threshold when it won, a contradicted model check
-    refused unless forced). Returns (the --set overrides with tune's choice, the evidence)."""
-    import json
-
+    refused unless forced). Returns (tune's choice as changes to the recipe, the evidence)."""
     from ..recipe import load_recipe
+    from ..recipe.changes import RecipeChanges
     from ..tune import show_tune, tune as run_tune
     from ..tune.recipe_edit import tuned_k_value
     from ..tune.report import disagreements, refuse_if_contradicted
@@ -256,11 +256,9 @@ def _tuned(recipe: Path, sets: list[str], cache_dir: Path | None, json_out: bool
     before = load_recipe(recipe, sets).speculation.num_speculative_tokens
     stop = tuning.winning_stop
     value = tuned_k_value(before, tuning.chosen_k, stop)
-    out = [*sets, "speculation.num_speculative_tokens="
-           + (json.dumps(value) if isinstance(value, list) else str(value))]
-    if stop is not None:
-        out.append(f"speculation.draft_p_min={stop.draft_p_min}")
-    return out, tuning
+    return RecipeChanges(speculation={"num_speculative_tokens": value} if stop is None else
+                         {"num_speculative_tokens": value,
+                          "draft_p_min": stop.draft_p_min}), tuning
 
 
 def _pusher(ref: str | None, insecure: bool, quiet: bool):

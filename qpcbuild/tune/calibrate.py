@@ -202,6 +202,7 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
     from ..measuring import (build_for_measurement, load_prompts, machine_info,
                              measurement_changes)
     from ..recipe import load_recipe
+    from ..recipe.changes import RecipeChanges
     from ..runtime.loader import load
     from .costs import (ROOFLINE_ASSUMPTIONS, cost_backend, measure_costs, roofline_costs,
                         roofline_figures)
@@ -265,8 +266,8 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
             for b in batches:
                 if (b == batch and same) or (cb and b != batch):
                     continue
-                extra = {} if b == batch else {"shapes.batch_size": b,
-                                               "shapes.full_batch_size": None}
+                extra = RecipeChanges() if b == batch else RecipeChanges(
+                    shapes={"batch_size": b, "full_batch_size": None})
                 out = tmp / f"costs-b{b}"
                 if on_card:
                     from ..measuring import build_on_card
