@@ -60,7 +60,7 @@ class OrtBackend:
 
     def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
-        return {"export": export_digest, "settings": role.cache_keys[self.name],
+        return {"export": export_digest, "settings": role.cache_keys.backends[self.name],
                 "lowering": ORT_LOWERING_VERSION, "onnxruntime": tools["onnxruntime"],
                 "onnx": tools["onnx"]}
 
