@@ -146,8 +146,8 @@ def runtime_speculation(r: Recipe) -> dict[str, Any]:
     if sp.draft_p_min:
         out["draft_p_min"] = sp.draft_p_min
     if sp.num_speculative_tokens_per_batch_size:
-        out["k_schedule"] = {str(b): k for b, k in
-                             sorted(sp.num_speculative_tokens_per_batch_size.items())}
+        out["num_speculative_tokens_per_batch_size"] = {
+            str(b): k for b, k in sorted(sp.num_speculative_tokens_per_batch_size.items())}
     return out
 
 

@@ -89,7 +89,7 @@ def check_memory(bundle: Path, manifest: Manifest, roles: list[str], backend: st
 
 class Generator:
     def __init__(self, bundle: Path, manifest: Manifest, backend: str, method: str,
-                 k: int | None, spec_policy: str | None = None):
+                 k: int | None, policy: str | None = None):
         from tokenizers import Tokenizer
 
         self.bundle, self.manifest, self.backend, self.method = bundle, manifest, backend, method
@@ -119,9 +119,9 @@ class Generator:
         self.target = _open_session(bundle, manifest, "target", backend)
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
-        self.spec_policy = spec_policy  # None: the bundle's speculation.policy
+        self.policy = policy  # None: the bundle's speculation.policy
         self.decoder = build_decoder(manifest, self.target, self.draft, method, self.eos_ids,
-                                     spec_policy)
+                                     policy)
 
     def sibling(self, method: str | None = None, target_only: bool = False) -> "Generator":
         """A Generator over the same sessions (nothing is loaded again) for another method the
@@ -136,7 +136,7 @@ class Generator:
         g.draft = self.draft if method == "draft_model" and not target_only else None
         g.decoder = build_decoder(self.manifest, self.target, g.draft,
                                   None if target_only else method, self.eos_ids,
-                                  self.spec_policy)
+                                  self.policy)
         g.decoder.method = method
         return g
 
@@ -203,24 +203,25 @@ def new_proposer(manifest: Manifest, method: str | None):
 
 
 def build_decoder(manifest: Manifest, target, draft, method: str | None,
-                  eos_ids: set[int], spec_policy: str | None = None) -> SpecDecoder:
+                  eos_ids: set[int], policy: str | None = None) -> SpecDecoder:
     """The one way a SpecDecoder is made from a bundle: its compiled Ks, prefill chunk and
     continuous batching, with `method`'s proposer (method None: target-only, no proposer),
-    and how it speculates (the bundle's policy unless `spec_policy` says otherwise)."""
+    and how it speculates (the bundle's policy unless `policy` says otherwise)."""
     shapes, spd, ks = manifest.shapes, manifest.speculation, manifest.ks
     schedule = {b: k for b, k in spd.schedule.items() if k in ks}
     return SpecDecoder(target, draft, new_proposer(manifest, method), ks,
                        shapes.prefill_seq_len, eos_ids, method or "target_only",
                        bool(shapes.full_batch_size),
-                       policy=spec_policy or spd.policy,
-                       draft_p_min=float(spd.draft_p_min), k_schedule=schedule,
+                       policy=policy or spd.policy,
+                       draft_p_min=float(spd.draft_p_min),
+                       num_speculative_tokens_per_batch_size=schedule,
                        prefill_tails=tuple(shapes.prefill_tail_seq_lens))
 
 
 def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None = None,
          k: int | None = None, verify: str = "full", ctx_len: int | None = None,
          batch_size: int | None = None, signed_by: str | Path | None = None,
-         spec_policy: str | None = None) -> Generator:
+         policy: str | None = None) -> Generator:
     """Open a bundle. verify: "full" (SHA-256 of every file), "fast" (presence and sizes, for
     huge QPCs) or "none". `ctx_len` / `batch_size`, when given, are what the caller expects the
     bundle to be compiled for: a bundle built for other shapes is refused. `signed_by`: a public
@@ -254,6 +255,6 @@ def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None 
     if method == "draft_model" and manifest.draft is None:
         raise UsageError(f"this bundle has no draft model (built for '{built_method}'); use "
                          "--method ngram or --method suffix")
-    if spec_policy is not None and spec_policy not in POLICIES:
-        raise UsageError(f"unknown speculation policy '{spec_policy}' ({' | '.join(POLICIES)})")
-    return Generator(bundle, manifest, backend, method, k, spec_policy)
+    if policy is not None and policy not in POLICIES:
+        raise UsageError(f"unknown speculation policy '{policy}' ({' | '.join(POLICIES)})")
+    return Generator(bundle, manifest, backend, method, k, policy)
