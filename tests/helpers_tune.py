@@ -3,13 +3,11 @@ refusal of a contradicted K), without measuring anything."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from qpcbuild.tune import Decision, Evidence, KPrediction, TuneRun, recommended_ks
+from qpcbuild.tune import Decision, Evidence, KPrediction, ModelCheck, TuneRun, recommended_ks
 
 
 def made_decision(k: int, method: str = "draft_model",
-                  model_check: tuple[Mapping[str, Any], ...] = ()) -> Decision:
+                  model_check: tuple[ModelCheck, ...] = ()) -> Decision:
     """K chosen from a three-row table (K=3 fastest by 1 token/s a K), with `model_check` as
     the run's check against real runs."""
     table = tuple(KPrediction(k=kk, expected_tokens_per_step=2.0, expected_accepted_len=2.0,

@@ -425,8 +425,8 @@ def test_tune_measures_and_writes_a_recipe(tmp_path):
     assert len(cal["alpha"]) == 2 and cal["num_drafts"] > 0
     assert set(result.evidence.costs["verify_ms"]) == {0, 1, 2}
     for check in result.evidence.model_check[1:]:  # greedy: the replayed loop is the real loop
-        assert check["accepted_replayed"] == check["accepted_measured"]
-        assert check["drafts_replayed"] == check["drafts_measured"]
+        assert check.accepted_replayed == check.accepted_measured
+        assert check.drafts_replayed == check.drafts_measured
     # the costs say where they come from: this recipe runs on ONNX Runtime, timed here
     assert result.cost_source == "onnxruntime-cpu" and result.costs_measured
     costs = result.evidence.costs

@@ -358,7 +358,7 @@ import qpcbuild.tune as tuning
 measured_tune = tuning.tune
 def tune(*args, **kwargs):  # the check's measurements as a machine {factor}x slower would give
     result = measured_tune(*args, **kwargs)
-    checks = tuple({{**c, "measured": c["predicted"] / {factor}}} if c.get("predicted") else c
+    checks = tuple(replace(c, measured=c.predicted / {factor}) if c.predicted else c
                    for c in result.evidence.model_check)
     return replace(result, evidence=replace(result.evidence, model_check=checks))
 tuning.tune = tune

@@ -224,13 +224,15 @@ def test_a_k_its_own_model_check_contradicts_is_refused_unless_forced_naming_bus
     from qpcbuild.errors import QpcbuildError
     from qpcbuild.tune.report import refuse_if_contradicted
 
+    from qpcbuild.tune import ModelCheck
     from qpcbuild.tune.report import disagreements
     from helpers_tune import made_decision
 
     # the run's own check measured 34 tokens/s where the model predicted 120: 3.5x off
     result = disagreements(made_decision(3, model_check=(
-        {"config": "draft_model K=3", "measured": 34.0, "predicted": 120.0},
-        {"config": "target-only", "measured": 50.0, "predicted": 60.0})))
+        ModelCheck("draft_model K=3", predicted=120.0, measured=34.0),
+        ModelCheck("target-only", predicted=60.0, measured=50.0))))
+    assert result.evidence.model_check[0].error == pytest.approx(120 / 34 - 1, abs=1e-4)
     assert result.model_check_disagrees == (
         "draft_model K=3 predicted 120 tokens/s, measured 34 (3.5x; the tolerance is 2x "
         "either way)",)

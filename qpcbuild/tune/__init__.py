@@ -10,7 +10,7 @@ with ruamel.yaml), report.py (the evidence comment, tables, JSON).
 from .acceptance import replayed, summed_run
 from .calibrate import DEFAULT_K_MAX, calibrate, tune
 from .decision import (BatchChoice, ConfidenceStop, Decision, Evidence, KPrediction,
-                       TuneRun)
+                       ModelCheck, TuneRun)
 from .costs import (ROOFLINE_ASSUMPTIONS, cost_backend, lower_quartile, measure_costs,
                     roofline_call_s, roofline_costs, roofline_figures)
 from .model import (all_accepted, best_k_per_batch, choose_k, conditional_acceptance,
@@ -19,7 +19,7 @@ from .recipe_edit import set_k_in_text, write_tuned_recipe
 from .report import TUNE_MARK, cost_line, evidence_comment, show_tune, write_json
 
 __all__ = ["BatchChoice", "ConfidenceStop", "DEFAULT_K_MAX", "Decision", "Evidence",
-           "KPrediction", "TuneRun", "ROOFLINE_ASSUMPTIONS", "TUNE_MARK", "all_accepted",
+           "KPrediction", "ModelCheck", "TuneRun", "ROOFLINE_ASSUMPTIONS", "TUNE_MARK", "all_accepted",
            "best_k_per_batch", "calibrate", "choose_k", "conditional_acceptance", "cost_backend",
            "cost_line", "evidence_comment", "expected_tokens", "host_model", "lower_quartile",
            "measure_costs", "predict", "recommended_ks", "replayed", "roofline_call_s",

@@ -26,7 +26,7 @@ from ..backend_api import backend_info
 from ..errors import UsageError
 from .acceptance import replayed, summed_run
 from .decision import (ROOFLINE, BatchChoice, ConfidenceStop, CostSource, Decision, Evidence,
-                       KPrediction, TuneRun)
+                       KPrediction, ModelCheck, TuneRun)
 from .model import (P_MIN_GRID, best_k_per_batch, choose_k, confidence_stop_table, host_model,
                     predict, recommended_ks)
 
@@ -101,21 +101,17 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
     check = []
     if host_measured and same_bundle_costs:
         t_base = min(detail["verify_ms"].items(), key=lambda x: int(x[0]))[1] / 1e3
-        check.append({"config": "target-only", "predicted": round(1.0 / (t_base + host_base), 1),
-                      "measured": _round(base_sub["decode_tokens_per_s"], 1)})
+        check.append(ModelCheck("target-only", predicted=round(1.0 / (t_base + host_base), 1),
+                                measured=_round(base_sub["decode_tokens_per_s"], 1)))
     for kk, run in ((1, low), (k_max, high)):
         if kk == k_max and k_max == 1:
             continue
         sim = replayed(gen, sub, outputs[:len(sub)], max_new_tokens, kk)
-        c = {"config": f"{method} K={kk}", "measured": _round(run["decode_tokens_per_s"], 1),
-             "accepted_replayed": sim["accepted"], "accepted_measured": run["accepted"],
-             "drafts_replayed": sim["drafts"], "drafts_measured": run["drafts"]}
-        c["predicted"] = by_k[kk]["tokens_per_s"] if host_measured and same_bundle_costs \
-            else None
-        check.append(c)
-    for c in check:
-        c["error"] = round(c["predicted"] / c["measured"] - 1, 4) \
-            if c["measured"] and c["predicted"] is not None else None
+        check.append(ModelCheck(
+            f"{method} K={kk}", measured=_round(run["decode_tokens_per_s"], 1),
+            predicted=by_k[kk]["tokens_per_s"] if host_measured and same_bundle_costs else None,
+            accepted_replayed=sim["accepted"], accepted_measured=run["accepted"],
+            drafts_replayed=sim["drafts"], drafts_measured=run["drafts"]))
     top = sims[k_max]
     evidence = Evidence(
         calibration={

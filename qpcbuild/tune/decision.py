@@ -58,12 +58,44 @@ class ConfidenceStop:
 
 
 @dataclass(frozen=True)
+class ModelCheck:
+    """The model's prediction against a real run of the same bundle (decode phase, the first
+    prompts): target-only, or the method at one K with its accepted tokens and drafts replayed
+    and measured (equal under greedy decoding: the replay is the engine's loop)."""
+    config: str  # "target-only" | "<method> K=<k>"
+    predicted: float | None  # None where the costs are not this bundle's (or modelled)
+    measured: float | None
+    accepted_replayed: int | None = None
+    accepted_measured: int | None = None
+    drafts_replayed: int | None = None
+    drafts_measured: int | None = None
+
+    @property
+    def error(self) -> float | None:
+        """predicted / measured - 1 (None without both)."""
+        if not self.measured or self.predicted is None:
+            return None
+        return round(self.predicted / self.measured - 1, 4)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's keys in the order tune has always written them."""
+        if self.accepted_replayed is None:
+            return {"config": self.config, "predicted": self.predicted,
+                    "measured": self.measured, "error": self.error}
+        return {"config": self.config, "measured": self.measured,
+                "accepted_replayed": self.accepted_replayed,
+                "accepted_measured": self.accepted_measured,
+                "drafts_replayed": self.drafts_replayed, "drafts_measured": self.drafts_measured,
+                "predicted": self.predicted, "error": self.error}
+
+
+@dataclass(frozen=True)
 class Evidence:
     """What the table rests on, as recorded: the calibration (acceptance by K), the call costs
     (their figures and statistic), the model's check against real runs, and the formula."""
     calibration: Mapping[str, Any]
     costs: Mapping[str, Any]
-    model_check: tuple[Mapping[str, Any], ...]
+    model_check: tuple[ModelCheck, ...]
     formula: str
 
 
@@ -134,7 +166,7 @@ class Decision:
                     "predicted_tokens_per_s": chosen.tokens_per_s,
                     "predicted_speedup": chosen.predicted_speedup,
                     "calibration": self.evidence.calibration, "costs": self.evidence.costs,
-                    "model_check": [dict(c) for c in self.evidence.model_check],
+                    "model_check": [c.to_json() for c in self.evidence.model_check],
                     "table": [_listed(asdict(r)) for r in self.table],
                     "formula": self.evidence.formula})
         if self.per_batch:

@@ -127,12 +127,12 @@ def show_tune(result: Decision, console=None) -> None:
     console.print(t)
     parts = []
     for c in result.evidence.model_check:
-        text = c["config"] + (
-            f" {c['predicted']:,.0f} vs {c['measured']:,.0f} tokens/s"
-            if c.get("predicted") is not None and c.get("measured") else "") + (
-            f" ({c['error']:+.0%})" if c.get("error") is not None else "")
-        if "accepted_replayed" in c:
-            text += (f", accepted {c['accepted_replayed']} replayed vs {c['accepted_measured']} "
+        text = c.config + (
+            f" {c.predicted:,.0f} vs {c.measured:,.0f} tokens/s"
+            if c.predicted is not None and c.measured else "") + (
+            f" ({c.error:+.0%})" if c.error is not None else "")
+        if c.accepted_replayed is not None:
+            text += (f", accepted {c.accepted_replayed} replayed vs {c.accepted_measured} "
                      "measured")
         parts.append(text)
     console.print("model check (decode phase, first prompts): " + "; ".join(parts),
@@ -164,10 +164,9 @@ def disagreements(result: Decision, factor: float = CHECK_FACTOR) -> Decision:
     run itself contradicts)."""
     out = []
     for c in result.evidence.model_check:
-        if c.get("predicted") and c.get("measured") and not \
-                1 / factor <= c["predicted"] / c["measured"] <= factor:
-            out.append(f"{c['config']} predicted {c['predicted']:,.0f} tokens/s, measured "
-                       f"{c['measured']:,.0f} ({c['predicted'] / c['measured']:.2g}x; the "
+        if c.predicted and c.measured and not 1 / factor <= c.predicted / c.measured <= factor:
+            out.append(f"{c.config} predicted {c.predicted:,.0f} tokens/s, measured "
+                       f"{c.measured:,.0f} ({c.predicted / c.measured:.2g}x; the "
                        f"tolerance is {factor:g}x either way)")
     return replace(result, model_check_disagrees=tuple(out))
 
