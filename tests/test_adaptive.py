@@ -203,7 +203,8 @@ def test_auto_stops_useless_proposals_and_output_stays_the_target_s():
     dec = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="auto")
     rows, times = dec.generate([counting_prompt(3)], 80, SamplingParams())
     assert rows[0].tokens == counting_prompt(3, 5 + 80)
-    assert times.gate.steps_without_speculation > 3 * times.gate.steps_with_speculation
+    assert times.speculation.steps_without_speculation > \
+        3 * times.speculation.steps_with_speculation
     assert times.windows[0] > 3 * times.windows.get(4, 0)
     fixed = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="fixed")
     rows_f, times_f = fixed.generate([counting_prompt(3)], 80, SamplingParams())

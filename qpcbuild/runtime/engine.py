@@ -160,7 +160,7 @@ class SpecDecoder:
             self._step(run)
         times.total_s = self.clock() - start
         now = gate.figures()
-        times.gate = now.since(mark) if now is not None and mark is not None else None
+        times.speculation = now.since(mark) if now is not None and mark is not None else None
         if run.proposer is not None:
             for i in range(self.batch):
                 run.proposer.finish(i)
