@@ -57,26 +57,27 @@ sys.path.insert(0, str(ROOT))
 from qpcbuild.bench import (BENCH_KS, PROMPT_DIR, build_for_measurement, markdown_table,  # noqa: E402  (after its sys.path entry)
                             parse_ks, plot_report, read_prompt_file, run_bench, write_json)
 from qpcbuild.errors import QpcbuildError  # noqa: E402  (after its sys.path entry)
+from qpcbuild.tune import Decision  # noqa: E402  (after its sys.path entry)
 
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def tune_check(report: dict, tuning: dict) -> dict:
+def tune_check(report: dict, tuning: Decision) -> dict:
     """tune's K against the sweep: tokens/s measured at tune's K over the best measured."""
     rows = {r["k"]: r["tokens_per_s"]["mean"] for r in report["rows"]
-            if r["method"] == tuning["method"] and r["tokens_per_s"]["mean"]}
+            if r["method"] == tuning.method and r["tokens_per_s"]["mean"]}
     best = max(rows, key=rows.get)
-    k = tuning["chosen_k"]
+    k = tuning.chosen_k
     at = rows.get(k)
-    return {"method": tuning["method"], "tune_k": k, "best_k": best,
+    return {"method": tuning.method, "tune_k": k, "best_k": best,
             "tokens_per_s_at_tune_k": at, "best_tokens_per_s": rows[best],
             "vs_best": round(at / rows[best] - 1, 4) if at else None,
             "within_5_percent": bool(at and at >= 0.95 * rows[best]),
             "conclusive": not report.get("noisy"),
-            "tune_predicted_tokens_per_s": {r["k"]: r["tokens_per_s"] for r in tuning["table"]},
-            "evidence": tuning}
+            "tune_predicted_tokens_per_s": {r.k: r.tokens_per_s for r in tuning.table},
+            "evidence": tuning.to_json()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ with continuous batching (``shapes.full_batch_size``, default 8) and every K in 
 into build/k-schedule-bench.
 The K schedule (live batch size -> K) comes from ``qpcbuild tune --per-batch`` on that recipe
 (its ``per_batch`` record), or from --schedule, or, with --bundle and no --schedule, from the
-bundle's manifest (``speculation.k_schedule``).
+bundle's manifest (``speculation.num_speculative_tokens_per_batch_size``).
 
 For each number of concurrent requests C (--concurrency, default 1,2,4,8), C requests are handed
 to the engine at once, in-process, as the server's worker does (``SpecDecoder.run_rows``):

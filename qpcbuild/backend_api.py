@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import asdict, dataclass
 from types import ModuleType
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -73,13 +73,53 @@ def backend_module(name: str, part: str) -> ModuleType:
 
 # ---------------------------------------------------------------- planning
 @dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output as declared: symbolic dims by name (batch_size, ctx_len...)."""
+    name: str
+    dtype: str  # "int64" | "float32"
+    shape: tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class DeclaredIO:
+    """A role's graph inputs and outputs in graph order (models/graph_io.py declares them);
+    the manifest records them as `io`."""
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @classmethod
+    def of(cls, declared: Mapping[str, Sequence[Mapping[str, Any]]]) -> DeclaredIO:
+        """From graph_io's {"inputs": [...], "outputs": [...]}."""
+        def specs(side: str) -> tuple[TensorSpec, ...]:
+            return tuple(TensorSpec(e["name"], e["dtype"], tuple(e["shape"]))
+                         for e in declared[side])
+        return cls(inputs=specs("inputs"), outputs=specs("outputs"))
+
+    def to_dict(self) -> dict[str, list[dict[str, Any]]]:
+        """As the manifest and `qpcbuild plan --json` record it."""
+        return {side: [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}
+                       for e in getattr(self, side)] for side in ("inputs", "outputs")}
+
+
+@dataclass(frozen=True)
+class CacheKeys:
+    """The settings part of each cache key of a role: its exported graph's, and each backend's
+    artifact's (by backend name, in registry order)."""
+    export: str
+    backends: Mapping[str, str]
+
+    def to_dict(self) -> dict[str, str]:
+        return {"export": self.export, **self.backends}
+
+
+@dataclass(frozen=True)
 class RoleFacts:
     """What the plan decided for one role before any backend plans its artifact."""
     role: str  # "target" | "draft"
     cores: int  # per QID
     device_group: list[int]
     specializations: list[Specialization]
-    io: dict[str, list[dict[str, Any]]]  # the exported graph's inputs and outputs
+    io: DeclaredIO  # the exported graph's inputs and outputs
     export_key: str  # the settings part of the exported graph's cache key
 
 

@@ -16,12 +16,11 @@ from .prompts import read_prompt_file
 from .toolchain import HOST_RUNTIME, package_version
 
 if TYPE_CHECKING:  # the recipe module is read when a bundle is built, not at start-up
-    from .recipe import RecipeChanges
+    from .recipe.changes import RecipeChanges
 
 PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
 PROMPT_SETS = ("code", "echo", "prose")
 BENCH_KS = tuple(range(0, 9))  # compiled into a bench bundle built from a recipe
-CARD_PRECISION_KEYS = ("precision.quantization", "precision.kv_cache_dtype")
 Say = Callable[[str], None]
 
 
@@ -75,7 +74,7 @@ def uses_card_formats(r) -> bool:
     return r.precision.quantization != "none" or r.precision.kv_cache_dtype != "float16"
 
 
-def measurement_changes(r, numerics: str) -> tuple[dict[str, Any], str]:
+def measurement_changes(r, numerics: str) -> tuple[RecipeChanges, str]:
     """What a recipe needs to be measured on ONNX Runtime here (changes to the recipe), and a
     line saying what it is.
 
@@ -94,29 +93,32 @@ def measurement_changes(r, numerics: str) -> tuple[dict[str, Any], str]:
     return more, what
 
 
-def _card_changes(r, numerics: str) -> tuple[dict[str, Any], str]:
+def _card_changes(r, numerics: str) -> tuple[RecipeChanges, str]:
+    from .recipe.changes import RecipeChanges
+
     if r.backends == [HOST_BACKEND]:
-        return {}, ("ONNX Runtime, the recipe's numerics (emulated)" if uses_card_formats(r)
-                    else "ONNX Runtime, exact float32")
-    extra: dict[str, Any] = {"backends": [HOST_BACKEND]}
+        return RecipeChanges(), ("ONNX Runtime, the recipe's numerics (emulated)"
+                                 if uses_card_formats(r) else "ONNX Runtime, exact float32")
+    host = (HOST_BACKEND,)
     if not uses_card_formats(r):
-        return extra, "ONNX Runtime, exact float32 (as the recipe)"
+        return RecipeChanges(backends=host), "ONNX Runtime, exact float32 (as the recipe)"
     if numerics == "card":
-        return {**extra, "onnxruntime.graph": "fused", "shapes.batch_size": 1,
-                "shapes.full_batch_size": None}, \
+        return RecipeChanges(backends=host, onnxruntime={"graph": "fused"},
+                             shapes={"batch_size": 1, "full_batch_size": None}), \
             (f"ONNX Runtime with the card's numerics emulated (weights {r.precision.quantization},"
              f" KV {r.precision.kv_cache_dtype}), batch 1")
-    return {**extra, "precision.quantization": "none", "precision.kv_cache_dtype": "float16"}, \
+    return RecipeChanges(backends=host, precision={"quantization": "none",
+                                                   "kv_cache_dtype": "float16"}), \
         "ONNX Runtime, exact float32 (the recipe's card precisions off)"
 
 
 def shown(changes: RecipeChanges) -> str:
     """Changes as the --set assignments a user would type for them."""
     def value(v: Any) -> str:
-        if isinstance(v, list):
+        if isinstance(v, (list, tuple)):
             return "[" + ",".join(value(x) for x in v) + "]"
         return "null" if v is None else str(v)
-    return ", ".join(f"{key}={value(v)}" for key, v in changes.items())
+    return ", ".join(f"{key}={value(v)}" for key, v in changes.assignments())
 
 
 def build_for_measurement(recipe_path: Path, overrides: list[str], ks: list[int], out: Path,
@@ -127,14 +129,15 @@ def build_for_measurement(recipe_path: Path, overrides: list[str], ks: list[int]
     `measurement_changes`. Exports come from the build cache, so only what differs from
     earlier builds is built."""
     from .recipe import load_recipe
+    from .recipe.changes import RecipeChanges
 
     say = say or (lambda m: None)
-    changes = dict(changes or {})
+    changes = changes or RecipeChanges()
     more, what = measurement_changes(load_recipe(recipe_path, list(overrides), changes),
                                      numerics)
     if more:
         say(f"measuring on {what}: " + shown(more))
-    return _build_with_ks(recipe_path, overrides, {**changes, **more}, ks, out, cache_dir, say)
+    return _build_with_ks(recipe_path, overrides, changes.then(more), ks, out, cache_dir, say)
 
 
 def build_on_card(recipe_path: Path, overrides: list[str], ks: list[int], out: Path,
@@ -142,22 +145,25 @@ def build_on_card(recipe_path: Path, overrides: list[str], ks: list[int], out: P
                   changes: RecipeChanges | None = None) -> Path:
     """The recipe as it is (its backends, qaic included, compiled here) with the given Ks: for
     timing calls on the card. Needs the Cloud AI SDK on this machine."""
-    return _build_with_ks(recipe_path, overrides, dict(changes or {}), ks, out, cache_dir, say)
+    from .recipe.changes import RecipeChanges
+
+    return _build_with_ks(recipe_path, overrides, changes or RecipeChanges(), ks, out,
+                          cache_dir, say)
 
 
-def _build_with_ks(recipe_path: Path, overrides: list[str], changes: dict[str, Any],
+def _build_with_ks(recipe_path: Path, overrides: list[str], changes: RecipeChanges,
                    ks: list[int], out: Path, cache_dir: Path | None, say: Say | None) -> Path:
     from .bundle import build_bundle
     from .cache import Cache
     from .plan import make_plan
-    from .recipe import load_recipe
+    from .recipe import load_recipe, with_changes
+    from .recipe.changes import RecipeChanges
 
     say = say or (lambda m: None)
     r = load_recipe(recipe_path, list(overrides), changes)
-    extra = {**changes, "speculation.num_speculative_tokens": list(ks)}
-    if r.shapes.prefill_seq_len < max(ks) + 1:
-        extra["shapes.prefill_seq_len"] = max(ks) + 1
-    plan = make_plan(load_recipe(recipe_path, list(overrides), extra))
+    longer = {"prefill_seq_len": max(ks) + 1} if r.shapes.prefill_seq_len < max(ks) + 1 else {}
+    plan = make_plan(with_changes(r, RecipeChanges(
+        speculation={"num_speculative_tokens": list(ks)}, shapes=longer)))
     say(f"building {out} from {recipe_path} with Ks {list(plan.ks)} (exports from the cache)")
 
     def progress(stage: str, how: str, seconds: float) -> None:

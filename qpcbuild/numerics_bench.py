@@ -17,6 +17,7 @@ from typing import Any
 from .bench.report import _r, _short, write_outputs
 from .backend_api import HOST_BACKEND
 from .errors import UsageError
+from .recipe.changes import RecipeChanges
 from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                         loadavg, machine_info)
 from .runtime.rows import prefill_calls, prefill_feeds
@@ -24,27 +25,27 @@ from .runtime.stats import SpecDecodingStats
 
 NUMERICS_SCHEMA = 1
 NUMERICS_TUNE_KS = tuple(range(1, 9))  # the Ks `tune` would consider (its default K_max 8)
-CARD_FORMATS = {"precision.quantization": "mxfp6", "precision.kv_cache_dtype": "mxint8"}
+CARD_FORMATS = {"quantization": "mxfp6", "kv_cache_dtype": "mxint8"}  # recipe.precision's
 
 
-def _numerics_changes(r) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _numerics_changes(r) -> tuple[RecipeChanges, RecipeChanges, RecipeChanges]:
     """(common, fp32, emulated) changes to the recipe: both bundles for ONNX Runtime's fused
     graph at batch 1 with float32 draft weights (the card has no int8-draft option); the
     emulated one with the recipe's card formats, or mxfp6 + mxint8 when the recipe asks for
     none."""
-    common = {"backends": [HOST_BACKEND], "onnxruntime.graph": "fused", "shapes.batch_size": 1,
-              "shapes.full_batch_size": None, "onnxruntime.draft_weights": "float32"}
-    fp32 = {"precision.quantization": "none", "precision.kv_cache_dtype": "float16",
-            "onnxruntime.target_weights": "float32"}
+    common = RecipeChanges(backends=(HOST_BACKEND,),
+                           onnxruntime={"graph": "fused", "draft_weights": "float32"},
+                           shapes={"batch_size": 1, "full_batch_size": None})
+    fp32 = RecipeChanges(precision={"quantization": "none", "kv_cache_dtype": "float16"},
+                         onnxruntime={"target_weights": "float32"})
     p, tw = r.precision, r.onnxruntime.target_weights
+    card = {"quantization": p.quantization, "kv_cache_dtype": p.kv_cache_dtype}
     if tw != "float32":  # the recipe's quantized ORT target (and its card formats, if any)
-        emu = {"precision.quantization": p.quantization,
-               "precision.kv_cache_dtype": p.kv_cache_dtype, "onnxruntime.target_weights": tw}
+        emu = RecipeChanges(precision=card, onnxruntime={"target_weights": tw})
     elif p.quantization == "none" and p.kv_cache_dtype == "float16":
-        emu = dict(CARD_FORMATS)
+        emu = RecipeChanges(precision=CARD_FORMATS)
     else:
-        emu = {"precision.quantization": p.quantization,
-               "precision.kv_cache_dtype": p.kv_cache_dtype}
+        emu = RecipeChanges(precision=card)
     return common, fp32, emu
 
 
@@ -352,7 +353,7 @@ def bench_numerics(recipe: Path, *, overrides: list[str] = (), prompt_file: Path
     bundles = {}
     for label, extra in (("fp32", fp32), ("emulated", emu)):
         bundles[label] = build_for_measurement(recipe, list(overrides), ks, out / label,
-                                               cache_dir, say, changes={**common, **extra})
+                                               cache_dir, say, changes=common.then(extra))
     label, prompts = load_prompts(prompt_file, prompt_set, num_prompts)
     report = run_numerics(bundles["fp32"], bundles["emulated"], prompts, prompt_label=label,
                           k=k, max_new_tokens=max_new_tokens, tune_k=tune_k, say=say)

@@ -18,7 +18,8 @@ from .models.checkpoint import checkpoint_problems
 from .models.graph_io import graph_io
 from .models.specialization import Specialization
 from .errors import Problem, RecipeError, UsageError
-from .backend_api import BackendPart, RoleFacts, backend_names, backend_plan
+from .backend_api import (BackendPart, CacheKeys, DeclaredIO, RoleFacts, backend_names,
+                          backend_plan)
 from .recipe import recipe_relative, resolve_model_path, resolved_cores
 from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
@@ -72,23 +73,24 @@ class RolePlan:
     arch: ArchSpec
     ks: tuple[int, ...]  # target: compiled Ks; draft: ()
     specializations: list[Specialization]
-    io: dict[str, list[dict[str, Any]]]
+    io: DeclaredIO
     device_group: list[int]
     num_cores: int
     # Every backend's part (backends/<name>/plan.py), by backend name: `qpcbuild plan` shows
     # them all, whichever the recipe builds for.
     backends: dict[str, BackendPart]
     memory: RoleMemory
-    cache_keys: dict[str, str]  # stage (export, or a backend's name) -> its settings' digest
+    cache_keys: CacheKeys
     vocab_subset: VocabSubset | None = None  # draft only
 
     def to_dict(self) -> dict[str, Any]:
         """As `qpcbuild plan --json` shows it."""
         return {"source": asdict(self.source), "ks": list(self.ks),
                 "specializations": [s.model_dump() for s in self.specializations],
-                "io": self.io, "device_group": self.device_group, "num_cores": self.num_cores,
+                "io": self.io.to_dict(), "device_group": self.device_group,
+                "num_cores": self.num_cores,
                 "backends": {n: p.to_dict() for n, p in self.backends.items()},
-                "memory": asdict(self.memory), "cache_keys": self.cache_keys,
+                "memory": asdict(self.memory), "cache_keys": self.cache_keys.to_dict(),
                 "vocab_subset": self.vocab_subset and asdict(self.vocab_subset),
                 "arch": self.arch.to_dict()}
 
@@ -179,8 +181,8 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         kv_cache_gib=arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype])
         * r.shapes.ctx_len * batch / 2**30 / n_dev)
     facts = RoleFacts(role=role, cores=cores, device_group=list(hw.device_group),
-                      specializations=specializations(role, r, ks), io=graph_io(role, arch, cb),
-                      export_key=export_key)
+                      specializations=specializations(role, r, ks),
+                      io=DeclaredIO.of(graph_io(role, arch, cb)), export_key=export_key)
     parts = {name: backend_plan(name).plan_role(r, facts, compiler) for name in backend_names()}
     # the settings part of each backend's cache key
     backend_keys = {name: digest(backend_plan(name).settings(r, facts, part))
@@ -189,7 +191,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         role=role, source=source, arch=arch, ks=ks if role == "target" else (),
         specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
         num_cores=cores, backends=parts, memory=memory,
-        cache_keys={"export": export_key, **backend_keys}, vocab_subset=vocab_subset)
+        cache_keys=CacheKeys(export=export_key, backends=backend_keys), vocab_subset=vocab_subset)
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref: ModelRef | Draft) -> list[str]:

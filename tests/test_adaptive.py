@@ -203,7 +203,8 @@ def test_auto_stops_useless_proposals_and_output_stays_the_target_s():
     dec = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="auto")
     rows, times = dec.generate([counting_prompt(3)], 80, SamplingParams())
     assert rows[0].tokens == counting_prompt(3, 5 + 80)
-    assert times.gate.steps_without_speculation > 3 * times.gate.steps_with_speculation
+    assert times.speculation.steps_without_speculation > \
+        3 * times.speculation.steps_with_speculation
     assert times.windows[0] > 3 * times.windows.get(4, 0)
     fixed = decoder(Counting(**SLOW_WINDOWS), proposer=Wrong(), policy="fixed")
     rows_f, times_f = fixed.generate([counting_prompt(3)], 80, SamplingParams())
@@ -279,18 +280,19 @@ def test_confidence_stop_shortens_proposals_into_the_smallest_window():
 
 def test_k_follows_the_number_of_live_rows():
     dec = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
-                  k_schedule={1: 4, 2: 1})
+                  num_speculative_tokens_per_batch_size={1: 4, 2: 1})
     k_for = dec.k_schedule.k_for
     assert k_for(1, 4) == 4 and k_for(2, 4) == 1 and k_for(8, 4) == 1
     prompts = [counting_prompt(3), counting_prompt(20)]
     rows = [r for r in dec.generate(prompts, 40, SamplingParams())[0]]
     # rows of different lengths: two live rows verify with K=1, the last one alone with K=4
     short, _ = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
-                       k_schedule={1: 4, 2: 1}).generate(prompts, 40, SamplingParams())
+                       num_speculative_tokens_per_batch_size={1: 4, 2: 1}).generate(
+        prompts, 40, SamplingParams())
     assert [r.tokens for r in rows] == [r.tokens for r in short]
     from qpcbuild.runtime.engine import new_row
     mixed = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
-                    k_schedule={1: 4, 2: 1})
+                    num_speculative_tokens_per_batch_size={1: 4, 2: 1})
     r1 = new_row(counting_prompt(3), 8, 256, SamplingParams(), 0)
     r2 = new_row(counting_prompt(20), 60, 256, SamplingParams(), 1)
     times = mixed.run_rows([r1, r2])
@@ -298,7 +300,7 @@ def test_k_follows_the_number_of_live_rows():
     # each step's K by its live rows: K=1 while both run, K=4 once r1 has ended
     assert set(times.step_ks) == {(2, 1), (1, 4)} and times.step_ks[2, 1] >= 3
     fixed = decoder(Counting(batch=2), draft=KVDraft(batch=2), ks=(1, 4),
-                    k_schedule={1: 4, 2: 1}).run_rows(
+                    num_speculative_tokens_per_batch_size={1: 4, 2: 1}).run_rows(
         [new_row(counting_prompt(3), 8, 256, SamplingParams(), 0),
          new_row(counting_prompt(20), 60, 256, SamplingParams(), 1)], k=4)
     assert set(fixed.step_ks) == {(2, 4), (1, 4)}  # a fixed K overrides the schedule

@@ -24,6 +24,7 @@ from qpcbuild.runtime.replay import replay as engine_replay
 from qpcbuild.runtime.sampling import SamplingParams
 
 from helpers_engine import EOS, Scripted, decoder
+from helpers_tune import made_decision
 
 ROOT = Path(__file__).resolve().parents[1]
 # QPCBUILD_TEST_DEMO: another folder holding target/ and draft/ of the same shapes (for
@@ -126,20 +127,9 @@ def test_choose_k_is_the_argmax_of_a_synthetic_evidence_table():
     assert tune.recommended_ks("ngram", 4) == [0, 4]
 
 
-def _fake_result(k: int, method: str = "draft_model") -> dict:
-    return {"chosen_k": k, "method": method, "created": "2026-01-01T00:00:00+00:00",
-            "prompt_set": "code",
-            "table": [{"k": kk, "tokens_per_s": 100.0 + kk, "predicted_speedup": 1.5,
-                       "expected_tokens_per_step": 2.0, "cost_ms": 1.0, "vs_best": 0.0}
-                      for kk in (1, 2, 3)],
-            "calibration": {"prompts": 2, "acceptance_per_position": [0.9, 0.8, 0.7],
-                            "proposal_fraction": 1.0},
-            "costs": {"verify_ms": {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, "draft_step_ms": 0.2}}
-
-
 @pytest.mark.parametrize("recipe", ["recipes/demo.yaml", "recipes/demo-ngram.yaml"])
 def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_path, recipe):
-    out = tune.write_tuned_recipe(ROOT / recipe, _fake_result(3, load_recipe(ROOT / recipe)
+    out = tune.write_tuned_recipe(ROOT / recipe, made_decision(3, load_recipe(ROOT / recipe)
                                                               .draft.method),
                                   tmp_path / "sub" / "tuned.yaml")
     r = load_recipe(out)
@@ -157,8 +147,8 @@ def test_write_produces_a_recipe_that_load_recipe_accepts_with_the_chosen_k(tmp_
     # in place, twice: the second evidence replaces the first
     inplace = tmp_path / "inplace.yaml"
     inplace.write_text((ROOT / recipe).read_text().replace("../models", str(ROOT / "models")))
-    tune.write_tuned_recipe(inplace, _fake_result(2, orig.draft.method))
-    tune.write_tuned_recipe(inplace, _fake_result(1, orig.draft.method))
+    tune.write_tuned_recipe(inplace, made_decision(2, orig.draft.method))
+    tune.write_tuned_recipe(inplace, made_decision(1, orig.draft.method))
     again = inplace.read_text()
     assert load_recipe(inplace).speculation.num_speculative_tokens == ([0, 1] if keep_zero else 1)
     assert again.count("chosen by `qpcbuild tune`") == 1
@@ -423,26 +413,33 @@ def _assert_per_batch_choice(chosen_k: int, table: list[dict]) -> None:
 def test_tune_measures_and_writes_a_recipe(tmp_path):
     result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=2,
                        max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache")
-    assert result["chosen_k"] in (1, 2)
-    assert [r["k"] for r in result["table"]] == [1, 2]
-    _assert_chosen_is_the_fastest(result["chosen_k"], result["table"])
-    cal = result["calibration"]
-    for row in result["table"]:  # E(K) = 1 + sum of P(first i accepted) = accepted_i / drafts
-        shares = cal["by_k"][row["k"]]["acceptance_per_position"]
-        assert row["expected_tokens_per_step"] == pytest.approx(1 + sum(shares[:row["k"]]),
-                                                                abs=1e-3)
+    assert result.chosen_k in (1, 2)
+    record = result.to_json()  # what `tune --json` prints, the rows as dicts
+    assert [r["k"] for r in record["table"]] == [1, 2]
+    _assert_chosen_is_the_fastest(result.chosen_k, record["table"])
+    assert record["predicted_tokens_per_s"] == result.chosen.tokens_per_s
+    cal = result.evidence.calibration
+    for row in result.table:  # E(K) = 1 + sum of P(first i accepted) = accepted_i / drafts
+        shares = cal["by_k"][row.k]["acceptance_per_position"]
+        assert row.expected_tokens_per_step == pytest.approx(1 + sum(shares[:row.k]), abs=1e-3)
     assert len(cal["alpha"]) == 2 and cal["num_drafts"] > 0
-    assert set(result["costs"]["verify_ms"]) == {0, 1, 2}
-    for check in result["model_check"][1:]:  # greedy: the replayed loop is the real loop
-        assert check["accepted_replayed"] == check["accepted_measured"]
-        assert check["drafts_replayed"] == check["drafts_measured"]
+    assert set(result.evidence.costs["verify_ms"]) == {0, 1, 2}
+    for check in result.evidence.model_check[1:]:  # greedy: the replayed loop is the real loop
+        assert check.accepted_replayed == check.accepted_measured
+        assert check.drafts_replayed == check.drafts_measured
     # the costs say where they come from: this recipe runs on ONNX Runtime, timed here
-    assert result["cost_source"] == "onnxruntime-cpu"
-    assert result["costs"]["statistic"] == "lower quartile" and result["costs"]["rounds"] == 3
-    assert "exact float32" in result["acceptance_measured_on"]
+    assert result.cost_source == "onnxruntime-cpu" and result.costs_measured
+    costs = result.evidence.costs
+    assert costs["statistic"] == "lower quartile" and costs["rounds"] == 3
+    assert result.run is not None and "exact float32" in result.run.acceptance_measured_on
+    # the JSON record keeps the keys (and their order) tune has always printed
+    assert list(record)[:13] == ["tool", "recipe", "name", "overrides", "created", "prompt_set",
+                                 "machine", "recipe_k", "cost_source", "acceptance_measured_on",
+                                 "notes", "method", "k_max"]
+    assert json.loads(json.dumps(record, default=str))["chosen_k"] == result.chosen_k
     out = tune.write_tuned_recipe(ROOT / "recipes" / "demo.yaml", result, tmp_path / "t.yaml")
     # demo.yaml compiles K=0 for target-only baselines: the tuned copy keeps it
-    assert load_recipe(out).speculation.num_speculative_tokens == [0, result["chosen_k"]]
+    assert load_recipe(out).speculation.num_speculative_tokens == [0, result.chosen_k]
     text = out.read_text()
     assert "# tune: costs: onnxruntime-cpu (measured on ONNX Runtime on this CPU, lower " \
         "quartile of 3 rounds" in text
@@ -646,8 +643,8 @@ def test_tune_cost_model_prints_and_records_its_assumptions(tmp_path):
 
     result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=1,
                        max_new_tokens=16, cache_dir=tmp_path / "cache", cost_model=True)
-    assert result["cost_source"] == "roofline-model"
-    costs = result["costs"]
+    assert result.cost_source == "roofline-model" and not result.costs_measured
+    costs = result.evidence.costs
     assert costs["assumptions"] == tune.ROOFLINE_ASSUMPTIONS
     assert costs["figures"]["dram_gbs_per_qid"] == 137.0
     # The decision's numbers by hand, from the assumptions (the demo recipe is float16 weights
@@ -663,8 +660,8 @@ def test_tune_cost_model_prints_and_records_its_assumptions(tmp_path):
     assert costs["verify_ms"] == pytest.approx({k: t * 1e3 for k, t in verify_s.items()},
                                                abs=2e-6)
     assert costs["draft_step_ms"] == pytest.approx(step_s * 1e3, abs=2e-6)
-    by_k = result["calibration"]["by_k"]
-    for row in result["table"]:
+    by_k = result.evidence.calibration["by_k"]
+    for row in result.to_json()["table"]:
         k = row["k"]
         # P(first i drafts accepted) = accepted at position i / drafts (the product of the
         # conditional alphas telescopes), so E(K) = 1 + the sum of those shares
@@ -678,8 +675,7 @@ def test_tune_cost_model_prints_and_records_its_assumptions(tmp_path):
         assert row["host_ms"] == 0
         assert row["tokens_per_s"] == pytest.approx(rate, rel=2e-3)
         assert row["predicted_speedup"] == pytest.approx(rate * verify_s[0], rel=2e-3)
-    chosen = next(row for row in result["table"] if row["k"] == result["chosen_k"])
-    assert all(row["tokens_per_s"] <= chosen["tokens_per_s"] for row in result["table"])
+    assert all(row.tokens_per_s <= result.chosen.tokens_per_s for row in result.table)
     buf = StringIO()
     tune.show_tune(result, Console(file=buf, width=300, force_terminal=True, color_system=None,
                                    highlight=False))
@@ -713,21 +709,21 @@ def test_tune_per_batch_reports_records_and_serve_config_comments(tmp_path, peer
     result = tune.tune(ROOT / "recipes" / "demo.yaml", demo_overrides(), k_max=2, num_prompts=1,
                        max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache",
                        per_batch=[1, 2])
-    pb = result["per_batch"]
+    pb = result.to_json()["per_batch"]
     assert [p["batch_size"] for p in pb] == [1, 2]
     for p in pb:
         _assert_per_batch_choice(p["chosen_k"], p["table"])
     # the recipe's batch is 1: its K, unless no K is predicted to beat the target alone
     from qpcbuild.runtime.gate import DEFAULT
 
-    assert pb[0]["chosen_k"] == (result["chosen_k"] if max(
+    assert pb[0]["chosen_k"] == (result.chosen_k if max(
         r["predicted_speedup"] for r in pb[0]["table"][1:]) >= 1 + DEFAULT.margin else 0)
     line = f"# tune: best K per batch size: 1:{pb[0]['chosen_k']}, 2:{pb[1]['chosen_k']}"
     assert line in tune.evidence_comment(result)
     from qpcbuild.bundle.manifest_model import Tuning
 
     m = peer_manifest(tmp_path, tmp_path).model_copy(
-        update={"tuning": Tuning.model_validate_json(json.dumps(result, default=str))})
+        update={"tuning": Tuning.model_validate_json(json.dumps(result.to_json(), default=str))})
     assert any(x.startswith("# tune --per-batch: best K by batch size 1:") for x in host_setup(m))
     assert not any("per-batch" in x for x in host_setup(m.model_copy(update={"tuning": None})))
 
@@ -749,7 +745,7 @@ def test_tune_per_batch_times_a_cb_recipe_on_its_own_slots(tmp_path, monkeypatch
     result = tune.tune(ROOT / "recipes" / "demo.yaml", overrides, k_max=2, num_prompts=1,
                        max_new_tokens=16, rounds=3, cache_dir=tmp_path / "cache",
                        per_batch=[1, 2, 4])
-    assert [p["batch_size"] for p in result["per_batch"]] == [1, 2, 4]
+    assert [p.batch_size for p in result.per_batch] == [1, 2, 4]
     assert not any("costs-b" in str(path) for path in built)
     assert sorted(timed) == [(4, 1), (4, 2), (4, 4)]
     with pytest.raises(UsageError, match="exceeds the recipe's full_batch_size 4"):

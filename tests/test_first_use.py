@@ -353,14 +353,14 @@ def test_plan_refuses_a_draft_whose_vocabulary_size_cannot_be_shown_to_match(tmp
 # ---------------------------------------------------------------- 7: tune trusts checked numbers
 CHECK_MEASURED_AS = """
 import sys
+from dataclasses import replace
 import qpcbuild.tune as tuning
 measured_tune = tuning.tune
 def tune(*args, **kwargs):  # the check's measurements as a machine {factor}x slower would give
     result = measured_tune(*args, **kwargs)
-    for check in result["model_check"]:
-        if check.get("predicted"):
-            check["measured"] = check["predicted"] / {factor}
-    return result
+    checks = tuple(replace(c, measured=c.predicted / {factor}) if c.predicted else c
+                   for c in result.evidence.model_check)
+    return replace(result, evidence=replace(result.evidence, model_check=checks))
 tuning.tune = tune
 from qpcbuild.cli import app
 sys.argv[0] = "qpcbuild"

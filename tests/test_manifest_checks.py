@@ -89,10 +89,15 @@ EDITS = {
     # the adaptive fields (docs/adaptive.md) and the per-role ORT weight formats
     "unknown policy": (setter("speculation", "policy", "sometimes"), "speculation.policy"),
     "draft_p_min 2": (setter("speculation", "draft_p_min", 2.0), "speculation.draft_p_min"),
-    "k_schedule to a K never compiled": (setter("speculation", "k_schedule", {"1": 9}),
-                                         "k_schedule 1: K=9"),
-    "k_schedule batch size 0": (setter("speculation", "k_schedule", {"0": 4}),
-                                "speculation.k_schedule"),
+    "schedule to a K never compiled": (
+        setter("speculation", "num_speculative_tokens_per_batch_size", {"1": 9}),
+        "num_speculative_tokens_per_batch_size 1: K=9"),
+    "schedule batch size 0": (setter("speculation", "num_speculative_tokens_per_batch_size",
+                                     {"0": 4}), "num_speculative_tokens_per_batch_size"),
+    # bundles built before the one name recorded the schedule as k_schedule: read, checked
+    "k_schedule (older bundles) to a K never compiled": (
+        setter("speculation", "k_schedule", {"1": 9}),
+        "num_speculative_tokens_per_batch_size 1: K=9"),
     "weights int3": (setter("roles", "draft", "backends", "onnxruntime", "weights", "int3"),
                      "roles.draft.backends.onnxruntime.weights"),
 }
@@ -115,7 +120,7 @@ def test_the_pristine_bundle_still_runs(pristine):
 
 
 def test_a_bundle_with_every_adaptive_field_and_quantized_weights_loads(tmp_path):
-    """What main's builds write (speculation.policy, draft_p_min, k_schedule, int8/int4 ORT
+    """What main's builds write (speculation.policy, draft_p_min, the K per batch size, int8/int4 ORT
     weights) passes the typed manifest and runs."""
     recipe = ROOT / "recipes" / "demo.yaml"
     out = tmp_path / "bundle"
@@ -126,7 +131,8 @@ def test_a_bundle_with_every_adaptive_field_and_quantized_weights_loads(tmp_path
                                  str(tmp_path / "cache")] + [a for s in sets for a in ("--set", s)])
     assert result.exit_code == 0, result.output
     spd = read_manifest(out).speculation
-    assert (spd.policy, spd.draft_p_min, spd.k_schedule) == ("auto", 0.3, {"1": 4})
+    assert (spd.policy, spd.draft_p_min, spd.num_speculative_tokens_per_batch_size) == \
+        ("auto", 0.3, {"1": 4})
     result = runner.invoke(app, ["run", str(out), "--prompt", "def f", "--max-new-tokens", "2"])
     assert result.exit_code == 0, result.output
 

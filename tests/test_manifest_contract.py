@@ -15,7 +15,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "qpcbuild"
 MODELS = ("bundle/manifest.py", "bundle/manifest_model.py")  # reading and sealing; the model
 OCI_KEYS = {"layers", "artifactType", "subject", "mediaType", "annotations", "config"}
-BUNDLE_KEYS = ("roles", "compiled_ks", "specializations", "k_schedule", "qpc_files", "kv_binding",
+BUNDLE_KEYS = ("roles", "compiled_ks", "specializations", "k_schedule",
+               "num_speculative_tokens_per_batch_size", "qpc_files", "kv_binding",
                "core_share", "intra_op_threads", "eos_token_ids", "smoke_weights",
                "weights_digest", "prefill_seq_len", "full_batch_size", "num_speculative_tokens",
                "bundle_id", "speculation", "shapes", "tokenizer", "toolchain", "tuning")

@@ -210,19 +210,32 @@ def test_compile_in_a_log_says_a_backend_step_is_still_running(tmp_path):
 def test_a_tuned_k_keeps_the_recipes_lower_ks_by_one_rule():
     from qpcbuild.tune.recipe_edit import tuned_k_value
 
-    assert tuned_k_value([0, 4], {"chosen_k": 3}) == [0, 3]
-    assert tuned_k_value([0, 2, 8], {"chosen_k": 5}) == [0, 2, 5]
-    assert tuned_k_value(4, {"chosen_k": 3}) == 3
-    stop = {"beats_best_fixed_k": True, "ks": [2, 6], "draft_p_min": 0.3}
-    assert tuned_k_value([0, 4], {"chosen_k": 6, "confidence_stop": stop}) == [0, 2, 6]
+    from qpcbuild.tune import ConfidenceStop
+
+    assert tuned_k_value([0, 4], 3) == [0, 3]
+    assert tuned_k_value([0, 2, 8], 5) == [0, 2, 5]
+    assert tuned_k_value(4, 3) == 3
+    stop = ConfidenceStop(draft_p_min=0.3, ks=(2, 6), predicted_tokens_per_s=100.0,
+                          predicted_speedup=1.2, beats_best_fixed_k=True, k_max=6, table=())
+    assert tuned_k_value([0, 4], 6, stop) == [0, 2, 6]
 
 
 def test_a_k_its_own_model_check_contradicts_is_refused_unless_forced_naming_busy_runner_ways():
     from qpcbuild.errors import QpcbuildError
     from qpcbuild.tune.report import refuse_if_contradicted
 
-    result = {"chosen_k": 3, "model_check_disagrees": [
-        "K=3 predicted 120 tokens/s, measured 34 (3.5x; the tolerance is 2x either way)"]}
+    from qpcbuild.tune import ModelCheck
+    from qpcbuild.tune.report import disagreements
+    from helpers_tune import made_decision
+
+    # the run's own check measured 34 tokens/s where the model predicted 120: 3.5x off
+    result = disagreements(made_decision(3, model_check=(
+        ModelCheck("draft_model K=3", predicted=120.0, measured=34.0),
+        ModelCheck("target-only", predicted=60.0, measured=50.0))))
+    assert result.evidence.model_check[0].error == pytest.approx(120 / 34 - 1, abs=1e-4)
+    assert result.model_check_disagrees == (
+        "draft_model K=3 predicted 120 tokens/s, measured 34 (3.5x; the tolerance is 2x "
+        "either way)",)
     with pytest.raises(QpcbuildError) as info:
         refuse_if_contradicted(result, False, "--tune-force", "nothing was built")
     text = str(info.value)
@@ -230,7 +243,7 @@ def test_a_k_its_own_model_check_contradicts_is_refused_unless_forced_naming_bus
     assert "--cost-model" in text and "--rounds 60" in text and "--tune-force" in text
     assert "so nothing was built" in text
     refuse_if_contradicted(result, True, "--tune-force", "-")  # forced: goes ahead
-    refuse_if_contradicted({"chosen_k": 3, "model_check_disagrees": []}, False, "--force", "-")
+    refuse_if_contradicted(disagreements(made_decision(3)), False, "--force", "-")
 
 
 def test_compile_tune_options_need_tune():

@@ -283,17 +283,17 @@ def test_plan_numerics_cache_keys_and_unchanged_qaic_argv():
     ort_exact, ort_emu = exact.backends["onnxruntime"], emu.backends["onnxruntime"]
     assert ort_exact.numerics == "exact" and ort_emu.numerics == "emulated"
     assert ort_emu.numerics_formats == {"weights": "mxfp6-e2m3-block32", "kv": "float32"}
-    keys = {exact.cache_keys["onnxruntime"], emu.cache_keys["onnxruntime"],
-            both.role("target").cache_keys["onnxruntime"]}
+    keys = {exact.cache_keys.backends["onnxruntime"], emu.cache_keys.backends["onnxruntime"],
+            both.role("target").cache_keys.backends["onnxruntime"]}
     assert len(keys) == 3  # the numerics are in the ORT artifact's key
-    assert emu.cache_keys["export"] == exact.cache_keys["export"]  # the export is shared
+    assert emu.cache_keys.export == exact.cache_keys.export  # the export is shared
     card = make_plan(_load("precision.quantization=mxfp6", "backends=[qaic]"))
     pair = make_plan(_load("precision.quantization=mxfp6", "backends=[onnxruntime, qaic]"))
     for role in ("target", "draft"):
         argv = pair.role(role).backends["qaic"].compiler_argv
         assert argv == card.role(role).backends["qaic"].compiler_argv
         assert "-mxfp6-matmul" in argv
-        assert pair.role(role).cache_keys["qaic"] == card.role(role).cache_keys["qaic"]
+        assert pair.role(role).cache_keys.backends["qaic"] == card.role(role).cache_keys.backends["qaic"]
         assert pair.role(role).backends["onnxruntime"].numerics == "emulated"
 
 

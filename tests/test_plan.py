@@ -119,7 +119,7 @@ def test_flat_and_named_specializations_files():
     # The recipe option only selects which file is written; it is part of the qaic cache key.
     flat_plan = plan_of(REFERENCE, "hardware.specializations_format=flat")
     assert flat_plan.role("target").specializations == target.specializations
-    assert flat_plan.role("target").cache_keys["qaic"] != target.cache_keys["qaic"]
+    assert flat_plan.role("target").cache_keys.backends["qaic"] != target.cache_keys.backends["qaic"]
 
 
 def test_continuous_batching_specializations_and_io():
@@ -133,17 +133,17 @@ def test_continuous_batching_specializations_and_io():
         {"batch_size": "1", "seq_len": "128", "ctx_len": "2048", "full_batch_size": "8"},
         {"batch_size": "8", "seq_len": "1", "ctx_len": "2048", "full_batch_size": "8"}]
     for role in ("target", "draft"):
-        inputs = {i["name"]: i for i in p.role(role).io["inputs"]}
-        assert inputs["batch_index"]["shape"] == ["batch_size", 1]
-        assert inputs["past_key.0"]["shape"][0] == "full_batch_size"
-    assert "batch_index" not in {i["name"] for i in plan_of().role("target").io["inputs"]}
+        inputs = {i.name: i for i in p.role(role).io.inputs}
+        assert inputs["batch_index"].shape == ("batch_size", 1)
+        assert inputs["past_key.0"].shape[0] == "full_batch_size"
+    assert "batch_index" not in {i.name for i in plan_of().role("target").io.inputs}
 
 
 def test_graph_io_pairs_every_kv_input_with_retained_state():
     p = plan_of()
     for rp in p.roles:
-        ins = [i["name"] for i in rp.io["inputs"]]
-        outs = [o["name"] for o in rp.io["outputs"]]
+        ins = [i.name for i in rp.io.inputs]
+        outs = [o.name for o in rp.io.outputs]
         kv = [n for n in ins if n.startswith("past_")]
         assert len(kv) == 2 * rp.arch.num_layers
         assert kv[:4] == ["past_key.0", "past_value.0", "past_key.1", "past_value.1"]
@@ -151,7 +151,7 @@ def test_graph_io_pairs_every_kv_input_with_retained_state():
         assert ins[:2] == ["input_ids", "position_ids"]
         assert ("num_logits_to_keep" in ins) == (rp.role == "target")
         assert ins[-1] == ("num_logits_to_keep" if rp.role == "target" else kv[-1])
-    logits = {rp.role: rp.io["outputs"][0]["shape"] for rp in p.roles}
+    logits = {rp.role: rp.io.to_dict()["outputs"][0]["shape"] for rp in p.roles}
     assert logits == {"target": ["batch_size", "num_logits_to_keep", 128256],
                       "draft": ["batch_size", 1, 128256]}
 
@@ -302,7 +302,7 @@ def test_mxfp6_shrinks_weights():
 
 # ---------------------------------------------------------------- cache keys
 def _keys(p: BuildPlan, kind: str = "export") -> dict[str, str]:
-    return {rp.role: rp.cache_keys[kind] for rp in p.roles}
+    return {rp.role: rp.cache_keys.to_dict()[kind] for rp in p.roles}
 
 
 def test_cache_keys_are_deterministic():
@@ -326,16 +326,16 @@ def test_changing_the_draft_keeps_the_target_export_key():
     base = plan_of()
     other = plan_of(REFERENCE, "draft.model=meta-llama/Llama-3.2-3B-Instruct")
     assert other.role("target").cache_keys == base.role("target").cache_keys
-    assert other.role("draft").cache_keys["export"] != base.role("draft").cache_keys["export"]
+    assert other.role("draft").cache_keys.export != base.role("draft").cache_keys.export
 
 
 def test_export_dtype_changes_export_keys():
     base = plan_of()
     fp16 = plan_of(REFERENCE, "precision.export_dtype=float16")
     for role in ("target", "draft"):
-        assert fp16.role(role).cache_keys["export"] != base.role(role).cache_keys["export"]
+        assert fp16.role(role).cache_keys.export != base.role(role).cache_keys.export
     # the graph computes in float32 with float16 weights too: its KV I/O stays float32
-    assert fp16.role("target").io["inputs"][2]["dtype"] == "float32"
+    assert fp16.role("target").io.inputs[2].dtype == "float32"
     assert any("export_dtype float16" in w for w in fp16.warnings)
     assert not any("export_dtype" in w for w in base.warnings)
 

@@ -66,6 +66,6 @@ def test_cache_keys_are_the_recorded_ones(case):
     recipe, overrides, export, backends = PINNED[case]
     # the compiler's path is argv[0], outside the key; naming one keeps the plan off this PATH
     plan = make_plan(load_recipe(RECIPES / recipe, overrides), compiler="qaic-compile")
-    assert {rp.role: rp.cache_keys for rp in plan.roles} == {
+    assert {rp.role: rp.cache_keys.to_dict() for rp in plan.roles} == {
         role: {"export": export[role], "onnxruntime": ort, "qaic": qaic}
         for role, (ort, qaic) in backends.items()}

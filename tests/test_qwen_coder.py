@@ -159,5 +159,5 @@ def test_model_free_recipes_reuse_the_same_target_build(name, qwen_pair):
     """Their target artifact has the draft_model recipe's cache key, so building them after it
     costs no export or lowering (the session bundle's methods cover their proposers)."""
     keys = [make_plan(load_recipe(ROOT / "recipes" / f"{n}.yaml")).role("target")
-            .cache_keys["onnxruntime"] for n in ("qwen-coder", name)]
+            .cache_keys.backends["onnxruntime"] for n in ("qwen-coder", name)]
     assert keys[0] == keys[1]

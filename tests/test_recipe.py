@@ -672,20 +672,34 @@ def test_random_text_gives_only_recipe_errors(raw):
 
 
 def test_typed_changes_equal_the_set_assignments_a_user_would_type():
-    """Stages hand recipe changes to each other as values ({key: 1, None, [..]}), never as
-    --set strings; applied, they give the recipe the same assignments typed by a user give."""
+    """Stages hand recipe changes to each other as one typed value (per section, its fields),
+    never as --set strings; applied with with_changes, they give the recipe the same
+    assignments typed by a user give."""
     from qpcbuild.measuring import shown
+    from qpcbuild.recipe import RecipeChanges, with_changes
 
     path = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
-    changes = {"backends": ["onnxruntime"], "shapes.batch_size": 2,
-               "shapes.full_batch_size": None, "speculation.num_speculative_tokens": [0, 1, 3],
-               "name": "demo-measured"}
-    assert shown(changes) == ("backends=[onnxruntime], shapes.batch_size=2, "
-                              "shapes.full_batch_size=null, "
-                              "speculation.num_speculative_tokens=[0,1,3], name=demo-measured")
+    changes = RecipeChanges(backends=("onnxruntime",),
+                            shapes={"batch_size": 2, "full_batch_size": None},
+                            speculation={"num_speculative_tokens": [0, 1, 3]})
+    assert shown(changes) == ("backends=[onnxruntime], speculation.num_speculative_tokens=[0,1,3], "
+                              "shapes.batch_size=2, shapes.full_batch_size=null")
     typed = load_recipe(path, [], changes)
     typed_by_user = load_recipe(path, shown(changes).split(", "))
     assert typed.model_dump() == typed_by_user.model_dump()
-    assert typed.shapes.batch_size == 2 and typed.ks == (0, 1, 3) and typed.name == "demo-measured"
+    assert typed.shapes.batch_size == 2 and typed.ks == (0, 1, 3)
+    # the changed recipe still resolves its models from the recipe's folder
+    assert typed.source_dir() == path.parent and typed.source == str(path)
+    # later changes win, field by field
+    later = changes.then(RecipeChanges(shapes={"batch_size": 4}))
+    assert later.shapes == {"batch_size": 4, "full_batch_size": None}
+    assert later.backends == ("onnxruntime",)
+    # validated like the rest of the recipe: a field's own rule, and a cross-field rule
+    original = load_recipe(path)
     with pytest.raises(RecipeError, match="batch_size"):
-        load_recipe(path, [], {"shapes.batch_size": 0})  # validated like the rest of the recipe
+        with_changes(original, RecipeChanges(shapes={"batch_size": 0}))
+    with pytest.raises(RecipeError, match="prefill_seq_len") as info:
+        with_changes(original, RecipeChanges(shapes={"prefill_seq_len": 2}))
+    assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match="has no field batch_sise"):  # a programming error
+        RecipeChanges(shapes={"batch_sise": 2})

@@ -189,7 +189,7 @@ def test_the_k_schedule_key_is_vllm_032s_and_vllm_015_lacks_it(bundle):
     does not know, so there the schedule is ignored and the largest K runs, as host_setup says."""
     m = read_manifest(bundle)
     m = m.model_copy(update={"speculation": m.speculation.model_copy(
-        update={"k_schedule": {"1": 3, "2": 2}})})
+        update={"num_speculative_tokens_per_batch_size": {"1": 3, "2": 2}})})
     argv = vllm_argv(m)
     key = "num_speculative_tokens_per_batch_size"
     assert json.loads(_flags(argv)["--speculative-config"])[key] == [[1, 1, 3], [2, 2, 2]]

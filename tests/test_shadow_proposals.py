@@ -68,7 +68,7 @@ def test_speculation_resumes_when_the_proposals_turn_good_without_probing_before
     steps_before_turn = turn - len(PROMPT) - 1  # every step before it makes one token
     row, times, modes = logged_run(Phased(turn), shadowed=True)
     assert row.tokens == counting_prompt(3, len(PROMPT) + 200)
-    assert times.gate.shadow_checks > 20
+    assert times.speculation.shadow_checks > 20
     # the only speculative steps while proposals were wrong: the first few, before any plain
     assert modes[:steps_before_turn].count("spec") <= 6
     resumed = modes.index("spec", steps_before_turn)
@@ -91,7 +91,7 @@ def test_shadow_proposals_keep_to_their_time_budget():
     plain, spec = modes.count("plain"), modes.count("spec")
     shadows = proposer.calls - spec
     assert plain > 150 and 2 <= shadows <= plain / 10
-    assert times.gate.shadow_checks >= shadows - 1  # each settled (the last may be open)
+    assert times.speculation.shadow_checks >= shadows - 1  # each settled (the last may be open)
 
 
 class Chain:

@@ -127,14 +127,16 @@ def test_json_of_a_call_and_of_a_run():
 
 def test_the_gates_steps_are_kept_and_added_up():
     switch = {"step": 3, "to": "plain", "reason": "slower"}
-    gated = LoopTimes(total_s=1.0, gate=GateStats("auto", 4, 2, (switch,), 3))
+    gated = LoopTimes(total_s=1.0, speculation=GateStats("auto", 4, 2, (switch,), 3))
     one = SpecDecodingStats.from_rows([_row(3, 1, 2, 1, [1, 0])], gated, "draft_model")
     assert one.to_json()["speculation"] == {
         "policy": "auto", "steps_with_speculation": 4, "steps_without_speculation": 2,
         "shadow_checks": 3, "policy_switches": [switch]}
     total = one + one
-    assert (total.gate.steps_with_speculation, total.gate.steps_without_speculation) == (8, 4)
-    assert total.gate.policy_switches == (switch, switch) and total.gate.shadow_checks == 6
+    assert (total.speculation.steps_with_speculation,
+            total.speculation.steps_without_speculation) == (8, 4)
+    assert total.speculation.policy_switches == (switch, switch)
+    assert total.speculation.shadow_checks == 6
     assert "speculation" not in _first_call().to_json()  # no gate ran
 
 

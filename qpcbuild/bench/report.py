@@ -68,11 +68,12 @@ def _row(meas: Measure, base: Measure, ref_outputs: list[list[list[int]]]) -> di
             "target_time_s": _r(eng.target_s), "draft_time_s": _r(eng.draft_s),
             "host_overhead_fraction": _r(eng.host_overhead_fraction) if eng.total_s else None,
         })
-        if eng.gate is not None:  # a gated row (docs/adaptive.md)
-            row["gate"] = {"steps_with_speculation": eng.gate.steps_with_speculation,
-                           "steps_without_speculation": eng.gate.steps_without_speculation,
-                           "shadow_checks": eng.gate.shadow_checks,
-                           "policy_switches": len(eng.gate.policy_switches)}
+        figures = eng.speculation
+        if figures is not None:  # a gated row (docs/adaptive.md)
+            row["gate"] = {"steps_with_speculation": figures.steps_with_speculation,
+                           "steps_without_speculation": figures.steps_without_speculation,
+                           "shadow_checks": figures.shadow_checks,
+                           "policy_switches": len(figures.policy_switches)}
         dec, bdec = decode_figures(meas), decode_figures(base)
         if dec and bdec:
             row["decode_tokens_per_s"] = _r(dec["tokens_per_s"], 2)

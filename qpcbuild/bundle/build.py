@@ -67,7 +67,7 @@ def artifact_key_inputs(role: RolePlan, weights_digest: str, backends: dict[str,
     content and the tools' versions (kept with the entry, so two keys can be compared)."""
     # (the export's digest is its key; the backends' keys include it)
     tools = artifact_versions()
-    export = {"settings": role.cache_keys["export"], "weights": weights_digest,
+    export = {"settings": role.cache_keys.export, "weights": weights_digest,
               "qpcbuild": __version__, "exporter": EXPORTER_VERSION,
               "onnx": tools["onnx"], "numpy": tools["numpy"]}
     return {"export": export,
@@ -104,7 +104,7 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict[str, Any]],
                        "origin": src.origin, "config_digest": src.config_digest,
                        "weights_digest": exports[rp.role]["weights_digest"],
                        "smoke_weights": bool(src.smoke_of)},
-            "arch": rp.arch.to_dict(), "io": rp.io,
+            "arch": rp.arch.to_dict(), "io": rp.io.to_dict(),
             "specializations": [s.model_dump() for s in rp.specializations],
             "num_cores": rp.num_cores,
             "device_group": rp.device_group,
@@ -146,8 +146,8 @@ def runtime_speculation(r: Recipe) -> dict[str, Any]:
     if sp.draft_p_min:
         out["draft_p_min"] = sp.draft_p_min
     if sp.num_speculative_tokens_per_batch_size:
-        out["k_schedule"] = {str(b): k for b, k in
-                             sorted(sp.num_speculative_tokens_per_batch_size.items())}
+        out["num_speculative_tokens_per_batch_size"] = {
+            str(b): k for b, k in sorted(sp.num_speculative_tokens_per_batch_size.items())}
     return out
 
 

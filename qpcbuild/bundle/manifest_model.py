@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union, get_args
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, GetJsonSchemaHandler,
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, GetJsonSchemaHandler,
                       SerializeAsAny, TypeAdapter, ValidationError, field_validator)
 
 from ..backend_api import BACKENDS, BackendEntry, entry_model
@@ -55,9 +55,13 @@ class Speculation(_Part):
     # docs/adaptive.md; absent in bundles built with the defaults
     policy: Literal["auto", "fixed", "off"] = "fixed"
     draft_p_min: float = Field(default=0.0, ge=0, le=1)
-    k_schedule: Optional[dict[str, int]] = None  # live batch size (as text) -> K
+    # live batch size (as text) -> K: vLLM's name, the recipe's; bundles built before it had
+    # one name across recipe, manifest and runtime recorded it as k_schedule (read as before)
+    num_speculative_tokens_per_batch_size: Optional[dict[str, int]] = Field(
+        default=None, validation_alias=AliasChoices("num_speculative_tokens_per_batch_size",
+                                                    "k_schedule"))
 
-    @field_validator("k_schedule")
+    @field_validator("num_speculative_tokens_per_batch_size")
     @classmethod
     def _batch_sizes(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
         bad = [b for b in v or {} if not (b.isascii() and b.isdigit() and 0 < int(b) <= 4096)]
@@ -67,8 +71,8 @@ class Speculation(_Part):
 
     @property
     def schedule(self) -> dict[int, int]:
-        """k_schedule with batch sizes as numbers."""
-        return {int(b): k for b, k in (self.k_schedule or {}).items()}
+        """num_speculative_tokens_per_batch_size with batch sizes as numbers."""
+        return {int(b): k for b, k in (self.num_speculative_tokens_per_batch_size or {}).items()}
 
 
 class Arch(_Part):
@@ -290,8 +294,8 @@ class Manifest(_Part):
         off_list = {b: k for b, k in self.speculation.schedule.items() if k not in ks}
         if off_list:
             b, k = next(iter(off_list.items()))
-            out.append(f"speculation.k_schedule {b}: K={k} is not among "
-                       f"speculation.num_speculative_tokens {ks}")
+            out.append(f"speculation.num_speculative_tokens_per_batch_size {b}: K={k} is not "
+                       f"among speculation.num_speculative_tokens {ks}")
         if shapes.prefill_seq_len > shapes.ctx_len:
             out.append(f"shapes.prefill_seq_len {shapes.prefill_seq_len} exceeds ctx_len "
                        f"{shapes.ctx_len}")

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
 from .app import RecipeArg, SetOpt, app, emit_json, handles_errors, progress_line
 from .refs import InsecureOpt
 from .render import console, err_console
+
+if TYPE_CHECKING:
+    from ..recipe.changes import RecipeChanges
+    from ..tune.decision import Decision
 
 
 @app.command()
@@ -167,17 +171,17 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     if no_cache and tune_k:
         raise UsageError("--no-cache cannot be combined with --tune: tuning measures bundles "
                          "built through the cache")
-    tuning = None
+    tuning, tuned = None, None
     if (tune_cost_model or tune_force) and not tune_k:
         raise UsageError("--tune-cost-model and --tune-force go with --tune")
     if tune_k:
         if smoke_weights:
             raise UsageError("--tune measures the real models; it cannot be combined with "
                              "--smoke-weights")
-        set_, tuning = _tuned(recipe, set_ or [], cache_dir, json_out, tune_cost_model,
-                              tune_force)
+        tuned, tuning = _tuned(recipe, set_ or [], cache_dir, json_out, tune_cost_model,
+                               tune_force)
     push_to = _pusher(push_ref, insecure, json_out)  # a bad reference fails before any work
-    r = load_recipe(recipe, set_ or [])
+    r = load_recipe(recipe, set_ or [], tuned)
     # Smoke weights are a check, not an artifact: their random checkpoints and graphs live
     # only as long as this build (checkpoints in $TMPDIR, graphs moved into the bundle), never
     # in the shared cache, so that an 8B check leaves the bundle behind and nothing else.
@@ -208,12 +212,12 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
             units = {select_unit(plan_units(plan_, cache, compiler), unit).name}
         result = build_bundle(plan_, cache=cache, out=out, emit_only=emit_only,
                               compiler=compiler, jobs=jobs, progress=progress,
-                              manifest_extra={"tuning": tuning} if tuning else None, units=units,
+                              manifest_extra={"tuning": tuning.to_json()} if tuning else None, units=units,
                               push=push_to and push_to(scratch))
     if json_out:
         emit_json({**result.to_dict(), **({"tuning": {
-            "chosen_k": tuning["chosen_k"], "recommended_ks": tuning["recommended_ks"],
-            "file": tuning.get("file", "manifest.json")}} if tuning else {})})
+            "chosen_k": tuning.chosen_k, "recommended_ks": list(tuning.recommended_ks),
+            "file": "manifest.json"}} if tuning else {})})
     elif units:
         console.print(f"unit {', '.join(units)} is in the cache ({result.seconds:.1f} s)")
     elif result.pushed:
@@ -226,39 +230,35 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
         console.print(f"bundle [bold]{result.bundle}[/] id {result.bundle_id[:16]} built in "
                       f"{result.seconds:.1f} s")
         if tuning is not None:
-            console.print(f"K={tuning['chosen_k']} from tuning; evidence in "
-                          f"{tuning.get('file', 'the manifest (key tuning)')}")
+            console.print(f"K={tuning.chosen_k} from tuning; evidence in the manifest (key "
+                          "tuning)")
 
 
 def _tuned(recipe: Path, sets: list[str], cache_dir: Path | None, json_out: bool,
-           cost_model: bool, force: bool) -> tuple[list[str], dict]:
+           cost_model: bool, force: bool) -> tuple[RecipeChanges, Decision]:
     """`compile --tune`: tune, then the recipe's K by the rule `tune --write` follows (same
     kept Ks, the confidence stop's Ks and threshold when it won, a contradicted model check
-    refused unless forced). Returns (the --set overrides with tune's choice, the evidence)."""
-    import json
-
+    refused unless forced). Returns (tune's choice as changes to the recipe, the evidence)."""
     from ..recipe import load_recipe
+    from ..recipe.changes import RecipeChanges
     from ..tune import show_tune, tune as run_tune
     from ..tune.recipe_edit import tuned_k_value
     from ..tune.report import disagreements, refuse_if_contradicted
 
-    tuning = run_tune(recipe, sets, cache_dir=cache_dir, say=progress_line,
-                      cost_model=cost_model)
-    tuning["model_check_disagrees"] = disagreements(tuning)
+    tuning = disagreements(run_tune(recipe, sets, cache_dir=cache_dir, say=progress_line,
+                                    cost_model=cost_model))
     if not json_out:
         show_tune(tuning, console)
     refuse_if_contradicted(tuning, force, "--tune-force", "nothing was built")
-    for problem in tuning["model_check_disagrees"]:  # forced: said, then built
-        err_console.print(f"[yellow]warning:[/] K={tuning['chosen_k']} rests on costs its "
+    for problem in tuning.model_check_disagrees or ():  # forced: said, then built
+        err_console.print(f"[yellow]warning:[/] K={tuning.chosen_k} rests on costs its "
                           f"own check contradicts: {problem}", soft_wrap=True)
     before = load_recipe(recipe, sets).speculation.num_speculative_tokens
-    value = tuned_k_value(before, tuning)
-    stop = tuning.get("confidence_stop")
-    out = [*sets, "speculation.num_speculative_tokens="
-           + (json.dumps(value) if isinstance(value, list) else str(value))]
-    if stop and stop["beats_best_fixed_k"]:
-        out.append(f"speculation.draft_p_min={stop['draft_p_min']}")
-    return out, tuning
+    stop = tuning.winning_stop
+    value = tuned_k_value(before, tuning.chosen_k, stop)
+    return RecipeChanges(speculation={"num_speculative_tokens": value} if stop is None else
+                         {"num_speculative_tokens": value,
+                          "draft_p_min": stop.draft_p_min}), tuning
 
 
 def _pusher(ref: str | None, insecure: bool, quiet: bool):

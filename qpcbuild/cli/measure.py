@@ -184,6 +184,8 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                     "model check disagrees with the prediction."),
          verify: str = VerifyOpt):
     """Pick K from measured acceptance and costs (expected tokens per second), and record why."""
+    from dataclasses import replace
+
     from ..errors import UsageError
     from ..bench import parse_ks
     from ..prompts import check_output_file
@@ -194,26 +196,25 @@ def tune(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
     if write is not None and in_place:
         raise UsageError("give --write FILE or --in-place, not both")
     check_output_file(write, "--write")
-    result = run_tune(recipe, set_ or [], k_max=k_max, prompt_file=prompts,
+    result = disagreements(run_tune(recipe, set_ or [], k_max=k_max, prompt_file=prompts,
                       prompt_set=prompt_set, num_prompts=num_prompts,
                       max_new_tokens=max_new_tokens, rounds=rounds, cache_dir=cache_dir,
                       say=progress_line, cost_model=cost_model,
                       card_bandwidth_gbs=card_bandwidth_gbs, card_tflops=card_tflops,
-                      per_batch=parse_ks(per_batch), verify=verify)
+                      per_batch=parse_ks(per_batch), verify=verify))
     written = None
-    result["model_check_disagrees"] = disagreements(result)
-    refused = bool(result["model_check_disagrees"]) and not force and \
+    refused = bool(result.model_check_disagrees) and not force and \
         (write is not None or in_place)
     if (write is not None or in_place) and not refused:
         written = write_tuned_recipe(recipe, result, None if in_place else write)
-        result["written"] = str(written)
-        result["written_value"] = load_recipe(written).speculation.num_speculative_tokens
+        result = replace(result, written=str(written), written_value=load_recipe(
+            written).speculation.num_speculative_tokens)
         if set_:
             err_console.print("[yellow]note:[/] only num_speculative_tokens was written; the "
                               f"--set overrides used while measuring ({', '.join(set_)}) were "
                               "not")
     if json_out:
-        emit_json(result)
+        emit_json(result.to_json())
     else:
         show_tune(result, console)
     if refused:

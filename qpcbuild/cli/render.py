@@ -73,18 +73,18 @@ def show_plan(plan: BuildPlan) -> None:
         console.print(spec)
         io = Table("direction", "name", "dtype", "shape", title="graph I/O", title_justify="left")
         for direction in ("inputs", "outputs"):
-            items = rp.io[direction]
+            items = list(getattr(rp.io, direction))
             shown = items if len(items) <= 8 else items[:5] + [None] + items[-2:]
             for item in shown:
                 if item is None:
                     io.add_row("", f"... {len(items) - 7} more KV buffers", "", "")
                 else:
-                    io.add_row(direction[:-1], item["name"], item["dtype"], str(item["shape"]))
+                    io.add_row(direction[:-1], item.name, item.dtype, str(list(item.shape)))
         console.print(io)
         for name, part in rp.backends.items():
             for line in part.describe(r, len(rp.device_group), name in r.backends):
                 console.print(line)
-        console.print("cache keys: " + ", ".join(f"{k} {v}" for k, v in rp.cache_keys.items()))
+        console.print("cache keys: " + ", ".join(f"{k} {v}" for k, v in rp.cache_keys.to_dict().items()))
     heading("[bold]cores and memory per QID[/]")
     roles = [rp.role for rp in plan.roles]
     cores = Table("QID", *roles, "free", title="NSP cores", title_justify="left")

@@ -88,7 +88,7 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     bundle = bundle_folder(bundle, insecure, quiet=json_out,
                            signatures=require_signature is not None)
     gen = load(bundle, backend=backend, method=method, k=k, verify=verify, ctx_len=ctx_len,
-               batch_size=batch_size, signed_by=require_signature, spec_policy=spec_policy)
+               batch_size=batch_size, signed_by=require_signature, policy=spec_policy)
     # Continuous batching takes every prompt at once and refills slots as requests finish.
     batch = len(prompts) if gen.decoder.cb else gen.target.batch_size
     on_token = None
@@ -200,7 +200,7 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         raise UsageError(f"--port must be in 1..65535, got {port}")
     folder = bundle_folder(bundle, insecure, signatures=require_signature is not None)
     run_server(folder, host, port, backend, verify, served_model_name, log_level, quiet,
-               stats_interval, signed_by=require_signature, spec_policy=spec_policy)
+               stats_interval, signed_by=require_signature, policy=spec_policy)
 
 
 @app.command("serve-config")

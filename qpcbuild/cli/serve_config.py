@@ -128,7 +128,7 @@ def host_setup(m: Manifest) -> list[str]:
         lines.append("# sampling (temperature > 0): AOT-mode rejection sampling needs the "
                      "Triton-CPU backend installed")
     spd = m.speculation
-    if spd.k_schedule:
+    if spd.num_speculative_tokens_per_batch_size:
         lines.append("# K per live batch size: passed as num_speculative_tokens_per_batch_size "
                      "(upstream vLLM >= 0.32 switches K by batch size in its GPU model runner; "
                      "check that your Cloud AI vLLM build honours it, else it runs the largest K)")

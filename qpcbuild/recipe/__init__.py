@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 import difflib
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, RecipeError, UsageError
+from .changes import RecipeChanges
 from .file import KeyPath, dotted, parse_yaml, read_capped
 from .schema import (  # noqa: F401  (the schema's names, for recipe's importers)
     MAX_K, MAX_CTX_LEN, CTX_LEN_MULTIPLE, CARDS, CARD_ROOFLINE_SOURCE, CARD_ROOFLINE, Method,
@@ -216,12 +216,6 @@ def resolved_cores(r: Recipe) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- overrides and entry point
-# A stage's changes to a recipe (measuring at batch 1, another K list, ...): {dotted key: value},
-# the values as the recipe file would hold them once read (1, None, ["onnxruntime"]). They are
-# applied after the user's --set overrides and validated with the rest of the recipe.
-RecipeChanges = Mapping[str, Any]
-
-
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """`--set shapes.ctx_len=4096`: the value is parsed as a YAML scalar or flow sequence."""
     if "=" not in assignment:
@@ -249,7 +243,7 @@ def _set_key(data: dict[str, Any], key: str, value: Any) -> None:
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
                 changes: RecipeChanges | None = None) -> Recipe:
     """Read, validate and resolve a recipe (with the user's --set `overrides`, then a stage's
-    `changes`); raises RecipeError listing every problem."""
+    `changes`, see with_changes); raises RecipeError listing every problem."""
     path = Path(path)
     source = str(path)
     raw = read_capped(path, source)
@@ -258,8 +252,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     except UnicodeDecodeError as exc:
         raise RecipeError(source, [Problem("<file>", f"not UTF-8 text ({exc.reason} at byte "
                                            f"{exc.start})")]) from None
-    return recipe_from_text(text, source, overrides, base_dir=path.resolve().parent,
-                            changes=changes)
+    recipe = recipe_from_text(text, source, overrides, base_dir=path.resolve().parent)
+    return with_changes(recipe, changes) if changes else recipe
 
 
 def _without(data: dict[str, Any], locs: list[KeyPath]) -> dict[str, Any]:
@@ -314,8 +308,7 @@ def _missing_model_folders(data: dict[str, Any], base_dir: Path | None,
 
 def recipe_from_text(text: str, source: str = "<recipe>",
                      overrides: list[str] | tuple[str, ...] = (),
-                     base_dir: Path | None = None, changes: RecipeChanges | None = None
-                     ) -> Recipe:
+                     base_dir: Path | None = None) -> Recipe:
     duplicates: list[Problem] = []
     data, lines = parse_yaml(text, source, duplicates)
     if not isinstance(data, dict):
@@ -325,8 +318,6 @@ def recipe_from_text(text: str, source: str = "<recipe>",
         raise RecipeError(source, [Problem("<root>", "keys must be strings")])
     for assignment in overrides:
         apply_override(data, assignment)
-    for key, value in (changes or {}).items():
-        _set_key(data, key, copy.deepcopy(value))
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
@@ -340,10 +331,39 @@ def recipe_from_text(text: str, source: str = "<recipe>",
     errors = duplicates + [p for p in problems if p.severity == "error"]
     if errors:
         raise RecipeError(source, errors + _missing_model_folders(data, base_dir, lines))
-    recipe._source_dir = base_dir or Path.cwd()
+    return _placed(recipe, source, base_dir or Path.cwd(), problems)
+
+
+def _placed(recipe: Recipe, source: str, base_dir: Path, problems: list[Problem]) -> Recipe:
+    recipe._source_dir = base_dir
     recipe._source = source
     recipe._warnings = [p for p in problems if p.severity == "warning"]
     return recipe
+
+
+def with_changes(recipe: Recipe, changes: RecipeChanges) -> Recipe:
+    """`recipe` with a stage's `changes` (pydantic's model_copy(update=) on each section they
+    name), validated again as a whole: a change that breaks a rule, alone or with the rest of
+    the recipe, raises RecipeError naming the recipe's file. The result keeps where the recipe
+    came from (its folder resolves relative model paths) and its line numbers."""
+    if not changes:
+        return recipe
+    update: dict[str, Any] = {}
+    if changes.backends is not None:
+        update["backends"] = list(changes.backends)
+    for section, values in changes.sections():
+        update[section] = getattr(recipe, section).model_copy(update=dict(values))
+    try:  # model_copy does not validate: the recipe is validated again from its fields
+        changed = Recipe.model_validate(recipe.model_copy(update=update).model_dump(by_alias=True))
+    except ValidationError as exc:
+        raise RecipeError(recipe.source, [Problem(dotted(e["loc"]), e["msg"])
+                                          for e in exc.errors()]) from None
+    changed._lines = recipe._lines
+    problems = static_problems(changed)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise RecipeError(recipe.source, errors)
+    return _placed(changed, recipe.source, recipe.source_dir(), problems)
 
 
 def recipe_relative(recipe: Recipe, ref: str) -> Path:

@@ -49,7 +49,7 @@ class SpecDecoder:
                  proposer: Proposer | None, ks: tuple[int, ...], prefill_len: int,
                  eos_ids: set[int], method: str, continuous_batching: bool = False,
                  policy: str = "fixed", draft_p_min: float = 0.0,
-                 k_schedule: dict[int, int] | None = None,
+                 num_speculative_tokens_per_batch_size: dict[int, int] | None = None,
                  prefill_tails: tuple[int, ...] = (),
                  clock: Callable[[], float] = time.perf_counter):
         self.target, self.draft, self.proposer = target, draft, proposer
@@ -58,7 +58,7 @@ class SpecDecoder:
         # the draft's confidence stop and the K per live batch size
         self.policy = policy
         self.confidence_stop = ConfidenceStop(draft_p_min)
-        self.k_schedule = KSchedule(dict(k_schedule or {}))
+        self.k_schedule = KSchedule(dict(num_speculative_tokens_per_batch_size or {}))
         self._gates: dict[tuple[str, int | None], SpeculationPolicy] = {}
         # every time the loop measures (its timings, the gate's step seconds) is read from here
         self.clock = clock
@@ -160,7 +160,7 @@ class SpecDecoder:
             self._step(run)
         times.total_s = self.clock() - start
         now = gate.figures()
-        times.gate = now.since(mark) if now is not None and mark is not None else None
+        times.speculation = now.since(mark) if now is not None and mark is not None else None
         if run.proposer is not None:
             for i in range(self.batch):
                 run.proposer.finish(i)

@@ -12,18 +12,20 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..bundle import verify_bundle
 from ..bundle.manifest import Manifest, SealedManifest
 from ..bundle.signature import check_signature
-from ..backend_api import DEFAULT_BACKEND, backend_module, backend_names
+from ..backend_api import DEFAULT_BACKEND, BackendEntry, backend_module, backend_names
 from ..errors import BundleError, UsageError
-from ..recipe import METHODS
+from ..recipe.schema import METHODS
 from .chat import ChatTemplate, as_messages
-from .engine import Row, SpecDecoder, TokenCallback
+from .engine import SpecDecoder
+from .model_session import ModelSession
 from .policy import POLICIES
-from .proposers import make_proposer
+from .proposers import Proposer, make_proposer
+from .rows import Row, TokenCallback
 from .sampling import SamplingParams
 from .stats import SpecDecodingStats
 
@@ -40,7 +42,11 @@ class GenerationResult:
                 "stats": self.stats.to_json()}
 
 
-def _backend_entry(bundle: Path, manifest: Manifest, role: str, backend: str):
+RoleName = Literal["target", "draft"]  # the manifest's roles
+
+
+def _backend_entry(bundle: Path, manifest: Manifest, role: RoleName,
+                   backend: str) -> BackendEntry:
     if backend not in backend_names():
         raise UsageError(f"unknown backend '{backend}' ({' | '.join(backend_names())})")
     built = manifest.roles[role].backends
@@ -50,9 +56,13 @@ def _backend_entry(bundle: Path, manifest: Manifest, role: str, backend: str):
     return built[backend]
 
 
-def _open_session(bundle: Path, manifest: Manifest, role: str, backend: str):
+def _open_session(bundle: Path, manifest: Manifest, role: RoleName,
+                  backend: str) -> ModelSession:
     entry = _backend_entry(bundle, manifest, role, backend)
-    return backend_module(backend, "session").open_session(bundle, manifest, role, entry)
+    # each backend's session module (backends/<name>/session.py), found by name
+    session: ModelSession = backend_module(backend, "session").open_session(
+        bundle, manifest, role, entry)
+    return session
 
 
 def available_memory() -> int | None:
@@ -66,7 +76,8 @@ def available_memory() -> int | None:
     return None
 
 
-def check_memory(bundle: Path, manifest: Manifest, roles: list[str], backend: str) -> None:
+def check_memory(bundle: Path, manifest: Manifest, roles: list[RoleName],
+                 backend: str) -> None:
     """Refuse before allocating when weights and KV cache cannot fit in this machine's memory
     (the ONNX Runtime artifacts hold float32 weights and a float32 KV cache; a card's memory is
     the compiler's business)."""
@@ -89,7 +100,7 @@ def check_memory(bundle: Path, manifest: Manifest, roles: list[str], backend: st
 
 class Generator:
     def __init__(self, bundle: Path, manifest: Manifest, backend: str, method: str,
-                 k: int | None, spec_policy: str | None = None):
+                 k: int | None, policy: str | None = None):
         from tokenizers import Tokenizer
 
         self.bundle, self.manifest, self.backend, self.method = bundle, manifest, backend, method
@@ -114,14 +125,14 @@ class Generator:
         if gen_cfg.is_file():
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
             self.eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        check_memory(bundle, manifest, ["target"] + (["draft"] if method == "draft_model"
-                                                      else []), backend)
+        roles: list[RoleName] = ["target", "draft"] if method == "draft_model" else ["target"]
+        check_memory(bundle, manifest, roles, backend)
         self.target = _open_session(bundle, manifest, "target", backend)
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
-        self.spec_policy = spec_policy  # None: the bundle's speculation.policy
+        self.policy = policy  # None: the bundle's speculation.policy
         self.decoder = build_decoder(manifest, self.target, self.draft, method, self.eos_ids,
-                                     spec_policy)
+                                     policy)
 
     def sibling(self, method: str | None = None, target_only: bool = False) -> "Generator":
         """A Generator over the same sessions (nothing is loaded again) for another method the
@@ -136,7 +147,7 @@ class Generator:
         g.draft = self.draft if method == "draft_model" and not target_only else None
         g.decoder = build_decoder(self.manifest, self.target, g.draft,
                                   None if target_only else method, self.eos_ids,
-                                  self.spec_policy)
+                                  self.policy)
         g.decoder.method = method
         return g
 
@@ -147,7 +158,7 @@ class Generator:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
-    def chat_prompt(self, prompt, system: str | None = None) -> list[int]:
+    def chat_prompt(self, prompt: object, system: str | None = None) -> list[int]:
         """Token ids of a chat turn: `prompt` is a user message or a list of {"role", "content"}
         messages, rendered with the bundle's chat template and the assistant's turn opened."""
         if self._chat is None:
@@ -193,7 +204,7 @@ class Generator:
         return GenerationResult(texts, rows, SpecDecodingStats.from_rows(rows, times, method))
 
 
-def new_proposer(manifest: Manifest, method: str | None):
+def new_proposer(manifest: Manifest, method: str | None) -> Proposer | None:
     """The proposer of an ngram/suffix method with the bundle's options for it (its own
     method) or the defaults (another one); None for draft_model and target-only."""
     if method not in ("ngram", "suffix"):
@@ -202,25 +213,27 @@ def new_proposer(manifest: Manifest, method: str | None):
     return make_proposer(method, spd.options if spd.method == method else {})
 
 
-def build_decoder(manifest: Manifest, target, draft, method: str | None,
-                  eos_ids: set[int], spec_policy: str | None = None) -> SpecDecoder:
+def build_decoder(manifest: Manifest, target: ModelSession, draft: ModelSession | None,
+                  method: str | None,
+                  eos_ids: set[int], policy: str | None = None) -> SpecDecoder:
     """The one way a SpecDecoder is made from a bundle: its compiled Ks, prefill chunk and
     continuous batching, with `method`'s proposer (method None: target-only, no proposer),
-    and how it speculates (the bundle's policy unless `spec_policy` says otherwise)."""
+    and how it speculates (the bundle's policy unless `policy` says otherwise)."""
     shapes, spd, ks = manifest.shapes, manifest.speculation, manifest.ks
     schedule = {b: k for b, k in spd.schedule.items() if k in ks}
     return SpecDecoder(target, draft, new_proposer(manifest, method), ks,
                        shapes.prefill_seq_len, eos_ids, method or "target_only",
                        bool(shapes.full_batch_size),
-                       policy=spec_policy or spd.policy,
-                       draft_p_min=float(spd.draft_p_min), k_schedule=schedule,
+                       policy=policy or spd.policy,
+                       draft_p_min=float(spd.draft_p_min),
+                       num_speculative_tokens_per_batch_size=schedule,
                        prefill_tails=tuple(shapes.prefill_tail_seq_lens))
 
 
 def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None = None,
          k: int | None = None, verify: str = "full", ctx_len: int | None = None,
          batch_size: int | None = None, signed_by: str | Path | None = None,
-         spec_policy: str | None = None) -> Generator:
+         policy: str | None = None) -> Generator:
     """Open a bundle. verify: "full" (SHA-256 of every file), "fast" (presence and sizes, for
     huge QPCs) or "none". `ctx_len` / `batch_size`, when given, are what the caller expects the
     bundle to be compiled for: a bundle built for other shapes is refused. `signed_by`: a public
@@ -254,6 +267,6 @@ def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None 
     if method == "draft_model" and manifest.draft is None:
         raise UsageError(f"this bundle has no draft model (built for '{built_method}'); use "
                          "--method ngram or --method suffix")
-    if spec_policy is not None and spec_policy not in POLICIES:
-        raise UsageError(f"unknown speculation policy '{spec_policy}' ({' | '.join(POLICIES)})")
-    return Generator(bundle, manifest, backend, method, k, spec_policy)
+    if policy is not None and policy not in POLICIES:
+        raise UsageError(f"unknown speculation policy '{policy}' ({' | '.join(POLICIES)})")
+    return Generator(bundle, manifest, backend, method, k, policy)

@@ -9,6 +9,7 @@ the Cloud AI apps SDK, which no package registry provides, so it is not exercise
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,8 @@ from .model_session import Specialization, pick_specialization
 SDK_PYTHON = "/opt/qti-aic/dev/lib/x86_64"  # where the SDK installs qaicrt and aicapi
 
 
-def _import_runtime():
+def _import_runtime() -> tuple[Any, Any]:
+    """(qaicrt, aicapi): the SDK's modules, untyped (they ship no type information)."""
     import sys
 
     if SDK_PYTHON not in sys.path:

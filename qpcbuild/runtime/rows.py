@@ -164,7 +164,8 @@ class LoopTimes:
     # verify steps per (live rows, the K the step allowed; 0 when the gate ran it plain):
     # shows the K schedule following the rows as they come and go
     step_ks: dict[tuple[int, int], int] = field(default_factory=dict)
-    gate: GateStats | None = None  # the speculation policy's share (None: target only)
+    # the speculation policy's figures, under the stats JSON's name (None: target only)
+    speculation: GateStats | None = None
 
 
 def prefill_feeds(prompts: list[list[int]], p: int, ctx_len: int, batch: int,

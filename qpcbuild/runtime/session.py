@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -18,10 +19,32 @@ from ..ort_threads import pool_threads, session_options
 from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401  (re-exported)
 
 REMEASURE = 64  # single-token calls between re-timings of the way not taken (RowwiseOrtSession)
+# ONNX Runtime ships no type information: its sessions, values and bindings are Any here.
+KVShape = tuple[int, int, int, int]  # (rows, KV heads, ctx_len, head_dim)
+CallShape = tuple[int, int]  # (batch, seq_len) of one call
+Entry = TypeVar("Entry")
 
 
-def check_graph_io(sess, path: Path, role: str, kv_shape: tuple, num_layers: int,
-                   vocab_size: int) -> None:
+class Bound(NamedTuple):
+    """One specialization's host arrays, their ORT values and the call's bindings (two when
+    the KV sets ping-pong)."""
+    spec: Specialization
+    arrays: dict[str, np.ndarray]
+    values: dict[str, Any]
+    bindings: list[Any]
+
+
+class RowsBound(NamedTuple):
+    """RowwiseOrtSession's specialization: its host arrays, the bindings of (row, slot) made
+    when first used, and one binding of every row together (None where the graph has no
+    symbolic batch or the call is not single-token over every row)."""
+    arrays: dict[str, np.ndarray]
+    made: dict[tuple[int, int], Any]
+    together: Any | None
+
+
+def check_graph_io(sess: Any, path: Path, role: str, kv_shape: tuple[int, ...],
+                   num_layers: int, vocab_size: int) -> None:
     """The graph must be the one the manifest describes: one KV pair per layer, KV and logits
     dimensions equal to the manifest's wherever the graph fixes them. A re-sealed manifest that
     swapped artifacts or edited a size fails here, not in the middle of a decode step."""
@@ -49,7 +72,7 @@ def check_graph_io(sess, path: Path, role: str, kv_shape: tuple, num_layers: int
 
 
 class OrtSession:
-    def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: tuple,
+    def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
                  num_layers: int, vocab_size: int, threads: int | None = None,
                  in_place: bool = False):
         """threads: the recipe's `onnxruntime.intra_op_threads`; None: every CPU (see
@@ -73,17 +96,17 @@ class OrtSession:
 
         self._load(self._kv_shape)
         kv = [[ort.OrtValue.ortvalue_from_numpy(b) for b in side] for side in self.kv_buffers]
-        self._bound: dict[tuple[int, int], tuple] = {}
+        self._bound: dict[CallShape, Bound] = {}
         for spec in self.specializations:
             arrays = self._arrays(spec)
             values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
             inputs = {k: v for k, v in values.items() if k != "logits"}
             bindings = [self._binding(inputs, kv[src], kv[dst], values["logits"])
                         for src, dst in (((0, 0),) if self._in_place else ((0, 1), (1, 0)))]
-            self._bound[(spec.batch_size, spec.seq_len)] = (spec, arrays, values, bindings)
+            self._bound[(spec.batch_size, spec.seq_len)] = Bound(spec, arrays, values, bindings)
         self._parity = 0
 
-    def _load(self, graph_kv_shape: tuple) -> None:
+    def _load(self, graph_kv_shape: tuple[int, ...]) -> None:
         import onnxruntime as ort
 
         so, self.shared_pool = session_options(self._threads_option, role_session=True)
@@ -101,7 +124,8 @@ class OrtSession:
                        self.vocab_size)
         self._graph_inputs = {i.name for i in self.sess.get_inputs()}
 
-    def _binding(self, inputs: dict, kv_in: list, kv_out: list, logits):
+    def _binding(self, inputs: dict[str, Any], kv_in: list[Any], kv_out: list[Any],
+                 logits: Any) -> Any:
         """One call's binding: its inputs by name, each layer's KV read from `kv_in` and its
         _RetainedState written to `kv_out` (the same values: in place), and the logits."""
         b = self.sess.io_binding()
@@ -115,7 +139,8 @@ class OrtSession:
 
     def _arrays(self, spec: Specialization) -> dict[str, np.ndarray]:
         """The host buffers of one specialization's inputs and logits."""
-        arrays = {"input_ids": np.zeros((spec.batch_size, spec.seq_len), np.int64),
+        arrays: dict[str, np.ndarray] = {
+                  "input_ids": np.zeros((spec.batch_size, spec.seq_len), np.int64),
                   "position_ids": np.full((spec.batch_size, spec.seq_len), -1, np.int64),
                   "logits": np.zeros((spec.batch_size, spec.num_logits, self.vocab_size),
                                      np.float32)}
@@ -139,19 +164,22 @@ class OrtSession:
         if self.sess is None:
             self._open()
 
-    def _entry(self, shape: tuple[int, int]) -> tuple:
-        """What is bound for a call of this (batch, seq_len): a compiled specialization's."""
-        entry = self._bound.get(shape)
+    def _entry(self, table: Callable[[], dict[CallShape, Entry]], ids: np.ndarray) -> Entry:
+        """What `table` (read after any reload) binds for a call of `ids`' (batch, seq_len):
+        a compiled specialization's."""
+        shape = (int(ids.shape[0]), int(ids.shape[1]))
+        entry = table().get(shape)
         if entry is None and self.sess is None:  # released: load again (bench reopens ahead)
             self._open()
-            entry = self._bound.get(shape)
+            entry = table().get(shape)
         if entry is None:
             pick_specialization(self.specializations, *shape)  # names what is compiled
+            raise BundleError(f"{self.path}: specialization {shape} is compiled but not bound")
         return entry
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
-        _, arrays, _, bindings = self._entry(input_ids.shape)
+        _, arrays, _, bindings = self._entry(lambda: self._bound, input_ids)
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
         if batch_index is not None and "batch_index" in arrays:
@@ -177,8 +205,10 @@ class RowwiseOrtSession(OrtSession):
     speculation) goes through the graph once for all rows when its batch dim is symbolic: the
     rows then share each weight's read."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, in_place=True, **kwargs)
+    def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
+                 num_layers: int, vocab_size: int, threads: int | None = None):
+        super().__init__(path, role, specs, kv_shape, num_layers, vocab_size, threads,
+                         in_place=True)
 
     def _open(self) -> None:
         import onnxruntime as ort
@@ -195,15 +225,19 @@ class RowwiseOrtSession(OrtSession):
         self._seconds: dict[str, float | None] = {"together": None, "row": None}
         self._calls = {"together": 0, "row": 0}
         self._single_calls = 0
-        self._bound = {}
+        self._rows_bound: dict[CallShape, RowsBound] = {}
         for spec in self.specializations:
             arrays = self._arrays(spec)
             together = self._bind(arrays, slice(None), whole) \
                 if whole and spec.seq_len == 1 and spec.batch_size == self.batch_size else None
             # row bindings: made when first used
-            self._bound[(spec.batch_size, spec.seq_len)] = (arrays, {}, together)
+            self._rows_bound[(spec.batch_size, spec.seq_len)] = RowsBound(arrays, {}, together)
 
-    def _bind(self, arrays: dict[str, np.ndarray], rows: slice, kv: list):
+    def release(self) -> None:
+        super().release()
+        self._rows_bound = {}
+
+    def _bind(self, arrays: dict[str, np.ndarray], rows: slice, kv: list[Any]) -> Any:
         """A binding of `rows` of the call's arrays to the KV values `kv`, read and written in
         place."""
         import onnxruntime as ort
@@ -217,7 +251,7 @@ class RowwiseOrtSession(OrtSession):
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
-        arrays, made, together = self._entry(input_ids.shape)
+        arrays, made, together = self._entry(lambda: self._rows_bound, input_ids)
         np.copyto(arrays["input_ids"], input_ids)
         np.copyto(arrays["position_ids"], position_ids)
         live = [j for j in range(input_ids.shape[0]) if position_ids[j].max() >= 0]

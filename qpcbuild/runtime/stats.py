@@ -43,7 +43,7 @@ class SpecDecodingStats:
     accepted_per_pos: tuple[int, ...] = ()
     verify_windows: dict[int, int] = field(default_factory=dict)  # verify steps per window K
     catch_up_calls: int = 0  # draft prefill-window calls over tokens decoded without it
-    gate: GateStats | None = None  # None: the goodput gate did not run
+    speculation: GateStats | None = None  # the policy's figures (None: target only)
     per_request: tuple[RequestStats, ...] = ()
 
     @classmethod
@@ -60,7 +60,7 @@ class SpecDecodingStats:
             num_accepted_tokens=sum(r.stats.num_accepted_tokens for r in rows),
             accepted_per_pos=_sum_per_position([r.stats.accepted_per_pos for r in rows]),
             verify_windows=dict(sorted(times.windows.items())),
-            catch_up_calls=times.catch_up_calls, gate=times.gate,
+            catch_up_calls=times.catch_up_calls, speculation=times.speculation,
             per_request=tuple(r.stats.snapshot() for r in rows))
 
     @classmethod
@@ -69,7 +69,7 @@ class SpecDecodingStats:
         sums (time to first token is the mean over the calls)."""
         if not records:
             raise ValueError("no records to merge")
-        gates = [r.gate for r in records if r.gate is not None]
+        gates = [r.speculation for r in records if r.speculation is not None]
         windows: dict[int, int] = {}
         for r in records:
             for k, n in r.verify_windows.items():
@@ -89,7 +89,7 @@ class SpecDecodingStats:
             num_accepted_tokens=total("num_accepted_tokens"),
             accepted_per_pos=_sum_per_position([r.accepted_per_pos for r in records]),
             verify_windows=dict(sorted(windows.items())), catch_up_calls=total("catch_up_calls"),
-            gate=GateStats(gates[0].policy, sum(g.steps_with_speculation for g in gates),
+            speculation=GateStats(gates[0].policy, sum(g.steps_with_speculation for g in gates),
                            sum(g.steps_without_speculation for g in gates),
                            tuple(s for g in gates for s in g.policy_switches),
                            sum(g.shadow_checks for g in gates)) if gates else None,
@@ -164,7 +164,7 @@ class SpecDecodingStats:
         the gate's steps, the verify windows and each request's own."""
         return {
             "method": self.method, **self.totals_json(),
-            **({"speculation": self.gate.to_json()} if self.gate else {}),
+            **({"speculation": self.speculation.to_json()} if self.speculation else {}),
             "verify_windows": {str(k): n for k, n in sorted(self.verify_windows.items())},
             "draft_catch_up_calls": self.catch_up_calls,
             "per_request": [q.to_json() for q in self.per_request],

@@ -25,6 +25,8 @@ from typing import Any, Callable
 from ..backend_api import backend_info
 from ..errors import UsageError
 from .acceptance import replayed, summed_run
+from .decision import (ROOFLINE, BatchChoice, ConfidenceStop, CostSource, Decision, Evidence,
+                       KPrediction, ModelCheck, TuneRun)
 from .model import (P_MIN_GRID, best_k_per_batch, choose_k, confidence_stop_table, host_model,
                     predict, recommended_ks)
 
@@ -44,7 +46,8 @@ def _round(x: float | None, nd: int) -> float | None:
 def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new_tokens: int,
               costs: CostFn, *, batches: list[int], host_measured: bool = True,
               same_bundle_costs: bool = True, check_prompts: int = 4,
-              say: Say | None = None, verify: str = "full") -> dict[str, Any]:
+              say: Say | None = None, verify: str = "full",
+              cost_source: CostSource = "onnxruntime-cpu") -> Decision:
     """Evidence and decision for `method` on `prompts`. `costs` gives the call costs at a
     batch size; batches[0] is the one the decision is for, the others (--per-batch) get
     their best K too. host_measured False: the loop's own time per step is taken as 0 (a
@@ -98,27 +101,20 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
     check = []
     if host_measured and same_bundle_costs:
         t_base = min(detail["verify_ms"].items(), key=lambda x: int(x[0]))[1] / 1e3
-        check.append({"config": "target-only", "predicted": round(1.0 / (t_base + host_base), 1),
-                      "measured": _round(base_sub["decode_tokens_per_s"], 1)})
+        check.append(ModelCheck("target-only", predicted=round(1.0 / (t_base + host_base), 1),
+                                measured=_round(base_sub["decode_tokens_per_s"], 1)))
     for kk, run in ((1, low), (k_max, high)):
         if kk == k_max and k_max == 1:
             continue
         sim = replayed(gen, sub, outputs[:len(sub)], max_new_tokens, kk)
-        c = {"config": f"{method} K={kk}", "measured": _round(run["decode_tokens_per_s"], 1),
-             "accepted_replayed": sim["accepted"], "accepted_measured": run["accepted"],
-             "drafts_replayed": sim["drafts"], "drafts_measured": run["drafts"]}
-        c["predicted"] = by_k[kk]["tokens_per_s"] if host_measured and same_bundle_costs \
-            else None
-        check.append(c)
-    for c in check:
-        c["error"] = round(c["predicted"] / c["measured"] - 1, 4) \
-            if c["measured"] and c["predicted"] is not None else None
+        check.append(ModelCheck(
+            f"{method} K={kk}", measured=_round(run["decode_tokens_per_s"], 1),
+            predicted=by_k[kk]["tokens_per_s"] if host_measured and same_bundle_costs else None,
+            accepted_replayed=sim["accepted"], accepted_measured=run["accepted"],
+            drafts_replayed=sim["drafts"], drafts_measured=run["drafts"]))
     top = sims[k_max]
-    out = {
-        "method": method, "k_max": k_max, "chosen_k": k, "recommended_ks": recommended_ks(method, k),
-        "predicted_tokens_per_s": by_k[k]["tokens_per_s"],
-        "predicted_speedup": by_k[k]["predicted_speedup"],
-        "calibration": {
+    evidence = Evidence(
+        calibration={
             "prompts": len(ids), "max_new_tokens": max_new_tokens,
             "new_tokens": base["new_tokens"],
             "acceptance_source": "the engine's loop replayed over the target's greedy outputs",
@@ -138,33 +134,36 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
                               round(a / sims[kk]["drafts"], 4) if sims[kk]["drafts"] else 0.0
                               for a in sims[kk]["per_pos"]]} for kk in ks},
         },
-        "costs": {**detail, "host_per_step_ms": {
+        costs={**detail, "host_per_step_ms": {
             "target_only": round(host_base * 1e3, 4), "k=1": round(host(1) * 1e3, 4),
             f"k={k_max}": round(host(k_max) * 1e3, 4)}
             if host_measured else "not modelled (0)"},
-        "model_check": check,
-        "table": rows,
-        "formula": ("draft_model: E(K) / (D(K) (1 + c(K) / K) + t_verify(K) + h(K)), D(K) = K "
+        model_check=tuple(check),
+        formula=("draft_model: E(K) / (D(K) (1 + c(K) / K) + t_verify(K) + h(K)), D(K) = K "
                     "draft steps in a row as the loop runs them; "
                     "ngram/suffix: (p E(K) + 1 - p) / (p t_verify(K) + (1 - p) t_verify(0) + h(K)); "
                     "E(K) = 1 + sum_{i<=K} prod_{j<=i} alpha_j(K), c(K) = prod_{j<=K} alpha_j(K), "
                     "alpha_j(K) from the loop replayed at K, h(K) = host time per step, linear "
-                    "between the runs at K=1 and K=K_max"),
-    }
-    if len(batches) > 1:
-        out["per_batch"] = best_k_per_batch(tables)
+                 "between the runs at K=1 and K=K_max"),
+    )
+    per_batch = tuple(BatchChoice(**{**p, "table": tuple(p["table"])})
+                      for p in best_k_per_batch(tables)) if len(batches) > 1 else ()
+    stop = None
     if method == "draft_model":
         say(f"confidence stop: the loop replayed at K={k_max} for draft_p_min in "
             f"{', '.join(f'{p:g}' for p in P_MIN_GRID)}")
-        out["confidence_stop"] = _confidence_stop(gen, ids, outputs, max_new_tokens, k_max,
+        stop = _confidence_stop(gen, ids, outputs, max_new_tokens, k_max,
                                                   sims[k_max], measured[batches[0]],
                                                   host(k_max), host_base,
                                                   by_k[k]["tokens_per_s"])
-    return out
+    return Decision(method=method, k_max=k_max, chosen_k=k,
+                    recommended_ks=tuple(recommended_ks(method, k)),
+                    table=tuple(KPrediction.from_row(r) for r in rows), evidence=evidence,
+                    cost_source=cost_source, per_batch=per_batch, confidence_stop=stop)
 
 
 def _confidence_stop(gen, ids, outputs, max_new_tokens, k_max, plain_sim, costs, host,
-                     host_base, fixed_best) -> dict[str, Any]:
+                     host_base, fixed_best) -> ConfidenceStop:
     """The best draft_p_min and the Ks it verifies in, against the best fixed K."""
     t_verify, t_draft = costs
     runs = {}
@@ -176,11 +175,12 @@ def _confidence_stop(gen, ids, outputs, max_new_tokens, k_max, plain_sim, costs,
     base_rate = 1.0 / (t_verify[min(t_verify)] + host_base)
     rows = confidence_stop_table(runs, t_verify, per_call, host, base_rate)
     best = max(rows, key=lambda r: (r["tokens_per_s"], -r["draft_p_min"]))
-    return {"draft_p_min": best["draft_p_min"], "ks": best["ks"],
-            "predicted_tokens_per_s": best["tokens_per_s"],
-            "predicted_speedup": best["predicted_speedup"],
-            "beats_best_fixed_k": best["draft_p_min"] > 0 and best["tokens_per_s"] > fixed_best,
-            "k_max": k_max, "table": rows}
+    return ConfidenceStop(draft_p_min=best["draft_p_min"], ks=tuple(best["ks"]),
+                          predicted_tokens_per_s=best["tokens_per_s"],
+                          predicted_speedup=best["predicted_speedup"],
+                          beats_best_fixed_k=best["draft_p_min"] > 0
+                          and best["tokens_per_s"] > fixed_best,
+                          k_max=k_max, table=tuple(rows))
 
 
 # Over 80 lines: builds the acceptance bundle and the cost bundles (per batch size, on the card or
@@ -191,13 +191,14 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
          prompt_label: str | None = None, max_new_tokens: int = 128, rounds: int = 20,
          cache_dir: Path | None = None, say: Say | None = None, cost_model: bool = False,
          card_bandwidth_gbs: float | None = None, card_tflops: float | None = None,
-         per_batch: list[int] | None = None, verify: str = "full") -> dict[str, Any]:
-    """Recipe -> evidence and decision (a JSON-able dict). The measurement bundles are built in
+         per_batch: list[int] | None = None, verify: str = "full") -> Decision:
+    """Recipe -> evidence and decision. The measurement bundles are built in
     a temporary folder inside the build cache and removed afterwards."""
     from ..cache import Cache
     from ..measuring import (build_for_measurement, load_prompts, machine_info,
                              measurement_changes)
     from ..recipe import load_recipe
+    from ..recipe.changes import RecipeChanges
     from ..runtime.loader import load
     from .costs import (ROOFLINE_ASSUMPTIONS, cost_backend, measure_costs, roofline_costs,
                         roofline_figures)
@@ -234,7 +235,7 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
                                            tmp / "acceptance", cache_dir, say, numerics="card")
         if cost_model:
             fig = roofline_figures(r, card_bandwidth_gbs, card_tflops)
-            cost_source, same = "roofline-model", False
+            cost_source, same = ROOFLINE, False
             say(f"costs: roofline model of {fig['card']} ({fig['dram_gbs_per_qid']:g} GB/s and "
                 f"{fig['fp16_tflops_per_qid']:g} fp16 TFLOPS per QID; {fig['source']})")
             for a in ROOFLINE_ASSUMPTIONS:
@@ -261,8 +262,8 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
             for b in batches:
                 if (b == batch and same) or (cb and b != batch):
                     continue
-                extra = {} if b == batch else {"shapes.batch_size": b,
-                                               "shapes.full_batch_size": None}
+                extra = RecipeChanges() if b == batch else RecipeChanges(
+                    shapes={"batch_size": b, "full_batch_size": None})
                 out = tmp / f"costs-b{b}"
                 if on_card:
                     from ..measuring import build_on_card
@@ -281,16 +282,15 @@ def tune(recipe_path: Path, overrides: list[str] = (), *, k_max: int = DEFAULT_K
                 say(f"timing K draft steps and one K+1 verify for K = 0..{k_max} at batch {b}"
                     + (f" ({b} of {cb} slots live)" if cb else ""))
                 return measure_costs(g, kk, position, rounds, live=b if cb else None)
-        evidence = calibrate(acc_bundle, method, k_max, prompts, max_new_tokens, costs,
+        decision = calibrate(acc_bundle, method, k_max, prompts, max_new_tokens, costs,
                              batches=batches, host_measured=not cost_model,
-                             same_bundle_costs=same, say=say, verify=verify)
+                             same_bundle_costs=same, say=say, verify=verify,
+                             cost_source=cost_source)
     finally:
         gens.clear()
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"tool": "qpcbuild tune", "recipe": str(recipe_path), "name": r.name,
-            "overrides": list(overrides),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "prompt_set": label, "machine": machine_info(),
-            "recipe_k": r.speculation.num_speculative_tokens,
-            "cost_source": cost_source, "acceptance_measured_on": acceptance_on,
-            "notes": notes, **evidence}
+    return decision.with_run(TuneRun(
+        recipe=str(recipe_path), name=r.name, overrides=tuple(overrides),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), prompt_set=label,
+        machine=machine_info(), recipe_k=r.speculation.num_speculative_tokens,
+        acceptance_measured_on=acceptance_on, notes=tuple(notes)))

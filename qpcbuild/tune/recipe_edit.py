@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Problem, RecipeError, UsageError
+from .decision import ConfidenceStop, Decision
 from .model import recommended_ks
 from .report import TUNE_MARK, evidence_comment
 
@@ -88,20 +89,22 @@ def kept_ks(old: Any, k: int) -> list[int]:
     return sorted({x for x in old_ks if x < k and x != largest})
 
 
-def tuned_k_value(recipe_k: Any, result: dict[str, Any]) -> int | list[int]:
+def tuned_k_value(recipe_k: Any, chosen_k: int, stop: ConfidenceStop | None = None
+                  ) -> int | list[int]:
     """num_speculative_tokens after tuning, by the one rule `tune --write` and `compile --tune`
-    share: the chosen K with the recipe's kept Ks, or the confidence stop's Ks when it won."""
-    k, stop = result["chosen_k"], result.get("confidence_stop")
+    share: the chosen K with the recipe's kept Ks, or the confidence stop's Ks when it won
+    (`stop`: Decision.winning_stop)."""
+    k = chosen_k
     kept = kept_ks(recipe_k, k)
-    if stop and stop["beats_best_fixed_k"]:
-        return sorted(set(stop["ks"]) | set(kept))
+    if stop is not None:
+        return sorted(set(stop.ks) | set(kept))
     return kept + [k] if kept else k
 
 
 def set_k_in_text(text: str, method: str, k: int, comment: list[str],
                   model_paths: dict[str, str] | None = None,
                   schedule: dict[int, int] | None = None,
-                  stop: dict[str, Any] | None = None) -> str:
+                  stop: ConfidenceStop | None = None) -> str:
     """The recipe text with num_speculative_tokens = K, `comment` (lines starting with
     TUNE_MARK) above it, `model_paths` as the roles' model folders and, when given, the K per
     batch size of `tune --per-batch` as num_speculative_tokens_per_batch_size."""
@@ -130,8 +133,8 @@ def set_k_in_text(text: str, method: str, k: int, comment: list[str],
                                   f"; compiled as {ks}" if len(ks) > 1 else "")
     _set_eol_comment(spec, K_KEY, note)
     if stop:  # confidence-stopped drafting won: its Ks (each a verify window) and threshold
-        spec[K_KEY] = _flow_list(sorted(set(stop["ks"]) | set(kept)))
-        spec["draft_p_min"] = stop["draft_p_min"]
+        spec[K_KEY] = _flow_list(sorted(set(stop.ks) | set(kept)))
+        spec["draft_p_min"] = stop.draft_p_min
         _set_eol_comment(spec, K_KEY, "tuned: confidence-stopped drafts verify in the "
                          "smallest of these")
     if schedule:
@@ -166,7 +169,7 @@ def _rebased_models(recipe, dest_dir: Path) -> dict[str, str]:
     return out
 
 
-def write_tuned_recipe(recipe_path: Path, result: dict[str, Any], dest: Path | None = None,
+def write_tuned_recipe(recipe_path: Path, result: Decision, dest: Path | None = None,
                        comment: list[str] | None = None) -> Path:
     """Write the recipe with the chosen K: in place (dest None) or as a new recipe file at dest
     (relative model folders re-based so that the copy points at the same models). The result is
@@ -179,19 +182,19 @@ def write_tuned_recipe(recipe_path: Path, result: dict[str, Any], dest: Path | N
     target = Path(dest) if dest else recipe_path
     rebase = _rebased_models(r, target.parent) \
         if target.parent.resolve() != recipe_path.parent.resolve() else {}
-    k = result["chosen_k"]
-    schedule = {p["batch_size"]: p["chosen_k"] for p in result.get("per_batch") or []}
-    stop = result.get("confidence_stop")
+    k = result.chosen_k
+    schedule = {p.batch_size: p.chosen_k for p in result.per_batch}
+    stop = result.winning_stop
     new_text = set_k_in_text(text, r.draft.method, k,
                              comment if comment is not None else evidence_comment(result), rebase,
-                             schedule, stop if stop and stop["beats_best_fixed_k"] else None)
+                             schedule, stop)
     try:
         check = recipe_from_text(new_text, str(target), base_dir=target.parent.resolve())
     except RecipeError as exc:
         raise UsageError(f"the tuned recipe would not load ({exc}); not written") from None
     written = check.speculation.num_speculative_tokens
-    if stop and stop["beats_best_fixed_k"]:
-        k = max(stop["ks"])
+    if stop is not None:
+        k = max(stop.ks)
     if written != k and not (isinstance(written, list) and max(written) == k):
         raise RecipeError(str(target), [Problem("speculation.num_speculative_tokens",
                                                 "rewriting the recipe did not set K")])

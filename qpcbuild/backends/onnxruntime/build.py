@@ -64,7 +64,7 @@ class OrtBackend:
         # key, while every other model's stays as it was.
         experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) \
             and self.part(role).graph == "portable" else {}
-        return {"export": export_digest, "settings": role.cache_keys[self.name],
+        return {"export": export_digest, "settings": role.cache_keys.backends[self.name],
                 "lowering": ORT_LOWERING_VERSION, "onnxruntime": tools["onnxruntime"],
                 "onnx": tools["onnx"], **experts}
 

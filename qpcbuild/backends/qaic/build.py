@@ -55,7 +55,7 @@ class QaicBackend:
     def key_inputs(self, role: RolePlan, export_digest: str, tools: dict[str, Any],
                    compiler: str | None, emit_only: bool) -> dict[str, Any]:
         path = None if emit_only else find_compiler(compiler)[0]
-        return {"export": export_digest, "settings": role.cache_keys[self.name],
+        return {"export": export_digest, "settings": role.cache_keys.backends[self.name],
                 "sdk": tools["qaic_sdk"], "compiler": compiler_identity(path)}
 
     def build_cached(self, ctx: BuildContext, role: RolePlan, cache: Cache, key: str,

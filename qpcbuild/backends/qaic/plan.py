@@ -15,7 +15,7 @@ from ...errors import UsageError
 from ...models.specialization import Specialization
 from ...recipe.schema import Recipe
 from ...toolchain import executable
-from ...backend_api import BackendPart, RoleFacts
+from ...backend_api import BackendPart, DeclaredIO, RoleFacts
 
 QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 DEFAULT_COMPILER = "qaic-compile"  # argv[0] when none is found: compile.sh runs it from PATH
@@ -36,15 +36,15 @@ def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
     return None, tried
 
 
-def kv_buffers(io: dict[str, list[dict[str, Any]]]) -> list[str]:
+def kv_buffers(io: DeclaredIO) -> list[str]:
     """The KV cache's graph I/O names, from the declared I/O (each past input, then the output
     that retains it): the buffers whose precision the card's custom_io.yaml sets."""
-    outputs = {e["name"] for e in io["outputs"]}
+    outputs = {e.name for e in io.outputs}
     names = []
-    for e in io["inputs"]:
-        if e["name"].startswith("past_"):
-            retained = f"{e['name']}_RetainedState"
-            names += [e["name"]] + ([retained] if retained in outputs else [])
+    for e in io.inputs:
+        if e.name.startswith("past_"):
+            retained = f"{e.name}_RetainedState"
+            names += [e.name] + ([retained] if retained in outputs else [])
     return names
 
 
