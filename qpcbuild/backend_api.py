@@ -18,12 +18,16 @@ from __future__ import annotations
 import importlib
 from dataclasses import asdict, dataclass
 from types import ModuleType
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from .errors import Problem
 from .models.specialization import Specialization
 from .recipe.schema import Recipe
+
+if TYPE_CHECKING:  # (numpy with it: reading a manifest imports neither)
+    from .models.arch import ArchSpec
 
 
 # ---------------------------------------------------------------- the backends by name
@@ -155,6 +159,10 @@ class BackendPlan(Protocol):
     def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
         """What the plan warns about when the recipe builds for this backend (configs: each
         role's config.json)."""
+
+    def problems(self, r: Recipe, role: str, arch: ArchSpec) -> list[Problem]:
+        """What in the recipe this backend cannot build for the role's model (each a recipe
+        key, the reason and the fix); the plan refuses the recipe with all of them."""
 
 
 def backend_plan(name: str) -> BackendPlan:

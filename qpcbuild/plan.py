@@ -250,37 +250,11 @@ def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | N
                                     "past it longrope changes every position's rotation, which "
                                     "a retained KV cache cannot follow; keep ctx_len within it",
                                     r.line_of("shapes.ctx_len")))
-        fused_problem = arch.fused_ort_problem(r.shapes.ctx_len)
-        if "onnxruntime" in r.backends and r.onnxruntime.graph == "fused" and fused_problem:
-            problems.append(Problem("onnxruntime.graph", f"the {role} ({arch.family}): "
-                                    f"{fused_problem}; set `onnxruntime: {{graph: portable}}` "
-                                    "(the exported graph, exact)", r.line_of("onnxruntime.graph")))
-        problems += _fused_experts_problems(r, role, arch, fused_problem)
+        for backend in r.backends:
+            problems += backend_plan(backend).problems(r, role, arch)
     if problems:
         raise RecipeError(r.source, problems)
     return sources, subset
-
-
-def _fused_experts_problems(r: Recipe, role: str, arch: ArchSpec,
-                            fused_problem: str | None) -> list[Problem]:
-    """The fused lowering runs routed layers on ONNX Runtime's MoE kernel in float32: it has no
-    int8/int4 (MatMulNBits) or MXFP6 form of the experts, so a recipe asking for one is refused
-    rather than given float32 experts silently."""
-    if not arch.num_experts or fused_problem or "onnxruntime" not in r.backends or \
-            r.onnxruntime.graph != "fused":
-        return []
-    out = []
-    key = f"onnxruntime.{role}_weights"
-    if getattr(r.onnxruntime, f"{role}_weights") != "float32":
-        out.append(Problem(key, f"the {role} ({arch.family}) has routed layers, which the fused "
-                           "lowering runs in float32 on ONNX Runtime's MoE kernel; set it to "
-                           "float32", r.line_of(key)))
-    if r.precision.quantization == "mxfp6":
-        out.append(Problem("precision.quantization", f"the {role} ({arch.family}) has routed "
-                           "layers, which the fused lowering cannot emulate in MXFP6; use "
-                           "`onnxruntime: {graph: portable}` beside qaic, or quantization: none",
-                           r.line_of("precision.quantization")))
-    return out
 
 
 def _per_qid(roles: list[RolePlan], card: dict[str, Any],

@@ -26,6 +26,8 @@ ALLOWED = ("backends/",                # the backends themselves
            "runtime/qaic_session.py",  # the Cloud AI session
            "cli/",                     # the CLI's --backend choices and help
            "recipe/__init__.py",       # the recipe's checks of the names it lists
+           "recipe/changes.py",        # the recipe's sections a stage may change (its
+                                       # `onnxruntime:` options section among them)
            "recipe/schema.py",         # the recipe's list of valid names
            "toolchain.py")             # tool versions, by package name
 LEFT = 0

@@ -64,7 +64,7 @@ def test_finishing_one_role_adopts_the_other_roles_compiled_qpc(qaic_recipe, tmp
     assert result.exit_code == 0, result.output
     assert verify_bundle(out) == []
     m = read_manifest(out)
-    assert {r: m.roles[r].backends.qaic.status for r in ROLES} == \
+    assert {r: m.roles[r].backends["qaic"].status for r in ROLES} == \
         {r: "compiled" for r in ROLES}
     # The other role's own finish, run later, records the same QPC again.
     assert runner.invoke(app, ["finish", str(out), "--role", "draft"]).exit_code == 0

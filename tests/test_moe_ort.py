@@ -25,7 +25,7 @@ from qpcbuild.runtime.loader import load
 
 from helpers_export import GraphDriver, hf_logits, run_mixed_batch
 from helpers_qaic import build
-from test_families import NEW_TOKENS, hf_greedy, prompts, write_recipe
+from helpers_families import NEW_TOKENS, hf_greedy, prompts, write_recipe
 
 MOE_VARIANTS = ("qwen3_moe", "mixtral", "gpt_oss")
 TOL = 1e-4

@@ -53,17 +53,10 @@ def _check_tokenizer(path: Path, arch: ArchSpec) -> None:
                              f"{arch.vocab_size}: the tokenizer does not belong to this model")
 
 
-def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
-                 weight_dtype: str = "float32", allow_pickle: bool = False,
-                 allow_unused: bool = False,
-                 vocab_subset: np.ndarray | None = None) -> ExportResult:
-    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft").
-    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows."""
-    if role not in ("target", "draft"):
-        raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
-    if vocab_subset is not None and role != "draft":
-        raise UsageError("a vocabulary subset is for drafts only: the target's logits decide "
-                         "the output")
+def _open_checkpoint(source: ModelSource, allow_pickle: bool,
+                     allow_unused: bool) -> tuple[Path, ArchSpec, WeightReader]:
+    """The model folder, its architecture and a reader of its weights, once the config, the
+    tokenizer and every tensor's name and shape are checked (UsageError naming the folder)."""
     model_dir = source.require_path()
     arch = arch_from_config(source.config, f"{model_dir}/config.json")
     _check_tokenizer(model_dir, arch)
@@ -76,6 +69,21 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
     if not arch.tie_word_embeddings and not reader.has("lm_head.weight"):
         raise UsageError(f"{model_dir}: config says tie_word_embeddings=false but the checkpoint "
                          "has no lm_head.weight")
+    return model_dir, arch, reader
+
+
+def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
+                 weight_dtype: str = "float32", allow_pickle: bool = False,
+                 allow_unused: bool = False,
+                 vocab_subset: np.ndarray | None = None) -> ExportResult:
+    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft").
+    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows."""
+    if role not in ("target", "draft"):
+        raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
+    if vocab_subset is not None and role != "draft":
+        raise UsageError("a vocabulary subset is for drafts only: the target's logits decide "
+                         "the output")
+    model_dir, arch, reader = _open_checkpoint(source, allow_pickle, allow_unused)
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from typing import Any
 
 from ...recipe.schema import CARDS, Recipe
 from ...backend_api import BackendPart, RoleFacts
+from ...errors import Problem
 from ...models.arch import ArchSpec
 
 ORT_LOWERING_VERSION = "2"  # bump when the onnxruntime artifact changes for the same graph
@@ -110,6 +111,16 @@ class OrtPlan:
                 # emulated card formats (exact builds keep their key)
                 **({"numerics": part.numerics_formats} if part.numerics == "emulated" else {})}
 
+    def problems(self, r: Recipe, role: str, arch: ArchSpec) -> list[Problem]:
+        if r.onnxruntime.graph != "fused":
+            return []
+        fused_problem = arch.fused_ort_problem(r.shapes.ctx_len)
+        if fused_problem:
+            return [Problem("onnxruntime.graph", f"the {role} ({arch.family}): {fused_problem}; "
+                            "set `onnxruntime: {graph: portable}` (the exported graph, exact)",
+                            r.line_of("onnxruntime.graph"))]
+        return _fused_experts_problems(r, role, arch)
+
     def warnings(self, r: Recipe, configs: dict[str, dict[str, Any]]) -> list[str]:
         out = []
         if ort_graph(r) != "fused" and (
@@ -117,6 +128,26 @@ class OrtPlan:
             out.append("onnxruntime: the portable graph runs exact float32; the mxfp6/mxint8 "
                        "numerics preview exists in the fused graph only")
         return out
+
+
+def _fused_experts_problems(r: Recipe, role: str, arch: ArchSpec) -> list[Problem]:
+    """The fused lowering runs routed layers on ONNX Runtime's MoE kernel in float32: it has no
+    int8/int4 (MatMulNBits) or MXFP6 form of the experts, so a recipe asking for one is refused
+    rather than given float32 experts silently."""
+    if not arch.num_experts:
+        return []
+    out = []
+    key = f"onnxruntime.{role}_weights"
+    if getattr(r.onnxruntime, f"{role}_weights") != "float32":
+        out.append(Problem(key, f"the {role} ({arch.family}) has routed layers, which the fused "
+                           "lowering runs in float32 on ONNX Runtime's MoE kernel; set it to "
+                           "float32", r.line_of(key)))
+    if r.precision.quantization == "mxfp6":
+        out.append(Problem("precision.quantization", f"the {role} ({arch.family}) has routed "
+                           "layers, which the fused lowering cannot emulate in MXFP6; use "
+                           "`onnxruntime: {graph: portable}` beside qaic, or quantization: none",
+                           r.line_of("precision.quantization")))
+    return out
 
 
 PLAN = OrtPlan()
