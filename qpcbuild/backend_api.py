@@ -72,15 +72,25 @@ def backend_module(name: str, part: str) -> ModuleType:
 
 
 # ---------------------------------------------------------------- planning
+def model_role(unit: str) -> str:
+    """Whose model and graph a unit runs: a disaggregated bundle's "prefill" unit is the
+    target's (its "target" and "draft" decode)."""
+    return "target" if unit == "prefill" else unit
+
+
 @dataclass(frozen=True)
 class RoleFacts:
     """What the plan decided for one role before any backend plans its artifact."""
-    role: str  # "target" | "draft"
+    role: str  # the unit: "target" | "draft" | "prefill" (disaggregated; see model_role)
     cores: int  # per QID
     device_group: list[int]
     specializations: list[Specialization]
     io: dict[str, list[dict[str, Any]]]  # the exported graph's inputs and outputs
     export_key: str  # the settings part of the exported graph's cache key
+
+    @property
+    def model_role(self) -> str:
+        return model_role(self.role)
 
 
 @dataclass(frozen=True)

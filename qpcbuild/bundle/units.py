@@ -38,7 +38,7 @@ def plan_units(plan: BuildPlan, cache: Cache, compiler: str | None = None) -> li
     backends: dict[str, Backend] = {name: get_backend(name) for name in plan.recipe.backends}
     exports, artifacts = [], []
     for rp in plan.roles:
-        ref = getattr(plan.recipe, rp.role)
+        ref = getattr(plan.recipe, rp.model_role)
         inputs = artifact_key_inputs(rp, cache.weights_digest(weight_files(rp, ref.allow_pickle)),
                                      backends, compiler)
         export = unit_name("export", rp.role)

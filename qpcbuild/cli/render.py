@@ -54,7 +54,7 @@ def show_plan(plan: BuildPlan) -> None:
                   f"({plan.tokenizer['detail']})")
     for rp in plan.roles:
         a = rp.arch
-        heading(f"[bold]{rp.role}[/]: {rp.source.ref} ({rp.source.origin})")
+        heading(f"[bold]{rp.unit}[/]: {rp.source.ref} ({rp.source.origin})")
         console.print(_kv_table("", [
             ("architecture", f"{a.architecture} ({a.family})"),
             ("parameters", f"{a.param_count:,}"),
