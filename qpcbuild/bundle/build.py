@@ -160,7 +160,7 @@ def _bundle_recipe(plan: BuildPlan) -> str:
     the model they stand in for, not the cache path)."""
     data = plan.recipe.to_yaml_dict()
     for rp in plan.roles:
-        data[rp.role]["model"] = rp.source.recipe_ref
+        data[rp.model_role]["model"] = rp.source.recipe_ref
     return yaml.safe_dump(data, sort_keys=False)
 
 

@@ -6,7 +6,7 @@ the field. A module of its own (pydantic only), below manifest_model.py which ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,7 +80,7 @@ def unit_facts(role: Any) -> dict[str, Any]:
             "slots": slots[-1]}
 
 
-def contract_problems(d: Disaggregated, roles: dict[str, Any]) -> list[str]:
+def contract_problems(d: Disaggregated, roles: Mapping[str, Any]) -> list[str]:
     """Where a unit disagrees with the hand-off contract or its node, each naming the field."""
     out: list[str] = []
     contract = d.kv_handoff.model_dump()
@@ -98,10 +98,10 @@ def contract_problems(d: Disaggregated, roles: dict[str, Any]) -> list[str]:
                 out.append(f"roles.{name} ({UNIT_NAMES[name]}): {key} {value} is not the KV "
                            f"hand-off contract's {contract[key]} (disaggregated.kv_handoff."
                            f"{key})")
-        unit = d.units.get(UNIT_NAMES[name])
-        if unit is not None and facts["slots"] != unit.slots:
+        node = d.units.get(UNIT_NAMES[name])
+        if node is not None and facts["slots"] != node.slots:
             out.append(f"roles.{name}: compiled for {facts['slots']} KV slots, not its node's "
-                       f"{unit.slots} (disaggregated.units.{UNIT_NAMES[name]}.slots)")
+                       f"{node.slots} (disaggregated.units.{UNIT_NAMES[name]}.slots)")
         digest = get_digest(role)
         if digest is not None and digest != d.weights_digest:
             out.append(f"roles.{name}.source.weights_digest: not the one export both target "

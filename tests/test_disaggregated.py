@@ -1,0 +1,200 @@
+"""Disaggregated prefill/decode (issue 44): the recipe's `disaggregated:` block, the three units
+planned from one target export (prefill/target, decode/target, decode/draft), and the KV
+hand-off contract the manifest carries, which every read of the bundle checks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from qpcbuild.bundle import verify_bundle
+from qpcbuild.bundle.manifest import MANIFEST, seal
+from qpcbuild.cli import app
+from qpcbuild.errors import RecipeError
+from qpcbuild.plan import make_plan
+from qpcbuild.recipe import recipe_from_text
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+runner = CliRunner()
+
+DEMO_DISAGG = {
+    "disaggregated": {"prefill": {"device_group": [0], "num_cores": 16},
+                      "decode": {"target": {"device_group": [1], "num_cores": 10},
+                                 "draft": {"device_group": [1], "num_cores": 6}}}}
+
+
+def demo_recipe(**changes) -> dict:
+    """recipes/demo.yaml (the tiny demo pair) with `changes` merged at the top level; the
+    aggregated placement is dropped when a disaggregated block is given."""
+    data = yaml.safe_load((RECIPES / "demo.yaml").read_text())
+    if "disaggregated" in changes:
+        data["hardware"] = {"card": data["hardware"]["card"]}
+    data.update(copy.deepcopy(changes))
+    return data
+
+
+def load(data: dict):
+    return recipe_from_text(yaml.safe_dump(data), "test.yaml", base_dir=RECIPES)
+
+
+def problems_of(data: dict) -> dict[str, str]:
+    with pytest.raises(RecipeError) as exc:
+        load(data)
+    return {p.path: p.message for p in exc.value.problems}
+
+
+# ---------------------------------------------------------------- the recipe
+def test_overlapping_node_groups_are_refused_unless_the_nodes_are_distinct_hosts():
+    same = {"prefill": {"device_group": [0, 1]},
+            "decode": {"target": {"device_group": [1]}, "draft": {"device_group": [1]}}}
+    found = problems_of(demo_recipe(disaggregated=same))
+    assert "[1]" in found["disaggregated.prefill.device_group"]
+    assert "distinct_hosts" in found["disaggregated.prefill.device_group"]
+    assert load(demo_recipe(disaggregated={**same, "distinct_hosts": True})).disaggregated
+
+
+def test_a_disaggregated_recipe_places_roles_under_its_nodes_only():
+    data = demo_recipe(**DEMO_DISAGG)
+    data["hardware"]["target"] = {"device_group": [0], "num_cores": 8}
+    assert "disaggregated.decode.target" in problems_of(data)["hardware.target"]
+
+
+def test_node_slots_need_continuous_batching_and_cores_are_checked_per_node():
+    data = demo_recipe(**DEMO_DISAGG)
+    data["disaggregated"]["decode"]["max_num_seqs"] = 4
+    data["disaggregated"]["decode"]["draft"]["num_cores"] = 7  # 10 + 7 > 16 on QID 1
+    found = problems_of(data)
+    assert "full_batch_size" in found["disaggregated.decode.max_num_seqs"]
+    assert "exceed" in found["disaggregated.decode.draft.num_cores"]
+    data["disaggregated"]["prefill"]["colour"] = 1
+    assert "unknown key 'colour'" in problems_of(data)["disaggregated.prefill.colour"]
+
+
+def test_a_recipe_without_the_block_dumps_as_before():
+    r = load(demo_recipe())
+    assert r.disaggregated is None and "disaggregated" not in r.to_yaml_dict()
+
+
+# ---------------------------------------------------------------- the plan
+def test_the_card_recipe_plans_three_units_from_one_target_export():
+    plan = make_plan(load(yaml.safe_load((RECIPES / "llama8b-1b-disagg.yaml").read_text())))
+    units = {rp.unit: rp for rp in plan.roles}
+    assert list(units) == ["prefill/target", "decode/target", "decode/draft"]
+    prefill, decode, draft = units.values()
+    # one export for both target units; the draft is its own
+    assert prefill.cache_keys["export"] == decode.cache_keys["export"] != \
+        draft.cache_keys["export"]
+    assert [s.name for s in prefill.specializations] == ["Prefill"]
+    assert [s.name for s in decode.specializations] == ["Decode"]  # K=3: seq_len 4
+    assert decode.specializations[0].symbols["seq_len"] == "4"
+    assert [s.name for s in draft.specializations] == ["Prefill", "Decode"]  # a full draft
+    assert prefill.specializations[0].symbols["full_batch_size"] == "4"  # the prefill slots
+    assert decode.specializations[0].symbols["full_batch_size"] == "16"
+    argv = {u: rp.backends["qaic"].compiler_argv[1:] for u, rp in units.items()}
+    assert argv["prefill/target"] == [
+        "-aic-hw", "-aic-hw-version=ai100", "-m=target/onnx/model.onnx", "-retained-state",
+        "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=16", "-aic-enable-depth-first",
+        "-mdp-load-partition-config=prefill/qaic/mdp_ts_2.json",
+        "-network-specialization-config=prefill/qaic/specializations.json",
+        "-custom-IO-list-file=prefill/qaic/custom_io.yaml", "-aic-binary-dir=prefill/qpc"]
+    assert "-m=target/onnx/model.onnx" in argv["decode/target"]
+    assert "-aic-num-cores=10" in argv["decode/target"]
+    assert "-aic-num-cores=6" in argv["decode/draft"]
+    assert {e["Precision"] for rp in units.values() for e in rp.backends["qaic"].custom_io} \
+        == {"mxint8"}
+    mdp = prefill.backends["qaic"].mdp_partition
+    assert [d["numCores"] for d in mdp["partitions"][0]["devices"]] == [16, 16]
+
+
+def test_plan_names_the_three_units():
+    shown = runner.invoke(app, ["plan", str(RECIPES / "llama8b-1b-disagg.yaml")])
+    assert shown.exit_code == 0, shown.output
+    for unit in ("prefill/target", "decode/target", "decode/draft"):
+        assert f"--- {unit}:" in shown.output
+    assert shlex.join(["-m=target/onnx/model.onnx", "-retained-state"]) in shown.output
+
+
+# ---------------------------------------------------------------- the bundle and its contract
+@pytest.fixture(scope="module")
+def demo_disagg_bundle(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("disagg")
+    path = tmp / "recipe.yaml"
+    data = demo_recipe(**DEMO_DISAGG)
+    for role in ("target", "draft"):
+        data[role]["model"] = str((RECIPES / data[role]["model"]).resolve())
+    path.write_text(yaml.safe_dump(data))
+    built = runner.invoke(app, ["compile", str(path), "-o", str(tmp / "bundle"),
+                                "--cache-dir", str(tmp / "cache")])
+    assert built.exit_code == 0, built.output
+    return tmp / "bundle"
+
+
+def test_the_bundle_records_the_units_and_the_hand_off_contract(demo_disagg_bundle):
+    assert verify_bundle(demo_disagg_bundle) == []
+    m = json.loads((demo_disagg_bundle / MANIFEST).read_text())
+    dis, roles = m["disaggregated"], m["roles"]
+    assert set(roles) == {"prefill", "target", "draft"}
+    assert dis["units"]["prefill/target"]["role"] == "prefill"
+    # one export: both target units carry its digest, which the contract records
+    assert roles["prefill"]["source"]["weights_digest"] == \
+        roles["target"]["source"]["weights_digest"] == dis["weights_digest"]
+    contract = dis["kv_handoff"]
+    layers = roles["target"]["arch"]["num_layers"]
+    assert contract["buffers"][:2] == ["past_key.0", "past_value.0"]
+    assert len(contract["buffers"]) == 2 * layers
+    assert contract["kv_heads"] == roles["target"]["arch"]["num_kv_heads"]
+    assert contract["last_prompt_token"] == "recomputed-on-decode"
+
+
+def _resealed(bundle: Path, tmp: Path, edit) -> Path:
+    out = tmp / "edited"
+    shutil.copytree(bundle, out)
+    m = json.loads((out / MANIFEST).read_text())
+    edit(m)
+    (out / MANIFEST).write_text(json.dumps(seal(m)))
+    return out
+
+
+def _set(*path, value):
+    def edit(m):
+        node = m
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value(node[path[-1]]) if callable(value) else value
+    return edit
+
+
+CONTRACT_EDITS = {
+    "prefill kv heads": (_set("roles", "prefill", "arch", "num_kv_heads", value=lambda n: n + 1),
+                         "roles.prefill (prefill/target): kv_heads"),
+    "decode head_dim": (_set("roles", "target", "arch", "head_dim", value=lambda n: n * 2),
+                        "roles.target (decode/target): head_dim"),
+    "prefill KV dtype": (_set("roles", "prefill", "precision", "kv_cache", value="mxint8"),
+                         "roles.prefill (prefill/target): kv_dtype"),
+    "buffer order": (_set("disaggregated", "kv_handoff", "buffers",
+                          value=lambda b: [b[1], b[0], *b[2:]]), "buffers"),
+    "contract ctx_len": (_set("disaggregated", "kv_handoff", "ctx_len", value=64), "ctx_len"),
+    "prefill slots": (_set("disaggregated", "units", "prefill/target", "slots", value=2),
+                      "disaggregated.units.prefill/target.slots"),
+    "another export": (_set("roles", "prefill", "source", "weights_digest", value="0" * 64),
+                       "roles.prefill.source.weights_digest"),
+    "no prefill unit": (lambda m: m["roles"].pop("prefill"), "roles.prefill"),
+}
+
+
+@pytest.mark.parametrize("name", CONTRACT_EDITS)
+def test_verify_refuses_a_unit_that_breaks_the_contract(demo_disagg_bundle, tmp_path, name):
+    edit, says = CONTRACT_EDITS[name]
+    edited = _resealed(demo_disagg_bundle, tmp_path, edit)
+    problems = verify_bundle(edited)
+    assert any(says in p for p in problems), problems
+    result = runner.invoke(app, ["verify", str(edited)])
+    assert result.exit_code in (1, 2) and says in result.output, result.output
