@@ -80,7 +80,7 @@ def unit_facts(role: Any) -> dict[str, Any]:
             "slots": slots[-1]}
 
 
-def contract_problems(d: Disaggregated, roles: Mapping[str, Any]) -> list[str]:
+def contract_problems(d: Disaggregated, roles: Mapping[Any, Any]) -> list[str]:
     """Where a unit disagrees with the hand-off contract or its node, each naming the field."""
     out: list[str] = []
     contract = d.kv_handoff.model_dump()
