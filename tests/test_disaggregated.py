@@ -130,9 +130,10 @@ def demo_disagg_bundle(tmp_path_factory) -> Path:
     data = demo_recipe(**DEMO_DISAGG)
     for role in ("target", "draft"):
         data[role]["model"] = str((RECIPES / data[role]["model"]).resolve())
+    data["backends"] = ["onnxruntime", "qaic"]  # the card's inputs emitted, not compiled
     path.write_text(yaml.safe_dump(data))
     built = runner.invoke(app, ["compile", str(path), "-o", str(tmp / "bundle"),
-                                "--cache-dir", str(tmp / "cache")])
+                                "--cache-dir", str(tmp / "cache"), "--emit-only"])
     assert built.exit_code == 0, built.output
     return tmp / "bundle"
 
@@ -198,3 +199,50 @@ def test_verify_refuses_a_unit_that_breaks_the_contract(demo_disagg_bundle, tmp_
     assert any(says in p for p in problems), problems
     result = runner.invoke(app, ["verify", str(edited)])
     assert result.exit_code in (1, 2) and says in result.output, result.output
+
+
+# ---------------------------------------------------------------- serve-config --format disagg
+def test_serve_config_prints_a_producer_and_a_consumer_with_names_vllm_has(demo_disagg_bundle):
+    from test_serve_config import unknown_to_vllm
+
+    from qpcbuild.bundle.manifest import read_manifest
+    from qpcbuild.cli.serve_disagg import container_argv, disagg_argvs
+
+    shown = runner.invoke(app, ["serve-config", str(demo_disagg_bundle), "--format", "disagg"])
+    assert shown.exit_code == 0, shown.output
+    m = read_manifest(demo_disagg_bundle)
+    argvs = disagg_argvs(m, {})
+    for node, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        argv = argvs[node]
+        assert unknown_to_vllm(argv, "vllm") == []
+        flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        assert json.loads(flags["--kv-transfer-config"]) == {"kv_connector": "QaicConnector",
+                                                             "kv_role": kv_role}
+        assert shlex.join(argv) in shown.output.replace(" \\\n  ", " ")
+    prefill = {a: b for a, b in zip(argvs["prefill"], argvs["prefill"][1:])}
+    decode = {a: b for a, b in zip(argvs["decode"], argvs["decode"][1:])}
+    assert "--speculative-config" not in prefill  # the prefill node samples nothing
+    assert json.loads(prefill["--additional-config"])["override_qaic_config"] == \
+        {"device_group": [0], "num_cores": 16}
+    assert json.loads(decode["--additional-config"]) == {
+        "override_qaic_config": {"device_group": [1], "num_cores": 10},
+        "draft_override_qaic_config": {"device_group": [1], "num_cores": 6}}
+    assert json.loads(decode["--speculative-config"])["num_speculative_tokens"] == 4
+    assert f"VLLM_QAIC_QPC_PATH={demo_disagg_bundle.resolve()}/prefill/qpc" in shown.output
+    container = container_argv(m, demo_disagg_bundle, {})
+    assert container[container.index("--prefill-device-group") + 1] == "0"
+    assert "draft_override_qaic_config" in container[-1]
+
+
+def test_serve_config_says_where_vllm_qaic_refuses_a_method_and_other_formats_refuse(
+        demo_disagg_bundle):
+    from qpcbuild.bundle.manifest import read_manifest
+    from qpcbuild.cli.serve_disagg import refused_by_vllm_qaic
+
+    m = read_manifest(demo_disagg_bundle)
+    assert refused_by_vllm_qaic(m) is None  # draft_model
+    suffix = m.model_copy(update={"speculation": m.speculation.model_copy(
+        update={"method": "suffix"})})
+    assert "refuses speculation method 'suffix'" in (refused_by_vllm_qaic(suffix) or "")
+    other = runner.invoke(app, ["serve-config", str(demo_disagg_bundle), "--format", "vllm"])
+    assert other.exit_code == 2 and "--format disagg" in other.output

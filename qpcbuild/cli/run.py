@@ -207,7 +207,8 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
 @handles_errors
 def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                  format: str = typer.Option("vllm", "--format", help="vllm | docker | env | "
-                                            "legacy | json"),
+                                            "legacy | json | disagg (a disaggregated "
+                                            "bundle's two servers)"),
                  image: str = typer.Option("ghcr.io/quic/cloud_ai_inference_vllm:latest",
                                            help="Cloud AI vLLM image for --format docker."),
                  recipe_dir: Optional[Path] = typer.Option(

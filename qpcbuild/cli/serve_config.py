@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..bundle.manifest import Manifest, Role
 
 DEFAULT_IMAGE = "ghcr.io/quic/cloud_ai_inference_vllm:latest"
-FORMATS = ("vllm", "docker", "env", "legacy", "json")
+FORMATS = ("vllm", "docker", "env", "legacy", "json", "disagg")
 HF_CACHE = "${HF_HOME:-$HOME/.cache/huggingface}"
 
 
@@ -192,6 +192,9 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE,
     if vllm_backend() not in m.backends:
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")
+    if m.disaggregated is not None and fmt != "disagg":
+        raise UsageError(f"{bundle}: a disaggregated bundle is served as two servers; use "
+                         "--format disagg")
     statuses = {r: q.status for r, info in m.roles.items()
                 if (q := info.backends.get(vllm_backend())) is not None}
     compiled = all(s == "compiled" for s in statuses.values())
@@ -212,6 +215,10 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE,
                            "docker": _docker(m, bundle, image, models), "image": image},
                           indent=1) + "\n"
     head = note + "".join(line + "\n" for line in setup)
+    if fmt == "disagg":
+        from .serve_disagg import render_disagg
+
+        return render_disagg(m, bundle, models, head)
     if fmt == "env":
         return head + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
     if fmt == "legacy":
