@@ -32,12 +32,14 @@ class GenerationResult:
     texts: list[str]
     rows: list[Row]
     stats: SpecDecodingStats
+    handoff: dict[str, Any] | None = None  # a disaggregated bundle's KV hand-offs
 
     def to_dict(self) -> dict[str, Any]:
         return {"outputs": [{"text": t, "token_ids": r.tokens[len(r.prompt):],
                              "prompt_tokens": len(r.prompt), "finish_reason": r.finish_reason}
                             for t, r in zip(self.texts, self.rows)],
-                "stats": self.stats.to_json()}
+                "stats": self.stats.to_json(),
+                **({"handoff": self.handoff} if self.handoff is not None else {})}
 
 
 def _backend_entry(bundle: Path, manifest: Manifest, role: str, backend: str):
@@ -120,8 +122,16 @@ class Generator:
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
         self.spec_policy = spec_policy  # None: the bundle's speculation.policy
+        self.prefill_worker = None
+        if manifest.disaggregated is not None:  # prefill runs in a process of its own
+            from .disagg import PrefillWorker
+
+            if backend != DEFAULT_BACKEND:
+                raise UsageError(f"a disaggregated bundle runs here on {DEFAULT_BACKEND} only "
+                                 "(on the card, serve it with `serve-config --format disagg`)")
+            self.prefill_worker = PrefillWorker(bundle, manifest)
         self.decoder = build_decoder(manifest, self.target, self.draft, method, self.eos_ids,
-                                     spec_policy)
+                                     spec_policy, self.prefill_worker)
 
     def sibling(self, method: str | None = None, target_only: bool = False) -> "Generator":
         """A Generator over the same sessions (nothing is loaded again) for another method the
@@ -136,7 +146,7 @@ class Generator:
         g.draft = self.draft if method == "draft_model" and not target_only else None
         g.decoder = build_decoder(self.manifest, self.target, g.draft,
                                   None if target_only else method, self.eos_ids,
-                                  self.spec_policy)
+                                  self.spec_policy, self.prefill_worker)
         g.decoder.method = method
         return g
 
@@ -185,12 +195,16 @@ class Generator:
         sp = SamplingParams(temperature, top_k, top_p, seed)
         if policy is not None and policy not in POLICIES:
             raise UsageError(f"unknown speculation policy '{policy}' ({' | '.join(POLICIES)})")
+        log = getattr(self.decoder, "log", None)
+        if log is not None:
+            log.records.clear()
         rows, times = self.decoder.generate(ids, max_new_tokens, sp,
                                             self.k if k is None else k, on_token, target_only,
                                             policy)
         texts = [self.tokenizer.decode(r.tokens[len(r.prompt):]) for r in rows]
         method = "target_only" if target_only else self.method
-        return GenerationResult(texts, rows, SpecDecodingStats.from_rows(rows, times, method))
+        return GenerationResult(texts, rows, SpecDecodingStats.from_rows(rows, times, method),
+                                log.to_dict() if log is not None else None)
 
 
 def new_proposer(manifest: Manifest, method: str | None):
@@ -203,18 +217,24 @@ def new_proposer(manifest: Manifest, method: str | None):
 
 
 def build_decoder(manifest: Manifest, target, draft, method: str | None,
-                  eos_ids: set[int], spec_policy: str | None = None) -> SpecDecoder:
+                  eos_ids: set[int], spec_policy: str | None = None,
+                  prefill_worker=None) -> SpecDecoder:
     """The one way a SpecDecoder is made from a bundle: its compiled Ks, prefill chunk and
     continuous batching, with `method`'s proposer (method None: target-only, no proposer),
-    and how it speculates (the bundle's policy unless `spec_policy` says otherwise)."""
+    and how it speculates (the bundle's policy unless `spec_policy` says otherwise).
+    prefill_worker (a disaggregated bundle): the process the target's prompts go to."""
     shapes, spd, ks = manifest.shapes, manifest.speculation, manifest.ks
     schedule = {b: k for b, k in spd.schedule.items() if k in ks}
-    return SpecDecoder(target, draft, new_proposer(manifest, method), ks,
-                       shapes.prefill_seq_len, eos_ids, method or "target_only",
-                       bool(shapes.full_batch_size),
-                       policy=spec_policy or spd.policy,
-                       draft_p_min=float(spd.draft_p_min), k_schedule=schedule,
-                       prefill_tails=tuple(shapes.prefill_tail_seq_lens))
+    args = (target, draft, new_proposer(manifest, method), ks, shapes.prefill_seq_len, eos_ids,
+            method or "target_only", bool(shapes.full_batch_size))
+    kwargs: dict[str, Any] = dict(policy=spec_policy or spd.policy,
+                                  draft_p_min=float(spd.draft_p_min), k_schedule=schedule,
+                                  prefill_tails=tuple(shapes.prefill_tail_seq_lens))
+    if prefill_worker is not None:
+        from .disagg import DisaggDecoder, HandoffLog
+
+        return DisaggDecoder(*args, worker=prefill_worker, log=HandoffLog(), **kwargs)
+    return SpecDecoder(*args, **kwargs)
 
 
 def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None = None,

@@ -1,0 +1,230 @@
+"""A disaggregated bundle run as two processes (docs/disaggregated.md): a prefill worker that
+holds the prefill unit and computes each prompt's KV cache, and this process, the decode node,
+which holds the decode target and the draft and speculates.
+
+The hand-off follows the manifest's contract (bundle/handoff.py): the worker prefills the
+prompt but its last token, and for each layer's key and value buffer the [1, kv_heads, n,
+head_dim] slice of the request's slot crosses the process boundary through one shared-memory
+block this process owns; the decode side writes the slices into the request's KV slot and runs
+the last prompt token itself, which gives the first output token. The ONNX Runtime artifacts
+only: a card's KV never leaves its device (vllm-qaic's QaicConnector moves it there)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import BundleError, QpcbuildError
+from .engine import SpecDecoder
+
+START_TIMEOUT_S = 300.0  # loading the prefill unit's weights
+
+
+@dataclass
+class HandoffRecord:
+    """One request's hand-off: the KV bytes that crossed, the worker's prefill seconds and the
+    seconds the crossing added (round trip less the worker's compute)."""
+    prompt_tokens: int
+    tokens: int  # positions handed off (the prompt but its last token)
+    bytes: int
+    prefill_s: float
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "bytes": self.bytes,
+                "prefill_s": round(self.prefill_s, 6), "seconds": round(self.seconds, 6)}
+
+
+@dataclass
+class HandoffLog:
+    records: list[HandoffRecord] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_prompt": [r.to_dict() for r in self.records],
+                "bytes": sum(r.bytes for r in self.records),
+                "seconds": round(sum(r.seconds for r in self.records), 6),
+                "prefill_s": round(sum(r.prefill_s for r in self.records), 6),
+                "processes": 2, "transport": "shared_memory"}
+
+
+def _kv_side(session) -> list[np.ndarray]:
+    """The KV buffers a session's next call reads (ping-pong sessions alternate two sets)."""
+    bufs = session.kv_buffers
+    return bufs[session._parity % len(bufs)] if len(bufs) > 1 else bufs[0]
+
+
+def _worker(bundle: str, shm_name: str, conn) -> None:
+    """The prefill process: open the prefill unit, then answer requests until told to stop."""
+    from ..backend_api import backend_module
+    from ..bundle.manifest import SealedManifest
+    from .rows import LoopTimes
+
+    shm = shared_memory.SharedMemory(name=shm_name)
+    try:
+        folder = Path(bundle)
+        manifest = SealedManifest(folder).checked()  # (the parent verified the files)
+        entry = manifest.roles["prefill"].backends["onnxruntime"]
+        session = backend_module("onnxruntime", "session").open_session(
+            folder, manifest, "prefill", entry)
+        shapes = manifest.shapes
+        prefiller = SpecDecoder(session, None, None, manifest.ks, shapes.prefill_seq_len, set(),
+                                "prefill", bool(shapes.full_batch_size),
+                                prefill_tails=tuple(shapes.prefill_tail_seq_lens))
+        conn.send(("ready", None))
+    except Exception as exc:  # the parent reports it: the worker has no terminal of its own
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        shm.close()
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        heads: list[list[int]] = msg
+        t0 = time.perf_counter()
+        # one row at a time in slot 0 with continuous batching; together as a static batch
+        groups = [[h] for h in heads] if prefiller.cb else [heads]
+        offset, sizes = 0, []
+        for g, group in enumerate(groups):
+            prefiller._prefill(session, [_Prompt(h) for h in group], LoopTimes(), "target",
+                               0 if prefiller.cb else None)
+            side = _kv_side(session)
+            for i, head in enumerate(group):
+                row = 0 if prefiller.cb else i
+                for buf in side:
+                    piece = buf[row, :, :len(head), :]
+                    n = piece.nbytes
+                    np.ndarray(piece.shape, np.float32, shm.buf, offset)[...] = piece
+                    offset += n
+                sizes.append(len(head))
+        conn.send(("done", (sizes, time.perf_counter() - t0)))
+    shm.close()
+
+
+@dataclass
+class _Prompt:
+    """What SpecDecoder._prefill reads of a row."""
+    prompt: list[int]
+
+
+class PrefillWorker:
+    """The prefill process and the shared memory its KV slices cross by."""
+
+    def __init__(self, bundle: Path, manifest):
+        arch, shapes = manifest.target.arch, manifest.shapes
+        self.buffers = 2 * arch.num_layers
+        self.row_bytes = self.buffers * arch.num_kv_heads * shapes.ctx_len * arch.head_dim * 4
+        rows = shapes.batch_size if not shapes.full_batch_size else 1
+        self.shm = shared_memory.SharedMemory(create=True, size=self.row_bytes * rows)
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no ORT thread pools forked
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(str(bundle), self.shm.name, child),
+                                daemon=True, name="qpcbuild-prefill")
+        self.proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.shm)
+        status, detail = self._receive(START_TIMEOUT_S)
+        if status != "ready":
+            self.close()
+            raise BundleError(f"{bundle}: the prefill worker could not open the prefill unit: "
+                              f"{detail}")
+        self.kv_heads, self.head_dim = arch.num_kv_heads, arch.head_dim
+
+    def _receive(self, timeout: float) -> tuple[str, Any]:
+        if not self.conn.poll(timeout):
+            raise QpcbuildError(f"the prefill worker gave no answer in {timeout:.0f} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise QpcbuildError("the prefill worker exited (exit code "
+                                f"{self.proc.exitcode})") from None
+
+    def prefill(self, heads: list[list[int]]) -> tuple[list[list[np.ndarray]], float]:
+        """Each head's KV slices (per buffer [1, kv_heads, n, head_dim], copies out of the
+        shared block) and the worker's prefill seconds."""
+        if not self.proc.is_alive():
+            raise QpcbuildError(f"the prefill worker is not running (exit code "
+                                f"{self.proc.exitcode})")
+        self.conn.send(heads)
+        status, detail = self._receive(START_TIMEOUT_S)
+        if status != "done":
+            raise QpcbuildError(f"the prefill worker failed: {detail}")
+        sizes, seconds = detail
+        out, offset = [], 0
+        for n in sizes:
+            shape = (1, self.kv_heads, n, self.head_dim)
+            row = []
+            for _ in range(self.buffers):
+                view = np.ndarray(shape, np.float32, self.shm.buf, offset)
+                row.append(view.copy())
+                offset += view.nbytes
+            out.append(row)
+        return out, seconds
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _shutdown(proc, conn, shm) -> None:
+    try:
+        if proc.is_alive():
+            conn.send(None)
+            proc.join(5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+    except (OSError, ValueError):
+        pass
+    conn.close()
+    shm.close()
+    shm.unlink()
+
+
+class DisaggDecoder(SpecDecoder):
+    """The decode node's loop: the target's prompt KV comes from the prefill worker; the rest
+    (drafting, verifying, continuous batching) is SpecDecoder's."""
+
+    def __init__(self, *args, worker: PrefillWorker, log: HandoffLog, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.worker, self.log = worker, log
+        # the last prompt token goes through the narrowest compiled decode window
+        self.recompute_width = min(s.seq_len for s in self.target.specializations)
+
+    def _prefill(self, session, rows, times, kind, slot=None):
+        if session is not self.target:
+            return super()._prefill(session, rows, times, kind, slot)
+        t0 = self.clock()
+        heads = [r.prompt[:-1] for r in rows]
+        todo = [h for h in heads if h]
+        slices, prefill_s = self.worker.prefill(todo) if todo else ([], 0.0)
+        side = _kv_side(session)
+        got = iter(slices)
+        per_row = []
+        for i, head in enumerate(heads):
+            kv_row = slot if slot is not None else i
+            pieces = next(got) if head else []
+            for buf, piece in zip(side, pieces):
+                buf[kv_row:kv_row + 1, :, :piece.shape[2], :] = piece
+            per_row.append(sum(p.nbytes for p in pieces))
+        crossing = self.clock() - t0 - prefill_s
+        for r, head, nbytes in zip(rows, heads, per_row):
+            share = nbytes / max(1, sum(per_row))
+            self.log.records.append(HandoffRecord(len(r.prompt), len(head), nbytes,
+                                                  prefill_s * share, crossing * share))
+        # the last prompt token, recomputed here: its logits give the first output token
+        b, w = session.batch_size, self.recompute_width
+        ids = np.zeros((b, w), np.int64)
+        pos = np.full((b, w), -1, np.int64)
+        placed = []
+        for i, r in enumerate(rows):
+            kv_row = slot if slot is not None else i
+            ids[kv_row, 0], pos[kv_row, 0] = r.prompt[-1], len(r.prompt) - 1
+            placed.append(kv_row)
+        logits = self._call(session, ids, pos, times, kind)
+        return np.stack([logits[j, 0] for j in placed])
