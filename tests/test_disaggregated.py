@@ -246,3 +246,71 @@ def test_serve_config_says_where_vllm_qaic_refuses_a_method_and_other_formats_re
     assert "refuses speculation method 'suffix'" in (refused_by_vllm_qaic(suffix) or "")
     other = runner.invoke(app, ["serve-config", str(demo_disagg_bundle), "--format", "vllm"])
     assert other.exit_code == 2 and "--format disagg" in other.output
+
+
+# ---------------------------------------------------------------- the runtime: two processes
+LONG = ("def fibonacci(n): a prompt that runs past the demo's prefill window of thirty-two "
+        "tokens, so the prefill process takes it in two chunks before the hand-off")
+# (the first repeats itself: ngram finds proposals in it)
+PROMPTS = ["def f(x):\n    return x\n\ndef f(x):\n    return x\n\ndef f(x):\n", LONG,
+           "class Stack:"]
+
+
+def _build(tmp: Path, name: str, **changes) -> Path:
+    data = demo_recipe(**changes)
+    for role in ("target", "draft"):
+        data[role]["model"] = str((RECIPES / data[role]["model"]).resolve())
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    built = runner.invoke(app, ["compile", str(path), "-o", str(tmp / name), "--cache-dir",
+                                str(tmp / "cache")])
+    assert built.exit_code == 0, built.output
+    return tmp / name
+
+
+def test_run_hands_the_kv_across_processes_and_decodes_as_the_aggregated_bundle(
+        demo_disagg_bundle, tmp_path):
+    aggregated = _build(tmp_path, "aggregated")
+    runs = {}
+    for name, bundle in (("disagg", demo_disagg_bundle), ("aggregated", aggregated)):
+        args = ["run", str(bundle), "--max-new-tokens", "12", "--json"]
+        for p in PROMPTS:
+            args += ["--prompt", p]
+        ran = runner.invoke(app, args)
+        assert ran.exit_code == 0, ran.output
+        runs[name] = json.loads(ran.stdout)
+    ids = {name: [o["token_ids"] for b in r["batches"] for o in b["outputs"]]
+           for name, r in runs.items()}
+    assert ids["disagg"] == ids["aggregated"]
+    handoff = runs["disagg"]["handoff"]
+    assert "handoff" not in runs["aggregated"]
+    per = handoff["per_prompt"]
+    prompt_tokens = [o["prompt_tokens"] for b in runs["disagg"]["batches"]
+                     for o in b["outputs"]]
+    assert [p["prompt_tokens"] for p in per] == prompt_tokens
+    assert max(prompt_tokens) > 32  # one prompt is prefilled in chunks
+    # the prompt but its last token; 2 buffers per layer of [1, kv_heads, n, head_dim] float32
+    m = json.loads((demo_disagg_bundle / MANIFEST).read_text())["roles"]["target"]["arch"]
+    per_token = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4
+    assert [p["bytes"] for p in per] == [(n - 1) * per_token for n in prompt_tokens]
+    assert handoff["bytes"] == sum(p["bytes"] for p in per)
+    assert handoff["processes"] == 2 and handoff["seconds"] >= 0
+
+
+def test_continuous_batching_refills_a_slot_and_ngram_speculates_on_the_decode_side(tmp_path):
+    cb = {"shapes": {"batch_size": 1, "full_batch_size": 2, "prefill_seq_len": 32,
+                     "ctx_len": 512}}
+    aggregated = _build(tmp_path, "agg-cb", **cb)
+    disagg = _build(tmp_path, "disagg-cb", **cb, **copy.deepcopy(DEMO_DISAGG))
+    from qpcbuild.runtime.loader import load
+
+    for method in ("draft_model", "ngram"):
+        got = load(disagg, method=method).generate(PROMPTS, max_new_tokens=10)
+        want = load(aggregated, method=method).generate(PROMPTS, max_new_tokens=10)
+        # three prompts, two slots: the third is admitted when a slot frees up
+        assert [r.tokens for r in got.rows] == [r.tokens for r in want.rows], method
+        assert got.handoff is not None and len(got.handoff["per_prompt"]) == 3
+        assert sum(r.stats.num_draft_tokens for r in got.rows) > 0  # it speculated
+        # time to first token includes the worker's prefill and the hand-off
+        for row, record in zip(got.rows, got.handoff["per_prompt"]):
+            assert row.stats.ttft_s >= record["prefill_s"] + record["seconds"]

@@ -11,18 +11,28 @@ only: a card's KV never leaves its device (vllm-qaic's QaicConnector moves it th
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
+import os
+import select
+import subprocess
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import BundleError, QpcbuildError
 from .engine import SpecDecoder
+from .model_session import ModelSession
+from .rows import LoopTimes, Row
+from .session import OrtSession
+
+if TYPE_CHECKING:
+    from ..bundle.manifest import Manifest
 
 START_TIMEOUT_S = 300.0  # loading the prefill unit's weights
 
@@ -54,19 +64,29 @@ class HandoffLog:
                 "processes": 2, "transport": "shared_memory"}
 
 
-def _kv_side(session) -> list[np.ndarray]:
+def _kv_side(session: OrtSession) -> list[np.ndarray]:
     """The KV buffers a session's next call reads (ping-pong sessions alternate two sets)."""
     bufs = session.kv_buffers
-    return bufs[session._parity % len(bufs)] if len(bufs) > 1 else bufs[0]
+    side: list[np.ndarray] = bufs[session._parity % len(bufs)] if len(bufs) > 1 else bufs[0]
+    return side
 
 
-def _worker(bundle: str, shm_name: str, conn) -> None:
-    """The prefill process: open the prefill unit, then answer requests until told to stop."""
+def _worker(bundle: str, shm_name: str) -> None:
+    """The prefill process (`python -m qpcbuild.runtime.disagg BUNDLE SHM`): open the prefill
+    unit, then answer requests, one JSON line each way on stdin/stdout, until stdin closes."""
     from ..backend_api import backend_module
     from ..bundle.manifest import SealedManifest
-    from .rows import LoopTimes
+
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed goes to stderr, never into the protocol
+
+    def send(*msg: Any) -> None:
+        out.write(json.dumps(msg) + "\n")
 
     shm = shared_memory.SharedMemory(name=shm_name)
+    # The parent owns the block: this process's resource tracker must not unlink it at exit
+    # (Python < 3.13 registers every attach; 3.13's track=False says the same)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     try:
         folder = Path(bundle)
         manifest = SealedManifest(folder).checked()  # (the parent verified the files)
@@ -77,58 +97,49 @@ def _worker(bundle: str, shm_name: str, conn) -> None:
         prefiller = SpecDecoder(session, None, None, manifest.ks, shapes.prefill_seq_len, set(),
                                 "prefill", bool(shapes.full_batch_size),
                                 prefill_tails=tuple(shapes.prefill_tail_seq_lens))
-        conn.send(("ready", None))
-    except Exception as exc:  # the parent reports it: the worker has no terminal of its own
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        send("ready", None)
+    except Exception as exc:  # the parent reports it
+        send("error", f"{type(exc).__name__}: {exc}")
         shm.close()
         return
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            break
-        heads: list[list[int]] = msg
+    for line in sys.stdin:
+        heads: list[list[int]] = json.loads(line)
         t0 = time.perf_counter()
         # one row at a time in slot 0 with continuous batching; together as a static batch
         groups = [[h] for h in heads] if prefiller.cb else [heads]
         offset, sizes = 0, []
-        for g, group in enumerate(groups):
-            prefiller._prefill(session, [_Prompt(h) for h in group], LoopTimes(), "target",
+        for group in groups:
+            prefiller._prefill(session, [Row(h, len(h)) for h in group], LoopTimes(), "target",
                                0 if prefiller.cb else None)
             side = _kv_side(session)
             for i, head in enumerate(group):
                 row = 0 if prefiller.cb else i
                 for buf in side:
                     piece = buf[row, :, :len(head), :]
-                    n = piece.nbytes
                     np.ndarray(piece.shape, np.float32, shm.buf, offset)[...] = piece
-                    offset += n
+                    offset += piece.nbytes
                 sizes.append(len(head))
-        conn.send(("done", (sizes, time.perf_counter() - t0)))
+        send("done", [sizes, time.perf_counter() - t0])
     shm.close()
-
-
-@dataclass
-class _Prompt:
-    """What SpecDecoder._prefill reads of a row."""
-    prompt: list[int]
 
 
 class PrefillWorker:
     """The prefill process and the shared memory its KV slices cross by."""
 
-    def __init__(self, bundle: Path, manifest):
+    def __init__(self, bundle: Path, manifest: Manifest):
         arch, shapes = manifest.target.arch, manifest.shapes
         self.buffers = 2 * arch.num_layers
         self.row_bytes = self.buffers * arch.num_kv_heads * shapes.ctx_len * arch.head_dim * 4
         rows = shapes.batch_size if not shapes.full_batch_size else 1
         self.shm = shared_memory.SharedMemory(create=True, size=self.row_bytes * rows)
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no ORT thread pools forked
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(str(bundle), self.shm.name, child),
-                                daemon=True, name="qpcbuild-prefill")
-        self.proc.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.shm)
+        # A fresh interpreter running this module (not multiprocessing's spawn, which would
+        # import the caller's __main__ again): no ORT thread pools forked, no script re-run.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qpcbuild.runtime.disagg", str(bundle), self.shm.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.shm)
         status, detail = self._receive(START_TIMEOUT_S)
         if status != "ready":
             self.close()
@@ -137,21 +148,25 @@ class PrefillWorker:
         self.kv_heads, self.head_dim = arch.num_kv_heads, arch.head_dim
 
     def _receive(self, timeout: float) -> tuple[str, Any]:
-        if not self.conn.poll(timeout):
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
             raise QpcbuildError(f"the prefill worker gave no answer in {timeout:.0f} s")
-        try:
-            return self.conn.recv()
-        except EOFError:
-            raise QpcbuildError("the prefill worker exited (exit code "
-                                f"{self.proc.exitcode})") from None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise QpcbuildError(f"the prefill worker exited (exit code {self.proc.wait()})")
+        status, detail = json.loads(line)
+        return status, detail
 
     def prefill(self, heads: list[list[int]]) -> tuple[list[list[np.ndarray]], float]:
         """Each head's KV slices (per buffer [1, kv_heads, n, head_dim], copies out of the
         shared block) and the worker's prefill seconds."""
-        if not self.proc.is_alive():
+        assert self.proc.stdin is not None
+        if self.proc.poll() is not None:
             raise QpcbuildError(f"the prefill worker is not running (exit code "
-                                f"{self.proc.exitcode})")
-        self.conn.send(heads)
+                                f"{self.proc.returncode})")
+        self.proc.stdin.write(json.dumps(heads) + "\n")
+        self.proc.stdin.flush()
         status, detail = self._receive(START_TIMEOUT_S)
         if status != "done":
             raise QpcbuildError(f"the prefill worker failed: {detail}")
@@ -171,17 +186,16 @@ class PrefillWorker:
         self._finalizer()
 
 
-def _shutdown(proc, conn, shm) -> None:
+def _shutdown(proc: subprocess.Popen[str], shm: shared_memory.SharedMemory) -> None:
     try:
-        if proc.is_alive():
-            conn.send(None)
-            proc.join(5)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5)
-    except (OSError, ValueError):
-        pass
-    conn.close()
+        if proc.stdin:
+            proc.stdin.close()  # the worker's loop ends
+        proc.wait(5)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+    if proc.stdout:
+        proc.stdout.close()
     shm.close()
     shm.unlink()
 
@@ -190,19 +204,21 @@ class DisaggDecoder(SpecDecoder):
     """The decode node's loop: the target's prompt KV comes from the prefill worker; the rest
     (drafting, verifying, continuous batching) is SpecDecoder's."""
 
-    def __init__(self, *args, worker: PrefillWorker, log: HandoffLog, **kwargs):
+    def __init__(self, *args: Any, worker: PrefillWorker, log: HandoffLog, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.worker, self.log = worker, log
         # the last prompt token goes through the narrowest compiled decode window
         self.recompute_width = min(s.seq_len for s in self.target.specializations)
 
-    def _prefill(self, session, rows, times, kind, slot=None):
+    def _prefill(self, session: ModelSession, rows: list[Row], times: LoopTimes, kind: str,
+                 slot: int | None = None) -> np.ndarray:
         if session is not self.target:
             return super()._prefill(session, rows, times, kind, slot)
         t0 = self.clock()
         heads = [r.prompt[:-1] for r in rows]
         todo = [h for h in heads if h]
         slices, prefill_s = self.worker.prefill(todo) if todo else ([], 0.0)
+        assert isinstance(session, OrtSession)  # (the loader opens onnxruntime sessions only)
         side = _kv_side(session)
         got = iter(slices)
         per_row = []
@@ -228,3 +244,7 @@ class DisaggDecoder(SpecDecoder):
             placed.append(kv_row)
         logits = self._call(session, ids, pos, times, kind)
         return np.stack([logits[j, 0] for j in placed])
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
