@@ -314,3 +314,20 @@ def test_continuous_batching_refills_a_slot_and_ngram_speculates_on_the_decode_s
         # time to first token includes the worker's prefill and the hand-off
         for row, record in zip(got.rows, got.handoff["per_prompt"]):
             assert row.stats.ttft_s >= record["prefill_s"] + record["seconds"]
+
+
+def test_a_killed_prefill_worker_is_replaced_and_the_next_request_is_served(
+        demo_disagg_bundle):
+    from qpcbuild.runtime.loader import load
+
+    gen = load(demo_disagg_bundle)
+    first = gen.generate([LONG], max_new_tokens=8).rows[0].tokens
+    worker = gen.prefill_worker
+    old = worker.proc
+    old.kill()
+    old.wait()
+    again = gen.generate([LONG], max_new_tokens=8)
+    assert again.rows[0].tokens == first
+    assert worker.restarts == 1 and worker.proc.pid != old.pid and worker.proc.poll() is None
+    worker.close()
+    assert worker.proc.poll() is not None  # closed with its owner: no process left behind

@@ -123,29 +123,45 @@ def _worker(bundle: str, shm_name: str) -> None:
     shm.close()
 
 
+class WorkerExited(QpcbuildError):
+    """The prefill process is gone (killed, crashed): a new one may take over."""
+
+
 class PrefillWorker:
-    """The prefill process and the shared memory its KV slices cross by."""
+    """The prefill process and the shared memory its KV slices cross by. A worker that dies is
+    started again on the next request (a prefill keeps no state between requests), so a
+    server recovers; one that cannot start is a clear error."""
 
     def __init__(self, bundle: Path, manifest: Manifest):
         arch, shapes = manifest.target.arch, manifest.shapes
+        self.bundle = bundle
         self.buffers = 2 * arch.num_layers
-        self.row_bytes = self.buffers * arch.num_kv_heads * shapes.ctx_len * arch.head_dim * 4
+        self.kv_heads, self.head_dim = arch.num_kv_heads, arch.head_dim
+        row_bytes = self.buffers * arch.num_kv_heads * shapes.ctx_len * arch.head_dim * 4
         rows = shapes.batch_size if not shapes.full_batch_size else 1
-        self.shm = shared_memory.SharedMemory(create=True, size=self.row_bytes * rows)
+        self.shm = shared_memory.SharedMemory(create=True, size=row_bytes * rows)
+        self.restarts = 0
+        self._live: dict[str, subprocess.Popen[str]] = {}  # "proc": the running worker
+        self._finalizer = weakref.finalize(self, _shutdown, self._live, self.shm)
+        self._start()
+
+    @property
+    def proc(self) -> subprocess.Popen[str]:
+        return self._live["proc"]
+
+    def _start(self) -> None:
         # A fresh interpreter running this module (not multiprocessing's spawn, which would
         # import the caller's __main__ again): no ORT thread pools forked, no script re-run.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "qpcbuild.runtime.disagg", str(bundle), self.shm.name],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.shm)
+        self._live["proc"] = subprocess.Popen(
+            [sys.executable, "-m", "qpcbuild.runtime.disagg", str(self.bundle),
+             self.shm.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         status, detail = self._receive(START_TIMEOUT_S)
         if status != "ready":
             self.close()
-            raise BundleError(f"{bundle}: the prefill worker could not open the prefill unit: "
-                              f"{detail}")
-        self.kv_heads, self.head_dim = arch.num_kv_heads, arch.head_dim
+            raise BundleError(f"{self.bundle}: the prefill worker could not open the prefill "
+                              f"unit: {detail}")
 
     def _receive(self, timeout: float) -> tuple[str, Any]:
         assert self.proc.stdout is not None
@@ -154,20 +170,32 @@ class PrefillWorker:
             raise QpcbuildError(f"the prefill worker gave no answer in {timeout:.0f} s")
         line = self.proc.stdout.readline()
         if not line:
-            raise QpcbuildError(f"the prefill worker exited (exit code {self.proc.wait()})")
+            raise WorkerExited(f"the prefill worker exited (exit code {self.proc.wait()})")
         status, detail = json.loads(line)
         return status, detail
+
+    def _ask(self, heads: list[list[int]]) -> tuple[str, Any]:
+        assert self.proc.stdin is not None
+        if self.proc.poll() is not None:
+            raise WorkerExited(f"the prefill worker is not running (exit code "
+                               f"{self.proc.returncode})")
+        try:
+            self.proc.stdin.write(json.dumps(heads) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerExited(f"the prefill worker is not reachable ({exc})") from None
+        return self._receive(START_TIMEOUT_S)
 
     def prefill(self, heads: list[list[int]]) -> tuple[list[list[np.ndarray]], float]:
         """Each head's KV slices (per buffer [1, kv_heads, n, head_dim], copies out of the
         shared block) and the worker's prefill seconds."""
-        assert self.proc.stdin is not None
-        if self.proc.poll() is not None:
-            raise QpcbuildError(f"the prefill worker is not running (exit code "
-                                f"{self.proc.returncode})")
-        self.proc.stdin.write(json.dumps(heads) + "\n")
-        self.proc.stdin.flush()
-        status, detail = self._receive(START_TIMEOUT_S)
+        try:
+            status, detail = self._ask(heads)
+        except WorkerExited:  # once: a new worker, the same request
+            _stop(self.proc)
+            self.restarts += 1
+            self._start()
+            status, detail = self._ask(heads)
         if status != "done":
             raise QpcbuildError(f"the prefill worker failed: {detail}")
         sizes, seconds = detail
@@ -186,7 +214,7 @@ class PrefillWorker:
         self._finalizer()
 
 
-def _shutdown(proc: subprocess.Popen[str], shm: shared_memory.SharedMemory) -> None:
+def _stop(proc: subprocess.Popen[str]) -> None:
     try:
         if proc.stdin:
             proc.stdin.close()  # the worker's loop ends
@@ -196,6 +224,11 @@ def _shutdown(proc: subprocess.Popen[str], shm: shared_memory.SharedMemory) -> N
         proc.wait()
     if proc.stdout:
         proc.stdout.close()
+
+
+def _shutdown(live: dict[str, subprocess.Popen[str]], shm: shared_memory.SharedMemory) -> None:
+    if "proc" in live:
+        _stop(live["proc"])
     shm.close()
     shm.unlink()
 
