@@ -331,3 +331,20 @@ def test_a_killed_prefill_worker_is_replaced_and_the_next_request_is_served(
     assert worker.restarts == 1 and worker.proc.pid != old.pid and worker.proc.poll() is None
     worker.close()
     assert worker.proc.poll() is not None  # closed with its owner: no process left behind
+
+
+def test_serve_runs_the_prefill_worker_apart_and_recovers_when_it_is_killed(demo_disagg_bundle):
+    from helpers_server import LiveServer
+
+    server = LiveServer(demo_disagg_bundle)
+    try:
+        worker = server.gen.prefill_worker
+        ask = {"model": server.name, "prompt": LONG, "max_tokens": 6, "temperature": 0}
+        first = server.client.completions.create(**ask).choices[0].text
+        worker.proc.kill()
+        worker.proc.wait()
+        again = server.client.completions.create(**ask).choices[0].text
+        assert again == first and worker.restarts == 1
+    finally:
+        server.stop()
+        server.gen.prefill_worker.close()
