@@ -19,8 +19,8 @@ from .models.graph_io import graph_io
 from .models.specialization import Specialization
 from .errors import Problem, RecipeError, UsageError
 from .backend_api import BackendPart, RoleFacts, backend_names, backend_plan, model_role
-from .recipe import (node_slots, placements, recipe_relative, resolve_model_path,
-                     resolved_cores)
+from .recipe import recipe_relative, resolve_model_path
+from .recipe.placement import node_slots, placements, resolved_cores
 from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment

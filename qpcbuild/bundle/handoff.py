@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..recipe import node_slots
+from ..recipe.placement import node_slots
 
 if TYPE_CHECKING:
     from ..plan import BuildPlan
