@@ -295,6 +295,9 @@ def test_run_hands_the_kv_across_processes_and_decodes_as_the_aggregated_bundle(
     assert [p["bytes"] for p in per] == [(n - 1) * per_token for n in prompt_tokens]
     assert handoff["bytes"] == sum(p["bytes"] for p in per)
     assert handoff["processes"] == 2 and handoff["seconds"] >= 0
+    shown = runner.invoke(app, ["run", str(demo_disagg_bundle), "--prompt", LONG,
+                                "--max-new-tokens", "4"])
+    assert shown.exit_code == 0 and f"KV hand-off: {per[1]['bytes']:,} bytes" in shown.output
 
 
 def test_continuous_batching_refills_a_slot_and_ngram_speculates_on_the_decode_side(tmp_path):
