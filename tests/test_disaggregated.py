@@ -351,3 +351,16 @@ def test_serve_runs_the_prefill_worker_apart_and_recovers_when_it_is_killed(demo
     finally:
         server.stop()
         server.gen.prefill_worker.close()
+
+
+def test_build_units_share_the_target_export(tmp_path):
+    from qpcbuild.bundle.units import plan_units
+    from qpcbuild.cache import Cache
+
+    data = demo_recipe(**DEMO_DISAGG)
+    plan = make_plan(load(data))
+    units = {u.name: u for u in plan_units(plan, Cache(tmp_path / "cache"))}
+    assert [n for n in units if n.startswith("export-")] == ["export-target", "export-draft"]
+    assert units["onnxruntime-prefill"].deps == ("export-target",)
+    # the same graph and settings: one cache entry serves both target units on ONNX Runtime
+    assert units["onnxruntime-prefill"].key == units["onnxruntime-target"].key
