@@ -76,6 +76,12 @@ def backend_module(name: str, part: str) -> ModuleType:
 
 
 # ---------------------------------------------------------------- planning
+def model_role(unit: str) -> str:
+    """Whose model and graph a unit runs: a disaggregated bundle's "prefill" unit is the
+    target's (its "target" and "draft" decode)."""
+    return "target" if unit == "prefill" else unit
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One graph input or output as declared: symbolic dims by name (batch_size, ctx_len...)."""
@@ -119,12 +125,16 @@ class CacheKeys:
 @dataclass(frozen=True)
 class RoleFacts:
     """What the plan decided for one role before any backend plans its artifact."""
-    role: str  # "target" | "draft"
+    role: str  # the unit: "target" | "draft" | "prefill" (disaggregated; see model_role)
     cores: int  # per QID
     device_group: list[int]
     specializations: list[Specialization]
     io: DeclaredIO  # the exported graph's inputs and outputs
     export_key: str  # the settings part of the exported graph's cache key
+
+    @property
+    def model_role(self) -> str:
+        return model_role(self.role)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from .models.graph_io import graph_io
 from .models.specialization import Specialization
 from .errors import Problem, RecipeError, UsageError
 from .backend_api import (BackendPart, CacheKeys, DeclaredIO, RoleFacts, backend_names,
-                          backend_plan)
-from .recipe import recipe_relative, resolve_model_path, resolved_cores
+                          backend_plan, model_role)
+from .recipe import recipe_relative, resolve_model_path
+from .recipe.placement import node_slots, placements, resolved_cores
 from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment
@@ -68,7 +69,9 @@ class VocabSubset:
 
 @dataclass(frozen=True)
 class RolePlan:
-    role: str  # "target" | "draft"
+    # The unit's name in the bundle (its folder, roles.<role>): "target" | "draft", and for a
+    # disaggregated recipe "prefill", the target's prefill unit (target and draft then decode)
+    role: str
     source: RoleSource
     arch: ArchSpec
     ks: tuple[int, ...]  # target: compiled Ks; draft: ()
@@ -82,10 +85,22 @@ class RolePlan:
     memory: RoleMemory
     cache_keys: CacheKeys
     vocab_subset: VocabSubset | None = None  # draft only
+    stage: str | None = None  # disaggregated: "prefill" | "decode"; None: one node does both
+
+    @property
+    def model_role(self) -> str:
+        """Whose model and graph this unit runs: "target" | "draft"."""
+        return model_role(self.role)
+
+    @property
+    def unit(self) -> str:
+        """As the docs name units: prefill/target, decode/target, decode/draft (or the role)."""
+        return f"{self.stage}/{self.model_role}" if self.stage else self.role
 
     def to_dict(self) -> dict[str, Any]:
         """As `qpcbuild plan --json` shows it."""
-        return {"source": asdict(self.source), "ks": list(self.ks),
+        return {**({"unit": self.unit} if self.stage else {}),
+                "source": asdict(self.source), "ks": list(self.ks),
                 "specializations": [s.model_dump() for s in self.specializations],
                 "io": self.io.to_dict(), "device_group": self.device_group,
                 "num_cores": self.num_cores,
@@ -131,9 +146,13 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[Specialization]:
+def specializations(role: str, r: Recipe, ks: tuple[int, ...], stage: str | None = None,
+                    slots: int | None = None) -> list[Specialization]:
+    """The role's compiled shapes. stage (a disaggregated target): "prefill" keeps the Prefill
+    entries only, "decode" the Decode ones (the draft always has both: it prefills the prompt
+    on the decode node). slots: the node's KV slots, in place of full_batch_size."""
     s = r.shapes
-    fbs = s.full_batch_size
+    fbs = s.full_batch_size and (slots or s.full_batch_size)
     prefill = {"batch_size": 1 if fbs else s.batch_size, "seq_len": s.prefill_seq_len,
                "ctx_len": s.ctx_len}
     decode_batch = fbs or s.batch_size
@@ -152,14 +171,20 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...]) -> list[Specializ
             e["full_batch_size"] = fbs
     names = ["Prefill"] + [f"Prefill_{w}" for w in tail_lens] + \
         (["Decode"] if len(decodes) == 1 else [f"Decode_{i}" for i in range(len(decodes))])
-    return [Specialization(name=n, symbols={k: str(v) for k, v in e.items()})
-            for n, e in zip(names, entries)]
+    specs = [Specialization(name=n, symbols={k: str(v) for k, v in e.items()})
+             for n, e in zip(names, entries)]
+    if role == "target" and stage is not None:
+        return [sp for sp in specs if sp.name.startswith(stage.capitalize())]
+    return specs
 
 
-def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
+def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
                compiler: str | None, vocab_subset: VocabSubset | None = None) -> RolePlan:
+    """unit: target | draft, or (disaggregated) prefill, the target's prefill unit."""
+    role = model_role(unit)  # whose model and graph
+    stage = None if r.disaggregated is None else "prefill" if unit == "prefill" else "decode"
     arch = arch_from_config(src.config, f"{src.ref}/config.json")
-    hw = getattr(r.hardware, role)
+    hw = placements(r)[unit][1]
     cb = r.shapes.full_batch_size is not None
     smoke_of = src.config.get("qpcbuild_smoke_of")  # random weights standing in for this model
     source = RoleSource(ref=src.ref, revision=src.revision, origin=src.origin,
@@ -171,7 +196,7 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                          "dtype": r.precision.export_dtype,
                          # a subset changes the graph; its key stays as before without one
                          **({"vocab_subset": vocab_subset.sha256} if vocab_subset else {})})
-    batch = r.shapes.full_batch_size or r.shapes.batch_size
+    batch = node_slots(r, unit)
     n_dev = len(hw.device_group)
     head_rows = vocab_subset.size if vocab_subset else None
     memory = RoleMemory(
@@ -180,18 +205,20 @@ def _role_plan(role: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                      + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
         kv_cache_gib=arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype])
         * r.shapes.ctx_len * batch / 2**30 / n_dev)
-    facts = RoleFacts(role=role, cores=cores, device_group=list(hw.device_group),
-                      specializations=specializations(role, r, ks),
+    facts = RoleFacts(role=unit, cores=cores, device_group=list(hw.device_group),
+                      specializations=specializations(role, r, ks, stage, node_slots(r, unit)
+                                                      if stage else None),
                       io=DeclaredIO.of(graph_io(role, arch, cb)), export_key=export_key)
     parts = {name: backend_plan(name).plan_role(r, facts, compiler) for name in backend_names()}
     # the settings part of each backend's cache key
     backend_keys = {name: digest(backend_plan(name).settings(r, facts, part))
                     for name, part in parts.items()}
     return RolePlan(
-        role=role, source=source, arch=arch, ks=ks if role == "target" else (),
+        role=unit, source=source, arch=arch, ks=ks if unit == "target" else (),
         specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
         num_cores=cores, backends=parts, memory=memory,
-        cache_keys=CacheKeys(export=export_key, backends=backend_keys), vocab_subset=vocab_subset)
+        cache_keys=CacheKeys(export=export_key, backends=backend_keys), vocab_subset=vocab_subset,
+        stage=stage)
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref: ModelRef | Draft) -> list[str]:
@@ -262,6 +289,7 @@ def _per_qid(roles: list[RolePlan], card: dict[str, Any],
     """Cores and memory per device (QID) the roles use; a warning where a QID's memory does not
     hold its weights and KV cache."""
     qids = sorted({q for rp in roles for q in rp.device_group})
+    # (nodes on distinct hosts may both name QID 0: the rows then add up two machines)
     core_rows: list[dict[str, int]] = []
     mem_rows: list[dict[str, float]] = []
     for q in qids:
@@ -307,10 +335,13 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
     cores = resolved_cores(r)
     roles = [_role_plan("target", r, sources["target"], r.compiled_ks, cores["target"],
                         compiler)]
+    if r.disaggregated is not None:  # the target's prefill unit: the same export, its own node
+        roles.insert(0, _role_plan("prefill", r, sources["target"], r.compiled_ks,
+                                   cores["prefill"], compiler))
     if "draft" in sources:
         roles.append(_role_plan("draft", r, sources["draft"], (), cores["draft"], compiler,
                                 subset))
-        t, d = roles[0].arch.param_count, roles[1].arch.param_count
+        t, d = roles[-2].arch.param_count, roles[-1].arch.param_count
         if d >= t:
             warnings.append(f"draft.model: the draft ({d:,} parameters) is not smaller than the "
                             f"target ({t:,}); speculation will not pay off")

@@ -59,7 +59,7 @@ def hf_generate(path: Path, ids: list[int], new_tokens: int = NEW_TOKENS) -> lis
 def bundles(real_pair, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("real")
     out = {}
-    for recipe in ("smollm2", "smollm2-ngram", "smollm2-suffix"):
+    for recipe in ("smollm2", "smollm2-ngram", "smollm2-suffix", "smollm2-disagg"):
         out[recipe] = root / recipe
         built = runner.invoke(app, ["compile", str(ROOT / "recipes" / f"{recipe}.yaml"), "-o",
                                     str(out[recipe]), "--cache-dir", str(root / "cache")])
@@ -110,6 +110,30 @@ def test_greedy_speculative_decoding_equals_transformers_generate(recipe, bundle
     ids = gen.chat_prompt(CHAT)
     ours = gen.generate([CHAT], max_new_tokens=NEW_TOKENS, chat=True).rows[0]
     assert ours.tokens[len(ids):] == hf_generate(target, ids), (recipe, "chat")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_disaggregated_bundle_equals_the_aggregated_one_and_transformers(method, bundles,
+                                                                          real_pair):
+    """The prompt's KV crosses from the prefill process to this one (the decode node), which
+    speculates; a prompt longer than prefill_seq_len (64) is prefilled in chunks there."""
+    target, _ = real_pair
+    disagg = load(bundles["smollm2-disagg"], method=method)
+    aggregated = load(bundles["smollm2"], method=method)
+    long_prompt = HELD_OUT["prose"] + "\n\n" + HELD_OUT["code"]
+    for text in (HELD_OUT["code"], long_prompt):
+        ids = disagg.encode(text)
+        ours = disagg.generate([ids], max_new_tokens=NEW_TOKENS)
+        new = ours.rows[0].tokens[len(ids):]
+        assert new == hf_generate(target, ids), (method, len(ids))
+        assert new == aggregated.generate([ids], max_new_tokens=NEW_TOKENS).rows[0] \
+            .tokens[len(ids):]
+        handoff = ours.handoff
+        assert handoff is not None and handoff["processes"] == 2
+        # every layer's key and value, [1, 3 kv heads, n - 1, 64] float32 each
+        assert handoff["bytes"] == 30 * 2 * 3 * (len(ids) - 1) * 64 * 4
+    assert len(disagg.encode(long_prompt)) > 64
+    assert disagg.prefill_worker.proc.pid != __import__("os").getpid()
 
 
 def test_draft_and_target_tokenizers_are_identical(bundles):

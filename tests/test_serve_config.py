@@ -21,9 +21,10 @@ from qpcbuild.plan import make_plan
 from qpcbuild.recipe import recipe_from_text
 from qpcbuild.cli.serve_config import vllm_argv
 
+from helpers_serve_config import VLLM_NAMES, argv_flags, unknown_to_vllm
+
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
-VLLM_NAMES = json.loads((REPO / "tests" / "fixtures" / "vllm_cli_names.json").read_text())
 
 
 def _recipe(models: dict[str, Path], method: str) -> str:
@@ -62,10 +63,6 @@ def bundle(request, tiny_models, tmp_path_factory) -> Path:
     return out
 
 
-def _flags(argv: list[str]) -> dict[str, str]:
-    return {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-
-
 def test_vllm_command_values_match_the_manifest(bundle):
     m = read_manifest(bundle).to_json_dict()
     res = runner.invoke(app, ["serve-config", str(bundle), "--format", "vllm"])
@@ -77,7 +74,7 @@ def test_vllm_command_values_match_the_manifest(bundle):
     env = dict(a.split("=", 1) for a in argv if "=" in a and a.startswith("VLLM_"))
     argv = [a for a in argv if not a.startswith("VLLM_")]
     assert argv[:3] == ["vllm", "serve", m["roles"]["target"]["source"]["ref"]]
-    flags = _flags(argv)
+    flags = argv_flags(argv)
     assert flags["--served-model-name"] == m["name"]  # the model id `qpcbuild serve` answers to
     assert int(flags["--max-model-len"]) == m["shapes"]["ctx_len"]
     at = argv.index("--max-model-len")
@@ -130,17 +127,17 @@ def test_docker_env_and_legacy_forms_agree(bundle):
     vllm = docker[docker.index(next(a for a in docker if a.startswith("ghcr.io"))) + 1:]
     assert vllm[2] in mounts and mounts[vllm[2]] == m["roles"]["target"]["source"]["ref"]
     if m["speculation"]["method"] == "draft_model":
-        spec = json.loads(_flags(vllm)["--speculative-config"])
+        spec = json.loads(argv_flags(vllm)["--speculative-config"])
         assert spec["model"] in mounts
     env_out = runner.invoke(app, ["serve-config", str(bundle), "--format", "env"]).stdout
     assert "export VLLM_QAIC" in env_out
     legacy = shlex.split(runner.invoke(app, ["serve-config", str(bundle), "--format", "legacy"])
                          .stdout.splitlines()[-1])
-    assert _flags(legacy)["--override-qaic-config"].startswith("qpc_path=")
-    assert _flags(legacy)["--max-model-len"] == str(m["shapes"]["ctx_len"])
+    assert argv_flags(legacy)["--override-qaic-config"].startswith("qpc_path=")
+    assert argv_flags(legacy)["--max-model-len"] == str(m["shapes"]["ctx_len"])
     # The 0.8.5 fork reads the prefill chunk from this option and needs the device named.
-    assert int(_flags(legacy)["--max-seq-len-to-capture"]) == m["shapes"]["prefill_seq_len"]
-    assert _flags(legacy)["--device"] == "qaic"
+    assert int(argv_flags(legacy)["--max-seq-len-to-capture"]) == m["shapes"]["prefill_seq_len"]
+    assert argv_flags(legacy)["--device"] == "qaic"
 
 
 def test_json_says_whether_the_qpcs_are_compiled(bundle):
@@ -155,20 +152,6 @@ def test_bad_format_and_onnxruntime_only_bundles_are_refused(bundle, tmp_path):
     assert res.exit_code == 2 and "--format" in res.output
     res = runner.invoke(app, ["serve-config", str(tmp_path)])
     assert res.exit_code == 2 and "manifest.json" in res.output  # not a bundle: bad input
-
-
-def unknown_to_vllm(argv: list[str], form: str) -> list[str]:
-    """The options, and --speculative-config keys, in a `vllm serve` argv that the vLLM targeted
-    by serve-config's `form` does not have. --additional-config is not checked: vLLM hands it
-    unread to the platform plugin (vllm-qaic's override_qaic_config and friends)."""
-    target = VLLM_NAMES["targets"][form]
-    names = VLLM_NAMES["versions"][target["version"]]
-    options = set(names["serve_options"]) | set(target.get("extra_options", []))
-    bad = [a for a in argv if a.startswith("--") and a.split("=", 1)[0] not in options]
-    spec = _flags(argv).get("--speculative-config")
-    fields = set(names["speculative_config_fields"])
-    return bad + [f"speculative_config.{key}" for key in json.loads(spec or "{}")
-                  if key not in fields]
 
 
 def test_every_option_and_speculative_key_is_one_vllm_has(bundle):
@@ -192,7 +175,7 @@ def test_the_k_schedule_key_is_vllm_032s_and_vllm_015_lacks_it(bundle):
         update={"num_speculative_tokens_per_batch_size": {"1": 3, "2": 2}})})
     argv = vllm_argv(m)
     key = "num_speculative_tokens_per_batch_size"
-    assert json.loads(_flags(argv)["--speculative-config"])[key] == [[1, 1, 3], [2, 2, 2]]
+    assert json.loads(argv_flags(argv)["--speculative-config"])[key] == [[1, 1, 3], [2, 2, 2]]
     assert unknown_to_vllm(argv, "vllm") == [f"speculative_config.{key}"]
     assert unknown_to_vllm(argv, "cpu_oracle") == []
 
@@ -250,7 +233,7 @@ def test_model_paths_are_absolute_from_any_folder_and_docker_binds_are_absolute(
     want = {r: str((REPO / "models" / "demo" / r).resolve()) for r in ("target", "draft")}
     assert doc["models"] == want
     assert doc["vllm"][2] == want["target"]
-    spec = json.loads(_flags(doc["vllm"])["--speculative-config"])
+    spec = json.loads(argv_flags(doc["vllm"])["--speculative-config"])
     assert spec["model"] == want["draft"]
     binds = [doc["docker"][i + 1].split(":")[0] for i, a in enumerate(doc["docker"]) if a == "-v"]
     assert binds and all(Path(b).is_absolute() for b in binds), binds  # docker needs that

@@ -5,6 +5,7 @@ at all: it is assembled in a staging folder next to the output and renamed into 
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from ..recipe.schema import Recipe
 from ..toolchain import artifact_versions
 from ..tree import hash_tree
 from .backend import Backend, BuildCache, BuildContext, get_backend
+from .handoff import manifest_record
 from .manifest import MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 from .staging import (check_writable_parent, publish, refuse_to_replace, remove_debris,
                       staging_folder)
@@ -133,6 +135,8 @@ def _manifest(plan: BuildPlan, exports: dict[str, dict[str, Any]],
         "files": files,
         **extra,
     }
+    if r.disaggregated is not None:  # the units' placement and the KV hand-off contract
+        raw["disaggregated"] = manifest_record(plan, exports["target"]["weights_digest"])
     return Manifest.unsealed(raw)
 
 
@@ -156,7 +160,7 @@ def _bundle_recipe(plan: BuildPlan) -> str:
     the model they stand in for, not the cache path)."""
     data = plan.recipe.to_yaml_dict()
     for rp in plan.roles:
-        data[rp.role]["model"] = rp.source.recipe_ref
+        data[rp.model_role]["model"] = rp.source.recipe_ref
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -165,7 +169,7 @@ def _require_weights(plan: BuildPlan) -> None:
     """A plan may stand on a known config alone; a build needs each model's files."""
     for rp in plan.roles:
         if rp.source.path is None:
-            ref = getattr(plan.recipe, rp.role).model
+            ref = getattr(plan.recipe, rp.model_role).model
             raise UsageError(f"{rp.role}.model: " + weights_missing_message(
                 ref, rp.source.revision, recipe_relative(plan.recipe, ref),
                 plan.recipe.source))
@@ -198,6 +202,7 @@ class _Build:
     inputs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     graphs: dict[str, tuple[Path, dict[str, Any]]] = field(default_factory=dict)
     onnx_dirs: dict[str, Callable[[], Path]] = field(default_factory=dict)
+    export_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, stage: str, reused: bool, t0: float, origin: str) -> None:
         self.stages.append({"stage": stage, "reused": reused, "from": origin,
@@ -213,7 +218,7 @@ class _Build:
         nothing built here needs the graph, else the export entry (from the cache or built)."""
         t0 = time.perf_counter()
         r, cache, backends = self.plan.recipe, self.cache, self.backends
-        ref = r.target if role.role == "target" else r.draft
+        ref = r.target if role.model_role == "target" else r.draft
         allow_pickle = ref.allow_pickle
         self.inputs[role.role] = inputs = artifact_key_inputs(
             role, cache.weights_digest(weight_files(role, allow_pickle)), backends,
@@ -224,7 +229,7 @@ class _Build:
         def build(tmp: Path) -> dict[str, Any]:
             from ..export import export_model  # onnx is imported only when a graph is built
 
-            res = export_model(src, role.role, tmp / "onnx",
+            res = export_model(src, role.model_role, tmp / "onnx",
                                continuous_batching=r.shapes.full_batch_size is not None,
                                weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,
                                allow_unused=ref.allow_unused_weights,
@@ -235,13 +240,16 @@ class _Build:
 
         def graph(t0: float = t0) -> tuple[Path, dict[str, Any]]:
             """The export entry, from the cache or built, on first use."""
-            if role.role not in self.graphs:
-                entry, meta, reused = cache.get_or_build("exports", key, build, inputs["export"])
-                entry = cache.materialize(entry)  # the graph's bytes are wanted here
-                self.record(f"export {role.role}", reused, t0,
-                            cache.origin("exports", key, reused))
-                self.graphs[role.role] = entry, meta
-            return self.graphs[role.role]
+            # by key: a disaggregated bundle's two target units share one export
+            with self.export_lock:
+                if key not in self.graphs:
+                    entry, meta, reused = cache.get_or_build("exports", key, build,
+                                                             inputs["export"])
+                    entry = cache.materialize(entry)  # the graph's bytes are wanted here
+                    self.record(f"export {role.model_role}", reused, t0,
+                                cache.origin("exports", key, reused))
+                    self.graphs[key] = entry, meta
+            return self.graphs[key]
 
         self.onnx_dirs[role.role] = lambda: graph(time.perf_counter())[0] / "onnx"
         # When every artifact made from the graph is cached and the bundle does not carry
@@ -263,12 +271,16 @@ class _Build:
         {backend: {role: its manifest entry}}."""
         staging, cache = self.ctx.staging, self.cache
         built: dict[str, dict[str, Any]] = {name: {} for name in self.backends}
+        shipped: dict[str, Path] = {}  # model role -> its graph in the bundle
         for rp in roles:
             todo = {name: b for name, b in self.backends.items() if self.wanted(name, rp.role)}
             if any(b.ships_graph for b in todo.values()):  # every backend builds from it
-                onnx_dir = staging / rp.role / "onnx"
-                cache.deliver(self.onnx_dirs[rp.role](), onnx_dir, known=self.ctx.delivered,
-                              copy=True)
+                # (a disaggregated bundle's two target units share the target's one graph)
+                onnx_dir = staging / rp.model_role / "onnx"
+                if rp.model_role not in shipped:
+                    cache.deliver(self.onnx_dirs[rp.role](), onnx_dir, known=self.ctx.delivered,
+                                  copy=True)
+                    shipped[rp.model_role] = onnx_dir
                 self.onnx_dirs[rp.role] = partial(Path, onnx_dir)
             for name, backend in todo.items():
                 t0 = time.perf_counter()

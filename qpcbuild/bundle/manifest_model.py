@@ -17,6 +17,7 @@ from ..backend_api import BACKENDS, BackendEntry, entry_model
 from ..errors import BundleError
 from ..models.specialization import Specialization
 from ..recipe.schema import Method
+from .handoff import Disaggregated, contract_problems, unit_facts
 
 E = TypeVar("E", bound=BackendEntry)
 
@@ -206,7 +207,9 @@ class Manifest(_Part):
     shapes: Shapes
     hardware: dict[str, Any] = {}
     backends: list[str] = []
-    roles: dict[Literal["target", "draft"], Role]
+    # prefill: a disaggregated bundle's prefill unit of the target (target and draft decode)
+    roles: dict[Literal["target", "draft", "prefill"], Role]
+    disaggregated: Optional[Disaggregated] = None  # absent: one node runs both stages
     tokenizer: TokenizerInfo
     toolchain: dict[str, Any] = {}
     files: dict[str, FileEntry] = {}
@@ -304,18 +307,28 @@ class Manifest(_Part):
                        f"must be narrower than prefill_seq_len {shapes.prefill_seq_len}")
         if self.draft is not None and self.draft.arch.vocab_size > self.target.arch.vocab_size:
             out.append("roles.draft.arch.vocab_size exceeds the target's")
+        dis = self.disaggregated
+        if ("prefill" in self.roles) != (dis is not None):
+            out.append("roles.prefill and disaggregated: a disaggregated bundle has both, "
+                       "others neither")
+        if dis is not None:
+            out += contract_problems(dis, self.roles)
         for name, role in self.roles.items():
-            out += _role_disagreements(name, role, shapes, ks if name == "target" else [])
+            # a disaggregated unit has its node's slots, and only its stage's shapes
+            slots = unit_facts(role)["slots"] if dis is not None else shapes.kv_batch
+            out += _role_disagreements(name, role, shapes, ks if name == "target" else [],
+                                       slots, tails=dis is None or name != "target")
         return out
 
 
-def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) -> list[str]:
+def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int], slots: int,
+                        tails: bool = True) -> list[str]:
     where, out = f"roles.{name}", []
     for spec in role.specializations:
         if spec.size("ctx_len") != shapes.ctx_len:
             out.append(f"{where}.specializations {spec.name}: ctx_len {spec.size('ctx_len')} "
                        f"is not shapes.ctx_len {shapes.ctx_len}")
-        if spec.size("batch_size") not in (1, shapes.batch_size, shapes.kv_batch):
+        if spec.size("batch_size") not in (1, shapes.batch_size, slots):
             out.append(f"{where}.specializations {spec.name}: batch_size "
                        f"{spec.size('batch_size')} is not the bundle's")
     seq_lens = {spec.size("seq_len") for spec in role.specializations}
@@ -323,10 +336,10 @@ def _role_disagreements(name: str, role: Role, shapes: Shapes, ks: list[int]) ->
     if missing:
         out.append(f"{where}.specializations: none decodes K={missing[0]} (seq_len "
                    f"{missing[0] + 1})")
-    tails = [w for w in shapes.prefill_tail_seq_lens if w not in seq_lens]
-    if tails:
+    missing_tails = [w for w in shapes.prefill_tail_seq_lens if tails and w not in seq_lens]
+    if missing_tails:
         out.append(f"{where}.specializations: none prefills through shapes."
-                   f"prefill_tail_seq_lens {tails[0]}")
+                   f"prefill_tail_seq_lens {missing_tails[0]}")
     for backend, entry in role.backends.items():
         out += [f"{where}: {p}" for p in entry.problems(role.model_dump())]
     if any(not 0 <= e < role.arch.vocab_size for e in role.arch.eos_token_ids):

@@ -36,14 +36,17 @@ def plan_units(plan: BuildPlan, cache: Cache, compiler: str | None = None) -> li
     weights once to digest them; the digest is remembered per file state)."""
     cache.ensure_usable()
     backends: dict[str, Backend] = {name: get_backend(name) for name in plan.recipe.backends}
-    exports, artifacts = [], []
+    exports: list[Unit] = []
+    artifacts: list[Unit] = []
     for rp in plan.roles:
-        ref = getattr(plan.recipe, rp.role)
+        ref = getattr(plan.recipe, rp.model_role)
         inputs = artifact_key_inputs(rp, cache.weights_digest(weight_files(rp, ref.allow_pickle)),
                                      backends, compiler)
-        export = unit_name("export", rp.role)
-        exports.append(Unit(export, "export", rp.role, "exports", digest(inputs["export"]), (),
-                            inputs["export"]))
+        # (a disaggregated bundle's prefill unit compiles the target's one export)
+        export = unit_name("export", rp.model_role)
+        if all(u.name != export for u in exports):
+            exports.append(Unit(export, "export", rp.model_role, "exports",
+                                digest(inputs["export"]), (), inputs["export"]))
         artifacts += [Unit(unit_name(name, rp.role), name, rp.role, b.cache_kind,
                            digest(inputs[name]), (export,), inputs[name])
                       for name, b in backends.items()]

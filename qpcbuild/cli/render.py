@@ -54,7 +54,7 @@ def show_plan(plan: BuildPlan) -> None:
                   f"({plan.tokenizer['detail']})")
     for rp in plan.roles:
         a = rp.arch
-        heading(f"[bold]{rp.role}[/]: {rp.source.ref} ({rp.source.origin})")
+        heading(f"[bold]{rp.unit}[/]: {rp.source.ref} ({rp.source.origin})")
         console.print(_kv_table("", [
             ("architecture", f"{a.architecture} ({a.family})"),
             ("parameters", f"{a.param_count:,}"),
@@ -181,6 +181,12 @@ def show_run(report: dict[str, Any], show_text: bool = True) -> None:
         console.print(f"{role} numerics: {n['numerics']}" + (
             f" (weights {n['weights']}, KV {n['kv']}; emulated on the CPU)"
             if n["numerics"] == "emulated" else " (float32)") + weights_note(role, n))
+    handoff = report.get("handoff")
+    if handoff:  # a disaggregated bundle: the prompts' KV came from the prefill process
+        console.print(f"KV hand-off: {handoff['bytes']:,} bytes for "
+                      f"{len(handoff['per_prompt'])} prompt(s) in {handoff['seconds'] * 1e3:.1f} "
+                      f"ms (prefill process {handoff['prefill_s'] * 1e3:.1f} ms; "
+                      f"{handoff['transport']})")
     if "baseline" in report:
         b = report["baseline"]
         base_tps = (b.get("total") or b["batches"][0]["stats"])["e2e_tokens_per_s"]

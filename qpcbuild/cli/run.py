@@ -118,6 +118,13 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
     report = {"bundle": str(bundle), "backend": backend, "method": gen.method,
               "prompts": prompts, "batches": [r.to_dict() for r in results],
               "total": SpecDecodingStats.merged([r.stats for r in results]).totals_json()}
+    handoffs = [r.handoff for r in results if r.handoff is not None]
+    if handoffs:  # a disaggregated bundle: the KV that crossed from the prefill process
+        report["handoff"] = {"bytes": sum(h["bytes"] for h in handoffs),
+                             "seconds": round(sum(h["seconds"] for h in handoffs), 6),
+                             "prefill_s": round(sum(h["prefill_s"] for h in handoffs), 6),
+                             "per_prompt": [p for h in handoffs for p in h["per_prompt"]],
+                             "processes": 2, "transport": handoffs[0]["transport"]}
     numerics = numerics_of(gen.manifest, backend)
     if numerics:  # ONNX Runtime: exact float32, or the card's formats emulated
         report["numerics"] = numerics
@@ -207,7 +214,8 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
 @handles_errors
 def serve_config(bundle: Path = typer.Argument(..., help="Bundle folder."),
                  format: str = typer.Option("vllm", "--format", help="vllm | docker | env | "
-                                            "legacy | json"),
+                                            "legacy | json | disagg (a disaggregated "
+                                            "bundle's two servers)"),
                  image: str = typer.Option("ghcr.io/quic/cloud_ai_inference_vllm:latest",
                                            help="Cloud AI vLLM image for --format docker."),
                  recipe_dir: Optional[Path] = typer.Option(

@@ -9,51 +9,19 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..backend_api import backend_info, vllm_backend
 from ..errors import UsageError
+from .serve_disagg import render_disagg
+from .vllm_config import qaic_config, speculative_config, served_model
 
 if TYPE_CHECKING:
     from ..bundle.manifest import Manifest, Role
 
 DEFAULT_IMAGE = "ghcr.io/quic/cloud_ai_inference_vllm:latest"
-FORMATS = ("vllm", "docker", "env", "legacy", "json")
+FORMATS = ("vllm", "docker", "env", "legacy", "json", "disagg")
 HF_CACHE = "${HF_HOME:-$HOME/.cache/huggingface}"
-
-
-def _speculative_config(m: Manifest) -> dict[str, Any] | None:
-    spd = m.speculation
-    k = max(m.ks)
-    schedule = vllm_k_schedule(m)
-    extra = {"num_speculative_tokens_per_batch_size": schedule} if schedule else {}
-    if spd.method == "draft_model":
-        return {"method": "draft_model", "model": served_model(m.draft),
-                "num_speculative_tokens": k, **extra}
-    if k == 0:
-        return None
-    return {"method": spd.method, "num_speculative_tokens": k, **spd.options, **extra}
-
-
-def vllm_k_schedule(m: Manifest) -> list[list[int]] | None:
-    """The bundle's K per live batch size as vLLM's num_speculative_tokens_per_batch_size:
-    inclusive [first, last, K] ranges from batch size 1 to the compiled batch (fewer live rows
-    than the first scheduled size use the largest compiled K, as qpcbuild's engine does)."""
-    points = m.speculation.schedule
-    if not points:
-        return None
-    top = max(m.shapes.kv_batch, max(points))
-    if min(points) > 1:
-        points[1] = max(m.ks)
-    starts = sorted(points)
-    return [[b, (starts[i + 1] - 1) if i + 1 < len(starts) else top, points[b]]
-            for i, b in enumerate(starts)]
-
-
-def served_model(role: Role) -> str:
-    """vLLM loads config and tokenizer by model id; smoke builds name the model they stand in for
-    (the build records that name as the role's reference)."""
-    return role.source.ref
 
 
 def _same_model(folder: Path, role: Role) -> bool:
@@ -98,10 +66,6 @@ def model_locations(m: Manifest, bundle: Path, recipe_dir: Path | None = None
                          "machine with the config the bundle was built from; pass "
                          "--recipe-dir (the folder of the recipe that built the bundle)")
     return found, notes
-
-
-def _qaic_config(role: Role) -> dict[str, Any]:
-    return {"device_group": role.device_group, "num_cores": role.num_cores}
 
 
 def qpc_env(m: Manifest, bundle: Path) -> dict[str, str]:
@@ -169,7 +133,7 @@ def vllm_argv(m: Manifest, legacy: bool = False, qpc_root: Path | None = None,
         argv += ["--quantization", "mxfp6"]
     if precision.kv_cache == "mxint8":
         argv += ["--kv-cache-dtype", "mxint8"]
-    spec = _speculative_config(m)
+    spec = speculative_config(m)
     if spec and "draft" in models:
         spec["model"] = models["draft"]
     if spec:
@@ -178,9 +142,9 @@ def vllm_argv(m: Manifest, legacy: bool = False, qpc_root: Path | None = None,
         root = qpc_root or Path(".")
         argv += ["--override-qaic-config", f"qpc_path={root / 'target' / 'qpc'}"]
     else:
-        extra = {"override_qaic_config": _qaic_config(target)}
+        extra = {"override_qaic_config": qaic_config(target)}
         if m.draft is not None:
-            extra["draft_override_qaic_config"] = _qaic_config(m.draft)
+            extra["draft_override_qaic_config"] = qaic_config(m.draft)
         argv += ["--additional-config", json.dumps(extra, separators=(",", ":"))]
     return argv
 
@@ -192,6 +156,9 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE,
     if vllm_backend() not in m.backends:
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")
+    if m.disaggregated is not None and fmt != "disagg":
+        raise UsageError(f"{bundle}: a disaggregated bundle is served as two servers; use "
+                         "--format disagg")
     statuses = {r: q.status for r, info in m.roles.items()
                 if (q := info.backends.get(vllm_backend())) is not None}
     compiled = all(s == "compiled" for s in statuses.values())
@@ -212,6 +179,8 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE,
                            "docker": _docker(m, bundle, image, models), "image": image},
                           indent=1) + "\n"
     head = note + "".join(line + "\n" for line in setup)
+    if fmt == "disagg":
+        return render_disagg(m, bundle, models, head)
     if fmt == "env":
         return head + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
     if fmt == "legacy":

@@ -11,18 +11,19 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Callable, get_args, get_origin
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, RecipeError, UsageError
 from .changes import RecipeChanges
 from .file import KeyPath, dotted, parse_yaml, read_capped
+from .placement import Add, _placement, resolved_cores  # noqa: F401  (as before)
 from .schema import (  # noqa: F401  (the schema's names, for recipe's importers)
     MAX_K, MAX_CTX_LEN, CTX_LEN_MULTIPLE, CARDS, CARD_ROOFLINE_SOURCE, CARD_ROOFLINE, Method,
     METHODS, Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
     vllm_lookup_range, Speculation, Shapes, Precision, RoleHardware, CompilerOptions, Hardware,
-    WeightFormat, OrtOptions, Recipe)
+    WeightFormat, OrtOptions, Recipe, Disaggregated, NodeHardware, DecodeNode)
 
 
 # ---------------------------------------------------------------- validation
@@ -59,9 +60,6 @@ def _schema_problems(exc: ValidationError, lines: dict[KeyPath, int]) -> list[Pr
             msg = f"{err['msg']} (got {err.get('input')!r})"
         problems.append(Problem(dotted(loc), msg, line))
     return problems
-
-
-Add = Callable[..., None]  # add(key path, message, severity="error")
 
 
 def static_problems(r: Recipe) -> list[Problem]:
@@ -168,51 +166,6 @@ def _numerics_options(r: Recipe, add: Add) -> None:
         elif fmt == "int4" and p.quantization == "mxfp6":
             add(key, "int4 blocks cannot hold the MXFP6 values precision.quantization: mxfp6 "
                 "emulates; use int8 (exact) or float32")
-
-
-def _placement(r: Recipe, add: Add) -> None:
-    """Devices and cores per role on the recipe's cards."""
-    h, d = r.hardware, r.draft
-    card = CARDS[h.card]
-    n_qids = card["qids"] * h.num_cards
-    roles = [("target", h.target)] + ([("draft", h.draft)] if d.method == "draft_model" else [])
-    for role, hw in roles:
-        if len(set(hw.device_group)) != len(hw.device_group):
-            add(f"hardware.{role}.device_group", f"duplicate device ids in {hw.device_group}")
-        for i, qid in enumerate(hw.device_group):
-            if qid < 0 or qid >= n_qids:
-                add(f"hardware.{role}.device_group[{i}]", f"device {qid} is outside the "
-                    f"{n_qids} QIDs of {h.num_cards} x {h.card} (0..{n_qids - 1})")
-        if hw.num_cores is not None and hw.num_cores > card["cores_per_qid"]:
-            add(f"hardware.{role}.num_cores", f"{hw.num_cores} cores exceed the "
-                f"{card['cores_per_qid']} per QID of {h.card}")
-    if d.method == "draft_model":
-        shared = set(h.target.device_group) & set(h.draft.device_group)
-        cores = resolved_cores(r)
-        if shared and cores["target"] + cores["draft"] > card["cores_per_qid"]:
-            add("hardware.draft.num_cores", f"target {cores['target']} + draft {cores['draft']} "
-                f"cores exceed the {card['cores_per_qid']} cores of shared QID(s) {sorted(shared)}")
-    elif r.hardware.draft != RoleHardware():
-        add("hardware.draft", f"method '{d.method}' has no draft model to place", "warning")
-
-
-def resolved_cores(r: Recipe) -> dict[str, int]:
-    """Cores per QID for each role. Shared QIDs with no explicit split: half each (8/8)."""
-    per_qid = CARDS[r.hardware.card]["cores_per_qid"]
-    t, d = r.hardware.target, r.hardware.draft
-    if r.draft.method != "draft_model":
-        return {"target": t.num_cores or per_qid}
-    shared = bool(set(t.device_group) & set(d.device_group))
-    if not shared:
-        return {"target": t.num_cores or per_qid, "draft": d.num_cores or per_qid}
-    if t.num_cores is None and d.num_cores is None:
-        return {"target": per_qid // 2, "draft": per_qid - per_qid // 2}
-    if t.num_cores is None:
-        assert d.num_cores is not None  # (not both None: above)
-        return {"target": max(1, per_qid - d.num_cores), "draft": d.num_cores}
-    if d.num_cores is None:
-        return {"target": t.num_cores, "draft": max(1, per_qid - t.num_cores)}
-    return {"target": t.num_cores, "draft": d.num_cores}
 
 
 # ---------------------------------------------------------------- overrides and entry point

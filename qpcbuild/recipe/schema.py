@@ -149,6 +149,28 @@ class Hardware(_Strict):
     specializations_format: Literal["named", "flat"] = "named"
 
 
+class NodeHardware(RoleHardware):
+    """The prefill node of a disaggregated deployment: its devices, cores per QID and slots."""
+    max_num_seqs: int | None = Field(default=None, ge=1)  # KV slots (None: the shapes' batch)
+
+
+class DecodeNode(_Strict):
+    """The decode node: the target and the draft on its cores (split as `hardware`'s), its
+    slots."""
+    target: RoleHardware = Field(default_factory=RoleHardware)
+    draft: RoleHardware = Field(default_factory=RoleHardware)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+
+
+class Disaggregated(_Strict):
+    """Prefill on one node, decode (and all speculation) on another; the prompt's KV cache
+    crosses from the first to the second (docs/disaggregated.md)."""
+    # the two nodes' device groups may overlap only when they are on different hosts
+    distinct_hosts: bool = False
+    prefill: NodeHardware = Field(default_factory=NodeHardware)
+    decode: DecodeNode = Field(default_factory=DecodeNode)
+
+
 WeightFormat = Literal["float32", "int8", "int4"]
 
 
@@ -176,6 +198,7 @@ class Recipe(_Strict):
     backends: list[Backend] = Field(default_factory=lambda: list[Backend](["onnxruntime"]),
                                     min_length=1)
     onnxruntime: OrtOptions = Field(default_factory=OrtOptions)
+    disaggregated: Disaggregated | None = None  # None: one node runs both stages
     output: str | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
@@ -234,4 +257,6 @@ class Recipe(_Strict):
         return out if out.is_absolute() else Path.cwd() / out
 
     def to_yaml_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+        # (without the block the dump is as before it existed: bundle ids stay)
+        return self.model_dump(mode="json", by_alias=True,
+                               exclude=None if self.disaggregated else {"disaggregated"})

@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..bundle import verify_bundle
 from ..bundle.manifest import Manifest, SealedManifest
@@ -29,17 +29,22 @@ from .rows import Row, TokenCallback
 from .sampling import SamplingParams
 from .stats import SpecDecodingStats
 
+if TYPE_CHECKING:  # (the worker's module is imported where a bundle needs it)
+    from .disagg import PrefillWorker
+
 @dataclass
 class GenerationResult:
     texts: list[str]
     rows: list[Row]
     stats: SpecDecodingStats
+    handoff: dict[str, Any] | None = None  # a disaggregated bundle's KV hand-offs
 
     def to_dict(self) -> dict[str, Any]:
         return {"outputs": [{"text": t, "token_ids": r.tokens[len(r.prompt):],
                              "prompt_tokens": len(r.prompt), "finish_reason": r.finish_reason}
                             for t, r in zip(self.texts, self.rows)],
-                "stats": self.stats.to_json()}
+                "stats": self.stats.to_json(),
+                **({"handoff": self.handoff} if self.handoff is not None else {})}
 
 
 RoleName = Literal["target", "draft"]  # the manifest's roles
@@ -131,8 +136,16 @@ class Generator:
         self.draft = _open_session(bundle, manifest, "draft", backend) \
             if method == "draft_model" else None
         self.policy = policy  # None: the bundle's speculation.policy
+        self.prefill_worker = None
+        if manifest.disaggregated is not None:  # prefill runs in a process of its own
+            from .disagg import PrefillWorker
+
+            if backend != DEFAULT_BACKEND:
+                raise UsageError(f"a disaggregated bundle runs here on {DEFAULT_BACKEND} only "
+                                 "(on the card, serve it with `serve-config --format disagg`)")
+            self.prefill_worker = PrefillWorker(bundle, manifest)
         self.decoder = build_decoder(manifest, self.target, self.draft, method, self.eos_ids,
-                                     policy)
+                                     policy, self.prefill_worker)
 
     def sibling(self, method: str | None = None, target_only: bool = False) -> "Generator":
         """A Generator over the same sessions (nothing is loaded again) for another method the
@@ -147,7 +160,7 @@ class Generator:
         g.draft = self.draft if method == "draft_model" and not target_only else None
         g.decoder = build_decoder(self.manifest, self.target, g.draft,
                                   None if target_only else method, self.eos_ids,
-                                  self.policy)
+                                  self.policy, self.prefill_worker)
         g.decoder.method = method
         return g
 
@@ -196,12 +209,16 @@ class Generator:
         sp = SamplingParams(temperature, top_k, top_p, seed)
         if policy is not None and policy not in POLICIES:
             raise UsageError(f"unknown speculation policy '{policy}' ({' | '.join(POLICIES)})")
+        log = getattr(self.decoder, "log", None)
+        if log is not None:
+            log.records.clear()
         rows, times = self.decoder.generate(ids, max_new_tokens, sp,
                                             self.k if k is None else k, on_token, target_only,
                                             policy)
         texts = [self.tokenizer.decode(r.tokens[len(r.prompt):]) for r in rows]
         method = "target_only" if target_only else self.method
-        return GenerationResult(texts, rows, SpecDecodingStats.from_rows(rows, times, method))
+        return GenerationResult(texts, rows, SpecDecodingStats.from_rows(rows, times, method),
+                                log.to_dict() if log is not None else None)
 
 
 def new_proposer(manifest: Manifest, method: str | None) -> Proposer | None:
@@ -214,20 +231,25 @@ def new_proposer(manifest: Manifest, method: str | None) -> Proposer | None:
 
 
 def build_decoder(manifest: Manifest, target: ModelSession, draft: ModelSession | None,
-                  method: str | None,
-                  eos_ids: set[int], policy: str | None = None) -> SpecDecoder:
+                  method: str | None, eos_ids: set[int], policy: str | None = None,
+                  prefill_worker: PrefillWorker | None = None) -> SpecDecoder:
     """The one way a SpecDecoder is made from a bundle: its compiled Ks, prefill chunk and
     continuous batching, with `method`'s proposer (method None: target-only, no proposer),
-    and how it speculates (the bundle's policy unless `policy` says otherwise)."""
+    and how it speculates (the bundle's policy unless `policy` says otherwise).
+    prefill_worker (a disaggregated bundle): the process the target's prompts go to."""
     shapes, spd, ks = manifest.shapes, manifest.speculation, manifest.ks
     schedule = {b: k for b, k in spd.schedule.items() if k in ks}
-    return SpecDecoder(target, draft, new_proposer(manifest, method), ks,
-                       shapes.prefill_seq_len, eos_ids, method or "target_only",
-                       bool(shapes.full_batch_size),
-                       policy=policy or spd.policy,
-                       draft_p_min=float(spd.draft_p_min),
-                       num_speculative_tokens_per_batch_size=schedule,
-                       prefill_tails=tuple(shapes.prefill_tail_seq_lens))
+    args = (target, draft, new_proposer(manifest, method), ks, shapes.prefill_seq_len, eos_ids,
+            method or "target_only", bool(shapes.full_batch_size))
+    kwargs: dict[str, Any] = dict(policy=policy or spd.policy,
+                                  draft_p_min=float(spd.draft_p_min),
+                                  num_speculative_tokens_per_batch_size=schedule,
+                                  prefill_tails=tuple(shapes.prefill_tail_seq_lens))
+    if prefill_worker is not None:
+        from .disagg import DisaggDecoder, HandoffLog
+
+        return DisaggDecoder(*args, worker=prefill_worker, log=HandoffLog(), **kwargs)
+    return SpecDecoder(*args, **kwargs)
 
 
 def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None = None,

@@ -102,7 +102,7 @@ class OrtBackend:
         metadata = {p.key: p.value for p in source.metadata_props}
         ort = self.part(role)
         batch, ctx_len = ort.batch_size, ort.ctx_len
-        build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
+        build_ort_graph(role.arch, weights, role.model_role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
                         ort.numerics_formats if ort.numerics == "emulated" else None)
         experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) else {}

@@ -97,7 +97,7 @@ class OrtPlan:
         return OrtPart(
             artifact=f"{role}/ort/model.onnx", batch_size=ort_batch(r),
             ctx_len=r.shapes.ctx_len, kv_dtype="float32", graph=ort_graph(r),
-            weights=getattr(r.onnxruntime, f"{role}_weights"),
+            weights=getattr(r.onnxruntime, f"{facts.model_role}_weights"),
             core_share=facts.cores / CARDS[r.hardware.card]["cores_per_qid"],
             intra_op_threads=r.onnxruntime.intra_op_threads,
             numerics=numerics["numerics"], numerics_formats=numerics["numerics_formats"])

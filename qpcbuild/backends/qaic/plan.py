@@ -58,13 +58,16 @@ def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
                             "devices": [{"deviceId": d, "numCores": cores} for d in range(n)]}]}
 
 
-def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: str) -> list[str]:
+def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: str,
+                  graph_role: str | None = None) -> list[str]:
+    """graph_role: whose exported graph the unit compiles, where it is not `role`'s own (a
+    disaggregated prefill unit compiles the target's)."""
     opts, q = r.hardware.compiler_options, f"{role}/qaic"
     # QEfficient passes -convert-to-fp16 whenever its graph is not bfloat16; its graph is
     # bfloat16 only for a bf16 checkpoint on ai200. The card graph here always computes in
     # float32 (float16 weights are Cast up), so the flag is always QEfficient's choice for it.
     argv = [compiler, "-aic-hw", f"-aic-hw-version={r.hardware.aic_hw_version}",
-            f"-m={role}/onnx/model.onnx", "-retained-state", "-convert-to-fp16"]
+            f"-m={graph_role or role}/onnx/model.onnx", "-retained-state", "-convert-to-fp16"]
     if r.precision.quantization == "mxfp6":
         argv.append("-mxfp6-matmul")
     argv.append(f"-aic-num-cores={cores}")
@@ -129,7 +132,7 @@ class QaicPlan:
                        for n in kv_buffers(facts.io)],
             mdp_partition=mdp_partition(facts.device_group, facts.cores),
             compiler_argv=compiler_argv(facts.role, r, facts.cores, len(facts.device_group),
-                                        compiler))
+                                        compiler, facts.model_role))
 
     def settings(self, r: Recipe, facts: RoleFacts, part: QaicPart) -> dict[str, Any]:
         # argv[0] is left out: where the compiler is installed does not change the program
