@@ -111,6 +111,13 @@ def _bits_of(bundle: Path, role: str) -> Counter:
                    for n in graph.node if n.op_type in ("MatMul", "MatMulNBits"))
 
 
+@pytest.fixture(scope="module")
+def int4_target(tmp_path_factory) -> Path:
+    """The demo pair with an int4 target and an int4 draft (what recipes/smollm2-int4.yaml asks)."""
+    return _build(tmp_path_factory.mktemp("int4"), "onnxruntime.draft_weights=int4",
+                  "onnxruntime.target_weights=int4")
+
+
 def test_int4_draft_is_lossless_and_int4_target_is_labelled(tmp_path):
     import qpcbuild
     from qpcbuild.cli import app
@@ -132,6 +139,73 @@ def test_int4_draft_is_lossless_and_int4_target_is_labelled(tmp_path):
     assert numerics["target"]["matmul_weights"] == "int8"
     text = CliRunner().invoke(app, ["run", str(out), "--prompt", "def f(", "--max-new-tokens", "4"])
     assert "OUTPUT differs from the float32 target" in text.output
+
+
+def test_the_manifest_records_the_int4_target(int4_target):
+    roles = json.loads((int4_target / "manifest.json").read_text())["roles"]
+    assert roles["target"]["backends"]["onnxruntime"]["weights"] == "int4"
+    assert roles["draft"]["backends"]["onnxruntime"]["weights"] == "int4"
+
+
+def test_int4_target_speculation_equals_its_own_target_only(int4_target):
+    """Lossless relative to the target the bundle runs (not to the float32 model): greedy
+    draft_model output is token for token the int4 target's own target-only output, on every
+    demo evaluation prompt."""
+    import qpcbuild
+
+    gen = qpcbuild.load(int4_target, verify="none")
+    prompts = [json.loads(line)["text"] for line in
+               (ROOT / "models" / "demo" / "eval_prompts.jsonl").read_text().splitlines()][:6]
+    accepted = 0
+    for prompt in prompts:
+        spd = gen.generate([prompt], max_new_tokens=40)
+        base = gen.generate([prompt], max_new_tokens=40, target_only=True)
+        assert spd.rows[0].tokens == base.rows[0].tokens, prompt
+        accepted += spd.stats.num_accepted_tokens
+    assert accepted > 0  # the draft's proposals were used, not all rejected
+
+
+def test_bench_labels_an_int4_target(int4_target, tmp_path):
+    from qpcbuild.bench.report import markdown_table
+    from qpcbuild.cli import app
+
+    js = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["bench", str(int4_target), "--peers", "none", "--ks", "4",
+                                   "--max-new-tokens", "4", "--repeats", "1", "--num-prompts",
+                                   "1", "--json-out", str(js), "--no-plot"])
+    assert res.exit_code == 0, res.output
+    assert "INT4 TARGET (not float32)" in res.output
+    report = json.loads(js.read_text())
+    assert report["settings"]["target_weights"] == "int4"
+    assert report["notes"][0].startswith("target weights int4 blocks (not the float32 target")
+    assert markdown_table(report).startswith("target: INT4 TARGET (not float32)")
+
+
+def test_serve_model_card_labels_an_int4_target(int4_target):
+    import httpx
+
+    from helpers_server import LiveServer
+
+    server = LiveServer(int4_target)
+    try:
+        card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    finally:
+        server.stop()
+    assert card["target_weights"] == "int4"
+    assert "not the float32 target" in card["note"]
+
+
+def test_a_float32_target_is_labelled_float32_and_nothing_more(tmp_path):
+    import httpx
+
+    from helpers_server import LiveServer
+
+    server = LiveServer(_build(tmp_path))
+    try:
+        card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    finally:
+        server.stop()
+    assert card["target_weights"] == "float32" and "note" not in card
 
 
 def test_bench_numerics_measures_an_int4_target_against_fp32(tmp_path):

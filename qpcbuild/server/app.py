@@ -23,6 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..backend_api import HOST_BACKEND
+from ..backends.onnxruntime.manifest import matmul_weights, target_weights_label
 from ..errors import QpcbuildError
 from ..runtime.chat import NoChatTemplate
 from ..runtime.loader import Generator
@@ -301,10 +303,17 @@ def build_app(gen: Generator, model_name: str,
             log.exception("request failed")
             return ApiError(500, "internal error (see the server log)", "server_error").response()
 
+    # The model card says which weights answer: an int8/int4 target is not the float32 model.
+    card: dict = {"id": model_name, "object": "model", "created": 0, "owned_by": "qpcbuild",
+                  "max_model_len": ctx_len}
+    if gen.backend == HOST_BACKEND:
+        card["target_weights"] = matmul_weights(gen.manifest, "target")
+        note = target_weights_label(gen.manifest)
+        if note:
+            card["note"] = note
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "qpcbuild",
-             "max_model_len": ctx_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request):
         return Response(status_code=200)
