@@ -14,40 +14,71 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
-from qpcbuild.backends.onnxruntime.ort_graph import blockwise_nbits
+from qpcbuild.backends.onnxruntime.ort_graph import blockwise_nbits, blockwise_nbits_asymmetric
 
 
-def spec_dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:
-    """[K, N] float32 from MatMulNBits inputs, one code at a time as the spec reads them."""
+def spec_dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, k: int,
+                    zero_points: np.ndarray | None = None) -> np.ndarray:
+    """[K, N] float32 from MatMulNBits inputs, one code at a time as the spec reads them
+    (zero_points: per column ceil(blocks * bits / 8) bytes, low bits first; None: 2^(bits-1))."""
     n, blocks, blob = packed.shape
     block = blob * 8 // bits
     out = np.zeros((n, blocks * block), np.float64)
     per_byte = 8 // bits
     mask = (1 << bits) - 1
-    zero = 1 << (bits - 1)
+    zp_bytes = -(-blocks * bits // 8)
+
+    def code_at(row: np.ndarray, j: int) -> int:
+        return (int(row[j // per_byte]) >> (bits * (j % per_byte))) & mask  # low bits first
+
     for col in range(n):
         for b in range(blocks):
             s = float(scales[col * blocks + b])
+            zero = 1 << (bits - 1) if zero_points is None else \
+                code_at(zero_points[col * zp_bytes:(col + 1) * zp_bytes], b)
             for j in range(block):
-                byte = int(packed[col, b, j // per_byte])
-                code = (byte >> (bits * (j % per_byte))) & mask  # low bits first
-                out[col, b * block + j] = (code - zero) * s
+                out[col, b * block + j] = (code_at(packed[col, b], j) - zero) * s
     return out[:, :k].T.astype(np.float32)
 
 
-def ort_matmul_nbits(x, packed, scales, k, n, bits, accuracy_level):
+def ort_matmul_nbits(x, packed, scales, k, n, bits, accuracy_level, block=32, zero_points=None):
     import onnxruntime as ort
 
-    node = helper.make_node("MatMulNBits", ["x", "q", "s"], ["y"], domain="com.microsoft", K=k,
-                            N=n, bits=bits, block_size=32, accuracy_level=accuracy_level)
+    inits = [numpy_helper.from_array(packed, "q"), numpy_helper.from_array(scales, "s")]
+    if zero_points is not None:
+        inits.append(numpy_helper.from_array(zero_points, "z"))
+    node = helper.make_node("MatMulNBits", ["x", "q", "s"] + (["z"] if zero_points is not None
+                                                             else []), ["y"],
+                            domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
+                            accuracy_level=accuracy_level)
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(packed, "q"), numpy_helper.from_array(scales, "s")])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block,k", [(64, 200), (128, 300)])  # 3 blocks: an odd zero-point nibble
+def test_asymmetric_blocks_read_as_the_spec_says(bits, block, k):
+    rng = np.random.default_rng(bits + block)
+    n = 10
+    w = (rng.normal(size=(k, n)) + 0.7).astype(np.float32)  # skewed: the asymmetric grid's case
+    x = rng.normal(size=(2, k)).astype(np.float32)
+    packed, scales, zeros = blockwise_nbits_asymmetric(w, bits, block)
+    blocks = -(-k // block)
+    assert packed.shape == (n, blocks, block * bits // 8)
+    assert zeros.shape == (n * -(-blocks * bits // 8),)
+    deq = spec_dequantize(packed, scales, bits, k, zeros)
+    step = np.repeat(scales.reshape(n, -1), block, axis=1)[:, :k].T
+    assert np.all(np.abs(deq - w) <= step / 2 + 1e-5)
+    # finer than the symmetric grid of the same bits on these weights
+    sym = spec_dequantize(*blockwise_nbits(w, bits, block), bits, k)
+    assert np.abs(deq - w).mean() < np.abs(sym - w).mean()
+    got = ort_matmul_nbits(x, packed, scales, k, n, bits, 0, block, zeros)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ deq, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
