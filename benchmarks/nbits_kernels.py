@@ -5,10 +5,10 @@ verify window of K+1 tokens costs against one token (issue 47).
 It builds the recipe's bundle once with the quantized target, exports the target's portable
 graph once, then lowers it again per layout into copies of that bundle and opens each copy's
 target session exactly as `qpcbuild run` does. All sessions live in one process and are timed
-round-robin (one call of each layout in turn, `--rounds` times, per window), so a busy machine
+round-robin (each layout in turn, one call per window, `--rounds` times), so a busy machine
 slows every layout alike: compare ratios, not absolute times. Also reported per layout: how far
-its logits are from the float32 target's on the prompt (max abs, and top-1 agreement over the
-teacher-forced positions).
+its logits are from the float32 target's (max abs, and top-1 agreement teacher-forced on the
+float32 target's greedy outputs for six code prompts).
 
     python benchmarks/nbits_kernels.py recipes/smollm2.yaml --weights int4 --k 4
     python benchmarks/nbits_kernels.py recipes/smollm2.yaml --weights int8 --json-out n.json
@@ -31,8 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 POSITION = 300  # KV positions already valid when the timed calls start
-PROMPT = ("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
-          "    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n")
+PROMPTS = Path(__file__).resolve().parents[1] / "qpcbuild" / "data" / "prompts" / "code.jsonl"
 
 
 def layouts(weights: str):
@@ -86,36 +85,50 @@ def build_variants(recipe: Path, weights: str, k: int, work: Path) -> dict[str, 
     return out
 
 
-def measure(variants: dict[str, Path], k: int, rounds: int) -> dict:
+def measure(variants: dict[str, Path], k: int, rounds: int, prompts: int = 6,
+            new_tokens: int = 48) -> dict:
+    """Per layout: its top-1 agreement with the float32 target, teacher-forced on the float32
+    target's greedy outputs for the first `prompts` code prompts, and its call times."""
     import qpcbuild
     from qpcbuild.numerics_bench import teacher_forced_logits
+    from qpcbuild.prompts import read_prompt_file
 
     gens = {name: qpcbuild.load(path, verify="none") for name, path in variants.items()}
-    any_gen = next(iter(gens.values()))
-    prompt = any_gen.encode(PROMPT)
-    greedy = gens["float32 target"].generate([prompt], 24, target_only=True).rows[0]
-    out_ids = greedy.tokens[len(prompt):]
-    ref = teacher_forced_logits(gens["float32 target"], prompt, out_ids, k + 1)
+    fp32 = gens["float32 target"]
+    forced = []  # (prompt, fp32 greedy output, fp32 logits) per prompt
+    for text in read_prompt_file(PROMPTS)[:prompts]:
+        ids = fp32.encode(text)
+        row = fp32.generate([ids], new_tokens, target_only=True).rows[0]
+        out_ids = row.tokens[len(ids):]
+        forced.append((ids, out_ids, teacher_forced_logits(fp32, ids, out_ids, k + 1)))
     result = {}
     for name, gen in gens.items():
-        logits = teacher_forced_logits(gen, prompt, out_ids, k + 1)
-        result[name] = {"max_abs_logit_diff": float(np.abs(logits - ref).max()),
-                        "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).mean()),
-                        "bytes": sum(f.stat().st_size for f in
-                                     (variants[name] / "target" / "ort").iterdir())}
-    for window in (1, k + 1):
-        ids = np.ones((1, window), np.int64)
-        pos = np.arange(POSITION, POSITION + window, dtype=np.int64).reshape(1, -1)
-        times: dict[str, list[float]] = {name: [] for name in gens}
-        for gen in gens.values():  # warm-up
+        diff, same, n = 0.0, 0, 0
+        for ids, out_ids, ref in forced:
+            logits = teacher_forced_logits(gen, ids, out_ids, k + 1)
+            diff = max(diff, float(np.abs(logits - ref).max()))
+            same += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+            n += len(ref)
+        result[name] = {"max_abs_logit_diff": diff, "top1_agreement": round(same / n, 4),
+                        "positions": n, "bytes": sum(f.stat().st_size for f in
+                                                     (variants[name] / "target" / "ort").iterdir())}
+    # Windows interleaved too: each round runs every layout at 1 and at K+1 tokens, so load
+    # from other processes falls on both windows' ratio alike.
+    feeds = {w: (np.ones((1, w), np.int64),
+                 np.arange(POSITION, POSITION + w, dtype=np.int64).reshape(1, -1))
+             for w in (1, k + 1)}
+    times: dict[tuple[str, int], list[float]] = {(n, w): [] for n in gens for w in feeds}
+    for gen in gens.values():  # warm-up
+        for ids, pos in feeds.values():
             gen.target.run(ids, pos)
-        for _ in range(rounds):
-            for name, gen in gens.items():
+    for _ in range(rounds):
+        for name, gen in gens.items():
+            for w, (ids, pos) in feeds.items():
                 t0 = time.perf_counter()
                 gen.target.run(ids, pos)
-                times[name].append(time.perf_counter() - t0)
-        for name, ts in times.items():
-            result[name][f"ms_{window}"] = round(1e3 * statistics.median(ts), 3)
+                times[name, w].append(time.perf_counter() - t0)
+    for (name, w), ts in times.items():
+        result[name][f"ms_{w}"] = round(1e3 * statistics.median(ts), 3)
     base = result["float32 target"]
     for name, r in result.items():
         r["verify_over_decode"] = round(r[f"ms_{k + 1}"] / r["ms_1"], 3)
