@@ -157,8 +157,9 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
                     numerics: dict[str, str] | None = None,
                     layout: NbitsLayout = LEGACY_NBITS) -> Path:
     """batch: the graph's batch dim, a size or a name (symbolic: single-token calls may carry
-    several rows). layout: how int8/int4 weights are stored and multiplied. numerics: {"weights": "mxfp6-e2m3-block32" | "float32", "kv":
-    "mxint8-block32" | "float32"} (None: exact float32)."""
+    several rows). layout: how int8/int4 weights are stored and multiplied. numerics:
+    {"weights": "mxfp6-e2m3-block32" | "float32", "kv": "mxint8-block32" | "float32"} (None:
+    exact float32)."""
     numerics = numerics or {}
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "model.onnx.data", "wb") as data:
