@@ -24,7 +24,7 @@ stale draft slots. The runtime keeps every window inside the buffer (see engine.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -87,12 +87,10 @@ class NbitsLayout:
     accuracy_level: int = 4
     quantize_head: bool = True
 
-    def key(self) -> dict[str, int | bool]:
-        """For cache keys: only where it differs from the layout every earlier bundle used, so
-        those keep their ids."""
-        return {k: v for k, v in asdict(self).items() if v != getattr(LEGACY_NBITS, k)}
 
-
+# What every int8/int4 bundle is built with, the measured default (docs/weight-formats.md,
+# benchmarks/nbits_kernels.py). It is in no cache key: a change of it must add its fields to
+# the onnxruntime settings of quantized roles only (plan.py), so float32 bundles keep their ids.
 LEGACY_NBITS = NbitsLayout()
 
 
