@@ -91,7 +91,7 @@ class OrtBackend:
         out = ctx.staging / role.role / "ort"
         import onnx
 
-        from .ort_graph import PortableWeights, build_ort_graph
+        from .ort_graph import PortableWeights, build_ort_graph, nbits_layout
 
         weights = PortableWeights(onnx_dir / GRAPH_FILE)
         source = onnx.load(str(onnx_dir / GRAPH_FILE), load_external_data=False)
@@ -100,7 +100,8 @@ class OrtBackend:
         batch, ctx_len = ort.batch_size, ort.ctx_len
         build_ort_graph(role.arch, weights, role.role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
-                        ort.numerics_formats if ort.numerics == "emulated" else None)
+                        ort.numerics_formats if ort.numerics == "emulated" else None,
+                        layout=nbits_layout(role.role))
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}",
                 "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,
                 # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)

@@ -8,7 +8,8 @@ built from ORT's fused CPU kernels so a decode step does not pay for the whole s
   and reading only the valid prefix of each row;
 - with `weights="int8"` or `"int4"` each matmul weight is stored as 8- or 4-bit blocks of 32
   along K for com.microsoft.MatMulNBits: a quarter or an eighth of the bytes a memory-bound call
-  has to read (lossless for a draft; a target's output changes, so the recipe must ask for it);
+  has to read (lossless for a draft; a target's output changes, so the recipe must ask for it;
+  a draft multiplies with int8 activations, a target in float: see TARGET_NBITS);
 - with `numerics` asking for the card's formats (see `qpcbuild.numerics`): every matmul weight
   is rounded to MXFP6 (stored as float32 values on its grid; the embedding Gather stays exact,
   as the card compresses matmul weights only), and the new K and V of each call are
@@ -24,7 +25,7 @@ stale draft slots. The runtime keeps every window inside the buffer (see engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -88,10 +89,25 @@ class NbitsLayout:
     quantize_head: bool = True
 
 
-# What every int8/int4 bundle is built with, the measured default (docs/weight-formats.md,
-# benchmarks/nbits_kernels.py). It is in no cache key: a change of it must add its fields to
-# the onnxruntime settings of quantized roles only (plan.py), so float32 bundles keep their ids.
+    def changed(self) -> dict[str, int | bool]:
+        """The fields that differ from LEGACY_NBITS: what a role's cache key records, so bundles
+        built with the earlier layout keep their ids."""
+        return {k: v for k, v in asdict(self).items() if v != getattr(LEGACY_NBITS, k)}
+
+
+# The layout every int8/int4 role was built with before a target could be quantized; drafts
+# keep it (fastest, and a draft's numerics change proposals only).
 LEGACY_NBITS = NbitsLayout()
+# A target needs each token's logits to be the same whether it comes alone (target-only decode)
+# or in a verify window of K+1: int8 activations (accuracy_level 4) round away the last-bit
+# differences between window sizes upstream (attention) into logit differences up to 2.5 on
+# SmolLM2 and flip greedy tokens, so speculation would not reproduce target-only; float math on
+# the int4 weights keeps them at float32 noise (1e-4). Measured in docs/weight-formats.md.
+TARGET_NBITS = NbitsLayout(accuracy_level=0)
+
+
+def nbits_layout(role: str) -> NbitsLayout:
+    return TARGET_NBITS if role == "target" else LEGACY_NBITS
 
 
 def blockwise_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
