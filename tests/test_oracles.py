@@ -231,8 +231,8 @@ def test_point_mass_proposals_are_lossless(synthetic):
 
 
 # ---------------------------------------------------------------- end to end on the model
-def hf_probabilities(model, ids: list[int], sp: SamplingParams) -> np.ndarray:
-    """The next-token distribution by transformers' own logits and warpers."""
+def warped_probabilities(logits, ids: list[int], sp: SamplingParams) -> np.ndarray:
+    """The next-token distribution of [1, vocab] logits under transformers' own warpers."""
     import torch
     from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                               TopPLogitsWarper)
@@ -242,10 +242,32 @@ def hf_probabilities(model, ids: list[int], sp: SamplingParams) -> np.ndarray:
         warpers.append(TopKLogitsWarper(sp.top_k))
     if sp.top_p < 1:
         warpers.append(TopPLogitsWarper(sp.top_p))
+    scores = warpers(torch.tensor([ids]), torch.as_tensor(logits).double())
+    return torch.softmax(scores, dim=-1)[0].numpy()
+
+
+def hf_probabilities(model, ids: list[int], sp: SamplingParams) -> np.ndarray:
+    """The next-token distribution by transformers' own logits and warpers."""
+    import torch
+
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[:, -1].double()
-        scores = warpers(torch.tensor([ids]), logits)
-        return torch.softmax(scores, dim=-1)[0].numpy()
+        return warped_probabilities(model(torch.tensor([ids])).logits[:, -1], ids, sp)
+
+
+class OwnTarget:
+    """The oracle for a quantized target: the distribution of the target the bundle runs
+    (its int4 weights, not the float32 model's), read from one target-only prefill of the
+    context in a generator of its own and put through transformers' warpers. The engine's
+    acceptance rule and verify windows are not involved."""
+
+    def __init__(self, bundle: Path):
+        self.gen = qpcbuild.load(bundle)
+
+    def __call__(self, ids: list[int], sp: SamplingParams) -> np.ndarray:
+        from qpcbuild.numerics_bench import teacher_forced_logits
+
+        logits = teacher_forced_logits(self.gen, ids, [0], 1)[:1]  # the row after the context
+        return warped_probabilities(logits, ids, sp)
 
 
 # 8 rows per call; a 64-slot context holds the prompt and the few new tokens, and makes each of
@@ -264,15 +286,18 @@ def subset_sampling_bundle(tmp_path_factory) -> Path:
     return build(tmp_path_factory, "demo.yaml", *SAMPLING_SHAPES, SUBSET)
 
 
-def joint_p_value(bundle: Path, hf_target, sp: SamplingParams) -> float:
+def joint_p_value(bundle: Path, oracle, sp: SamplingParams) -> float:
     """Chi-square p-value of the joint of the first two generated tokens (the first sampled
-    after prefill, the second through a draft proposal and the acceptance rule) against
-    transformers' distribution, with cells pooled so that each expects >= 5 samples."""
+    after prefill, the second through a draft proposal and the acceptance rule) against the
+    oracle's distribution (a transformers model, or `OwnTarget`), with cells pooled so that
+    each expects >= 5 samples."""
+    probs_of = oracle if isinstance(oracle, OwnTarget) else \
+        (lambda ids, sp: hf_probabilities(oracle, ids, sp))
     gen = qpcbuild.load(bundle)
     prompt = gen.encode("def read_config(path):\n    with open(path) as f:\n")
-    first = int(np.argmax(hf_probabilities(hf_target, prompt, SamplingParams(1.0))))
+    first = int(np.argmax(probs_of(prompt, SamplingParams(1.0))))
     ctx = prompt + [first]
-    p2 = hf_probabilities(hf_target, ctx, sp)
+    p2 = probs_of(ctx, sp)
     seqs: dict[tuple[int, int], int] = {}
     n = 0
     for seed in range(200):
@@ -287,7 +312,7 @@ def joint_p_value(bundle: Path, hf_target, sp: SamplingParams) -> float:
     for a in np.argsort(-p2)[:6]:
         if int(a) in gen.eos_ids:  # generation stops there: its mass stays in the pooled cell
             continue
-        pb = hf_probabilities(hf_target, ctx + [int(a)], sp)
+        pb = probs_of(ctx + [int(a)], sp)
         for b in np.argsort(-pb)[:6]:
             if p2[a] * pb[b] * n >= 5:
                 cells.append((int(a), int(b)))
@@ -326,3 +351,18 @@ def test_the_model_level_test_rejects_broken_rules(broken, temperature, sampling
     deviates too little to see at 1,600 samples at T=1.3; at T=0.7 it is seen."""
     monkeypatch.setattr(engine, "accept_sampling", broken)
     assert joint_p_value(sampling_bundle, hf_target, SamplingParams(temperature)) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def int4_target_bundle(tmp_path_factory) -> Path:
+    """An int4 target and an int4 draft: speculation must reproduce the int4 target's own
+    distribution, which is not the float32 model's."""
+    return build(tmp_path_factory, "demo.yaml", *SAMPLING_SHAPES,
+                 "onnxruntime.target_weights=int4", "onnxruntime.draft_weights=int4")
+
+
+def test_int4_target_sampling_matches_its_own_distribution(int4_target_bundle, monkeypatch):
+    own = OwnTarget(int4_target_bundle)
+    assert joint_p_value(int4_target_bundle, own, SamplingParams(1.0)) > 1e-3
+    monkeypatch.setattr(engine, "accept_sampling", ignore_q)  # the broken variant is seen
+    assert joint_p_value(int4_target_bundle, own, SamplingParams(1.0)) < 1e-3

@@ -108,7 +108,7 @@ def _matmul_nbits(x: np.ndarray, q: np.ndarray, scale: np.ndarray, k: int, n: in
 
 @pytest.mark.parametrize("k", [64, 72])  # 72: a last block padded with zeros
 def test_int8_weight_packing_is_what_onnxruntime_reads(k):
-    from qpcbuild.backends.onnxruntime.ort_graph import blockwise_int8
+    from qpcbuild.backends.onnxruntime.nbits import blockwise_int8
 
     rng = np.random.default_rng(0)
     w = rng.normal(size=(k, 48)).astype(np.float32)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from qpcbuild.server.app import Detokenizer, _prefix_at_end
+from qpcbuild.server.detokenize import Detokenizer, _prefix_at_end
 
 from helpers_server import free_port
 

@@ -128,6 +128,7 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
             ours, peer_objs, notes, gen, machine, bandwidth=None,
             sampled: bool = False, cpu_start: CpuSnapshot | None = None) -> dict[str, Any]:
+    from ..backends.onnxruntime.manifest import matmul_weights, target_weights_label
     from ..version import __version__, code_version
 
     base = ours[0][0]
@@ -158,6 +159,9 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                            "ours_over_theirs": round(mine["tokens_per_s"]["mean"]
                                                      / theirs["tokens_per_s"]["mean"], 3)})
 
+    label = target_weights_label(manifest)
+    if label:  # every row runs this target, the baseline included
+        notes.insert(0, label)
     if loadavg() is not None:
         machine["loadavg_at_end"] = loadavg()
     base_tps = base.tps()
@@ -185,6 +189,7 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                      "gc": "cyclic garbage collection off inside timed calls, run between "
                            "them (as timeit does)",
                      "ks": ks, "methods": methods, "greedy": True,
+                     "target_weights": matmul_weights(manifest, "target"),
                      "batch_size": manifest.shapes.batch_size,
                      "ctx_len": manifest.shapes.ctx_len,
                      "prefill_seq_len": manifest.shapes.prefill_seq_len,
@@ -279,7 +284,7 @@ def show_report(report: dict[str, Any], console=None) -> None:
     m = report["machine"]
     title = (f"{report['name']}: {s['prompts']} prompts ({s['prompt_set']}), {s['max_new_tokens']} "
              f"new tokens, {_decoding(s)}, {s['repeats']} repeats  |  {m['cpu']} "
-             f"x{m['cpu_count']}")
+             f"x{m['cpu_count']}" + _weights_tag(s))
     t = Table("method", "K", "tokens/s", "speedup", "decode x", "accept", "mean len",
               "per-position acceptance", "ideal", "meas/ideal", "host", "= target", title=title,
               title_justify="left")
@@ -331,11 +336,19 @@ def show_report(report: dict[str, Any], console=None) -> None:
         console.print(f"note: {n}")
 
 
+def _weights_tag(settings: dict) -> str:
+    """The title's mark of a quantized target (every row, target-only included, runs it)."""
+    fmt = settings.get("target_weights")
+    return "" if fmt in (None, "float32") else f"  |  {fmt.upper()} TARGET (not float32)"
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """Per method and K: tokens/s, speedup, acceptance, ideal vs measured, host overhead."""
-    lines = ["| method | K | tokens/s | speedup | decode speedup | acceptance | mean acc. len | "
-             "ideal (decode) | measured/ideal | host overhead | = target-only |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    tag = _weights_tag(report["settings"])
+    lines = [f"target: {tag.split('|', 1)[1].strip()}", ""] if tag else []
+    lines += ["| method | K | tokens/s | speedup | decode speedup | acceptance | mean acc. len | "
+              "ideal (decode) | measured/ideal | host overhead | = target-only |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append("| " + " | ".join([
             r["method"], str(r["k"]), _fmt(r["tokens_per_s"]["mean"], r["tokens_per_s"]["std"]),

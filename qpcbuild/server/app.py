@@ -23,11 +23,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..backend_api import HOST_BACKEND
+from ..backends.onnxruntime.manifest import matmul_weights, target_weights_label
 from ..errors import QpcbuildError
 from ..runtime.chat import NoChatTemplate
 from ..runtime.loader import Generator
 from ..runtime.sampling import SamplingParams
 from .access import RequestLog, ServerLog
+from .detokenize import Detokenizer
 from .metrics import ServerMetrics, openai_finish_reason
 from .schema import BadRequest, ChatRequest, CompletionRequest, parse_request
 from .worker import EngineWorker, Job
@@ -75,54 +78,6 @@ class _Stream:
             more, done = self.queue.get_nowait()
             ids += more
         return ids, done
-
-
-class Detokenizer:
-    """Incremental text with stop strings: text is released only when it cannot be the start of
-    a stop string, and never in the middle of a multi-byte character. Each call costs time linear
-    in the text and the stop strings (the search starts where the released text ends)."""
-
-    def __init__(self, gen: Generator, stops: list[str]):
-        self.gen, self.stops = gen, stops or []
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the text already released
-        self.stopped = False
-
-    def feed(self, ids: list[int], final: bool) -> str:
-        self.ids += ids
-        text = self.gen.tokenizer.decode(self.ids)
-        # Released text never ends in a stop string's prefix, so no stop starts before `sent`.
-        hits = [at for at in (text.find(s, self.sent) for s in self.stops) if at != -1]
-        if hits:
-            text, self.stopped, final = text[:min(hits)], True, True
-        end = len(text)
-        if not final:
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence
-                end = len(text.rstrip("\ufffd"))
-            hold = max((_prefix_at_end(text, s) for s in self.stops), default=0)
-            end = min(end, len(text) - hold)
-        out, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
-        return out
-
-
-def _prefix_at_end(text: str, stop: str) -> int:
-    """Length of the longest proper prefix of `stop` that `text` ends with, in O(len(stop)):
-    Knuth-Morris-Pratt's failure table over `stop`, then its automaton over the text's tail."""
-    fail = [0] * len(stop)
-    k = 0
-    for i in range(1, len(stop)):
-        while k and stop[i] != stop[k]:
-            k = fail[k - 1]
-        if stop[i] == stop[k]:
-            k += 1
-        fail[i] = k
-    k = 0
-    for ch in text[-(len(stop) - 1):] if len(stop) > 1 else "":
-        while k and ch != stop[k]:
-            k = fail[k - 1]
-        if ch == stop[k]:
-            k += 1
-    return k
 
 
 # Over 80 lines: the routes are closures over one engine worker, its metrics and the model's
@@ -301,10 +256,17 @@ def build_app(gen: Generator, model_name: str,
             log.exception("request failed")
             return ApiError(500, "internal error (see the server log)", "server_error").response()
 
+    # The model card says which weights answer: an int8/int4 target is not the float32 model.
+    card: dict = {"id": model_name, "object": "model", "created": 0, "owned_by": "qpcbuild",
+                  "max_model_len": ctx_len}
+    if gen.backend == HOST_BACKEND:
+        card["target_weights"] = matmul_weights(gen.manifest, "target")
+        note = target_weights_label(gen.manifest)
+        if note:
+            card["note"] = note
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "qpcbuild",
-             "max_model_len": ctx_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request):
         return Response(status_code=200)

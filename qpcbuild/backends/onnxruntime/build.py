@@ -95,6 +95,7 @@ class OrtBackend:
         out = ctx.staging / role.role / "ort"
         import onnx
 
+        from .nbits import nbits_layout
         from .ort_graph import PortableWeights, build_ort_graph
 
         weights = PortableWeights(onnx_dir / GRAPH_FILE)
@@ -104,7 +105,8 @@ class OrtBackend:
         batch, ctx_len = ort.batch_size, ort.ctx_len
         build_ort_graph(role.arch, weights, role.model_role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
-                        ort.numerics_formats if ort.numerics == "emulated" else None)
+                        ort.numerics_formats if ort.numerics == "emulated" else None,
+                        layout=nbits_layout(role.model_role))
         experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) else {}
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}", **experts,
                 "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,

@@ -8,7 +8,8 @@ built from ORT's fused CPU kernels so a decode step does not pay for the whole s
   and reading only the valid prefix of each row;
 - with `weights="int8"` or `"int4"` each matmul weight is stored as 8- or 4-bit blocks of 32
   along K for com.microsoft.MatMulNBits: a quarter or an eighth of the bytes a memory-bound call
-  has to read (lossless for a draft; a target's output changes, so the recipe must ask for it);
+  has to read (lossless for a draft; a target's output changes, so the recipe must ask for it;
+  a draft multiplies with int8 activations, a target in float: see TARGET_NBITS);
 - with `numerics` asking for the card's formats (see `qpcbuild.numerics`): every matmul weight
   is rounded to MXFP6 (stored as float32 values on its grid; the embedding Gather stays exact,
   as the card compresses matmul weights only), and the new K and V of each call are
@@ -36,6 +37,8 @@ from ...export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
 from ...models.graph_io import declare, graph_io
 from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
+from .nbits import (INT8_BLOCK, LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, blockwise_nbits,
+                    blockwise_nbits_asymmetric)
 
 MS = "com.microsoft"
 
@@ -70,48 +73,19 @@ def rope_tables(arch: ArchSpec, ctx_len: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
-INT8_BLOCK = 32
-WEIGHT_BITS = {"int8": 8, "int4": 4}
-
-
-def blockwise_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[K, N] weights as MatMulNBits' 8-bit layout: uint8 [N, ceil(K/32), 32] with the implicit
-    zero point 128, and float32 scales [N * ceil(K/32)]. Symmetric absmax per block of 32 along
-    K, round half to even; a K that is not a multiple of 32 is padded with zeros."""
-    return blockwise_nbits(w, 8)
-
-
-def blockwise_nbits(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """[K, N] weights as MatMulNBits' `bits`-bit layout (8 or 4): uint8 [N, ceil(K/32),
-    32 * bits / 8], codes packed low bits first along K, with the implicit zero point
-    2^(bits-1); float32 scales [N * ceil(K/32)]. Symmetric absmax per block of 32 along K
-    (codes -127..127 or -7..7 around the zero point), round half to even; a K that is not a
-    multiple of 32 is padded with zeros."""
-    k, n = w.shape
-    blocks = -(-k // INT8_BLOCK)
-    top = (1 << (bits - 1)) - 1
-    cols = np.zeros((n, blocks * INT8_BLOCK), np.float32)
-    cols[:, :k] = w.T
-    cols = cols.reshape(n, blocks, INT8_BLOCK)
-    scale = np.abs(cols).max(axis=-1) / top
-    scale[scale == 0] = 1.0  # an all-zero block: any scale reproduces it
-    q = (np.clip(np.rint(cols / scale[..., None]), -top, top) + top + 1).astype(np.uint8)
-    if bits == 4:  # two codes a byte, the even element in the low nibble
-        q = q[..., 0::2] | (q[..., 1::2] << 4)
-    return q, scale.astype(np.float32).reshape(-1)
-
-
 def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | str, ctx_len: int,
                     out_dir: Path, metadata: dict[str, str], weights: str = "float32",
-                    numerics: dict[str, str] | None = None) -> Path:
+                    numerics: dict[str, str] | None = None,
+                    layout: NbitsLayout = LEGACY_NBITS) -> Path:
     """batch: the graph's batch dim, a size or a name (symbolic: single-token calls may carry
-    several rows). numerics: {"weights": "mxfp6-e2m3-block32" | "float32", "kv":
-    "mxint8-block32" | "float32"} (None: exact float32)."""
+    several rows). layout: how int8/int4 weights are stored and multiplied. numerics:
+    {"weights": "mxfp6-e2m3-block32" | "float32", "kv": "mxint8-block32" | "float32"} (None:
+    exact float32)."""
     numerics = numerics or {}
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "model.onnx.data", "wb") as data:
         g = GraphBuilder(data, "model.onnx.data")
-        _Lowered(g, arch, w, batch, ctx_len, weights,
+        _Lowered(g, arch, w, batch, ctx_len, weights, layout,
                  mxfp6=numerics.get("weights") == WEIGHT_FORMAT,
                  mxint8=numerics.get("kv") == KV_FORMAT).build(role)
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
@@ -123,9 +97,11 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
 
 class _Lowered:
     def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int | str, ctx: int,
-                 weights: str = "float32", mxfp6: bool = False, mxint8: bool = False):
+                 weights: str = "float32", layout: NbitsLayout = LEGACY_NBITS,
+                 mxfp6: bool = False, mxint8: bool = False):
         self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
         self.bits = WEIGHT_BITS.get(weights)  # None: float32 MatMuls
+        self.layout = layout
         self.mxfp6, self.mxint8 = mxfp6, mxint8
         self.rot_pos: str | None = None  # [B, S] positions of the new tokens (mxint8 only)
 
@@ -133,24 +109,32 @@ class _Lowered:
         return self.g.weight(name, self.w.get(name) if arr is None else arr)
 
     def project(self, x: str, name: str, arr: np.ndarray | None = None,
-                out: str | None = None) -> str:
+                out: str | None = None, head: bool = False) -> str:
         """x @ W for a [K, N] weight, in the lowering's weight format."""
         arr = self.w.get(name) if arr is None else arr
-        if self.bits is None:
+        if self.bits is None or (head and not self.layout.quantize_head):
             if self.mxfp6:  # the card's weights: float32 values on the MXFP6 grid
                 arr = mxfp6_weight(arr)
             return self.g.op("MatMul", x, self.g.weight(name, arr), out=out)
-        # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout (the recipe refuses
-        # int4 with mxfp6)
-        q, scale = mxfp6_int8_blocks(arr) if self.mxfp6 else blockwise_nbits(arr, self.bits)
-        g = self.g
+        g, lay = self.g, self.layout
+        # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout of blocks of 32
+        # (the recipe refuses int4 with mxfp6)
+        zero = None
+        if self.mxfp6:
+            q, scale = mxfp6_int8_blocks(arr)
+        elif lay.symmetric:
+            q, scale = blockwise_nbits(arr, self.bits, lay.block_size)
+        else:
+            q, scale, zero = blockwise_nbits_asymmetric(arr, self.bits, lay.block_size)
+        inputs = [x, g.weight(f"{name}.q{self.bits}", q), g.weight(f"{name}.scale", scale)]
+        if zero is not None:
+            inputs.append(g.weight(f"{name}.zero_point", zero))
         out = out or g._name("matmul")
-        # accuracy_level 4: int8 activations too, ORT's fast kernel.
         g.nodes.append(helper.make_node(
-            "MatMulNBits", [x, g.weight(f"{name}.q{self.bits}", q),
-                            g.weight(f"{name}.scale", scale)],
-            [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits", K=arr.shape[0],
-            N=arr.shape[1], bits=self.bits, block_size=INT8_BLOCK, accuracy_level=4))
+            "MatMulNBits", inputs, [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits",
+            K=arr.shape[0], N=arr.shape[1], bits=self.bits,
+            block_size=INT8_BLOCK if self.mxfp6 else lay.block_size,
+            accuracy_level=lay.accuracy_level))
         return out
 
     def scaled(self, x: str, factor: float) -> str:
@@ -341,5 +325,5 @@ class _Lowered:
         ids = None if not name.endswith("[subset]") else self.g.weight(
             VOCAB_SUBSET, np.flatnonzero(self.w.get(SUBSET_KEPT)).astype(np.int64).reshape(-1, 1))
         logits_head(self.g, x, pos, nlk, None, self.a,
-                    matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out),
+                    matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out, head=True),
                     vocab_subset=ids)

@@ -90,6 +90,14 @@ class OrtPart(BackendPart):
                         "intra_op_threads": self.intra_op_threads}}
 
 
+def _layout_key(role: str, weights: str) -> dict[str, Any]:
+    """A quantized role's MatMulNBits layout where it is not the earlier one (a target's)."""
+    from .nbits import nbits_layout
+
+    changed = nbits_layout(role).changed() if weights != "float32" else {}
+    return {"nbits": changed} if changed else {}
+
+
 class OrtPlan:
     def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> OrtPart:
         role = facts.role
@@ -108,6 +116,7 @@ class OrtPlan:
         return {"export": facts.export_key, "lowering": ORT_LOWERING_VERSION,
                 "graph": part.graph, "batch_size": part.batch_size, "ctx_len": part.ctx_len,
                 "kv_dtype": part.kv_dtype, "weights": part.weights,
+                **_layout_key(facts.model_role, part.weights),
                 # emulated card formats (exact builds keep their key)
                 **({"numerics": part.numerics_formats} if part.numerics == "emulated" else {})}
 

@@ -1,0 +1,102 @@
+"""MatMulNBits weights for the ONNX Runtime lowering (ort_graph.py): the layouts (block size,
+symmetric or not, the activations' accuracy level, the LM head) and the blockwise quantizers
+that fill them, as com.microsoft.MatMulNBits' spec lays the bytes out."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+INT8_BLOCK = 32
+WEIGHT_BITS = {"int8": 8, "int4": 4}
+
+
+@dataclass(frozen=True)
+class NbitsLayout:
+    """How an int8/int4 lowering stores and multiplies its weights (com.microsoft.MatMulNBits):
+    the block length along K, a symmetric grid (implicit zero point 2^(bits-1)) or an
+    asymmetric one (a zero point per block), the kernel's accuracy_level (4: activations
+    quantized to int8 per block, ORT's integer kernel; 0: float math on dequantized weights),
+    and whether the LM head is quantized too (else a float32 MatMul)."""
+    block_size: int = INT8_BLOCK
+    symmetric: bool = True
+    accuracy_level: int = 4
+    quantize_head: bool = True
+
+
+    def changed(self) -> dict[str, int | bool]:
+        """The fields that differ from LEGACY_NBITS: what a role's cache key records, so bundles
+        built with the earlier layout keep their ids."""
+        return {k: v for k, v in asdict(self).items() if v != getattr(LEGACY_NBITS, k)}
+
+
+# The layout every int8/int4 role was built with before a target could be quantized; drafts
+# keep it (fastest, and a draft's numerics change proposals only).
+LEGACY_NBITS = NbitsLayout()
+# A target needs each token's logits to be the same whether it comes alone (target-only decode)
+# or in a verify window of K+1: int8 activations (accuracy_level 4) round away the last-bit
+# differences between window sizes upstream (attention) into logit differences up to 2.5 on
+# SmolLM2 and flip greedy tokens, so speculation would not reproduce target-only; float math on
+# the int4 weights keeps them at float32 noise (1e-4). Measured in docs/weight-formats.md.
+TARGET_NBITS = NbitsLayout(accuracy_level=0)
+
+
+def nbits_layout(role: str) -> NbitsLayout:
+    return TARGET_NBITS if role == "target" else LEGACY_NBITS
+
+
+def blockwise_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[K, N] weights as MatMulNBits' 8-bit layout: uint8 [N, ceil(K/32), 32] with the implicit
+    zero point 128, and float32 scales [N * ceil(K/32)]. Symmetric absmax per block of 32 along
+    K, round half to even; a K that is not a multiple of 32 is padded with zeros."""
+    return blockwise_nbits(w, 8)
+
+
+def _blocks(w: np.ndarray, block: int) -> np.ndarray:
+    """[K, N] as [N, ceil(K/block), block] along K, the last block padded with zeros."""
+    k, n = w.shape
+    blocks = -(-k // block)
+    cols = np.zeros((n, blocks * block), np.float32)
+    cols[:, :k] = w.T
+    return cols.reshape(n, blocks, block)
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Codes (uint8, < 2^bits) along the last axis, two a byte for 4 bits, the even one low."""
+    if bits == 8:
+        return q
+    if q.shape[-1] % 2:
+        q = np.concatenate([q, np.zeros(q.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def blockwise_nbits(w: np.ndarray, bits: int, block: int = INT8_BLOCK
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """[K, N] weights as MatMulNBits' `bits`-bit layout (8 or 4): uint8 [N, ceil(K/block),
+    block * bits / 8], codes packed low bits first along K, with the implicit zero point
+    2^(bits-1); float32 scales [N * ceil(K/block)]. Symmetric absmax per block along K
+    (codes -127..127 or -7..7 around the zero point), round half to even; a K that is not a
+    multiple of the block is padded with zeros."""
+    cols = _blocks(w, block)
+    top = (1 << (bits - 1)) - 1
+    scale = np.abs(cols).max(axis=-1) / top
+    scale[scale == 0] = 1.0  # an all-zero block: any scale reproduces it
+    q = (np.clip(np.rint(cols / scale[..., None]), -top, top) + top + 1).astype(np.uint8)
+    return _pack(q, bits), scale.astype(np.float32).reshape(-1)
+
+
+def blockwise_nbits_asymmetric(w: np.ndarray, bits: int, block: int = INT8_BLOCK
+                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """As blockwise_nbits, on each block's own [min, max] range (all 2^bits codes used):
+    value = (code - zero_point) * scale. Zero points uint8, packed as MatMulNBits reads them:
+    per column ceil(blocks * bits / 8) bytes, low bits first ([N * that])."""
+    cols = _blocks(w, block)
+    top = (1 << bits) - 1
+    lo = np.minimum(cols.min(axis=-1), 0.0)  # 0 stays on the grid (zero padding exact)
+    hi = np.maximum(cols.max(axis=-1), 0.0)
+    scale = (hi - lo) / top
+    scale[scale == 0] = 1.0
+    zero = np.clip(np.rint(-lo / scale), 0, top).astype(np.uint8)
+    q = np.clip(np.rint(cols / scale[..., None]) + zero[..., None], 0, top).astype(np.uint8)
+    return _pack(q, bits), scale.astype(np.float32).reshape(-1), _pack(zero, bits).reshape(-1)
