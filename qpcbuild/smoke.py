@@ -67,6 +67,8 @@ def smoke_model(config: dict, folder: Path, layers: int | None, of: str = "") ->
     config = dict(config, qpcbuild_smoke_of=of)
     if layers:
         config["num_hidden_layers"] = min(layers, int(config["num_hidden_layers"]))
+        if isinstance(config.get("layer_types"), list):  # per-layer kinds (Gemma 2/3, GPT-OSS)
+            config["layer_types"] = config["layer_types"][:config["num_hidden_layers"]]
     config["qpcbuild_smoke_weights"] = True
     out = folder / f"smoke-{digest(config)}"
     if (out / "model.safetensors").is_file():

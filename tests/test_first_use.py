@@ -122,16 +122,16 @@ def test_readme_sdk_hand_off_runs_as_written(tmp_path):
     assert "stand-in compiled target/qpc" in shown and "stand-in compiled draft/qpc" in shown
     assert "matches its content and every file" in shown
     bundle = sdk / "llama3.1-8b-instruct-spd-llama3.2-1b"
-    # `finish` (called by each compile.sh) hashes what compile.sh wrote and nothing else;
-    # `verify` hashes the whole bundle. Each says so in one line (the output is a pipe).
+    # `finish` (called by each compile.sh) hashes the whole bundle before it adopts a QPC (a
+    # byte flipped after `compile --emit-only` is refused, naming the file), and `verify` hashes
+    # it again: each says so in one line (the output is a pipe). The QPCs and logs add bytes only.
     hashed = [line.split(" in ")[0] for line in shown.splitlines() if line.startswith("hashing")]
     written = {f"{r}/{part}": sum(f.stat().st_size for f in (bundle / r / part).rglob("*"))
                for r in ("target", "draft") for part in ("qpc", "logs")}
-    assert all(0 < size < 1000 for size in written.values())  # shown exactly, as "N bytes"
+    assert all(0 < size < 1000 for size in written.values())
     everything = sum(f.stat().st_size for f in bundle.rglob("*")  # files: a folder has a size too
                      if f.is_file() and f.name != "manifest.json")
-    assert hashed == [*(f"hashing {folder}: {size} bytes" for folder, size in written.items()),
-                      f"hashing .: {everything / 1e6:.1f} MB"], shown
+    assert hashed == [f"hashing .: {everything / 1e6:.1f} MB"] * 3, shown
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert {r: manifest["roles"][r]["backends"]["qaic"]["status"]
             for r in ("target", "draft")} == {"target": "compiled", "draft": "compiled"}

@@ -18,7 +18,7 @@ from qpcbuild.cli import app
 from qpcbuild.recipe import NGRAM_DEFAULTS, SUFFIX_DEFAULTS
 from qpcbuild.runtime.proposers import OPTION_NAMES
 
-from conftest import qwen_coder_missing, real_model_missing
+from conftest import gemma3_missing, qwen_coder_missing, real_model_missing
 
 pytestmark = pytest.mark.slow
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
@@ -36,7 +36,8 @@ def is_qwen_coder(recipe: Path) -> bool:
 def skip_unless_fetched(recipe: Path) -> None:
     model = yaml.safe_load(recipe.read_text())["target"]["model"]
     why = real_model_missing() if "smollm2" in model else \
-        qwen_coder_missing() if "qwen2.5-coder" in model else None
+        qwen_coder_missing() if "qwen2.5-coder" in model else \
+        gemma3_missing() if "gemma-3" in model else None
     if why:
         pytest.skip(why)
 
