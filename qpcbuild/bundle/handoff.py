@@ -62,21 +62,16 @@ class Disaggregated(_Part):
 
 
 def unit_facts(role: Any) -> dict[str, Any]:
-    """The contract's fields as one unit's own manifest fields give them (role: a manifest Role
-    or the equivalent dict)."""
-    get = (lambda o, k: o.get(k)) if isinstance(role, dict) else getattr
-    arch, io, specs = get(role, "arch"), get(role, "io"), get(role, "specializations")
-    arch_d = arch if isinstance(arch, dict) else arch.model_dump()
-    inputs = io["inputs"] if isinstance(io, dict) else [e.model_dump() for e in io.inputs]
-    spec_syms = [s["symbols"] if isinstance(s, dict) else s.symbols for s in specs]
-    precision = get(role, "precision")
-    kv_dtype = precision["kv_cache"] if isinstance(precision, dict) else precision.kv_cache
-    ctx = sorted({int(s["ctx_len"]) for s in spec_syms})
-    slots = sorted({int(s.get("full_batch_size") or s["batch_size"]) for s in spec_syms})
-    return {"buffers": [e["name"] for e in inputs if e["name"].startswith("past_")],
-            "kv_heads": arch_d["num_kv_heads"], "head_dim": arch_d["head_dim"],
-            "kv_dtype": kv_dtype, "ctx_len": ctx[0] if len(ctx) == 1 else ctx,
-            "sliding_window": arch_d.get("sliding_window"),
+    """The contract's fields as one unit's own manifest fields give them (role: a manifest Role;
+    typed Any, as manifest_model.py, which calls this while validating, imports this module)."""
+    specs = role.specializations
+    ctx = sorted({s.size("ctx_len") for s in specs})
+    slots = sorted({s.size("full_batch_size" if "full_batch_size" in s.symbols else "batch_size")
+                    for s in specs})
+    return {"buffers": [e.name for e in role.io.inputs if e.name.startswith("past_")],
+            "kv_heads": role.arch.num_kv_heads, "head_dim": role.arch.head_dim,
+            "kv_dtype": role.precision.kv_cache, "ctx_len": ctx[0] if len(ctx) == 1 else ctx,
+            "sliding_window": (role.arch.model_extra or {}).get("sliding_window"),
             "slots": slots[-1]}
 
 
@@ -102,16 +97,11 @@ def contract_problems(d: Disaggregated, roles: Mapping[Any, Any]) -> list[str]:
         if node is not None and facts["slots"] != node.slots:
             out.append(f"roles.{name}: compiled for {facts['slots']} KV slots, not its node's "
                        f"{node.slots} (disaggregated.units.{UNIT_NAMES[name]}.slots)")
-        digest = get_digest(role)
+        digest = role.source.weights_digest
         if digest is not None and digest != d.weights_digest:
             out.append(f"roles.{name}.source.weights_digest: not the one export both target "
                        f"units are compiled from (disaggregated.weights_digest)")
     return out
-
-
-def get_digest(role: Any) -> Optional[str]:
-    source = role["source"] if isinstance(role, dict) else role.source
-    return source.get("weights_digest") if isinstance(source, dict) else source.weights_digest
 
 
 def manifest_record(plan: "BuildPlan", weights_digest: str) -> dict[str, Any]:

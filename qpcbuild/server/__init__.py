@@ -41,7 +41,7 @@ def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str 
         log.say(f"serving '{name}' at {base_url(host, port)} (OpenAI API; also /health and "
                 "/metrics); Ctrl-C stops")
         note = target_weights_label(gen.manifest)
-        if note and gen.backend == backend == "onnxruntime":
+        if note and gen.backend == backend == DEFAULT_BACKEND:
             log.say(note)
         run_until_signalled(build_app(gen, name, log), sock, log_level)
     finally:
