@@ -363,3 +363,28 @@ def test_build_units_share_the_target_export(tmp_path):
     assert units["onnxruntime-prefill"].deps == ("export-target",)
     # the same graph and settings: one cache entry serves both target units on ONNX Runtime
     assert units["onnxruntime-prefill"].key == units["onnxruntime-target"].key
+
+
+def test_the_prefill_worker_answers_a_process_with_over_1024_open_files(demo_disagg_bundle):
+    """A long-lived server or a test session holds many files: the worker's pipe then gets a
+    descriptor above select()'s limit of 1,024, which select.select refused (ValueError)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while len(held) < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert held[-1] > 1024
+        ran = runner.invoke(app, ["run", str(demo_disagg_bundle), "--prompt", PROMPTS[0],
+                                  "--max-new-tokens", "4", "--json"])
+        assert ran.exit_code == 0, ran.output
+        assert json.loads(ran.stdout)["handoff"]["bytes"] > 0
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

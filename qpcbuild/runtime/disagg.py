@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import selectors
 import subprocess
 import sys
 import time
@@ -166,7 +166,11 @@ class PrefillWorker:
 
     def _receive(self, timeout: float) -> tuple[str, Any]:
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        # a selector, not select.select: a process with over 1,024 open files (a long-lived
+        # server, a test session) gets descriptors select() refuses
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = waiting.select(timeout)
         if not ready:
             raise QpcbuildError(f"the prefill worker gave no answer in {timeout:.0f} s")
         line = self.proc.stdout.readline()
