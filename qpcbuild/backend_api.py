@@ -196,6 +196,11 @@ class BackendEntry(BaseModel):
         """The host memory running this artifact takes (0: it runs elsewhere, on a card)."""
         return 0.0
 
+    def matmul_weights(self) -> str | None:
+        """The format of this artifact's matmul weights where the host runs it (float32 |
+        int8 | int4); None where its formats are the card's own (the role's precision)."""
+        return None
+
 
 def entry_model(name: str) -> type[BackendEntry]:
     """The model of the backend's manifest entry."""

@@ -128,7 +128,6 @@ def _best(rows: list[dict], pred: Callable[[dict], bool]) -> dict | None:
 def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, repeats, ks, methods,
             ours, peer_objs, notes, gen, machine, bandwidth=None,
             sampled: bool = False, cpu_start: CpuSnapshot | None = None) -> dict[str, Any]:
-    from ..backends.onnxruntime.manifest import matmul_weights, target_weights_label
     from ..version import __version__, code_version
 
     base = ours[0][0]
@@ -159,7 +158,7 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                            "ours_over_theirs": round(mine["tokens_per_s"]["mean"]
                                                      / theirs["tokens_per_s"]["mean"], 3)})
 
-    label = target_weights_label(manifest)
+    label = manifest.target_weights_label()
     if label:  # every row runs this target, the baseline included
         notes.insert(0, label)
     if loadavg() is not None:
@@ -189,7 +188,7 @@ def build_report(bundle, manifest, prompt_label, prompt_ids, prompts, max_new, r
                      "gc": "cyclic garbage collection off inside timed calls, run between "
                            "them (as timeit does)",
                      "ks": ks, "methods": methods, "greedy": True,
-                     "target_weights": matmul_weights(manifest, "target"),
+                     "target_weights": manifest.target.matmul_weights(),
                      "batch_size": manifest.shapes.batch_size,
                      "ctx_len": manifest.shapes.ctx_len,
                      "prefill_seq_len": manifest.shapes.prefill_seq_len,

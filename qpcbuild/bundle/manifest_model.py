@@ -173,6 +173,11 @@ class Role(_Part):
         the role was not built for its backend."""
         return next((e for e in self.backends.values() if isinstance(e, kind)), None)
 
+    def matmul_weights(self) -> str | None:
+        """The role's matmul weight format on the host (float32 | int8 | int4), or None where
+        no artifact of it runs on the host (the card's formats are the role's precision)."""
+        return next((w for e in self.backends.values() if (w := e.matmul_weights())), None)
+
 
 class TokenizerInfo(_Part):
     files: str = "tokenizer/"
@@ -229,6 +234,15 @@ class Manifest(_Part):
     @property
     def draft(self) -> Optional[Role]:
         return self.roles.get("draft")
+
+    def target_weights_label(self) -> str | None:
+        """One phrase saying the target is not the float32 model (None when it is, or when no
+        target artifact runs on the host): what run, bench and serve print next to numbers."""
+        fmt = self.target.matmul_weights()
+        if fmt in (None, "float32"):
+            return None
+        return (f"target weights {fmt} blocks (not the float32 target: output differs from it; "
+                "see bench --numerics)")
 
     def to_json_dict(self) -> dict[str, Any]:
         """The manifest exactly as its JSON holds it (fields a file leaves out stay out)."""

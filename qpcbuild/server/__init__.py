@@ -29,7 +29,6 @@ def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str 
                          f"{stats_interval}")
     sock = listen(host, port)
     try:
-        from ..backends.onnxruntime.manifest import target_weights_label
         from ..runtime.loader import load
         from .app import build_app
 
@@ -40,7 +39,7 @@ def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str 
         port = sock.getsockname()[1]
         log.say(f"serving '{name}' at {base_url(host, port)} (OpenAI API; also /health and "
                 "/metrics); Ctrl-C stops")
-        note = target_weights_label(gen.manifest)
+        note = gen.manifest.target_weights_label()
         if note and gen.backend == backend == DEFAULT_BACKEND:
             log.say(note)
         run_until_signalled(build_app(gen, name, log), sock, log_level)

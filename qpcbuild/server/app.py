@@ -24,7 +24,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..backend_api import HOST_BACKEND
-from ..backends.onnxruntime.manifest import matmul_weights, target_weights_label
 from ..errors import QpcbuildError
 from ..runtime.chat import NoChatTemplate
 from ..runtime.loader import Generator
@@ -260,8 +259,8 @@ def build_app(gen: Generator, model_name: str,
     card: dict = {"id": model_name, "object": "model", "created": 0, "owned_by": "qpcbuild",
                   "max_model_len": ctx_len}
     if gen.backend == HOST_BACKEND:
-        card["target_weights"] = matmul_weights(gen.manifest, "target")
-        note = target_weights_label(gen.manifest)
+        card["target_weights"] = gen.manifest.target.matmul_weights()
+        note = gen.manifest.target_weights_label()
         if note:
             card["note"] = note
 

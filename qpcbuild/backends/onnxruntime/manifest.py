@@ -3,13 +3,10 @@ every role of a bundle records: bundle/manifest_model.py's OrtRole)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 
-from ...backend_api import HOST_BACKEND, BackendEntry
-
-if TYPE_CHECKING:
-    from ...bundle.manifest import Manifest
+from ...backend_api import BackendEntry
 
 
 class OrtEntry(BackendEntry):
@@ -29,22 +26,9 @@ class OrtEntry(BackendEntry):
         copies = 1 if self.kv_binding == "in_place" else 2
         return param_count * 4.0 + copies * kv_bytes_per_token * tokens
 
+    def matmul_weights(self) -> str | None:
+        return self.weights
+
 
 ENTRY = OrtEntry
 
-
-def matmul_weights(manifest: "Manifest", role: str = "target") -> str | None:
-    """The role's ONNX Runtime matmul weight format (float32 | int8 | int4), or None where the
-    bundle has no ONNX Runtime artifact for it (the card's formats are its own)."""
-    entry = manifest.roles[role].backends.get(HOST_BACKEND) if role in manifest.roles else None
-    return entry.weights if isinstance(entry, OrtEntry) else None
-
-
-def target_weights_label(manifest: "Manifest") -> str | None:
-    """One phrase saying the target is not the float32 model (None when it is, or when the
-    bundle has no ONNX Runtime target): what run, bench and serve print next to their numbers."""
-    fmt = matmul_weights(manifest, "target")
-    if fmt in (None, "float32"):
-        return None
-    return (f"target weights {fmt} blocks (not the float32 target: output differs from it; "
-            "see bench --numerics)")
