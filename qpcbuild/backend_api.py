@@ -196,6 +196,11 @@ class BackendEntry(BaseModel):
         """The host memory running this artifact takes (0: it runs elsewhere, on a card)."""
         return 0.0
 
+    def device_kv_buffers(self) -> list[str] | None:
+        """The KV inputs' names in the artifact, where they are not the exported graph's (a
+        disaggregated card unit's); None: the exported names."""
+        return None
+
 
 def entry_model(name: str) -> type[BackendEntry]:
     """The model of the backend's manifest entry."""

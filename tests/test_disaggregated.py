@@ -99,12 +99,13 @@ def test_the_card_recipe_plans_three_units_from_one_target_export():
     assert decode.specializations[0].symbols["full_batch_size"] == "16"
     argv = {u: rp.backends["qaic"].compiler_argv[1:] for u, rp in units.items()}
     assert argv["prefill/target"] == [
-        "-aic-hw", "-aic-hw-version=ai100", "-m=target/onnx/model.onnx", "-retained-state",
-        "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=16", "-aic-enable-depth-first",
+        "-aic-hw", "-aic-hw-version=ai100", "-m=target/onnx/model.vllmKvCache.onnx",
+        "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=16",
+        "-aic-enable-depth-first",
         "-mdp-load-partition-config=prefill/qaic/mdp_ts_2.json",
         "-network-specialization-config=prefill/qaic/specializations.json",
         "-custom-IO-list-file=prefill/qaic/custom_io.yaml", "-aic-binary-dir=prefill/qpc"]
-    assert "-m=target/onnx/model.onnx" in argv["decode/target"]
+    assert "-m=target/onnx/model.vllmKvCache.onnx" in argv["decode/target"]
     assert "-aic-num-cores=10" in argv["decode/target"]
     assert "-aic-num-cores=6" in argv["decode/draft"]
     assert {e["Precision"] for rp in units.values() for e in rp.backends["qaic"].custom_io} \
@@ -118,7 +119,8 @@ def test_plan_names_the_three_units():
     assert shown.exit_code == 0, shown.output
     for unit in ("prefill/target", "decode/target", "decode/draft"):
         assert f"--- {unit}:" in shown.output
-    assert shlex.join(["-m=target/onnx/model.onnx", "-retained-state"]) in shown.output
+    assert shlex.join(["-m=target/onnx/model.vllmKvCache.onnx", "-retained-state"]) in \
+        shown.output
 
 
 # ---------------------------------------------------------------- the bundle and its contract
@@ -154,6 +156,91 @@ def test_the_bundle_records_the_units_and_the_hand_off_contract(demo_disagg_bund
     assert contract["last_prompt_token"] == "recomputed-on-decode"
 
 
+# ---------------------------------------------------------------- vllm-qaic's KV names
+def _graph_names(path: Path) -> tuple[list[str], list[str]]:
+    import onnx
+
+    g = onnx.load(str(path), load_external_data=False).graph
+    return [v.name for v in g.input], [v.name for v in g.output]
+
+
+def _custom_io_names(path: Path) -> list[str]:
+    return [e["IOName"] for e in yaml.safe_load(path.read_text())]
+
+
+def test_the_card_units_compile_a_graph_with_vllm_qaics_kv_names(demo_disagg_bundle):
+    """vllm-qaic serves a kv_transfer_config's QPCs with `past_key.{i}_vllmKvCache` inputs and
+    `past_key.{i}_vllmKvCache_RetainedState` outputs (QEfficient's kv_cache_prefix): every
+    card unit's graph, custom_io.yaml and recorded names say so; the exported graph, which
+    the ONNX Runtime units are built from, keeps its names."""
+    m = json.loads((demo_disagg_bundle / MANIFEST).read_text())
+    layers = {r: m["roles"][r]["arch"]["num_layers"] for r in ("target", "draft")}
+    for unit, model_role in (("prefill", "target"), ("target", "target"), ("draft", "draft")):
+        entry = m["roles"][unit]["backends"]["qaic"]
+        card_graph = f"{model_role}/onnx/model.vllmKvCache.onnx"
+        assert entry["graph"] == card_graph and f"-m={card_graph}" in entry["compiler_args"]
+        inputs, outputs = _graph_names(demo_disagg_bundle / card_graph)
+        kv_in = [n for n in inputs if n.startswith("past_")]
+        kv_out = [n for n in outputs if n.startswith("past_")]
+        assert kv_in[:2] == ["past_key.0_vllmKvCache", "past_value.0_vllmKvCache"]
+        assert len(kv_in) == 2 * layers[model_role]
+        assert kv_out == [f"{n}_RetainedState" for n in kv_in]
+        listed = _custom_io_names(demo_disagg_bundle / unit / "qaic" / "custom_io.yaml")
+        assert sorted(listed) == sorted(kv_in + kv_out) == sorted(entry["kv_buffers"])
+        assert inputs[:2] == ["input_ids", "position_ids"] and outputs[0] == "logits"
+    exported_in, _ = _graph_names(demo_disagg_bundle / "target" / "onnx" / "model.onnx")
+    assert "past_key.0" in exported_in and not any("vllmKvCache" in n for n in exported_in)
+    ort_in, _ = _graph_names(demo_disagg_bundle / "prefill" / "ort" / "model.onnx")
+    assert "past_key.0" in ort_in and not any("vllmKvCache" in n for n in ort_in)
+    contract = m["disaggregated"]["kv_handoff"]
+    assert contract["card_buffers"] == [f"{b}_vllmKvCache" for b in contract["buffers"]]
+
+
+def test_the_renamed_card_graph_computes_what_the_exported_graph_does(demo_disagg_bundle):
+    """The renaming reaches every reference (a name left behind would dangle): ONNX Runtime
+    runs both graphs, on their shared weights file, to the same logits and KV."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from qpcbuild.export.dialect import onnxruntime_indices
+
+    folder = demo_disagg_bundle / "target" / "onnx"
+    runs, kept = [], []  # (the initializers' OrtValues must outlive their sessions)
+    for name in ("model.onnx", "model.vllmKvCache.onnx"):
+        opts = ort.SessionOptions()  # the card's invalid indices, as ORT takes them
+        values = onnxruntime_indices(onnx.load(str(folder / name), load_external_data=False))
+        for key, value in values.items():
+            kept.append(ort.OrtValue.ortvalue_from_numpy(value))
+            opts.add_initializer(key, kept[-1])
+        session = ort.InferenceSession(str(folder / name), opts)
+        feed = {}
+        for i in session.get_inputs():
+            if i.name in ("input_ids", "position_ids"):
+                feed[i.name] = np.array([[5, 9, 2]] if i.name == "input_ids" else [[0, 1, 2]])
+            elif i.name.startswith("past_"):
+                shape = [1 if d == "batch_size" else 16 if d == "ctx_len" else d
+                         for d in i.shape]
+                feed[i.name] = np.zeros(shape, dtype=np.float32)
+            else:  # num_logits_to_keep: its shape says how many
+                feed[i.name] = np.zeros([1 for _ in i.shape], dtype=np.int64)
+        runs.append(session.run(None, feed))
+    plain, card = runs
+    assert len(plain) == len(card) > 1
+    for a, b in zip(plain, card):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_aggregated_card_bundle_keeps_the_exported_kv_names():
+    plan = make_plan(load(yaml.safe_load((RECIPES / "llama8b-1b.yaml").read_text())))
+    for rp in plan.roles:
+        part = rp.backends["qaic"]
+        assert part.kv_infix is None and "-m=" + f"{rp.role}/onnx/model.onnx" in \
+            part.compiler_argv
+        assert part.custom_io[0]["IOName"] == "past_key.0"
+        assert "kv_infix" not in rp.cache_keys.backends  # (a digest: checked by the ids)
+
+
 def _resealed(bundle: Path, tmp: Path, edit) -> Path:
     out = tmp / "edited"
     shutil.copytree(bundle, out)
@@ -187,6 +274,17 @@ CONTRACT_EDITS = {
     "another export": (_set("roles", "prefill", "source", "weights_digest", value="0" * 64),
                        "roles.prefill.source.weights_digest"),
     "no prefill unit": (lambda m: m["roles"].pop("prefill"), "roles.prefill"),
+    "prefill card names": (_set("roles", "prefill", "backends", "qaic", "kv_buffers",
+                                value=lambda b: [n.replace("_vllmKvCache", "") for n in b]),
+                           "roles.prefill: backends.qaic.kv_buffers: 'past_key.0'"),
+    "decode card names": (_set("roles", "target", "backends", "qaic", "kv_buffers",
+                               value=lambda b: [b[2], b[3], b[0], b[1], *b[4:]]),
+                          "backends.qaic.kv_buffers"),
+    "draft card names": (_set("roles", "draft", "backends", "qaic", "kv_infix", value="VLLM"),
+                         "roles.draft: backends.qaic.kv_buffers"),
+    "contract card names": (_set("disaggregated", "kv_handoff", "card_buffers",
+                                 value=lambda b: [n.replace("vllmKvCache", "kv") for n in b]),
+                            "card_buffers"),
 }
 
 
