@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shlex
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -433,21 +436,126 @@ def test_a_killed_prefill_worker_is_replaced_and_the_next_request_is_served(
     assert worker.proc.poll() is not None  # closed with its owner: no process left behind
 
 
-def test_serve_runs_the_prefill_worker_apart_and_recovers_when_it_is_killed(demo_disagg_bundle):
+def _until_healthy(server, seconds: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.time() + seconds
+    while httpx.get(server.url + "/health").status_code != 200:
+        assert time.time() < deadline, "the prefill worker did not come back"
+        time.sleep(0.1)
+
+
+def _unavailable(server, ask: dict) -> tuple[float, "object"]:
+    """One request while no prefill worker answers: its status, headers and JSON, and how
+    long it took."""
+    import httpx
+
+    t0 = time.perf_counter()
+    got = httpx.post(server.url + "/v1/completions", json=ask, timeout=60)
+    return time.perf_counter() - t0, got
+
+
+def test_serve_answers_503_while_a_killed_or_hung_prefill_worker_is_replaced(
+        demo_disagg_bundle):
+    """Over real HTTP: a killed worker, then a hung one (stopped with SIGSTOP, so it never
+    answers), each gives a 503 with an OpenAI-shaped JSON error and Retry-After, at once
+    rather than after a hang; /health says 503 meanwhile; a new worker takes over and the
+    same request is then served with the same tokens."""
     from helpers_server import LiveServer
 
     server = LiveServer(demo_disagg_bundle)
     try:
         worker = server.gen.prefill_worker
+        assert worker.serving
         ask = {"model": server.name, "prompt": LONG, "max_tokens": 6, "temperature": 0}
         first = server.client.completions.create(**ask).choices[0].text
         worker.proc.kill()
         worker.proc.wait()
-        again = server.client.completions.create(**ask).choices[0].text
-        assert again == first and worker.restarts == 1
+        seconds, got = _unavailable(server, ask)
+        assert got.status_code == 503 and got.headers["retry-after"] == "2"
+        error = got.json()["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "prefill_unavailable"
+        assert "prefill worker exited" in error["message"] and "retry" in error["message"]
+        _until_healthy(server)
+        assert server.client.completions.create(**ask).choices[0].text == first
+        assert worker.restarts == 1
+
+        worker.reply_timeout_s = 1.0  # as `serve --prefill-timeout 1`
+        hung = worker.proc
+        os.kill(hung.pid, signal.SIGSTOP)
+        seconds, got = _unavailable(server, ask)
+        assert got.status_code == 503 and seconds < 30  # the timeout, not a hang
+        assert "no answer in 1 s" in got.json()["error"]["message"]
+        assert hung.wait(10) == -signal.SIGKILL  # the hung worker is gone, not left behind
+        _until_healthy(server)
+        assert server.client.completions.create(**ask).choices[0].text == first
+        assert worker.restarts == 2
+        metrics = server.metrics()
+        label = (("model_name", server.name),)
+        assert metrics[("qpcbuild:prefill_worker_restarts", label)] == 2
+        assert metrics[("qpcbuild:prefill_worker_up", label)] == 1
     finally:
         server.stop()
         server.gen.prefill_worker.close()
+
+
+def test_serve_says_503_without_retry_when_no_prefill_worker_can_start(demo_disagg_bundle,
+                                                                       tmp_path):
+    import httpx
+
+    from helpers_server import LiveServer
+
+    server = LiveServer(demo_disagg_bundle)
+    try:
+        worker = server.gen.prefill_worker
+        worker.bundle = tmp_path / "moved-away"  # the next worker finds no prefill unit
+        worker.proc.kill()
+        worker.proc.wait()
+        ask = {"model": server.name, "prompt": LONG, "max_tokens": 4, "temperature": 0}
+        deadline = time.time() + 60
+        while worker.state != "failed":
+            assert time.time() < deadline
+            _unavailable(server, ask)
+            time.sleep(0.1)
+        _, got = _unavailable(server, ask)
+        assert got.status_code == 503 and "retry-after" not in got.headers
+        assert got.json()["error"]["message"].startswith("no prefill worker: ")
+        assert httpx.get(server.url + "/health").status_code == 503  # for the orchestrator
+    finally:
+        server.stop()
+        server.gen.prefill_worker.close()
+
+
+def test_serve_refuses_a_prefill_timeout_that_is_not_a_positive_number(demo_disagg_bundle):
+    got = runner.invoke(app, ["serve", str(demo_disagg_bundle), "--prefill-timeout", "0"])
+    assert got.exit_code == 2 and "--prefill-timeout must be" in got.output
+
+
+def test_serve_reports_the_kv_hand_off_beside_vllms_metrics(demo_disagg_bundle):
+    """/metrics in Prometheus text: the hand-off's bytes (the contract's [1, kv_heads, n - 1,
+    head_dim] float32 slices of every buffer) and seconds for each request served."""
+    from helpers_server import LiveServer
+
+    server = LiveServer(demo_disagg_bundle)
+    try:
+        served = [server.client.completions.create(model=server.name, prompt=p, max_tokens=4,
+                                                   temperature=0) for p in PROMPTS]
+        metrics = server.metrics()
+    finally:
+        server.stop()
+        server.gen.prefill_worker.close()
+    arch = json.loads((demo_disagg_bundle / MANIFEST).read_text())["roles"]["target"]["arch"]
+    per_token = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4
+    want = sum((r.usage.prompt_tokens - 1) * per_token for r in served)
+    label = (("model_name", server.name),)
+    assert metrics[("qpcbuild:kv_handoff_bytes_total", label)] == want
+    assert metrics[("qpcbuild:kv_handoff_requests_total", label)] == len(PROMPTS)
+    assert metrics[("qpcbuild:kv_handoff_seconds_count", label)] == len(PROMPTS)
+    assert metrics[("qpcbuild:kv_handoff_request_bytes_sum", label)] == want
+    assert metrics[("qpcbuild:kv_handoff_prefill_seconds_sum", label)] > 0
+    assert sum(v for (name, _), v in metrics.items()
+               if name == "vllm:request_success_total") == len(PROMPTS)
+    assert server.gen.decoder.log.records == []  # counted, not kept
 
 
 def test_build_units_share_the_target_export(tmp_path):
