@@ -417,6 +417,40 @@ def test_continuous_batching_refills_a_slot_and_ngram_speculates_on_the_decode_s
         # time to first token includes the worker's prefill and the hand-off
         for row, record in zip(got.rows, got.handoff["per_prompt"]):
             assert row.stats.ttft_s >= record["prefill_s"] + record["seconds"]
+    _a_refused_admission_leaves_the_decoding_row_alone(load(disagg), got.rows[0].tokens)
+
+
+def _a_refused_admission_leaves_the_decoding_row_alone(gen, want: list[int]) -> None:
+    """Serving, a request admitted while the prefill worker is dead ends unserved at once
+    (Row.unavailable: the server's 503), and the row already decoding in the other slot
+    finishes with the tokens it would have had."""
+    from qpcbuild.runtime.rows import new_row
+    from qpcbuild.runtime.sampling import SamplingParams
+
+    worker = gen.prefill_worker
+    worker.serving = True
+    decoding, refused = (new_row(gen.encode(p), 10, 512, SamplingParams(), i)
+                         for i, p in enumerate(PROMPTS[:2]))
+    offered = []
+
+    def incoming(n: int) -> list:
+        if offered:
+            return []
+        worker.proc.kill()  # dies while the first row decodes
+        worker.proc.wait()
+        offered.append(refused)
+        return [refused]
+    gen.decoder.run_rows([decoding], incoming=incoming)
+    assert offered and refused.done and refused.tokens == []
+    assert refused.finish_reason == "unavailable"
+    assert "prefill worker exited" in refused.unavailable
+    assert decoding.tokens == want and decoding.finish_reason == "length"
+    deadline = time.time() + 60
+    while worker.unavailable() is not None:  # replaced in the background
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert worker.restarts == 1
+    worker.close()
 
 
 def test_a_killed_prefill_worker_is_replaced_and_the_next_request_is_served(
