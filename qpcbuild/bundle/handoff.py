@@ -2,7 +2,8 @@
 must look like for the decode unit to take it over (docs/disaggregated.md). The build writes it
 into the manifest from the plan; reading a manifest (and so `verify` and every load) derives the
 same facts again from each unit's own recorded fields and refuses a unit that disagrees, naming
-the field. A module of its own (pydantic only), below manifest_model.py which calls it."""
+the field. A module of its own (pydantic and the backends by name only), below
+manifest_model.py which calls it."""
 
 from __future__ import annotations
 
