@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import numpy as np
@@ -63,11 +65,17 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 tokens = event["usage"]["completion_tokens"]
             elif ttft is None and event["choices"] and event["choices"][0]["text"]:
                 ttft = time.perf_counter() - t0
-    return {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens}
+    latency = time.perf_counter() - t0
+    # time per output token after the first (vLLM's TPOT), per request
+    tpot = (latency - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    return {"latency_s": latency, "ttft_s": ttft, "tpot_s": tpot, "tokens": tokens}
 
 
-async def level(url: str, model: str, clients: int, total: int, max_tokens: int) -> dict:
-    texts = prompts()
+async def level(url: str, model: str, clients: int, total: int, max_tokens: int,
+                texts: list[str] | None = None) -> dict:
+    """`total` requests from `clients` concurrent clients, request n sending texts[n % len]
+    (default: the demo pair's held-out prompts)."""
+    texts = texts or prompts()
     queue = list(range(total))
     results: list[dict] = []
 
@@ -83,6 +91,7 @@ async def level(url: str, model: str, clients: int, total: int, max_tokens: int)
     wall = time.perf_counter() - t0
     lat = np.array([r["latency_s"] for r in results])
     ttft = np.array([r["ttft_s"] for r in results if r["ttft_s"] is not None])
+    tpot = np.array([r["tpot_s"] for r in results if r["tpot_s"] is not None])
     tokens = sum(r["tokens"] for r in results)
 
     def pct(a, q):
@@ -92,7 +101,8 @@ async def level(url: str, model: str, clients: int, total: int, max_tokens: int)
             "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
             "requests_per_s": round(len(results) / wall, 2),
             "latency_ms": {"p50": pct(lat, 50), "p90": pct(lat, 90), "p99": pct(lat, 99)},
-            "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)}}
+            "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
+            "tpot_ms": {"p50": pct(tpot, 50), "p90": pct(tpot, 90), "p99": pct(tpot, 99)}}
 
 
 def acceptance(url: str) -> float | None:
@@ -103,6 +113,32 @@ def acceptance(url: str) -> float | None:
             if s.name == "vllm:spec_decode_draft_acceptance_rate":
                 return round(s.value, 4)
     return None
+
+
+@contextlib.contextmanager
+def served(bundle: Path) -> Iterator[tuple[str, str]]:
+    """`qpcbuild serve` on the bundle in a subprocess, on a free loopback port, until the block
+    ends: (its URL, its model name) once /health answers."""
+    model = json.loads((bundle / "manifest.json").read_text())["name"]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(QPCBUILD + ["serve", str(bundle), "--port", str(port),
+                                          "--log-level", "warning"])
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline or server.poll() is not None:
+                raise SystemExit("the server did not come up")
+            time.sleep(0.2)
+        yield url, model
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def main(argv=None) -> int:
@@ -120,22 +156,7 @@ def main(argv=None) -> int:
         subprocess.run(QPCBUILD + ["compile", str(ROOT / "recipes" / "demo.yaml"), "-o",
                                    str(bundle), "--set", f"shapes.full_batch_size={args.slots}"],
                        check=True, stdout=subprocess.DEVNULL)
-    model = json.loads((bundle / "manifest.json").read_text())["name"]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(QPCBUILD + ["serve", str(bundle), "--port", str(port),
-                                          "--log-level", "warning"])
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline or server.poll() is not None:
-                raise SystemExit("the server did not come up")
-            time.sleep(0.2)
+    with served(bundle) as (url, model):
         asyncio.run(level(url, model, 1, 2, 8))  # warm-up
         rows = []
         for c in (int(x) for x in args.levels.split(",")):
@@ -143,9 +164,6 @@ def main(argv=None) -> int:
             row["acceptance_rate_so_far"] = acceptance(url)
             rows.append(row)
             print(f"{c} clients: {row['tokens_per_s']} tokens/s", file=sys.stderr)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     m = json.loads((bundle / "manifest.json").read_text())
     report = {"bundle": str(bundle.relative_to(ROOT) if bundle.is_relative_to(ROOT) else bundle),
               "method": m["speculation"]["method"], "shapes": m["shapes"],

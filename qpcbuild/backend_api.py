@@ -201,6 +201,11 @@ class BackendEntry(BaseModel):
         int8 | int4); None where its formats are the card's own (the role's precision)."""
         return None
 
+    def device_kv_buffers(self) -> list[str] | None:
+        """The KV inputs' names in the artifact, where they are not the exported graph's (a
+        disaggregated card unit's); None: the exported names."""
+        return None
+
 
 def entry_model(name: str) -> type[BackendEntry]:
     """The model of the backend's manifest entry."""

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shlex
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -99,12 +102,13 @@ def test_the_card_recipe_plans_three_units_from_one_target_export():
     assert decode.specializations[0].symbols["full_batch_size"] == "16"
     argv = {u: rp.backends["qaic"].compiler_argv[1:] for u, rp in units.items()}
     assert argv["prefill/target"] == [
-        "-aic-hw", "-aic-hw-version=ai100", "-m=target/onnx/model.onnx", "-retained-state",
-        "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=16", "-aic-enable-depth-first",
+        "-aic-hw", "-aic-hw-version=ai100", "-m=target/onnx/model.vllmKvCache.onnx",
+        "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=16",
+        "-aic-enable-depth-first",
         "-mdp-load-partition-config=prefill/qaic/mdp_ts_2.json",
         "-network-specialization-config=prefill/qaic/specializations.json",
         "-custom-IO-list-file=prefill/qaic/custom_io.yaml", "-aic-binary-dir=prefill/qpc"]
-    assert "-m=target/onnx/model.onnx" in argv["decode/target"]
+    assert "-m=target/onnx/model.vllmKvCache.onnx" in argv["decode/target"]
     assert "-aic-num-cores=10" in argv["decode/target"]
     assert "-aic-num-cores=6" in argv["decode/draft"]
     assert {e["Precision"] for rp in units.values() for e in rp.backends["qaic"].custom_io} \
@@ -118,7 +122,8 @@ def test_plan_names_the_three_units():
     assert shown.exit_code == 0, shown.output
     for unit in ("prefill/target", "decode/target", "decode/draft"):
         assert f"--- {unit}:" in shown.output
-    assert shlex.join(["-m=target/onnx/model.onnx", "-retained-state"]) in shown.output
+    assert shlex.join(["-m=target/onnx/model.vllmKvCache.onnx", "-retained-state"]) in \
+        shown.output
 
 
 # ---------------------------------------------------------------- the bundle and its contract
@@ -154,6 +159,91 @@ def test_the_bundle_records_the_units_and_the_hand_off_contract(demo_disagg_bund
     assert contract["last_prompt_token"] == "recomputed-on-decode"
 
 
+# ---------------------------------------------------------------- vllm-qaic's KV names
+def _graph_names(path: Path) -> tuple[list[str], list[str]]:
+    import onnx
+
+    g = onnx.load(str(path), load_external_data=False).graph
+    return [v.name for v in g.input], [v.name for v in g.output]
+
+
+def _custom_io_names(path: Path) -> list[str]:
+    return [e["IOName"] for e in yaml.safe_load(path.read_text())]
+
+
+def test_the_card_units_compile_a_graph_with_vllm_qaics_kv_names(demo_disagg_bundle):
+    """vllm-qaic serves a kv_transfer_config's QPCs with `past_key.{i}_vllmKvCache` inputs and
+    `past_key.{i}_vllmKvCache_RetainedState` outputs (QEfficient's kv_cache_prefix): every
+    card unit's graph, custom_io.yaml and recorded names say so; the exported graph, which
+    the ONNX Runtime units are built from, keeps its names."""
+    m = json.loads((demo_disagg_bundle / MANIFEST).read_text())
+    layers = {r: m["roles"][r]["arch"]["num_layers"] for r in ("target", "draft")}
+    for unit, model_role in (("prefill", "target"), ("target", "target"), ("draft", "draft")):
+        entry = m["roles"][unit]["backends"]["qaic"]
+        card_graph = f"{model_role}/onnx/model.vllmKvCache.onnx"
+        assert entry["graph"] == card_graph and f"-m={card_graph}" in entry["compiler_args"]
+        inputs, outputs = _graph_names(demo_disagg_bundle / card_graph)
+        kv_in = [n for n in inputs if n.startswith("past_")]
+        kv_out = [n for n in outputs if n.startswith("past_")]
+        assert kv_in[:2] == ["past_key.0_vllmKvCache", "past_value.0_vllmKvCache"]
+        assert len(kv_in) == 2 * layers[model_role]
+        assert kv_out == [f"{n}_RetainedState" for n in kv_in]
+        listed = _custom_io_names(demo_disagg_bundle / unit / "qaic" / "custom_io.yaml")
+        assert sorted(listed) == sorted(kv_in + kv_out) == sorted(entry["kv_buffers"])
+        assert inputs[:2] == ["input_ids", "position_ids"] and outputs[0] == "logits"
+    exported_in, _ = _graph_names(demo_disagg_bundle / "target" / "onnx" / "model.onnx")
+    assert "past_key.0" in exported_in and not any("vllmKvCache" in n for n in exported_in)
+    ort_in, _ = _graph_names(demo_disagg_bundle / "prefill" / "ort" / "model.onnx")
+    assert "past_key.0" in ort_in and not any("vllmKvCache" in n for n in ort_in)
+    contract = m["disaggregated"]["kv_handoff"]
+    assert contract["card_buffers"] == [f"{b}_vllmKvCache" for b in contract["buffers"]]
+
+
+def test_the_renamed_card_graph_computes_what_the_exported_graph_does(demo_disagg_bundle):
+    """The renaming reaches every reference (a name left behind would dangle): ONNX Runtime
+    runs both graphs, on their shared weights file, to the same logits and KV."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from qpcbuild.export.dialect import onnxruntime_indices
+
+    folder = demo_disagg_bundle / "target" / "onnx"
+    runs, kept = [], []  # (the initializers' OrtValues must outlive their sessions)
+    for name in ("model.onnx", "model.vllmKvCache.onnx"):
+        opts = ort.SessionOptions()  # the card's invalid indices, as ORT takes them
+        values = onnxruntime_indices(onnx.load(str(folder / name), load_external_data=False))
+        for key, value in values.items():
+            kept.append(ort.OrtValue.ortvalue_from_numpy(value))
+            opts.add_initializer(key, kept[-1])
+        session = ort.InferenceSession(str(folder / name), opts)
+        feed = {}
+        for i in session.get_inputs():
+            if i.name in ("input_ids", "position_ids"):
+                feed[i.name] = np.array([[5, 9, 2]] if i.name == "input_ids" else [[0, 1, 2]])
+            elif i.name.startswith("past_"):
+                shape = [1 if d == "batch_size" else 16 if d == "ctx_len" else d
+                         for d in i.shape]
+                feed[i.name] = np.zeros(shape, dtype=np.float32)
+            else:  # num_logits_to_keep: its shape says how many
+                feed[i.name] = np.zeros([1 for _ in i.shape], dtype=np.int64)
+        runs.append(session.run(None, feed))
+    plain, card = runs
+    assert len(plain) == len(card) > 1
+    for a, b in zip(plain, card):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_aggregated_card_bundle_keeps_the_exported_kv_names():
+    plan = make_plan(load(yaml.safe_load((RECIPES / "llama8b-1b.yaml").read_text())))
+    for rp in plan.roles:
+        part = rp.backends["qaic"]
+        assert part.kv_infix is None and "-m=" + f"{rp.role}/onnx/model.onnx" in \
+            part.compiler_argv
+        assert part.custom_io[0]["IOName"] == "past_key.0"
+        assert "kv_infix" not in rp.cache_keys.backends  # (a digest: checked by the ids)
+
+
 def _resealed(bundle: Path, tmp: Path, edit) -> Path:
     out = tmp / "edited"
     shutil.copytree(bundle, out)
@@ -187,6 +277,17 @@ CONTRACT_EDITS = {
     "another export": (_set("roles", "prefill", "source", "weights_digest", value="0" * 64),
                        "roles.prefill.source.weights_digest"),
     "no prefill unit": (lambda m: m["roles"].pop("prefill"), "roles.prefill"),
+    "prefill card names": (_set("roles", "prefill", "backends", "qaic", "kv_buffers",
+                                value=lambda b: [n.replace("_vllmKvCache", "") for n in b]),
+                           "roles.prefill: backends.qaic.kv_buffers: 'past_key.0'"),
+    "decode card names": (_set("roles", "target", "backends", "qaic", "kv_buffers",
+                               value=lambda b: [b[2], b[3], b[0], b[1], *b[4:]]),
+                          "backends.qaic.kv_buffers"),
+    "draft card names": (_set("roles", "draft", "backends", "qaic", "kv_infix", value="VLLM"),
+                         "roles.draft: backends.qaic.kv_buffers"),
+    "contract card names": (_set("disaggregated", "kv_handoff", "card_buffers",
+                                 value=lambda b: [n.replace("vllmKvCache", "kv") for n in b]),
+                            "card_buffers"),
 }
 
 
@@ -316,6 +417,40 @@ def test_continuous_batching_refills_a_slot_and_ngram_speculates_on_the_decode_s
         # time to first token includes the worker's prefill and the hand-off
         for row, record in zip(got.rows, got.handoff["per_prompt"]):
             assert row.stats.ttft_s >= record["prefill_s"] + record["seconds"]
+    _a_refused_admission_leaves_the_decoding_row_alone(load(disagg), got.rows[0].tokens)
+
+
+def _a_refused_admission_leaves_the_decoding_row_alone(gen, want: list[int]) -> None:
+    """Serving, a request admitted while the prefill worker is dead ends unserved at once
+    (Row.unavailable: the server's 503), and the row already decoding in the other slot
+    finishes with the tokens it would have had."""
+    from qpcbuild.runtime.rows import new_row
+    from qpcbuild.runtime.sampling import SamplingParams
+
+    worker = gen.prefill_worker
+    worker.serving = True
+    decoding, refused = (new_row(gen.encode(p), 10, 512, SamplingParams(), i)
+                         for i, p in enumerate(PROMPTS[:2]))
+    offered = []
+
+    def incoming(n: int) -> list:
+        if offered:
+            return []
+        worker.proc.kill()  # dies while the first row decodes
+        worker.proc.wait()
+        offered.append(refused)
+        return [refused]
+    gen.decoder.run_rows([decoding], incoming=incoming)
+    assert offered and refused.done and refused.tokens == []
+    assert refused.finish_reason == "unavailable"
+    assert "prefill worker exited" in refused.unavailable
+    assert decoding.tokens == want and decoding.finish_reason == "length"
+    deadline = time.time() + 60
+    while worker.unavailable() is not None:  # replaced in the background
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert worker.restarts == 1
+    worker.close()
 
 
 def test_a_killed_prefill_worker_is_replaced_and_the_next_request_is_served(
@@ -335,21 +470,126 @@ def test_a_killed_prefill_worker_is_replaced_and_the_next_request_is_served(
     assert worker.proc.poll() is not None  # closed with its owner: no process left behind
 
 
-def test_serve_runs_the_prefill_worker_apart_and_recovers_when_it_is_killed(demo_disagg_bundle):
+def _until_healthy(server, seconds: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.time() + seconds
+    while httpx.get(server.url + "/health").status_code != 200:
+        assert time.time() < deadline, "the prefill worker did not come back"
+        time.sleep(0.1)
+
+
+def _unavailable(server, ask: dict) -> tuple[float, "object"]:
+    """One request while no prefill worker answers: its status, headers and JSON, and how
+    long it took."""
+    import httpx
+
+    t0 = time.perf_counter()
+    got = httpx.post(server.url + "/v1/completions", json=ask, timeout=60)
+    return time.perf_counter() - t0, got
+
+
+def test_serve_answers_503_while_a_killed_or_hung_prefill_worker_is_replaced(
+        demo_disagg_bundle):
+    """Over real HTTP: a killed worker, then a hung one (stopped with SIGSTOP, so it never
+    answers), each gives a 503 with an OpenAI-shaped JSON error and Retry-After, at once
+    rather than after a hang; /health says 503 meanwhile; a new worker takes over and the
+    same request is then served with the same tokens."""
     from helpers_server import LiveServer
 
     server = LiveServer(demo_disagg_bundle)
     try:
         worker = server.gen.prefill_worker
+        assert worker.serving
         ask = {"model": server.name, "prompt": LONG, "max_tokens": 6, "temperature": 0}
         first = server.client.completions.create(**ask).choices[0].text
         worker.proc.kill()
         worker.proc.wait()
-        again = server.client.completions.create(**ask).choices[0].text
-        assert again == first and worker.restarts == 1
+        seconds, got = _unavailable(server, ask)
+        assert got.status_code == 503 and got.headers["retry-after"] == "2"
+        error = got.json()["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "prefill_unavailable"
+        assert "prefill worker exited" in error["message"] and "retry" in error["message"]
+        _until_healthy(server)
+        assert server.client.completions.create(**ask).choices[0].text == first
+        assert worker.restarts == 1
+
+        worker.reply_timeout_s = 1.0  # as `serve --prefill-timeout 1`
+        hung = worker.proc
+        os.kill(hung.pid, signal.SIGSTOP)
+        seconds, got = _unavailable(server, ask)
+        assert got.status_code == 503 and seconds < 30  # the timeout, not a hang
+        assert "no answer in 1 s" in got.json()["error"]["message"]
+        assert hung.wait(10) == -signal.SIGKILL  # the hung worker is gone, not left behind
+        _until_healthy(server)
+        assert server.client.completions.create(**ask).choices[0].text == first
+        assert worker.restarts == 2
+        metrics = server.metrics()
+        label = (("model_name", server.name),)
+        assert metrics[("qpcbuild:prefill_worker_restarts", label)] == 2
+        assert metrics[("qpcbuild:prefill_worker_up", label)] == 1
     finally:
         server.stop()
         server.gen.prefill_worker.close()
+
+
+def test_serve_says_503_without_retry_when_no_prefill_worker_can_start(demo_disagg_bundle,
+                                                                       tmp_path):
+    import httpx
+
+    from helpers_server import LiveServer
+
+    server = LiveServer(demo_disagg_bundle)
+    try:
+        worker = server.gen.prefill_worker
+        worker.bundle = tmp_path / "moved-away"  # the next worker finds no prefill unit
+        worker.proc.kill()
+        worker.proc.wait()
+        ask = {"model": server.name, "prompt": LONG, "max_tokens": 4, "temperature": 0}
+        deadline = time.time() + 60
+        while worker.state != "failed":
+            assert time.time() < deadline
+            _unavailable(server, ask)
+            time.sleep(0.1)
+        _, got = _unavailable(server, ask)
+        assert got.status_code == 503 and "retry-after" not in got.headers
+        assert got.json()["error"]["message"].startswith("no prefill worker: ")
+        assert httpx.get(server.url + "/health").status_code == 503  # for the orchestrator
+    finally:
+        server.stop()
+        server.gen.prefill_worker.close()
+
+
+def test_serve_refuses_a_prefill_timeout_that_is_not_a_positive_number(demo_disagg_bundle):
+    got = runner.invoke(app, ["serve", str(demo_disagg_bundle), "--prefill-timeout", "0"])
+    assert got.exit_code == 2 and "--prefill-timeout must be" in got.output
+
+
+def test_serve_reports_the_kv_hand_off_beside_vllms_metrics(demo_disagg_bundle):
+    """/metrics in Prometheus text: the hand-off's bytes (the contract's [1, kv_heads, n - 1,
+    head_dim] float32 slices of every buffer) and seconds for each request served."""
+    from helpers_server import LiveServer
+
+    server = LiveServer(demo_disagg_bundle)
+    try:
+        served = [server.client.completions.create(model=server.name, prompt=p, max_tokens=4,
+                                                   temperature=0) for p in PROMPTS]
+        metrics = server.metrics()
+    finally:
+        server.stop()
+        server.gen.prefill_worker.close()
+    arch = json.loads((demo_disagg_bundle / MANIFEST).read_text())["roles"]["target"]["arch"]
+    per_token = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * 4
+    want = sum((r.usage.prompt_tokens - 1) * per_token for r in served)
+    label = (("model_name", server.name),)
+    assert metrics[("qpcbuild:kv_handoff_bytes_total", label)] == want
+    assert metrics[("qpcbuild:kv_handoff_requests_total", label)] == len(PROMPTS)
+    assert metrics[("qpcbuild:kv_handoff_seconds_count", label)] == len(PROMPTS)
+    assert metrics[("qpcbuild:kv_handoff_request_bytes_sum", label)] == want
+    assert metrics[("qpcbuild:kv_handoff_prefill_seconds_sum", label)] > 0
+    assert sum(v for (name, _), v in metrics.items()
+               if name == "vllm:request_success_total") == len(PROMPTS)
+    assert server.gen.decoder.log.records == []  # counted, not kept
 
 
 def test_build_units_share_the_target_export(tmp_path):

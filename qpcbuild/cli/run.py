@@ -197,7 +197,10 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per request and no "
                                      "throughput lines (the start-up line and errors stay)."),
           stats_interval: float = typer.Option(10.0, help="Seconds between throughput and "
-                                               "acceptance lines while requests run (0: none).")):
+                                               "acceptance lines while requests run (0: none)."),
+          prefill_timeout: Optional[float] = typer.Option(
+              None, help="A disaggregated bundle: seconds after which a prefill worker that "
+              "has not answered is killed and replaced (default 120); its requests get 503.")):
     """OpenAI-compatible server on the bundle (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics with vLLM's metric names)."""
     from ..errors import UsageError
@@ -207,7 +210,7 @@ def serve(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         raise UsageError(f"--port must be in 1..65535, got {port}")
     folder = bundle_folder(bundle, insecure, signatures=require_signature is not None)
     run_server(folder, host, port, backend, verify, served_model_name, log_level, quiet,
-               stats_interval, signed_by=require_signature, policy=spec_policy)
+               stats_interval, prefill_timeout, signed_by=require_signature, policy=spec_policy)
 
 
 @app.command("serve-config")

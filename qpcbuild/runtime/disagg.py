@@ -16,12 +16,13 @@ import os
 import selectors
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from ..bundle.manifest import Manifest
 
 START_TIMEOUT_S = 300.0  # loading the prefill unit's weights
+# A prefill that has not answered in this long is a hung worker: it is killed and replaced
+# (`serve --prefill-timeout`); generous, as a long prompt on a busy host takes seconds.
+REPLY_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -55,6 +59,14 @@ class HandoffRecord:
 @dataclass
 class HandoffLog:
     records: list[HandoffRecord] = field(default_factory=list)
+    keep: bool = True  # a server counts each record (on_record) and keeps none
+    on_record: Callable[[HandoffRecord], None] | None = None
+
+    def add(self, record: HandoffRecord) -> None:
+        if self.keep:
+            self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
 
     def to_dict(self) -> dict[str, Any]:
         return {"per_prompt": [r.to_dict() for r in self.records],
@@ -125,15 +137,32 @@ def _worker(bundle: str, shm_name: str) -> None:
 
 
 class WorkerExited(QpcbuildError):
-    """The prefill process is gone (killed, crashed): a new one may take over."""
+    """The prefill process is gone (killed, crashed, or killed here when it hung): a new one
+    may take over."""
+
+
+class PrefillUnavailable(QpcbuildError):
+    """No prefill worker can answer now: one is being started in place of a dead or hung one
+    (the request may be retried shortly), or none could be started. A server answers 503."""
+
+    def __init__(self, message: str, retry: bool):
+        super().__init__(message)
+        self.retry = retry  # False: the worker could not be started again
+
+
+WorkerState = Literal["ready", "restarting", "failed"]
 
 
 class PrefillWorker:
-    """The prefill process and the shared memory its KV slices cross by. A worker that dies is
-    started again on the next request (a prefill keeps no state between requests), so a
-    server recovers; one that cannot start is a clear error."""
+    """The prefill process and the shared memory its KV slices cross by. A prefill keeps no
+    state between requests, so a worker that dies, or hangs past `reply_timeout_s` (it is then
+    killed), is simply replaced. Under `run` the replacement starts at once and the request is
+    asked again. A server (`serving`) instead replaces it in the background and answers the
+    requests that need it meanwhile with PrefillUnavailable (HTTP 503), never waiting on it;
+    one that cannot be started again leaves the worker `failed`, which the server reports."""
 
-    def __init__(self, bundle: Path, manifest: Manifest):
+    def __init__(self, bundle: Path, manifest: Manifest,
+                 reply_timeout_s: float = REPLY_TIMEOUT_S):
         arch, shapes = manifest.target.arch, manifest.shapes
         self.bundle = bundle
         self.buffers = 2 * arch.num_layers
@@ -142,6 +171,11 @@ class PrefillWorker:
         rows = shapes.batch_size if not shapes.full_batch_size else 1
         self.shm = shared_memory.SharedMemory(create=True, size=row_bytes * rows)
         self.restarts = 0
+        self.reply_timeout_s = reply_timeout_s
+        self.serving = False  # set by a server: replace in the background, never wait
+        self.state: WorkerState = "ready"
+        self.why = ""  # what ended the last worker, or why none could start
+        self._state_lock = threading.Lock()
         self._live: dict[str, subprocess.Popen[str]] = {}  # "proc": the running worker
         self._finalizer = weakref.finalize(self, _shutdown, self._live, self.shm)
         self._start()
@@ -172,7 +206,9 @@ class PrefillWorker:
             waiting.register(self.proc.stdout, selectors.EVENT_READ)
             ready = waiting.select(timeout)
         if not ready:
-            raise QpcbuildError(f"the prefill worker gave no answer in {timeout:.0f} s")
+            self.proc.kill()  # hung: it is replaced like a dead one
+            raise WorkerExited(f"the prefill worker gave no answer in {timeout:g} s and was "
+                               "killed")
         line = self.proc.stdout.readline()
         if not line:
             raise WorkerExited(f"the prefill worker exited (exit code {self.proc.wait()})")
@@ -189,15 +225,55 @@ class PrefillWorker:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise WorkerExited(f"the prefill worker is not reachable ({exc})") from None
-        return self._receive(START_TIMEOUT_S)
+        return self._receive(self.reply_timeout_s)
+
+    def unavailable(self) -> PrefillUnavailable | None:
+        """Why a request cannot be prefilled now (None: it can). A worker found dead here is
+        replaced in the background (serving) before anything is asked of it."""
+        with self._state_lock:
+            if self.state == "ready" and self.serving and self.proc.poll() is not None:
+                self._replace_locked(f"the prefill worker exited (exit code "
+                                     f"{self.proc.returncode})")
+            if self.state == "restarting":
+                return PrefillUnavailable(f"{self.why}; a new prefill worker is starting, "
+                                          "retry shortly", retry=True)
+            if self.state == "failed":
+                return PrefillUnavailable(f"no prefill worker: {self.why}", retry=False)
+            return None
+
+    def _replace_locked(self, why: str) -> None:
+        """(holding _state_lock) Stop the worker and start another on a thread of its own."""
+        _stop(self.proc)
+        self.state, self.why = "restarting", why
+        self.restarts += 1
+
+        def start() -> None:
+            try:
+                self._start()
+            except QpcbuildError as exc:
+                with self._state_lock:
+                    self.state, self.why = "failed", str(exc)
+                return
+            with self._state_lock:
+                self.state = "ready"
+        threading.Thread(target=start, name="qpcbuild-prefill-restart", daemon=True).start()
 
     def prefill(self, heads: list[list[int]]) -> tuple[list[list[np.ndarray]], float]:
         """Each head's KV slices (per buffer [1, kv_heads, n, head_dim], copies out of the
         shared block) and the worker's prefill seconds."""
+        if self.serving:
+            refused = self.unavailable()
+            if refused is not None:
+                raise refused
         try:
             status, detail = self._ask(heads)
-        except WorkerExited:  # once: a new worker, the same request
-            _stop(self.proc)
+        except WorkerExited as exc:
+            if self.serving:
+                with self._state_lock:
+                    self._replace_locked(str(exc))
+                raise PrefillUnavailable(f"{exc}; a new prefill worker is starting, retry "
+                                         "shortly", retry=True) from None
+            _stop(self.proc)  # once: a new worker, the same request
             self.restarts += 1
             self._start()
             status, detail = self._ask(heads)
@@ -216,7 +292,8 @@ class PrefillWorker:
         return out, seconds
 
     def close(self) -> None:
-        self._finalizer()
+        with self._state_lock:  # (not while a replacement is being decided)
+            self._finalizer()
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -248,6 +325,21 @@ class DisaggDecoder(SpecDecoder):
         # the last prompt token goes through the narrowest compiled decode window
         self.recompute_width = min(s.seq_len for s in self.target.specializations)
 
+    def _admit(self, run: Any, batch: list[tuple[int, Row]]) -> None:
+        """As SpecDecoder's, except that rows the prefill worker cannot take now end at once,
+        unserved (Row.unavailable), and leave their slots free: the rows already decoding go
+        on."""
+        try:
+            super()._admit(run, batch)
+        except PrefillUnavailable as exc:
+            for _, r in batch:
+                if r.tokens:  # admitted before the worker failed
+                    continue
+                r.done, r.finish_reason, r.unavailable = True, "unavailable", str(exc)
+                r.stats.e2e_s = self.clock() - r.arrival
+                if run.on_token:
+                    run.on_token(r.index, [])
+
     def _prefill(self, session: ModelSession, rows: list[Row], times: LoopTimes, kind: str,
                  slot: int | None = None) -> np.ndarray:
         if session is not self.target:
@@ -269,8 +361,8 @@ class DisaggDecoder(SpecDecoder):
         crossing = self.clock() - t0 - prefill_s
         for r, head, nbytes in zip(rows, heads, per_row):
             share = nbytes / max(1, sum(per_row))
-            self.log.records.append(HandoffRecord(len(r.prompt), len(head), nbytes,
-                                                  prefill_s * share, crossing * share))
+            self.log.add(HandoffRecord(len(r.prompt), len(head), nbytes, prefill_s * share,
+                                       crossing * share))
         # the last prompt token, recomputed here: its logits give the first output token
         b, w = session.batch_size, self.recompute_width
         ids = np.zeros((b, w), np.int64)

@@ -122,6 +122,9 @@ class Row:
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
     cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
+    # Why the row ended unserved, for a part of the server that is being replaced (a
+    # disaggregated bundle's prefill worker): the server answers 503
+    unavailable: str = ""
     rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
 
     # The finish reason is the request's record's (one place); the loop sets it here.

@@ -12,10 +12,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str = DEFAULT_BACKEND,
           verify: str = "full", model_name: str | None = None, log_level: str = "info",
-          quiet: bool = False, stats_interval: float = 10.0, **load_options) -> None:
+          quiet: bool = False, stats_interval: float = 10.0,
+          prefill_timeout: float | None = None, **load_options) -> None:
     """Checks the arguments and takes the port before the (slow) bundle load, so a typo or a busy
     port fails in a second, not after the model is loaded. quiet: no line per request and no
-    throughput lines (a log level above info has the same effect)."""
+    throughput lines (a log level above info has the same effect). prefill_timeout: seconds
+    after which a disaggregated bundle's silent prefill worker counts as hung."""
     import math
 
     from ..errors import UsageError
@@ -27,12 +29,18 @@ def serve(bundle: Path, host: str = "127.0.0.1", port: int = 8000, backend: str 
     if not (math.isfinite(stats_interval) and stats_interval >= 0):
         raise UsageError(f"--stats-interval must be a number of seconds >= 0 (0: none); got "
                          f"{stats_interval}")
+    if prefill_timeout is not None and not (math.isfinite(prefill_timeout) and
+                                            prefill_timeout > 0):
+        raise UsageError(f"--prefill-timeout must be a number of seconds > 0; got "
+                         f"{prefill_timeout}")
     sock = listen(host, port)
     try:
         from ..runtime.loader import load
         from .app import build_app
 
         gen = load(bundle, backend=backend, verify=verify, **load_options)
+        if prefill_timeout is not None and gen.prefill_worker is not None:
+            gen.prefill_worker.reply_timeout_s = prefill_timeout
         name = model_name or gen.manifest.name
         talk = not quiet and LOG_LEVELS.index(log_level) >= LOG_LEVELS.index("info")
         log = ServerLog(requests=talk, stats_interval=stats_interval if talk else 0)

@@ -30,13 +30,14 @@ from ..runtime.loader import Generator
 from ..runtime.sampling import SamplingParams
 from .access import RequestLog, ServerLog
 from .detokenize import Detokenizer
-from .metrics import ServerMetrics, openai_finish_reason
+from .metrics import ServerMetrics, openai_finish_reason, serve_disaggregated
 from .schema import BadRequest, ChatRequest, CompletionRequest, parse_request
 from .worker import EngineWorker, Job
 
 log = logging.getLogger("qpcbuild.server")
 MAX_BODY = 4 << 20
 BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive (a stalled client gets 408)
+RETRY_AFTER_S = 2  # a 503's Retry-After while the prefill worker restarts (it loads in seconds)
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -49,16 +50,26 @@ class ApiError(Exception):
     `scrub=False` is for messages built only from what the client sent (its own route)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, scrub: bool = True):
+                 param: str | None = None, code: str | None = None, scrub: bool = True,
+                 retry_after: int | None = None):
         if scrub:
             message = _SERVER_PATH.sub("<server path>", message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code
+        self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
         return JSONResponse({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}}, self.status)
+                                       "param": self.param, "code": self.code}}, self.status,
+                            headers=headers)
+
+
+def unavailable_error(message: str, retry: bool = True) -> ApiError:
+    """503: a part of the server is being replaced (retry shortly) or could not be."""
+    return ApiError(503, message, type_="service_unavailable", code="prefill_unavailable",
+                    retry_after=RETRY_AFTER_S if retry else None)
 
 
 class _Stream:
@@ -93,6 +104,12 @@ def build_app(gen: Generator, model_name: str,
 
     worker = EngineWorker(gen, on_finish)
     metrics = ServerMetrics(model_name, lambda: worker.running, lambda: worker.waiting)
+    prefill = serve_disaggregated(gen, metrics)
+
+    def refuse_while_unavailable() -> None:
+        refused = prefill.unavailable() if prefill is not None else None
+        if refused is not None:
+            raise unavailable_error(str(refused), refused.retry)
 
     async def body_of(request: Request, schema):
         try:
@@ -139,6 +156,7 @@ def build_app(gen: Generator, model_name: str,
 
     async def generate(request: Request, chat: bool):
         req = await body_of(request, ChatRequest if chat else CompletionRequest)
+        refuse_while_unavailable()  # at once, rather than queued behind a restart
         all_ids = await asyncio.to_thread(prompt_ids, req, chat)  # tokenizing is CPU work
         limits = [budget(req, ids) for ids in all_ids]
         loop = asyncio.get_running_loop()
@@ -215,7 +233,9 @@ def build_app(gen: Generator, model_name: str,
                         job.cancel("stop")
                     if done or detok.stopped:
                         if job.error:
-                            yield _event({"error": {"message": job.error, "type": "server_error",
+                            kind = "service_unavailable" if job.row.unavailable else \
+                                "server_error"
+                            yield _event({"error": {"message": job.error, "type": kind,
                                                     "param": None, "code": None}})
                             return
                         reason = "stop" if detok.stopped else \
@@ -235,6 +255,8 @@ def build_app(gen: Generator, model_name: str,
             request.state.tokens = (usage["prompt_tokens"], usage["completion_tokens"])
 
     def _check(job: Job) -> None:
+        if job.row.unavailable:
+            raise unavailable_error(job.row.unavailable)
         if job.error:
             raise ApiError(500, f"generation failed: {job.error}", type_="server_error")
 
@@ -268,6 +290,9 @@ def build_app(gen: Generator, model_name: str,
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request):
+        refused = prefill.unavailable() if prefill is not None else None
+        if refused is not None:  # a load balancer sends the traffic elsewhere meanwhile
+            return unavailable_error(str(refused), refused.retry).response()
         return Response(status_code=200)
 
     async def prometheus(request: Request):

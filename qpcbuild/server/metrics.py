@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from ..runtime.disagg import DisaggDecoder, HandoffRecord, PrefillWorker
+from ..runtime.loader import Generator
 from ..runtime.rates import acceptance_rate
 
+# The KV hand-off's bytes per request: a few KiB (a short prompt on a small model) to GiBs
+BYTE_BUCKETS = tuple(float(4 ** n * 1024) for n in range(13))  # 1 KiB .. 16 GiB
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -108,3 +112,51 @@ class ServerMetrics:
 def openai_finish_reason(reason: str) -> str:
     return {"eos": "stop", "stop": "stop", "length": "length", "ctx_len": "length",
             "abort": "abort"}.get(reason, reason or "stop")
+
+
+class HandoffMetrics:
+    """A disaggregated bundle's KV hand-off and its prefill worker, beside vLLM's metrics
+    (qpcbuild's own names: vLLM has none for them). Each request's record is counted as the
+    decode node takes its KV, on the engine's thread."""
+
+    def __init__(self, metrics: ServerMetrics, worker: PrefillWorker):
+        r, labels, self.model = metrics.registry, ["model_name"], metrics.model
+        self.bytes = Counter("qpcbuild:kv_handoff_bytes", "KV bytes handed from the prefill "
+                             "worker to the decode node.", labels, registry=r)
+        self.requests = Counter("qpcbuild:kv_handoff_requests", "Requests whose KV was handed "
+                                "off.", labels, registry=r)
+        self.seconds = Histogram("qpcbuild:kv_handoff_seconds", "Seconds the hand-off added "
+                                 "per request (round trip less the worker's prefill).", labels,
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("qpcbuild:kv_handoff_prefill_seconds", "The prefill worker's "
+                                 "compute per request.", labels, buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.size = Histogram("qpcbuild:kv_handoff_request_bytes", "KV bytes per request.",
+                              labels, buckets=BYTE_BUCKETS, registry=r)
+        Gauge("qpcbuild:prefill_worker_restarts", "Prefill workers started in place of a dead "
+              "or hung one.", labels, registry=r).labels(self.model).set_function(
+                  lambda: worker.restarts)
+        Gauge("qpcbuild:prefill_worker_up", "1 while a prefill worker can take requests.",
+              labels, registry=r).labels(self.model).set_function(
+                  lambda: float(worker.unavailable() is None))
+
+    def record(self, h: HandoffRecord) -> None:
+        m = self.model
+        self.bytes.labels(m).inc(h.bytes)
+        self.requests.labels(m).inc()
+        self.seconds.labels(m).observe(h.seconds)
+        self.prefill.labels(m).observe(h.prefill_s)
+        self.size.labels(m).observe(h.bytes)
+
+
+def serve_disaggregated(gen: Generator, metrics: ServerMetrics) -> PrefillWorker | None:
+    """A disaggregated bundle's prefill worker under a server (None for other bundles): it
+    is replaced in the background when it dies or hangs, and its requests meanwhile get 503
+    (runtime/disagg.py); its hand-offs are counted, not kept."""
+    worker, decoder = gen.prefill_worker, gen.decoder
+    if worker is None or not isinstance(decoder, DisaggDecoder):
+        return None
+    worker.serving = True
+    decoder.log.keep = False  # a long-lived server would keep one record per request
+    decoder.log.on_record = HandoffMetrics(metrics, worker).record
+    return worker

@@ -140,6 +140,8 @@ class EngineWorker:
         if job.finished:
             return
         job.finished = True
+        if job.row.unavailable and job.error is None:  # ended unserved (the server says 503)
+            job.error = job.row.unavailable
         with self._lock:
             self._jobs.pop(job.row.index, None)
         if notify:

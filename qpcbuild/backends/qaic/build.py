@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...cache import META, Cache
-from ...errors import ToolchainError
+from ...errors import BundleError, ToolchainError
 from ...plan import RolePlan
 from ...toolchain import compiler_identity, qaic_sdk_versions
 from ...tree import copy_tree
 from ...bundle.backend import BuildContext
+from .kv_names import card_graph_file, is_kv_name, write_card_graph
 from .manifest import NAME, QPC_FILE
 from .plan import QaicPart, custom_io_yaml, find_compiler, specializations_file
 
@@ -93,6 +94,8 @@ class QaicBackend:
         spec = specializations_file(role.specializations, r.hardware.specializations_format)
         (qdir / "specializations.json").write_text(json.dumps(spec, indent=2) + "\n")
         (qdir / "custom_io.yaml").write_text(custom_io_yaml(planned.custom_io))
+        if planned.kv_infix is not None:
+            self.write_card_graph(ctx, role, planned)
         if planned.mdp_partition:
             (qdir / f"mdp_ts_{len(role.device_group)}.json").write_text(
                 json.dumps(planned.mdp_partition, indent=2) + "\n")
@@ -118,11 +121,29 @@ class QaicBackend:
         script.chmod(0o755)
         return args
 
+    @staticmethod
+    def write_card_graph(ctx: BuildContext, role: RolePlan, planned: QaicPart) -> None:
+        """The graph with vllm-qaic's KV names that a disaggregated unit compiles, beside the
+        exported one; its KV I/O, read back from the file, must be custom_io.yaml's."""
+        assert planned.kv_infix is not None
+        inputs, outputs = write_card_graph(ctx.staging / role.model_role / "onnx",
+                                           planned.kv_infix)
+        in_graph = [n for n in (*inputs, *outputs) if is_kv_name(n)]
+        listed = [e["IOName"] for e in planned.custom_io]
+        if sorted(in_graph) != sorted(listed):
+            raise BundleError(f"{role.role}: the card graph's KV buffers {in_graph[:2]}... are "
+                              f"not custom_io.yaml's {listed[:2]}...")
+
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         args = self.write_inputs(ctx, role)
         entry: dict[str, Any] = {"inputs": f"{role.role}/qaic", "compile_script":
                                  f"{role.role}/qaic/compile.sh",
                                  "compiler_args": args}
+        planned = self.part(role)
+        if planned.kv_infix is not None:  # only then: an aggregated entry is as before
+            entry.update(graph=f"{role.model_role}/onnx/{card_graph_file(planned.kv_infix)}",
+                         kv_infix=planned.kv_infix,
+                         kv_buffers=[e["IOName"] for e in planned.custom_io])
         if ctx.emit_only:
             return {**entry, "status": "emitted", "qpc": None}
         compiler, tried = find_compiler(ctx.compiler)

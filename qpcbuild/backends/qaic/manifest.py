@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal, Optional
 
 from ...backend_api import BackendEntry
+from .kv_names import RETAINED, card_kv_name, is_kv_name
 
 NAME = "qaic"  # the registry's name for this backend (`finish` adopts its QPCs)
 QPC_FILE = "programqpc.bin"
@@ -20,12 +21,39 @@ class QaicEntry(BackendEntry):
     qpc: Optional[str] = None
     qpc_files: Optional[list[str]] = None
     log: Optional[str] = None
-
+    # A disaggregated unit (kv_names.py): the graph it compiles, with vllm-qaic's KV names,
+    # and those names as its custom_io.yaml lists them. Absent: the exported graph and names.
+    graph: Optional[str] = None
+    kv_infix: Optional[str] = None
+    kv_buffers: Optional[list[str]] = None
 
     def problems(self, role: dict[str, Any]) -> list[str]:
+        out = []
         if self.status == "compiled" and not self.qpc:
-            return ["backends.qaic: compiled, but names no qpc"]
-        return []
+            out.append("backends.qaic: compiled, but names no qpc")
+        if (self.kv_infix is None) != (self.kv_buffers is None):
+            out.append("backends.qaic: kv_infix and kv_buffers are recorded together")
+        elif self.kv_infix is not None and self.kv_buffers is not None:
+            io = role.get("io", {})
+            outputs = {e["name"] for e in io.get("outputs", [])}
+            exported = []
+            for e in io.get("inputs", []):
+                if is_kv_name(e["name"]):
+                    retained = e["name"] + RETAINED
+                    exported += [e["name"]] + ([retained] if retained in outputs else [])
+            want = [card_kv_name(n, self.kv_infix) for n in exported]
+            if self.kv_buffers != want:
+                wrong = next((f"{a!r} (expected {b!r})" for a, b in
+                              zip(self.kv_buffers, want) if a != b),
+                             f"{len(self.kv_buffers)} names, expected {len(want)}")
+                out.append(f"backends.qaic.kv_buffers: {wrong} is not the role's KV I/O "
+                           f"named with the infix {self.kv_infix!r}")
+        return out
+
+    def device_kv_buffers(self) -> list[str] | None:
+        if self.kv_buffers is None:
+            return None
+        return [n for n in self.kv_buffers if not n.endswith(RETAINED)]
 
 
 ENTRY = QaicEntry

@@ -17,6 +17,8 @@ from ...models.specialization import Specialization
 from ...recipe.schema import Recipe
 from ...toolchain import executable
 from ...backend_api import BackendPart, DeclaredIO, RoleFacts
+from ...bundle.handoff import VLLM_KV_INFIX
+from .kv_names import card_graph_file, card_kv_name
 
 QAIC_COMPILERS = ("/opt/qti-aic/exec/qaic-compile", "/opt/qti-aic/exec/qaic-exec")
 DEFAULT_COMPILER = "qaic-compile"  # argv[0] when none is found: compile.sh runs it from PATH
@@ -37,16 +39,23 @@ def find_compiler(explicit: str | None = None) -> tuple[str | None, list[str]]:
     return None, tried
 
 
-def kv_buffers(io: DeclaredIO) -> list[str]:
+def kv_buffers(io: DeclaredIO, infix: str | None = None) -> list[str]:
     """The KV cache's graph I/O names, from the declared I/O (each past input, then the output
-    that retains it): the buffers whose precision the card's custom_io.yaml sets."""
+    that retains it): the buffers whose precision the card's custom_io.yaml sets. infix: the
+    name vllm-qaic gives them in a disaggregated unit (kv_names.py); None: as exported."""
     outputs = {e.name for e in io.outputs}
     names = []
     for e in io.inputs:
         if e.name.startswith("past_"):
             retained = f"{e.name}_RetainedState"
             names += [e.name] + ([retained] if retained in outputs else [])
-    return names
+    return names if infix is None else [card_kv_name(n, infix) for n in names]
+
+
+def kv_infix(r: Recipe) -> str | None:
+    """Every unit of a disaggregated bundle runs under vllm-qaic's kv_transfer_config, which
+    names the KV buffers with this infix; an aggregated bundle keeps the exported names."""
+    return VLLM_KV_INFIX if r.disaggregated is not None else None
 
 
 def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
@@ -61,13 +70,15 @@ def mdp_partition(devices: list[int], cores: int) -> dict[str, Any] | None:
 def compiler_argv(role: str, r: Recipe, cores: int, n_devices: int, compiler: str,
                   graph_role: str | None = None) -> list[str]:
     """graph_role: whose exported graph the unit compiles, where it is not `role`'s own (a
-    disaggregated prefill unit compiles the target's)."""
+    disaggregated prefill unit compiles the target's); a disaggregated unit compiles its copy
+    with vllm-qaic's KV names (kv_names.py)."""
     opts, q = r.hardware.compiler_options, f"{role}/qaic"
     # QEfficient passes -convert-to-fp16 whenever its graph is not bfloat16; its graph is
     # bfloat16 only for a bf16 checkpoint on ai200. The card graph here always computes in
     # float32 (float16 weights are Cast up), so the flag is always QEfficient's choice for it.
-    argv = [compiler, "-aic-hw", f"-aic-hw-version={r.hardware.aic_hw_version}",
-            f"-m={graph_role or role}/onnx/model.onnx", "-retained-state", "-convert-to-fp16"]
+    graph = f"{graph_role or role}/onnx/{card_graph_file(kv_infix(r))}"
+    argv = [compiler, "-aic-hw", f"-aic-hw-version={r.hardware.aic_hw_version}", f"-m={graph}",
+            "-retained-state", "-convert-to-fp16"]
     if r.precision.quantization == "mxfp6":
         argv.append("-mxfp6-matmul")
     argv.append(f"-aic-num-cores={cores}")
@@ -105,13 +116,19 @@ class QaicPart(BackendPart):
     custom_io: list[dict[str, str]]  # custom_io.yaml's rows: {"IOName", "Precision"}
     mdp_partition: dict[str, Any] | None  # mdp_ts_N.json (None: one device)
     compiler_argv: list[str]  # relative to the bundle root; argv[0] is the compiler
+    # vllm-qaic's KV name infix in the compiled graph and custom_io (None: the exported names)
+    kv_infix: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "compiler_command": shlex.join(self.compiler_argv)}
+        shown = {**super().to_dict(), "compiler_command": shlex.join(self.compiler_argv)}
+        if self.kv_infix is None:
+            del shown["kv_infix"]  # an aggregated plan shows what it always did
+        return shown
 
     def describe(self, r: Recipe, n_devices: int, built: bool) -> list[str]:
+        first = ", ".join(e["IOName"] for e in self.custom_io[:2])
         lines = [f"custom_io.yaml: {len(self.custom_io)} entries, Precision "
-                 f"{self.custom_io[0]['Precision']} (past_key.0, past_key.0_RetainedState, ...)"]
+                 f"{self.custom_io[0]['Precision']} ({first}, ...)"]
         if self.mdp_partition:
             lines.append(f"mdp_ts_{n_devices}.json: "
                          f"{json.dumps(self.mdp_partition, separators=(',', ':'))}")
@@ -127,19 +144,23 @@ class QaicPart(BackendPart):
 class QaicPlan:
     def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> QaicPart:
         compiler = compiler or find_compiler()[0] or DEFAULT_COMPILER
+        infix = kv_infix(r)
         return QaicPart(
             custom_io=[{"IOName": n, "Precision": r.precision.kv_cache_dtype}
-                       for n in kv_buffers(facts.io)],
+                       for n in kv_buffers(facts.io, infix)],
             mdp_partition=mdp_partition(facts.device_group, facts.cores),
             compiler_argv=compiler_argv(facts.role, r, facts.cores, len(facts.device_group),
-                                        compiler, facts.model_role))
+                                        compiler, facts.model_role),
+            kv_infix=infix)
 
     def settings(self, r: Recipe, facts: RoleFacts, part: QaicPart) -> dict[str, Any]:
         # argv[0] is left out: where the compiler is installed does not change the program
-        return {"export": facts.export_key, "argv": part.compiler_argv[1:],
-                "specs": [s.model_dump() for s in facts.specializations],
-                "custom_io": r.precision.kv_cache_dtype,
-                "fmt": r.hardware.specializations_format}
+        settings = {"export": facts.export_key, "argv": part.compiler_argv[1:],
+                    "specs": [s.model_dump() for s in facts.specializations],
+                    "custom_io": r.precision.kv_cache_dtype,
+                    "fmt": r.hardware.specializations_format}
+        # only where set: an aggregated unit's key (and so its bundle id) is as before
+        return settings if part.kv_infix is None else {**settings, "kv_infix": part.kv_infix}
 
     def problems(self, r: Recipe, role: str, arch: ArchSpec) -> list[Problem]:
         return []  # the card compiles whatever the exporter writes
