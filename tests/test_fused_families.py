@@ -26,7 +26,7 @@ from helpers_qaic import build
 
 TOL = 1e-4  # max |logit| difference, as for every exported graph (test_export.py)
 CTX = 32
-VARIANTS = ("gemma3", "gemma2", "mistral_sliding")
+VARIANTS = ("gemma3", "gemma2", "mistral_sliding", "mixtral")  # Mixtral: window 6 and MoE
 
 
 def fused_graph(model: Path, root: Path) -> tuple[Path, object]:
