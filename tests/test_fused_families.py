@@ -90,3 +90,20 @@ def test_local_window_size_for_a_window_keeps_that_many_keys(window):
     """Whatever the installed kernel reads local_window_size as, the attribute chosen for a
     window keeps exactly `window` keys for a query with more keys behind it."""
     assert keys_kept(local_window_size(window)) == window
+
+
+def test_fused_gemma3_under_continuous_batching_equals_generate_for_every_request(
+        tiny_models, tmp_path):
+    """Four requests through 2 KV slots of a fused Gemma 3 bundle (windows row by row,
+    single-token calls over both rows at once, each row's window from its own length): every
+    request gets transformers' greedy tokens."""
+    target = tiny_models["gemma3"]
+    out = tmp_path / "bundle"
+    build(write_recipe(tmp_path, target, "ngram", graph="fused"), tmp_path / "cache", out,
+          "shapes.full_batch_size=2")
+    gen = load(out)
+    assert gen.decoder.cb and gen.target.batch_size == 2
+    batch = prompts(3) + prompts(4)
+    rows = gen.generate(batch, max_new_tokens=NEW_TOKENS).rows
+    for ids, row in zip(batch, rows):
+        assert row.tokens[len(ids):] == hf_greedy(target, ids), ids
