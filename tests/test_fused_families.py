@@ -15,7 +15,8 @@ import onnx
 import pytest
 
 from qpcbuild.backends.onnxruntime.ort_graph import PortableWeights, build_ort_graph
-from qpcbuild.backends.onnxruntime.window import keys_kept, local_window_size
+from qpcbuild.backends.onnxruntime.window import READING, keys_kept, local_window_size, reading
+from qpcbuild.errors import BundleError
 from qpcbuild.export import export_model
 from qpcbuild.models.source import resolve
 from qpcbuild.runtime.loader import load
@@ -107,3 +108,21 @@ def test_fused_gemma3_under_continuous_batching_equals_generate_for_every_reques
     rows = gen.generate(batch, max_new_tokens=NEW_TOKENS).rows
     for ids, row in zip(batch, rows):
         assert row.tokens[len(ids):] == hf_greedy(target, ids), ids
+
+
+def test_a_windowed_fused_graph_built_for_another_kernel_reading_is_refused_at_load(
+        tiny_models, tmp_path):
+    """A bundle whose graph records that its kernel kept a different number of keys for
+    local_window_size (built under another onnxruntime) would attend to other keys here: load
+    refuses it and says how to fix it, instead of running a wrong window."""
+    out = tmp_path / "bundle"
+    build(write_recipe(tmp_path, tiny_models["gemma3"], "ngram", graph="fused"),
+          tmp_path / "cache", out)
+    graph = out / "target" / "ort" / "model.onnx"
+    model = onnx.load(str(graph), load_external_data=False)
+    recorded = {p.key: p for p in model.metadata_props}[READING]
+    assert recorded.value == reading()[READING]
+    recorded.value = str(1 - int(recorded.value))  # the other reading
+    graph.write_bytes(model.SerializeToString())
+    with pytest.raises(BundleError, match="local_window_size.*Rebuild"):
+        load(out, verify="none")

@@ -44,7 +44,7 @@ from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 from .nbits import (INT8_BLOCK, LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, blockwise_nbits,
                     blockwise_nbits_asymmetric)
-from .window import local_window_size
+from .window import local_window_size, reading, windowed
 
 MS = "com.microsoft"
 
@@ -97,6 +97,8 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
         _Lowered(g, arch, w, batch, ctx_len, weights, layout,
                  mxfp6=numerics.get("weights") == WEIGHT_FORMAT,
                  mxint8=numerics.get("kv") == KV_FORMAT).build(role)
+        if windowed(arch, ctx_len):  # the kernel's reading, checked again where it is loaded
+            metadata = {**metadata, **reading()}
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
     model.opset_import.append(helper.make_opsetid(MS, 1))
     path = out_dir / "model.onnx"

@@ -5,18 +5,23 @@ transformers keeps key k for query q when q - window < k <= q (`window` keys). T
 onnxruntime 1.32 keeps q - local_window_size < k <= q, the same count; the CPU source of earlier
 releases (contrib_ops/cpu/bert/gqa_attention_base.h) keeps one key more (q - local_window_size
 <= k <= q). The contrib op's documentation does not say which, so the fused lowering measures it
-once per process on a one-head graph rather than trust a version number; the onnxruntime
+once per process on a one-head graph rather than trust a version number. The onnxruntime
 version is in every artifact's cache key, so a graph built for one reading is rebuilt under the
-other.
+other; and a graph records the reading it was built for (its metadata), which the runtime checks
+against the kernel it loads, since a bundle may run where another onnxruntime is installed.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
 from ...errors import ToolchainError
+from ...models.arch import ArchSpec
+
+READING = "gqa_local_window_extra_keys"  # the graph's metadata: keys kept beyond the attribute
 
 _PROBE_LEN, _PROBE_WINDOW, _HEAD = 8, 2, 8  # the kernel wants head_size % 8 == 0
 
@@ -67,3 +72,34 @@ def local_window_size(window: int) -> int:
             f"{_PROBE_WINDOW}; the fused lowering knows kernels that keep {_PROBE_WINDOW} or "
             f"{_PROBE_WINDOW + 1}. Use `onnxruntime: {{graph: portable}}`.")
     return window - extra
+
+
+def windowed(arch: ArchSpec, ctx_len: int) -> bool:
+    """Whether the fused graph of `arch` at `ctx_len` sets local_window_size on some layer
+    (a window shorter than ctx_len)."""
+    return any(arch.is_sliding(i) for i in range(arch.num_layers)) and \
+        bool(arch.sliding_window) and arch.sliding_window < ctx_len
+
+
+def reading() -> dict[str, str]:
+    """The metadata a windowed graph carries: the installed kernel's reading."""
+    return {READING: str(keys_kept() - _PROBE_WINDOW)}
+
+
+def reading_problem(model_path: Path) -> str | None:
+    """Why the installed kernel would attend to other keys than the fused graph at
+    `model_path` was built for, or None (also for a graph without a windowed layer: it records
+    no reading). Reads the graph's metadata only (milliseconds: the weights are external)."""
+    import onnx
+
+    meta = {p.key: p.value for p in
+            onnx.load(str(model_path), load_external_data=False).metadata_props}
+    built = meta.get(READING)
+    if built is None or built == reading()[READING]:
+        return None
+    here = reading()[READING]
+    return (f"{model_path}: its sliding layers were built for a GroupQueryAttention that keeps "
+            f"{built} key(s) beyond local_window_size; the "
+            f"installed onnxruntime keeps {here}, so its windows would differ from the model's. "
+            "Rebuild the bundle with this onnxruntime (`qpcbuild compile`), or install the one "
+            "it was built with.")
