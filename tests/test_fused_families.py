@@ -1,8 +1,10 @@
 """The fused ONNX Runtime lowering (backends/onnxruntime/ort_graph.py) of Gemma 3, Gemma 2 and
 sliding windows shorter than the context: GroupQueryAttention's local_window_size, softcap and a
-second RoPE base, Gemma's (1 + w) and sandwich norms and FastGelu, checked against transformers'
-float32 forward on the tiny checkpoints (tests/conftest.py: windows of 5-6, contexts of 19 tokens and
-more), and greedy n-gram speculative decoding through a fused bundle equal to `generate`.
+second RoPE base, Gemma's (1 + w) and sandwich norms and FastGelu, checked against
+transformers' float32 forward on the tiny checkpoints (tests/conftest.py: windows of 5-6,
+contexts of 19 tokens and more), and greedy n-gram speculative decoding through a fused bundle
+equal to `generate`, also under continuous batching; a graph built for another reading of
+local_window_size is refused where it is loaded.
 Gemma 3 270M on its real weights: tests/test_gemma3.py."""
 
 from __future__ import annotations
