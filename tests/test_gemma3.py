@@ -1,6 +1,7 @@
 """Gemma 3 270M (`make gemma3`) on its real weights, past its 512-token sliding window: the
-exported graph against transformers' forward, and greedy speculative decoding (n-gram and suffix
-proposals, recipes/gemma3-270m*.yaml) equal to transformers' `generate`, on prompts longer than
+exported graph and its fused ONNX Runtime lowering against transformers' forward, and greedy
+speculative decoding (n-gram and suffix proposals, recipes/gemma3-270m*.yaml, on the fused
+graph) equal to transformers' `generate`, on prompts longer than
 the window so five of every six layers attend to part of the context only.
 
 Skipped when the model is not fetched; failed instead when QPCBUILD_REAL_MODEL=required (CI).
@@ -19,6 +20,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from qpcbuild.backends.onnxruntime.ort_graph import PortableWeights, build_ort_graph
 from qpcbuild.cli import app
 from qpcbuild.export import export_model
 from qpcbuild.models.source import resolve
@@ -66,7 +68,7 @@ def hf_last_logits(path: Path, tokens: list[int], keep: int) -> np.ndarray:
     return out.logits[0].numpy()
 
 
-def test_exported_graph_matches_transformers_past_the_sliding_window(gemma3_model, tmp_path):
+def test_exported_and_fused_graphs_match_transformers_past_the_sliding_window(gemma3_model, tmp_path):
     try:
         _check_fidelity(gemma3_model, tmp_path)
     finally:  # 1.4 GB of weights: not kept in pytest's retained temporary folders
@@ -74,10 +76,18 @@ def test_exported_graph_matches_transformers_past_the_sliding_window(gemma3_mode
 
 
 def _check_fidelity(gemma3_model: Path, tmp_path: Path) -> None:
+    """The exported (portable) graph, and the fused ONNX Runtime lowering built from it
+    (GroupQueryAttention's local window over 512 of the 1,024 slots, two RoPE bases)."""
     result = export_model(resolve(str(gemma3_model)), "target", tmp_path / "onnx")
     tokens = source_tokens(tokenizer(gemma3_model))[:606]
     ref = hf_last_logits(gemma3_model, tokens, 7)  # positions 599..605
-    drv = GraphDriver(result.onnx_path, 1, 1024)
+    fused = build_ort_graph(result.arch, PortableWeights(result.onnx_path), "target", 1, 1024,
+                            tmp_path / "onnx" / "fused", {})
+    for form, graph in (("exported", result.onnx_path), ("fused", fused)):
+        _compare(GraphDriver(graph, 1, 1024), tokens, ref, form)
+
+
+def _compare(drv: GraphDriver, tokens: list[int], ref: np.ndarray, form: str) -> None:
     worst = {"prefill": float(np.max(np.abs(prefill(drv, tokens[:600], 64)[0, -1] - ref[0])))}
     decode = drv(np.array([[tokens[600]]]), np.array([[600]]))
     worst["decode"] = float(np.max(np.abs(decode[0, -1] - ref[1])))
@@ -86,8 +96,8 @@ def _check_fidelity(gemma3_model: Path, tmp_path: Path) -> None:
     verify = drv(np.array([tokens[601:606]]), np.array([window]), nlk=5)  # over the rejected one
     worst["verify"] = float(np.max(np.abs(verify[0] - ref[2:])))
     assert (verify[0].argmax(-1) == ref[2:].argmax(-1)).all()
-    print("max abs logit difference:", worst)
-    assert max(worst.values()) < 2e-3, worst
+    print(form, "max abs logit difference:", worst)
+    assert max(worst.values()) < 2e-3, (form, worst)
 
 
 @pytest.fixture(scope="module")

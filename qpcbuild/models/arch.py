@@ -178,23 +178,19 @@ class ArchSpec:
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def fused_ort_problem(self, ctx_len: int) -> str | None:
-        """Why qpcbuild's fused ONNX Runtime lowering cannot run this model at `ctx_len`, or
-        None. That lowering is Llama's block on ORT's GroupQueryAttention (with Qwen's biases
-        and q/k norms, Granite's multipliers: the scores' one is the kernel's scale), and routed
-        layers of SiLU experts on ORT's MoE kernel (Qwen3-MoE, Mixtral); Gemma's norms,
-        activation and soft-capping, Phi-3's partial and longrope RoPE, GPT-OSS's sinks,
-        stacked experts and YaRN, and windows shorter than the context, run on the portable
-        graph (the exported one, exact)."""
-        if self.sandwich_norms or self.norm_offset or self.hidden_act != "silu" or \
-                self.attn_logit_softcapping or self.final_logit_softcapping or \
-                self.fused_projections or self.rope_dim != self.head_dim or \
+        """Why qpcbuild's fused ONNX Runtime lowering cannot run this model, or None. That
+        lowering is Llama's block on ORT's GroupQueryAttention (with Qwen's biases and q/k
+        norms, Granite's multipliers: the scores' one is the kernel's scale; Gemma 2/3's (1 + w)
+        and sandwich norms, GeGLU, soft-capping and two RoPE bases; sliding windows as the
+        kernel's local_window_size), and routed layers of SiLU experts on ORT's MoE kernel
+        (Qwen3-MoE, Mixtral); Phi-3's partial and longrope RoPE and GPT-OSS's sinks, stacked
+        experts and YaRN run on the portable graph (the exported one, exact). `ctx_len` is
+        kept for callers: no limit on it remains."""
+        if self.fused_projections or self.rope_dim != self.head_dim or \
                 self.stacked_experts or self.attention_sinks or \
-                self.rope_attention_factor != 1.0:
+                self.rope_attention_factor != 1.0 or \
+                (self.num_experts and self.hidden_act != "silu"):
             return f"the fused lowering does not build {self.family}'s layers"
-        if any(self.is_sliding(i) for i in range(self.num_layers)) and \
-                ctx_len > self.sliding_window:
-            return (f"the fused lowering has no sliding window, and ctx_len {ctx_len} exceeds "
-                    f"the window ({self.sliding_window})")
         return None
 
     @property

@@ -2,10 +2,15 @@
 built from ORT's fused CPU kernels so a decode step does not pay for the whole static context.
 
 - q/k/v and gate/up projections are single MatMuls on concatenated weights;
-- RMSNorm and residual adds are (Skip)SimplifiedLayerNormalization;
+- RMSNorm and residual adds are (Skip)SimplifiedLayerNormalization (Gemma's (1 + w) norms read
+  the exported weights, which hold 1 + w already; its sandwich norms are one more norm on each
+  branch's output before the residual add);
+- Gemma's gelu_pytorch_tanh is com.microsoft.FastGelu (the same tanh form, one kernel);
 - attention is com.microsoft.GroupQueryAttention over the same [B, nKV, ctx_len, D] buffers,
   updated in place (the runtime binds each KV input and its _RetainedState output to one buffer)
-  and reading only the valid prefix of each row;
+  and reading only the valid prefix of each row; a sliding layer whose window is shorter than
+  ctx_len sets the kernel's local_window_size, Gemma 2's score soft-cap its softcap, and Gemma 3's
+  sliding layers read cos/sin caches of their own RoPE base;
 - with `weights="int8"` or `"int4"` each matmul weight is stored as 8- or 4-bit blocks of 32
   along K for com.microsoft.MatMulNBits: a quarter or an eighth of the bytes a memory-bound call
   has to read (lossless for a draft; a target's output changes, so the recipe must ask for it;
@@ -32,13 +37,14 @@ import onnx
 from onnx import TensorProto, helper
 
 from ...models.arch import ArchSpec
-from ...export.builder import GraphBuilder
+from ...export.builder import GraphBuilder, weight_key
 from ...export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
 from ...models.graph_io import declare, graph_io
 from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 from .nbits import (INT8_BLOCK, LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, blockwise_nbits,
                     blockwise_nbits_asymmetric)
+from .window import local_window_size, reading, windowed
 
 MS = "com.microsoft"
 
@@ -68,8 +74,11 @@ class PortableWeights:
         return name in self.entries
 
 
-def rope_tables(arch: ArchSpec, ctx_len: int) -> tuple[np.ndarray, np.ndarray]:
-    freqs = np.outer(np.arange(ctx_len, dtype=np.float32), arch.inv_freq())  # float32, as HF
+def rope_tables(arch: ArchSpec, ctx_len: int,
+                local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """GroupQueryAttention's cos/sin caches [ctx_len, D/2]; `local`: the sliding layers' own
+    RoPE base (Gemma 3)."""
+    freqs = np.outer(np.arange(ctx_len, dtype=np.float32), arch.inv_freq(local))  # as HF
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
@@ -88,6 +97,8 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
         _Lowered(g, arch, w, batch, ctx_len, weights, layout,
                  mxfp6=numerics.get("weights") == WEIGHT_FORMAT,
                  mxint8=numerics.get("kv") == KV_FORMAT).build(role)
+        if windowed(arch, ctx_len):  # the kernel's reading, checked again where it is loaded
+            metadata = {**metadata, **reading()}
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
     model.opset_import.append(helper.make_opsetid(MS, 1))
     path = out_dir / "model.onnx"
@@ -141,8 +152,14 @@ class _Lowered:
         """x * factor, x itself for 1 (every family but Granite)."""
         return x if factor == 1.0 else self.g.op("Mul", x, self.g.const(factor, np.float32))
 
+    def norm_weight(self, name: str) -> str:
+        """A norm's scale as exported: Gemma's checkpoints store w - 1, the export 1 + w under a
+        name of its own (export/builder.py, weight_key); every other family's w as it is."""
+        key = weight_key(name, False, False, self.a.norm_offset)
+        return self.g.weight(key, self.w.get(key))
+
     def norm(self, x: str, weight: str) -> str:
-        return self.g.op("SimplifiedLayerNormalization", x, self.weight(weight), axis=-1,
+        return self.g.op("SimplifiedLayerNormalization", x, self.norm_weight(weight), axis=-1,
                          epsilon=self.a.rms_norm_eps, stash_type=1)
 
     def skip_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
@@ -150,7 +167,7 @@ class _Lowered:
         g = self.g
         normed, summed = g._name("sln"), g._name("residual")
         g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization",
-                                        [x, delta, self.weight(weight)],
+                                        [x, delta, self.norm_weight(weight)],
                                         [normed, "", "", summed], domain=MS,
                                         name=f"n{len(g.nodes)}_SkipSLN",
                                         epsilon=self.a.rms_norm_eps))
@@ -177,7 +194,10 @@ class _Lowered:
         total = g.op("Cast", g.op("ReduceMax", g.op("Add", last, g.const([1])), keepdims=0),
                      to=TensorProto.INT32)
         cos, sin = rope_tables(a, c)
-        cos, sin = g.weight("rope_cos", cos), g.weight("rope_sin", sin)
+        rope = {False: (g.weight("rope_cos", cos), g.weight("rope_sin", sin))}
+        if a.has_local_rope:  # Gemma 3's sliding layers: a RoPE base of their own
+            cos, sin = rope_tables(a, c, local=True)
+            rope[True] = (g.weight("rope_cos.local", cos), g.weight("rope_sin.local", sin))
         if self.mxint8:  # the slots GroupQueryAttention writes: start .. start + S - 1
             steps = g.op("Range", g.const(0), g.op("Squeeze", seq, g.const([0])), g.const(1))
             self.rot_pos = g.op("Add", g.op("Unsqueeze", start, g.const([1])), steps)
@@ -186,11 +206,19 @@ class _Lowered:
                         a.embedding_scale)  # Granite's embedding multiplier
         h = self.norm(x, "model.layers.0.input_layernorm.weight")
         for i in range(a.num_layers):
+            p = f"model.layers.{i}"
+            cos, sin = rope[a.is_sliding(i) and a.has_local_rope]
             # Granite scales each residual branch
             delta = self.scaled(self.attention(i, h, past[i], seqlens, total, cos, sin),
                                 a.residual_scale)
-            h, x = self.skip_norm(x, delta, f"model.layers.{i}.post_attention_layernorm.weight")
+            if a.sandwich_norms:  # Gemma: the attention output normed, the MLP input by its own
+                delta = self.norm(delta, f"{p}.post_attention_layernorm.weight")
+                h, x = self.skip_norm(x, delta, f"{p}.pre_feedforward_layernorm.weight")
+            else:
+                h, x = self.skip_norm(x, delta, f"{p}.post_attention_layernorm.weight")
             delta = self.scaled(self.mlp(i, h), a.residual_scale)
+            if a.sandwich_norms:
+                delta = self.norm(delta, f"{p}.post_feedforward_layernorm.weight")
             nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < a.num_layers \
                 else "model.norm.weight"
             h, x = self.skip_norm(x, delta, nxt)
@@ -219,13 +247,21 @@ class _Lowered:
             k = self.mxint8_qdq(self.rope(k, a.num_kv_heads, cos, sin), a.num_kv_heads)
             v = self.mxint8_qdq(v, a.num_kv_heads)
             inputs = [q, k, v, past[0], past[1], seqlens, total]
+        # A sliding layer keeps transformers' keys q - window < k <= q (window.py asks the
+        # kernel which attribute does that); only where the window hides keys at this ctx_len:
+        # a wider one changes nothing, and those graphs keep their bytes.
+        extra = {"local_window_size": local_window_size(a.sliding_window)} \
+            if a.is_sliding(i) and a.sliding_window < self.ctx else {}
+        if a.attn_logit_softcapping:  # Gemma 2: cap * tanh(scores / cap), scale applied first
+            extra["softcap"] = a.attn_logit_softcapping
         out = g._name("attn")
         g.nodes.append(helper.make_node(
             "GroupQueryAttention", inputs,
             [out, f"past_key.{i}_RetainedState", f"past_value.{i}_RetainedState"], domain=MS,
             name=f"n{len(g.nodes)}_GQA", num_heads=a.num_heads, kv_num_heads=a.num_kv_heads,
             do_rotary=0 if self.mxint8 else 1, rotary_interleaved=0,
-            scale=a.scores_scale))  # 1/sqrt(head_dim), or Granite's attention multiplier
+            scale=a.scores_scale,  # 1/sqrt(head_dim), Gemma's query_pre_attn_scalar ** -0.5,
+            **extra))  # or Granite's attention multiplier
         o = self.project(out, f"{p}.o_proj.weight^T")
         return g.op("Add", o, self.weight(f"{p}.o_proj.bias")) if a.o_bias else o
 
@@ -312,9 +348,17 @@ class _Lowered:
             bias = np.concatenate([self.w.get(f"{p}.gate_proj.bias"), self.w.get(f"{p}.up_proj.bias")])
             y = g.op("Add", y, self.weight(f"{p}.gate_up_bias", bias))
         gate, up = g.op("Split", y, g.const([a.intermediate_size] * 2), axis=-1, n_out=2)
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+        act = g.op("Mul", self.activation(gate), up)
         down = self.project(act, f"{p}.down_proj.weight^T")
         return g.op("Add", down, self.weight(f"{p}.down_proj.bias")) if a.mlp_bias else down
+
+    def activation(self, gate: str) -> str:
+        """The gated MLP's activation: SiLU, or Gemma's gelu_pytorch_tanh as ORT's FastGelu
+        (0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the portable graph's ops in one)."""
+        g = self.g
+        if self.a.hidden_act == "silu":
+            return g.op("Mul", gate, g.op("Sigmoid", gate))
+        return g.op("FastGelu", gate, domain=MS)
 
     def head(self, x: str, pos: str, nlk: str | None) -> None:
         # The portable graph stores the head [H, V] (a tied model's too), so no step transposes;

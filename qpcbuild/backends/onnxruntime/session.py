@@ -10,6 +10,7 @@ from ...errors import BundleError
 from ...runtime.model_session import Specialization
 from ...runtime.session import OrtSession, RowwiseOrtSession
 from .manifest import OrtEntry
+from .window import reading_problem
 
 
 def open_session(bundle: Path, manifest: Manifest, role: str,
@@ -19,6 +20,10 @@ def open_session(bundle: Path, manifest: Manifest, role: str,
     path = bundle / entry.artifact
     if not path.is_file():
         raise BundleError(f"{bundle}: missing {entry.artifact}")
+    if entry.graph == "fused":
+        problem = reading_problem(path)  # built where onnxruntime read local_window_size alike?
+        if problem:
+            raise BundleError(problem)
     threads = info.ort.intra_op_threads if info.ort else None
     specs = [Specialization.from_manifest(s) for s in info.specializations]
     kv_shape = (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim)
