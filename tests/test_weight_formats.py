@@ -309,6 +309,22 @@ def test_only_a_quantized_target_pads_its_lone_tokens(int4_target, tmp_path):
     assert qpcbuild.load(fp32, verify="none").decoder.min_window == 1
 
 
+def test_an_int4_target_pads_its_last_tokens_inside_the_buffer(tmp_path):
+    """At the end of the KV buffer a padded lone token has no slot after it: the engine
+    shifts the window left over tokens already verified (recomputing identical KV), so
+    target-only and speculation both run to ctx_len and still agree token for token."""
+    import qpcbuild
+
+    gen = qpcbuild.load(_build(tmp_path, "onnxruntime.draft_weights=int4",
+                               "onnxruntime.target_weights=int4", "shapes.ctx_len=64"),
+                        verify="none")
+    for prompt in ("def add(a, b):", "The capital of France is"):
+        alone = gen.generate([prompt], max_new_tokens=200, target_only=True).rows[0]
+        spd = gen.generate([prompt], max_new_tokens=200).rows[0]
+        assert (len(alone.tokens), alone.finish_reason) == (64, "ctx_len")
+        assert spd.tokens == alone.tokens and spd.finish_reason == "ctx_len"
+
+
 def onnx_nodes(bundle: Path, role: str) -> list:
     import onnx
 
