@@ -310,7 +310,13 @@ class SpecDecoder:
                 first_slot[i] = shift
             ids[i, :len(seq)] = seq
             pos[i, :len(seq)] = np.arange(start, start + len(seq))
-        return self._call(self.target, ids, pos, times, "target"), first_slot
+        logits = self._call(self.target, ids, pos, times, "target")
+        # The graph keeps the N logits rows that end at each row's last real token. A compiled
+        # window keeps one per token (N = s); a lone token padded to the target's floor keeps
+        # fewer (N = 1: the LM head skips the padding), so a shifted row's own rows start
+        # earlier among them.
+        kept = logits.shape[1]
+        return logits, [f - max(f + len(p) + 1 - kept, 0) for f, p in zip(first_slot, proposals)]
 
     def _commit_step(self, run: _Run, proposals: list[list[int]],
                      q: list[list[np.ndarray]] | None, logits: np.ndarray,

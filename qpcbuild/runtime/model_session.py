@@ -48,14 +48,17 @@ class ModelSession(Protocol):
 
 def floor_windows(specs: list[Specialization], min_window: int) -> list[Specialization]:
     """The windows of `min_window` tokens that a session with that floor runs in place of
-    narrower compiled ones (one per batch size that has a narrower window and not that one),
-    keeping as many logits rows as tokens, as a verify window does."""
+    narrower compiled ones (one per batch size that has a narrower window and not that one).
+    Such a window keeps the logits rows the narrower ones keep (1 for a lone token: the LM
+    head does not compute the padding's), ending at the last real token."""
     have = {(s.batch_size, s.seq_len) for s in specs}
-    extra = {}
+    extra: dict[int, Specialization] = {}
     for s in specs:
         if s.seq_len < min_window and (s.batch_size, min_window) not in have:
+            rows = max(s.num_logits, extra[s.batch_size].num_logits) \
+                if s.batch_size in extra else s.num_logits
             extra[s.batch_size] = Specialization(f"Window_{min_window}", s.batch_size,
-                                                 min_window, s.ctx_len, min_window)
+                                                 min_window, s.ctx_len, rows)
     return list(extra.values())
 
 
