@@ -309,6 +309,22 @@ def test_only_a_quantized_target_pads_its_lone_tokens(int4_target, tmp_path):
     assert qpcbuild.load(fp32, verify="none").decoder.min_window == 1
 
 
+def test_a_window_floor_binds_one_padded_window_per_batch_size():
+    """A session with a floor of 2 adds a 2-token window beside each batch size's narrower
+    ones, keeping their logits rows (1 for a lone token: the LM head skips the padding), and
+    none where a 2-token window is compiled already (a K=1 verify)."""
+    from qpcbuild.runtime.model_session import Specialization, floor_windows
+
+    def spec(batch, seq, logits):
+        return Specialization(f"S{batch}x{seq}", batch, seq, 64, logits)
+
+    decode = [spec(1, 32, 1), spec(1, 1, 1), spec(1, 5, 5), spec(4, 1, 1)]
+    assert [(s.batch_size, s.seq_len, s.num_logits) for s in floor_windows(decode, 2)] == \
+        [(1, 2, 1), (4, 2, 1)]
+    assert floor_windows(decode + [spec(1, 2, 2)], 2) == [Specialization("Window_2", 4, 2, 64, 1)]
+    assert floor_windows(decode, 1) == []
+
+
 def test_an_int4_target_pads_its_last_tokens_inside_the_buffer(tmp_path):
     """At the end of the KV buffer a padded lone token has no slot after it: the engine
     shifts the window left over tokens already verified (recomputing identical KV), so
