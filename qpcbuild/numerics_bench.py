@@ -64,10 +64,11 @@ def teacher_forced_logits(gen, prompt: list[int], output: list[int], window: int
             last = logits[0, 0].copy()
     rows = [last]
     feed = output[:-1]
+    width = max(window, t.min_window)  # a lone token padded as the engine pads it
     for j in range(0, len(feed), window):
         piece = feed[j:j + window]
-        ids = np.zeros((t.batch_size, window), np.int64)
-        pos = np.full((t.batch_size, window), -1, np.int64)
+        ids = np.zeros((t.batch_size, width), np.int64)
+        pos = np.full((t.batch_size, width), -1, np.int64)
         ids[0, :len(piece)] = piece
         pos[0, :len(piece)] = np.arange(len(prompt) + j, len(prompt) + j + len(piece))
         rows.extend(t.run(ids, pos)[0, :len(piece)].copy())

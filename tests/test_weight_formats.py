@@ -258,37 +258,87 @@ def test_bench_numerics_measures_an_int4_target_against_fp32(tmp_path):
     assert "ORT target weights int4 blocks" in res.output
 
 
-def _window_drift(bundle: Path, window: int) -> float:
+def _window_drift(bundle: Path, window: int, floor: int | None = None) -> float:
     """Max |logit difference| between each output token's target logits computed one token a
-    call (target-only decode) and `window` tokens a call (a verify window)."""
+    call (target-only decode, padded to the session's window floor unless `floor` replaces
+    it) and `window` tokens a call (a verify window)."""
     import qpcbuild
     from qpcbuild.numerics_bench import teacher_forced_logits
 
     gen = qpcbuild.load(bundle, verify="none")
-    worst = 0.0
+    padded, worst = gen.target.min_window, 0.0
     for prompt in ("def add(a, b):", "The capital of France is", "for i in range(10):"):
         ids = gen.encode(prompt)
         out = gen.generate([ids], max_new_tokens=24, target_only=True).rows[0].tokens[len(ids):]
+        ref = teacher_forced_logits(gen, ids, out, window)
+        if floor is not None:
+            gen.target.min_window = floor
         one = teacher_forced_logits(gen, ids, out, 1)
-        worst = max(worst, float(np.abs(one - teacher_forced_logits(gen, ids, out, window)).max()))
+        gen.target.min_window = padded
+        worst = max(worst, float(np.abs(one - ref).max()))
     return worst
 
 
-def test_an_int4_target_gives_a_token_the_same_logits_alone_or_in_a_verify_window(
-        int4_target, tmp_path, monkeypatch):
-    """Why a target's MatMulNBits multiply in float (accuracy_level 0) while a draft's use int8
-    activations: with int8 activations the last-bit differences between window sizes upstream
-    are rounded into visible logit differences, and greedy speculation stops reproducing
-    target-only (SmolLM2: up to 2.5, docs/weight-formats.md)."""
-    from qpcbuild.backends.onnxruntime import nbits
-
+def test_an_int4_target_gives_a_token_the_same_logits_alone_or_in_a_verify_window(int4_target):
+    """A target keeps int8 activations (accuracy_level 4, the fast kernel) and carries at
+    least 2 tokens a call: a lone token through ORT's GroupQueryAttention takes MLAS's
+    single-row kernel, whose last bits int8 activations round into visible logit changes
+    (SmolLM2: up to 2.5, greedy tokens flipped; docs/weight-formats.md). Padded to 2, a token's
+    logits are bitwise those it gets inside a verify window of 5."""
     levels = {role: {a.i for n in onnx_nodes(int4_target, role) for a in n.attribute
                      if a.name == "accuracy_level"} for role in ("target", "draft")}
-    assert levels == {"target": {0}, "draft": {4}}
-    assert _window_drift(int4_target, 5) < 1e-3
-    monkeypatch.setattr(nbits, "TARGET_NBITS", nbits.LEGACY_NBITS)  # int8 activations
-    drifted = _build(tmp_path, "onnxruntime.draft_weights=int4", "onnxruntime.target_weights=int4")
-    assert _window_drift(drifted, 5) > 1e-2
+    assert levels == {"target": {4}, "draft": {4}}
+    assert _window_drift(int4_target, 5) == 0.0
+    # the same bundle driven one token a call: the logits move with the window
+    assert _window_drift(int4_target, 5, floor=1) > 1e-2
+
+
+def test_only_a_quantized_target_pads_its_lone_tokens(int4_target, tmp_path):
+    """The window floor is the int8/int4 target's: its draft, and a float32 target (whose
+    manifest stays as it was), run lone tokens as they are."""
+    import qpcbuild
+
+    roles = json.loads((int4_target / "manifest.json").read_text())["roles"]
+    assert roles["target"]["backends"]["onnxruntime"]["min_window"] == 2
+    assert "min_window" not in roles["draft"]["backends"]["onnxruntime"]
+    gen = qpcbuild.load(int4_target, verify="none")
+    assert (gen.target.min_window, gen.draft.min_window, gen.decoder.min_window) == (2, 1, 2)
+    fp32 = _build(tmp_path)
+    assert "min_window" not in json.loads((fp32 / "manifest.json").read_text())[
+        "roles"]["target"]["backends"]["onnxruntime"]
+    assert qpcbuild.load(fp32, verify="none").decoder.min_window == 1
+
+
+def test_a_window_floor_binds_one_padded_window_per_batch_size():
+    """A session with a floor of 2 adds a 2-token window beside each batch size's narrower
+    ones, keeping their logits rows (1 for a lone token: the LM head skips the padding), and
+    none where a 2-token window is compiled already (a K=1 verify)."""
+    from qpcbuild.runtime.model_session import Specialization, floor_windows
+
+    def spec(batch, seq, logits):
+        return Specialization(f"S{batch}x{seq}", batch, seq, 64, logits)
+
+    decode = [spec(1, 32, 1), spec(1, 1, 1), spec(1, 5, 5), spec(4, 1, 1)]
+    assert [(s.batch_size, s.seq_len, s.num_logits) for s in floor_windows(decode, 2)] == \
+        [(1, 2, 1), (4, 2, 1)]
+    assert floor_windows(decode + [spec(1, 2, 2)], 2) == [Specialization("Window_2", 4, 2, 64, 1)]
+    assert floor_windows(decode, 1) == []
+
+
+def test_an_int4_target_pads_its_last_tokens_inside_the_buffer(tmp_path):
+    """At the end of the KV buffer a padded lone token has no slot after it: the engine
+    shifts the window left over tokens already verified (recomputing identical KV), so
+    target-only and speculation both run to ctx_len and still agree token for token."""
+    import qpcbuild
+
+    gen = qpcbuild.load(_build(tmp_path, "onnxruntime.draft_weights=int4",
+                               "onnxruntime.target_weights=int4", "shapes.ctx_len=64"),
+                        verify="none")
+    for prompt in ("def add(a, b):", "The capital of France is"):
+        alone = gen.generate([prompt], max_new_tokens=200, target_only=True).rows[0]
+        spd = gen.generate([prompt], max_new_tokens=200).rows[0]
+        assert (len(alone.tokens), alone.finish_reason) == (64, "ctx_len")
+        assert spd.tokens == alone.tokens and spd.finish_reason == "ctx_len"
 
 
 def onnx_nodes(bundle: Path, role: str) -> list:

@@ -65,6 +65,10 @@ class SpecDecoder:
         self.ks, self.prefill_len, self.eos_ids, self.method = tuple(sorted(ks)), prefill_len, \
             eos_ids, method
         self.ctx_len, self.batch = target.ctx_len, target.batch_size
+        # A target whose logits depend on a call's width below some window (an int8/int4 one on
+        # ONNX Runtime: 2) gets every window padded to it, target-only decode included, so that
+        # speculation and target-only compute each token alike (sessions that do not say: 1).
+        self.min_window = int(getattr(target, "min_window", 1))
         # Continuous batching: `batch` KV slots; each request is prefilled alone into a free
         # slot (batch_index) and decode steps run over every slot.
         self.cb = continuous_batching
@@ -286,7 +290,7 @@ class SpecDecoder:
         k_step = next((k for k in self.ks if k >= need), None)
         if k_step is None:
             raise UsageError(f"a proposal of {need} tokens exceeds the compiled Ks {list(self.ks)}")
-        s = k_step + 1
+        s = max(k_step + 1, self.min_window)
         times.windows[k_step] = times.windows.get(k_step, 0) + 1
         ids = np.zeros((self.batch, s), np.int64)
         pos = np.full((self.batch, s), -1, np.int64)
@@ -306,7 +310,13 @@ class SpecDecoder:
                 first_slot[i] = shift
             ids[i, :len(seq)] = seq
             pos[i, :len(seq)] = np.arange(start, start + len(seq))
-        return self._call(self.target, ids, pos, times, "target"), first_slot
+        logits = self._call(self.target, ids, pos, times, "target")
+        # The graph keeps the N logits rows that end at each row's last real token. A compiled
+        # window keeps one per token (N = s); a lone token padded to the target's floor keeps
+        # fewer (N = 1: the LM head skips the padding), so a shifted row's own rows start
+        # earlier among them.
+        kept = logits.shape[1]
+        return logits, [f - max(f + len(p) + 1 - kept, 0) for f, p in zip(first_slot, proposals)]
 
     def _commit_step(self, run: _Run, proposals: list[list[int]],
                      q: list[list[np.ndarray]] | None, logits: np.ndarray,

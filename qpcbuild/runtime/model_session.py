@@ -36,11 +36,30 @@ class ModelSession(Protocol):
     ctx_len: int
     vocab_size: int
     specializations: list[Specialization]
+    # the fewest tokens a call carries: the engine pads a lone token's window to it (2 for an
+    # int8/int4 ONNX Runtime target, whose logits would otherwise depend on the window)
+    min_window: int
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
         """[B,S] int64 each (+ [B,1] KV slots with continuous batching) -> logits
         [B, num_logits, V], valid until the next call."""
+
+
+def floor_windows(specs: list[Specialization], min_window: int) -> list[Specialization]:
+    """The windows of `min_window` tokens that a session with that floor runs in place of
+    narrower compiled ones (one per batch size that has a narrower window and not that one).
+    Such a window keeps the logits rows the narrower ones keep (1 for a lone token: the LM
+    head does not compute the padding's), ending at the last real token."""
+    have = {(s.batch_size, s.seq_len) for s in specs}
+    extra: dict[int, Specialization] = {}
+    for s in specs:
+        if s.seq_len < min_window and (s.batch_size, min_window) not in have:
+            rows = max(s.num_logits, extra[s.batch_size].num_logits) \
+                if s.batch_size in extra else s.num_logits
+            extra[s.batch_size] = Specialization(f"Window_{min_window}", s.batch_size,
+                                                 min_window, s.ctx_len, rows)
+    return list(extra.values())
 
 
 def pick_specialization(specs: list[Specialization], batch: int, seq_len: int) -> Specialization:

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import BundleError
 from ..ort_threads import pool_threads, session_options
 from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401  (re-exported)
+from .model_session import floor_windows
 
 REMEASURE = 64  # single-token calls between re-timings of the way not taken (RowwiseOrtSession)
 # ONNX Runtime ships no type information: its sessions, values and bindings are Any here.
@@ -74,10 +75,14 @@ def check_graph_io(sess: Any, path: Path, role: str, kv_shape: tuple[int, ...],
 class OrtSession:
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
                  num_layers: int, vocab_size: int, threads: int | None = None,
-                 in_place: bool = False):
+                 in_place: bool = False, min_window: int = 1):
         """threads: the recipe's `onnxruntime.intra_op_threads`; None: every CPU (see
-        ort_threads for how the two roles share them)."""
-        self.path, self.role, self.specializations = Path(path), role, specs
+        ort_threads for how the two roles share them). min_window: the fewest tokens a call
+        must carry (the engine pads a lone token to it); its window is bound beside the
+        compiled ones (the fused graph's seq_len is symbolic)."""
+        self.path, self.role = Path(path), role
+        self.min_window = min_window
+        self.specializations = specs + floor_windows(specs, min_window)
         self._threads_option, self._in_place = threads, in_place
         self.threads = pool_threads(threads)
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
@@ -206,9 +211,10 @@ class RowwiseOrtSession(OrtSession):
     rows then share each weight's read."""
 
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
-                 num_layers: int, vocab_size: int, threads: int | None = None):
+                 num_layers: int, vocab_size: int, threads: int | None = None,
+                 min_window: int = 1):
         super().__init__(path, role, specs, kv_shape, num_layers, vocab_size, threads,
-                         in_place=True)
+                         in_place=True, min_window=min_window)
 
     def _open(self) -> None:
         import onnxruntime as ort

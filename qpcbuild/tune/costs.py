@@ -78,8 +78,12 @@ def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
                               np.where(free, -1, np.full((b, 1), pos0 + j, np.int64)))
                 if r >= warmup:
                     dsamples[k].append(time.perf_counter() - t0)
-            ids = np.full((b, k + 1), tok, np.int64)
-            pos = np.where(free, -1, np.tile(np.arange(pos0, pos0 + k + 1, dtype=np.int64), (b, 1)))
+            # the window the engine sends: K+1 tokens, padded to the target's floor (an
+            # int8/int4 target runs a lone token as 2)
+            ids = np.full((b, max(k + 1, target.min_window)), tok, np.int64)
+            window = np.full(ids.shape[1], -1, np.int64)
+            window[:k + 1] = np.arange(pos0, pos0 + k + 1)
+            pos = np.where(free, -1, np.tile(window, (b, 1)))
             t0 = time.perf_counter()
             target.run(ids, pos)
             dt = time.perf_counter() - t0

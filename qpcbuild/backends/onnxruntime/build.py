@@ -103,13 +103,18 @@ class OrtBackend:
         metadata = {p.key: p.value for p in source.metadata_props}
         ort = self.part(role)
         batch, ctx_len = ort.batch_size, ort.ctx_len
+        layout = nbits_layout(role.model_role)
         build_ort_graph(role.arch, weights, role.model_role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
                         ort.numerics_formats if ort.numerics == "emulated" else None,
-                        layout=nbits_layout(role.model_role))
+                        layout=layout)
+        # the runtime pads a lone token to this window (recorded only where it is not 1, so
+        # other bundles' manifests stay as they were)
+        floor = layout.min_window if ort.weights != "float32" else 1
         experts = {"experts": MOE_FORM} if uses_moe_op(role.arch) else {}
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}", **experts,
                 "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,
+                **({"min_window": floor} if floor > 1 else {}),
                 # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)
                 "numerics": ort.numerics,
                 "numerics_formats": dict(ort.numerics_formats),

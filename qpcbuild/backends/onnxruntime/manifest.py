@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
+from pydantic import Field
 
 from ...backend_api import BackendEntry
 
@@ -15,6 +16,9 @@ class OrtEntry(BackendEntry):
     graph: Optional[str] = None  # fused (qpcbuild's lowering) | portable (ORT-optimized export)
     kv_binding: Literal["in_place", "ping_pong"] = "ping_pong"
     weights: Literal["float32", "int8", "int4"] = "float32"  # the fused graph's matmul weights
+    # the fewest tokens a call carries (a lone token is padded): an int8/int4 target's, whose
+    # logits must not depend on the window (nbits.TARGET_NBITS)
+    min_window: int = Field(default=1, ge=1)
     numerics: Optional[str] = None
     numerics_formats: Optional[dict[str, str]] = None
 

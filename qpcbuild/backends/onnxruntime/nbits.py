@@ -18,12 +18,14 @@ class NbitsLayout:
     the block length along K, a symmetric grid (implicit zero point 2^(bits-1)) or an
     asymmetric one (a zero point per block), the kernel's accuracy_level (4: activations
     quantized to int8 per block, ORT's integer kernel; 0: float math on dequantized weights),
-    and whether the LM head is quantized too (else a float32 MatMul)."""
+    and whether the LM head is quantized too (else a float32 MatMul). min_window: the fewest
+    tokens every call of the graph carries (the runtime pads a lone token to that window), so
+    a token's logits do not depend on whether it comes alone or in a verify window."""
     block_size: int = INT8_BLOCK
     symmetric: bool = True
     accuracy_level: int = 4
     quantize_head: bool = True
-
+    min_window: int = 1
 
     def changed(self) -> dict[str, int | bool]:
         """The fields that differ from LEGACY_NBITS: what a role's cache key records, so bundles
@@ -35,11 +37,16 @@ class NbitsLayout:
 # keep it (fastest, and a draft's numerics change proposals only).
 LEGACY_NBITS = NbitsLayout()
 # A target needs each token's logits to be the same whether it comes alone (target-only decode)
-# or in a verify window of K+1: int8 activations (accuracy_level 4) round away the last-bit
-# differences between window sizes upstream (attention) into logit differences up to 2.5 on
-# SmolLM2 and flip greedy tokens, so speculation would not reproduce target-only; float math on
-# the int4 weights keeps them at float32 noise (1e-4). Measured in docs/weight-formats.md.
-TARGET_NBITS = NbitsLayout(accuracy_level=0)
+# or in a verify window of K+1. MatMulNBits with int8 activations is row-independent (each row
+# quantized on its own, the same integer kernel for 1 row as for many: bitwise equal rows), but
+# GroupQueryAttention is not: a call of one token multiplies its attention probabilities by V
+# through MLAS's single-row SGEMM kernel, a call of 2 or more through the packed kernel, and the
+# two differ in the last bits. Float weights keep that at noise; int8 activations round it into
+# logit differences up to 2.5 on SmolLM2, flipping greedy tokens. From 2 tokens a call on, each
+# row comes out bitwise the same whatever the window (measured with 2, 3 and 5 on SmolLM2's
+# int4 graph), so a target keeps the fast integer kernel and every call carries at least 2
+# tokens (docs/weight-formats.md).
+TARGET_NBITS = NbitsLayout(min_window=2)
 
 
 def nbits_layout(role: str) -> NbitsLayout:

@@ -14,7 +14,8 @@ built from ORT's fused CPU kernels so a decode step does not pay for the whole s
 - with `weights="int8"` or `"int4"` each matmul weight is stored as 8- or 4-bit blocks of 32
   along K for com.microsoft.MatMulNBits: a quarter or an eighth of the bytes a memory-bound call
   has to read (lossless for a draft; a target's output changes, so the recipe must ask for it;
-  a draft multiplies with int8 activations, a target in float: see TARGET_NBITS);
+  both multiply with int8 activations; a target's calls carry at least 2 tokens, see
+  TARGET_NBITS);
 - with `numerics` asking for the card's formats (see `qpcbuild.numerics`): every matmul weight
   is rounded to MXFP6 (stored as float32 values on its grid; the embedding Gather stays exact,
   as the card compresses matmul weights only), and the new K and V of each call are

@@ -29,6 +29,7 @@ def open_session(bundle: Path, manifest: Manifest, role: str,
     kv_shape = (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim)
     if entry.graph == "fused" and shapes.kv_batch > 1:  # its windows take one row per call
         return RowwiseOrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
-                                 threads)
+                                 threads, min_window=entry.min_window)
     return OrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
-                      threads, in_place=entry.kv_binding == "in_place")
+                      threads, in_place=entry.kv_binding == "in_place",
+                      min_window=entry.min_window)
