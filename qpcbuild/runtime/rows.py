@@ -123,6 +123,8 @@ class Row:
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
     cancelled: str = ""  # set from any thread to a finish reason: the row ends at the next step
     rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
+    # turbo: the heads' logits [heads, V] at the row's last token (the target's last call)
+    head_logits: np.ndarray | None = None
 
     # The finish reason is the request's record's (one place); the loop sets it here.
     @property
