@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 import qpcbuild
@@ -20,31 +19,12 @@ from qpcbuild.errors import UsageError
 from qpcbuild.models.turbo_heads import read_turbo_heads
 from qpcbuild.runtime.rows import new_row
 from qpcbuild.runtime.sampling import SamplingParams
+from qpcbuild.testing import write_random_turbo_heads
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, intermediate_size=128, max_position_embeddings=512)
-
-
-def write_heads(folder: Path, hidden: int, heads: int = 3, layers: int = 2, seed: int = 0,
-                scale: float = 1.0, tamper=None) -> Path:
-    """Random heads in QEfficient's turbo format (every repeat of a head stored, equal);
-    `tamper(tensors, config)` edits them before they are written."""
-    rng = np.random.default_rng(seed)
-    tensors, config = {}, {"turbo_num_layers": layers, "turbo_num_heads": heads}
-    for h in range(heads):
-        w = (rng.standard_normal((hidden, hidden)) * scale / np.sqrt(hidden)).astype(np.float32)
-        b = (rng.standard_normal(hidden) * 0.3 * scale).astype(np.float32)
-        for n in range(layers):
-            tensors[f"projections.{h}.{n}.linear.weight"] = w.copy()
-            tensors[f"projections.{h}.{n}.linear.bias"] = b.copy()
-    if tamper is not None:
-        tamper(tensors, config)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "speculator.safetensors"))
-    (folder / "speculator_config.json").write_text(json.dumps(config))
-    return folder
 
 
 def recipe(folder: Path, target: Path, heads: Path, k: int = 3, extra: str = "") -> Path:
@@ -107,18 +87,18 @@ def _bad_count(t, c):
     (_bad_count, "turbo_num_heads must be a whole number"),
 ], ids=["missing", "extra", "unshared", "bad-config"])
 def test_head_folders_are_read_strictly(tamper, message, tmp_path):
-    folder = write_heads(tmp_path / "h", 16, tamper=tamper)
+    folder = write_random_turbo_heads(tmp_path / "h", 16, tamper=tamper)
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         read_turbo_heads(folder, 16)
 
 
 def test_heads_of_another_hidden_size_are_refused(tmp_path):
     with pytest.raises(UsageError, match=r"has shape \[16, 16\].*hidden size 32"):
-        read_turbo_heads(write_heads(tmp_path / "h", 16), 32)
+        read_turbo_heads(write_random_turbo_heads(tmp_path / "h", 16), 32)
 
 
 def test_a_good_folder_reads_one_copy_per_head(tmp_path):
-    heads = read_turbo_heads(write_heads(tmp_path / "h", 16, heads=2, layers=3), 16)
+    heads = read_turbo_heads(write_random_turbo_heads(tmp_path / "h", 16, heads=2, layers=3), 16)
     assert (heads.info.num_heads, heads.info.num_layers) == (2, 3)
     assert [w.shape for w in heads.weights] == [(16, 16)] * 2
 
@@ -126,7 +106,7 @@ def test_a_good_folder_reads_one_copy_per_head(tmp_path):
 # ---------------------------------------------------------------- the recipe
 @pytest.mark.parametrize("case", ["hidden", "k", "missing"])
 def test_a_recipe_with_unfit_heads_exits_2_naming_the_reason(case, tiny_llama, tmp_path):
-    heads = write_heads(tmp_path / "h", 32 if case == "hidden" else 64)
+    heads = write_random_turbo_heads(tmp_path / "h", 32 if case == "hidden" else 64)
     if case == "missing":
         heads = tmp_path / "nowhere"
     path = recipe(tmp_path, tiny_llama, heads, k=5 if case == "k" else 3)
@@ -139,7 +119,7 @@ def test_a_recipe_with_unfit_heads_exits_2_naming_the_reason(case, tiny_llama, t
 
 
 def test_turbo_options_of_other_methods_are_refused(tiny_llama, tmp_path):
-    path = recipe(tmp_path, tiny_llama, write_heads(tmp_path / "h", 64))
+    path = recipe(tmp_path, tiny_llama, write_random_turbo_heads(tmp_path / "h", 64))
     path.write_text(path.read_text().replace("method: turbo,", "method: turbo, "
                                              "vocab_subset: x.json,"))
     result = runner.invoke(app, ["plan", str(path)])
@@ -174,11 +154,13 @@ def test_turbo_output_equals_generate_and_heads_match_transformers(graph, tiny_l
     import torch
     from transformers import AutoModelForCausalLM
 
-    heads_dir = write_heads(tmp_path / "h", 64, scale=0.5)
+    heads_dir = write_random_turbo_heads(tmp_path / "h", 64, scale=0.5)
     path = recipe(tmp_path, tiny_llama, heads_dir, extra=f"onnxruntime: {{graph: {graph}}}\n")
     result = runner.invoke(app, ["compile", str(path), "-o", str(tmp_path / "b"),
                                  "--cache-dir", str(tmp_path / "cache")])
     assert result.exit_code == 0, result.output
+    served = runner.invoke(app, ["serve-config", str(tmp_path / "b")])
+    assert served.exit_code == 2 and "does not serve draft heads" in served.output
     gen = qpcbuild.load(tmp_path / "b")
     assert gen.manifest.roles["target"].io.outputs[0].shape[2] == 4  # base + 3 heads
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
