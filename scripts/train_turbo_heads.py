@@ -246,17 +246,17 @@ def parse_args(argv):
     ap.add_argument("--code-prompts", type=int, default=1400)
     ap.add_argument("--heldout-percent", type=int, default=10)
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
-    ap.add_argument("--gen-minutes", type=float, default=8.0)
+    ap.add_argument("--gen-minutes", type=float, default=4.0)
     ap.add_argument("--gen-batch", type=int, default=16)
     ap.add_argument("--gen-new-tokens", type=int, default=96)
-    ap.add_argument("--tf-minutes", type=float, default=5.0)
+    ap.add_argument("--tf-minutes", type=float, default=4.0)
     ap.add_argument("--tf-len", type=int, default=128)
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--train-minutes", type=float, default=10.0)
+    ap.add_argument("--train-minutes", type=float, default=8.0)
     return ap.parse_args(argv)
 
 
@@ -296,7 +296,8 @@ def main(argv=None) -> int:
     for s in seqs:
         kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
     record = {
-        "script": "scripts/train_turbo_heads.py", "args": {k: str(v) for k, v in vars(args).items()},
+        "script": "scripts/train_turbo_heads.py",
+        "args": {k: str(v).replace(f"{ROOT}/", "") for k, v in vars(args).items()},
         "target": str(args.target.name),
         "data": {"sequences": len(seqs), "by_kind": kinds, "teacher_forced_windows": len(tf),
                  "train_positions": int(len(x)),
