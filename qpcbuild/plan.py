@@ -25,6 +25,7 @@ from .recipe.placement import node_slots, placements, resolved_cores
 from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment
+from .models.turbo_heads import TurboHeadsInfo, read_turbo_heads
 from .models.vocab_subset import read_vocab_subset, subset_digest
 
 EXPORTER_VERSION = "4"  # bump when the exported graph changes for the same inputs
@@ -68,6 +69,20 @@ class VocabSubset:
 
 
 @dataclass(frozen=True)
+class TurboPlan:
+    """The target's turbo heads (models/turbo_heads.py), checked when planned."""
+    ref: str  # as the recipe wrote it
+    path: str  # resolved
+    info: TurboHeadsInfo
+
+    @property
+    def options(self) -> dict[str, Any]:  # the manifest's speculation options
+        return {"turbo_num_heads": self.info.num_heads,
+                "turbo_num_layers": self.info.num_layers, "speculator": self.ref,
+                "speculator_sha256": self.info.sha256}
+
+
+@dataclass(frozen=True)
 class RolePlan:
     # The unit's name in the bundle (its folder, roles.<role>): "target" | "draft", and for a
     # disaggregated recipe "prefill", the target's prefill unit (target and draft then decode)
@@ -86,6 +101,7 @@ class RolePlan:
     cache_keys: CacheKeys
     vocab_subset: VocabSubset | None = None  # draft only
     stage: str | None = None  # disaggregated: "prefill" | "decode"; None: one node does both
+    turbo: TurboPlan | None = None  # target only: heads compiled into its logits
 
     @property
     def model_role(self) -> str:
@@ -107,6 +123,7 @@ class RolePlan:
                 "backends": {n: p.to_dict() for n, p in self.backends.items()},
                 "memory": asdict(self.memory), "cache_keys": self.cache_keys.to_dict(),
                 "vocab_subset": self.vocab_subset and asdict(self.vocab_subset),
+                **({"turbo": asdict(self.turbo)} if self.turbo else {}),
                 "arch": self.arch.to_dict()}
 
 
@@ -179,7 +196,8 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...], stage: str | None
 
 
 def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
-               compiler: str | None, vocab_subset: VocabSubset | None = None) -> RolePlan:
+               compiler: str | None, vocab_subset: VocabSubset | None = None,
+               turbo: TurboPlan | None = None) -> RolePlan:
     """unit: target | draft, or (disaggregated) prefill, the target's prefill unit."""
     role = model_role(unit)  # whose model and graph
     stage = None if r.disaggregated is None else "prefill" if unit == "prefill" else "decode"
@@ -195,7 +213,9 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                          "role": role, "continuous_batching": cb,
                          "dtype": r.precision.export_dtype,
                          # a subset changes the graph; its key stays as before without one
-                         **({"vocab_subset": vocab_subset.sha256} if vocab_subset else {})})
+                         **({"vocab_subset": vocab_subset.sha256} if vocab_subset else {}),
+                         # so do heads: keys without them stay as before
+                         **({"turbo": turbo.info.sha256} if turbo else {})})
     batch = node_slots(r, unit)
     n_dev = len(hw.device_group)
     head_rows = vocab_subset.size if vocab_subset else None
@@ -208,7 +228,9 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
     facts = RoleFacts(role=unit, cores=cores, device_group=list(hw.device_group),
                       specializations=specializations(role, r, ks, stage, node_slots(r, unit)
                                                       if stage else None),
-                      io=DeclaredIO.of(graph_io(role, arch, cb)), export_key=export_key)
+                      io=DeclaredIO.of(graph_io(role, arch, cb,
+                                                turbo.info.num_heads if turbo else 0)),
+                      export_key=export_key)
     parts = {name: backend_plan(name).plan_role(r, facts, compiler) for name in backend_names()}
     # the settings part of each backend's cache key
     backend_keys = {name: digest(backend_plan(name).settings(r, facts, part))
@@ -218,7 +240,7 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
         num_cores=cores, backends=parts, memory=memory,
         cache_keys=CacheKeys(export=export_key, backends=backend_keys), vocab_subset=vocab_subset,
-        stage=stage)
+        stage=stage, turbo=turbo)
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref: ModelRef | Draft) -> list[str]:
@@ -237,6 +259,26 @@ def _vocab_subset(r: Recipe, ref: str, arch: ArchSpec) -> VocabSubset:
     ids = read_vocab_subset(path, arch.vocab_size, arch.eos_token_ids)
     return VocabSubset(ref=ref, path=str(path.resolve()), size=int(len(ids)),
                        sha256=subset_digest(ids))
+
+
+def _turbo_heads(r: Recipe, arch: ArchSpec) -> tuple[TurboPlan | None, list[Problem]]:
+    """The turbo recipe's head folder, checked against the target and the compiled Ks."""
+    ref = r.draft.model
+    if r.draft.method != "turbo" or ref is None:
+        return None, []
+    try:
+        path = recipe_relative(r, ref)
+        info = read_turbo_heads(path, arch.hidden_size).info
+    except (UsageError, RuntimeError, OSError) as exc:
+        return None, [Problem("draft.model", str(exc), r.line_of("draft.model"))]
+    turbo = TurboPlan(ref=ref, path=str(path.resolve()), info=info)
+    if max(r.compiled_ks) > info.num_heads:
+        # head h proposes the token h + 1 places ahead: a larger K is refused, never clamped
+        return turbo, [Problem("speculation.num_speculative_tokens", f"K={max(r.compiled_ks)} "
+                               f"exceeds the {info.num_heads} turbo heads of {ref}: each head "
+                               "proposes one token, so K is at most the head count",
+                               r.line_of("speculation.num_speculative_tokens"))]
+    return turbo, []
 
 
 def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | None]:
@@ -313,6 +355,9 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
     """Resolve models (configs only), check what needs them, and decide everything.
     `memo_dir`: where checks of unchanged files are remembered (the cache's digests folder)."""
     sources, subset = _resolve_sources(r)
+    turbo, problems = _turbo_heads(r, arch_from_config(sources["target"].config, r.target.model))
+    if problems:
+        raise RecipeError(r.source, problems)
     warnings = [str(w) for w in r.warnings]
     configs = {role: src.config for role, src in sources.items()}
     for name in backend_names():  # (in the registry's order, as before)
@@ -334,7 +379,7 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
 
     cores = resolved_cores(r)
     roles = [_role_plan("target", r, sources["target"], r.compiled_ks, cores["target"],
-                        compiler)]
+                        compiler, turbo=turbo)]
     if r.disaggregated is not None:  # the target's prefill unit: the same export, its own node
         roles.insert(0, _role_plan("prefill", r, sources["target"], r.compiled_ks,
                                    cores["prefill"], compiler))
@@ -349,6 +394,7 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
     card = CARDS[r.hardware.card]
     core_rows, mem_rows = _per_qid(roles, card, warnings)
     return BuildPlan(recipe=r, roles=tuple(roles), method=r.draft.method,
-                     method_options=r.method_options, ks=r.compiled_ks, tokenizer=tok,
+                     method_options=turbo.options if turbo else r.method_options,
+                     ks=r.compiled_ks, tokenizer=tok,
                      cores_per_qid=core_rows, memory_per_qid=mem_rows,
                      dram_gib_per_qid=card["dram_gib_per_qid"], warnings=warnings)

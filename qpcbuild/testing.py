@@ -114,3 +114,29 @@ def small_manifest(target: Path, draft: Path | None = None, *, threads: int | No
         "shapes": {"batch_size": 1, "prefill_seq_len": 1, "ctx_len": ctx},
         "roles": {r: role(p) for r, p in paths.items()}})
     return m.with_model_paths(paths) if local else m
+
+
+def write_random_turbo_heads(folder: Path, hidden: int, heads: int = 3, layers: int = 2,
+                             seed: int = 0, scale: float = 1.0, tamper=None) -> Path:
+    """Random turbo heads in QEfficient's format (models/turbo_heads.py: every repeat of a head
+    stored, equal), large enough that their proposals differ from the base model's;
+    `tamper(tensors, config)` edits them before they are written (tests of bad folders)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors, config = {}, {"turbo_num_layers": layers, "turbo_num_heads": heads}
+    for h in range(heads):
+        w = (rng.standard_normal((hidden, hidden)) * scale / np.sqrt(hidden)).astype(np.float32)
+        b = (rng.standard_normal(hidden) * 0.3 * scale).astype(np.float32)
+        for n in range(layers):
+            tensors[f"projections.{h}.{n}.linear.weight"] = w.copy()
+            tensors[f"projections.{h}.{n}.linear.bias"] = b.copy()
+    if tamper is not None:
+        tamper(tensors, config)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "speculator.safetensors"))
+    (folder / "speculator_config.json").write_text(json.dumps(config))
+    return folder

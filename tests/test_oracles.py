@@ -1,6 +1,6 @@
 """Independent oracles for the runtime's claims.
 
-- Greedy output of every method (draft_model, ngram, suffix), both ONNX Runtime lowerings,
+- Greedy output of every method (draft_model, ngram, suffix, turbo), both ONNX Runtime lowerings,
   batch 1 and batch > 1, continuous batching, a draft with a vocabulary subset (which cannot
   propose a third of the tokens) and prompts longer than one prefill chunk equals
   transformers' own `generate` on the source checkpoint, token for token. Our own target-only
@@ -23,8 +23,9 @@ from typer.testing import CliRunner
 
 import qpcbuild
 from qpcbuild.cli import app
-from qpcbuild.runtime import engine, sampling
+from qpcbuild.runtime import engine, heads, sampling
 from qpcbuild.runtime.sampling import SamplingParams, accept_sampling
+from qpcbuild.testing import write_random_turbo_heads
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -72,9 +73,24 @@ def demo_subset(tmp_path_factory) -> str:
     return f"draft.vocab_subset={path}"
 
 
+def demo_heads(tmp_path_factory, scale: float) -> tuple[str, ...]:
+    """The demo recipe turned into a turbo one, with three heads for the demo target: random
+    (scale 1: their proposals are rarely right, and are verified all the same) or untrained
+    (scale 0: zero weights, as QEfficient initialises a head, so each head's distribution is
+    the base model's at the same position: near the target's next-token distribution, and
+    not equal to it)."""
+    path = tmp_path_factory.getbasetemp() / f"demo-heads-{scale:g}"
+    if not path.is_dir():
+        write_random_turbo_heads(path, 256, heads=3, layers=2, seed=1, scale=scale)
+    return ("draft.method=turbo", f"draft.model={path}", "speculation.num_speculative_tokens=[0,3]")
+
+
 def build(tmp_path_factory, recipe: str, *overrides: str) -> Path:
     root = tmp_path_factory.mktemp("oracle")
     overrides = tuple(demo_subset(tmp_path_factory) if o == SUBSET else o for o in overrides)
+    overrides = tuple(x for o in overrides
+                      for x in (demo_heads(tmp_path_factory, TURBO_SCALES[o])
+                                if o in TURBO_SCALES else (o,)))
     argv = ["compile", str(REPO / "recipes" / recipe), "-o", str(root / "b"), "--cache-dir",
             str(root.parent / "oracle-cache")]
     for o in overrides:
@@ -85,6 +101,8 @@ def build(tmp_path_factory, recipe: str, *overrides: str) -> Path:
 
 
 SUBSET = "<demo subset>"
+TURBO, UNTRAINED_TURBO = "<demo turbo heads>", "<demo untrained turbo heads>"
+TURBO_SCALES = {TURBO: 1.0, UNTRAINED_TURBO: 0.0}
 CASES = {
     "draft_model-fused": ("demo.yaml", ()),
     "draft_model-vocab-subset": ("demo.yaml", (SUBSET,)),
@@ -101,6 +119,10 @@ CASES = {
     "suffix-fused": ("demo-suffix.yaml", ()),
     "suffix-portable": ("demo-suffix.yaml", ("onnxruntime.graph=portable",)),
     "suffix-continuous-batching": ("demo-suffix.yaml", ("shapes.full_batch_size=2",)),
+    "turbo-fused": ("demo.yaml", (TURBO,)),
+    "turbo-portable": ("demo.yaml", (TURBO, "onnxruntime.graph=portable")),
+    "turbo-batch2": ("demo.yaml", (TURBO, "shapes.batch_size=2")),
+    "turbo-continuous-batching": ("demo.yaml", (TURBO, "shapes.full_batch_size=3")),
 }
 
 
@@ -286,7 +308,10 @@ def subset_sampling_bundle(tmp_path_factory) -> Path:
     return build(tmp_path_factory, "demo.yaml", *SAMPLING_SHAPES, SUBSET)
 
 
-def joint_p_value(bundle: Path, oracle, sp: SamplingParams) -> float:
+CODE_TEXT = "def read_config(path):\n    with open(path) as f:\n"
+
+
+def joint_p_value(bundle: Path, oracle, sp: SamplingParams, text: str = CODE_TEXT) -> float:
     """Chi-square p-value of the joint of the first two generated tokens (the first sampled
     after prefill, the second through a draft proposal and the acceptance rule) against the
     oracle's distribution (a transformers model, or `OwnTarget`), with cells pooled so that
@@ -294,7 +319,7 @@ def joint_p_value(bundle: Path, oracle, sp: SamplingParams) -> float:
     probs_of = oracle if isinstance(oracle, OwnTarget) else \
         (lambda ids, sp: hf_probabilities(oracle, ids, sp))
     gen = qpcbuild.load(bundle)
-    prompt = gen.encode("def read_config(path):\n    with open(path) as f:\n")
+    prompt = gen.encode(text)
     first = int(np.argmax(probs_of(prompt, SamplingParams(1.0))))
     ctx = prompt + [first]
     p2 = probs_of(ctx, sp)
@@ -366,3 +391,39 @@ def test_int4_target_sampling_matches_its_own_distribution(int4_target_bundle, m
     assert joint_p_value(int4_target_bundle, own, SamplingParams(1.0)) > 1e-3
     monkeypatch.setattr(engine, "accept_sampling", ignore_q)  # the broken variant is seen
     assert joint_p_value(int4_target_bundle, own, SamplingParams(1.0)) < 1e-3
+
+
+# ---------------------------------------------------------------- turbo heads
+@pytest.fixture(scope="module")
+def turbo_sampling_bundle(tmp_path_factory) -> Path:
+    """The demo target with untrained heads: their softmax overlaps the target's next-token
+    distribution without being it, so a rule that mishandles q shows (on TURBO_TEXT, where
+    the two distributions of the test's second token differ most among the prompts tried: a
+    rule that ignores q moves about 0.1 of its probability, computed from transformers)."""
+    return build(tmp_path_factory, "demo.yaml", *SAMPLING_SHAPES, UNTRAINED_TURBO)
+
+
+def argmax_with_softmax_q(rows, room):
+    """Broken: each head proposes its argmax but reports its softmax as q (the proposal was
+    not drawn from the q the rule divides by)."""
+    proposals, q = heads.propose_from_heads(rows, room)
+    for i, r in enumerate(rows):
+        if r.head_logits is not None:
+            proposals[i] = [int(x.argmax()) for x in r.head_logits[:len(proposals[i])]]
+    return proposals, q
+
+
+TURBO_TEXT = "# # # # # # # # # # #"
+
+
+def test_turbo_sampling_matches_transformers_distribution(turbo_sampling_bundle, hf_target,
+                                                          monkeypatch):
+    """At T = 1.0 the heads' softmax is the draft distribution: exact; and the test rejects a
+    rule that ignores q and heads whose proposals were not drawn from the reported q."""
+    sp = SamplingParams(1.0)
+    assert joint_p_value(turbo_sampling_bundle, hf_target, sp, TURBO_TEXT) > 1e-3
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "accept_sampling", ignore_q)
+        assert joint_p_value(turbo_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3
+    monkeypatch.setattr(engine, "propose_from_heads", argmax_with_softmax_q)
+    assert joint_p_value(turbo_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3

@@ -78,7 +78,8 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
     if repeats < 1:
         raise UsageError("--repeats must be at least 1")
     compiled = sorted(manifest.ks)
-    supported = [m for m in METHODS if m != "draft_model" or manifest.draft is not None]
+    supported = [m for m in METHODS if (m != "draft_model" or manifest.draft is not None)
+                 and (m != "turbo" or manifest.speculation.turbo_heads)]
     methods = list(methods or supported)
     for m in methods:
         if m not in supported:

@@ -21,6 +21,7 @@ from ..delivered import DeliveredFiles
 from ..errors import UsageError
 from ..models.source import (resolve, safetensors_files, tokenizer_files,
                              weights_missing_message)
+from ..models.turbo_heads import TurboHeads, read_turbo_heads
 from ..models.vocab_subset import read_vocab_subset, subset_digest
 from ..plan import EXPORTER_VERSION, BuildPlan, RolePlan, digest
 from ..progress import running
@@ -175,6 +176,17 @@ def _require_weights(plan: BuildPlan) -> None:
                 plan.recipe.source))
 
 
+def _turbo_heads(role: RolePlan) -> TurboHeads | None:
+    """The plan's turbo heads, read again and checked to be the ones the plan saw."""
+    if role.turbo is None:
+        return None
+    heads = read_turbo_heads(Path(role.turbo.path), role.arch.hidden_size)
+    if heads.info != role.turbo.info:
+        raise UsageError(f"draft.model: {role.turbo.path} changed while the bundle was being "
+                         "built")
+    return heads
+
+
 def _subset_ids(role: RolePlan) -> np.ndarray | None:
     """The plan's vocabulary subset, read again and checked to be the set the plan saw."""
     if not role.vocab_subset:
@@ -233,7 +245,7 @@ class _Build:
                                continuous_batching=r.shapes.full_batch_size is not None,
                                weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,
                                allow_unused=ref.allow_unused_weights,
-                               vocab_subset=_subset_ids(role))
+                               vocab_subset=_subset_ids(role), turbo=_turbo_heads(role))
             return {"weights_digest": res.weights_digest, "metadata": res.metadata}
 
         key = keys["export"]

@@ -71,6 +71,12 @@ class Speculation(_Part):
         return v
 
     @property
+    def turbo_heads(self) -> int:
+        """The turbo heads compiled into the target's logits (0: none)."""
+        heads = self.options.get("turbo_num_heads", 0) if self.method == "turbo" else 0
+        return heads if isinstance(heads, int) else 0
+
+    @property
     def schedule(self) -> dict[int, int]:
         """num_speculative_tokens_per_batch_size with batch sizes as numbers."""
         return {int(b): k for b, k in (self.num_speculative_tokens_per_batch_size or {}).items()}

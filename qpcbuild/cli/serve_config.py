@@ -153,6 +153,14 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE,
            recipe_dir: Path | None = None) -> str:
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not '{fmt}'")
+    if m.speculation.method == "turbo":
+        raise UsageError(f"{bundle}: vllm-qaic does not serve draft heads today (its worker "
+                         "proposes with ngram, suffix and draft_model only). On the card, "
+                         "QEfficient runs turbo heads itself: QEFFAutoModelForCausalLM."
+                         "from_pretrained(<target>, qaic_config={'speculative_model_type': "
+                         "'turbo', 'speculative_model_path': '<the head folder>'}), compiled "
+                         "with num_speculative_tokens = turbo_num_heads; or serve this bundle "
+                         "with `qpcbuild serve` (ONNX Runtime)")
     if vllm_backend() not in m.backends:
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")

@@ -32,6 +32,7 @@ from . import dialect
 from .dialect import INT32_MAX, INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX
 from .builder import GraphBuilder
 from .experts import RoutedExperts
+from .turbo import TurboGraph, TurboHeads, turbo_stack, write_turbo_weights
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 VOCAB_SUBSET = "lm_head.vocab_subset"  # [Vs, 1] int64: a draft's kept token ids (ORT lowering)
@@ -58,11 +59,12 @@ def rope_tables(arch: ArchSpec, positions: int,
 
 class Decoder(RoutedExperts):
     def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader,
-                 vocab_subset: np.ndarray | None = None, moe_op: bool = False):
-        """moe_op: routed layers as ONNX Runtime's MoE operator (experts.py), not the card's
-        dense form."""
+                 vocab_subset: np.ndarray | None = None, moe_op: bool = False,
+                 turbo: TurboHeads | None = None):
+        """moe_op: routed layers on ONNX Runtime's MoE operator (experts.py), not the card's
+        dense form. turbo: heads compiled into a target's logits (turbo.py)."""
         self.g, self.a, self.load, self.vocab_subset = g, arch, load, vocab_subset
-        self.moe_op = moe_op
+        self.moe_op, self.turbo = moe_op, turbo
 
     # ------------------------------------------------------------ small pieces
     def rms_norm(self, x: str, weight: str) -> str:
@@ -145,7 +147,7 @@ class Decoder(RoutedExperts):
     # ------------------------------------------------------------ the graph
     def build(self, role: str, continuous_batching: bool) -> None:
         g, a = self.g, self.a
-        io = graph_io(role, a, continuous_batching)
+        io = graph_io(role, a, continuous_batching, self.turbo.info.num_heads if self.turbo else 0)
         given = declare(g, io["inputs"], output=False)
         ids, pos = given["input_ids"], given["position_ids"]
         batch_index = given.get("batch_index")
@@ -289,7 +291,8 @@ class Decoder(RoutedExperts):
             kept[self.vocab_subset] = True
             subset = (self.g.weight(SUBSET_COLUMN, column.reshape(1, -1)),
                       self.g.weight(SUBSET_KEPT, kept))
-        logits_head(self.g, x, pos, nlk_input, lm, a, subset_columns=subset)
+        logits_head(self.g, x, pos, nlk_input, lm, a, subset_columns=subset,
+                    turbo=write_turbo_weights(self.g, self.turbo) if self.turbo else None)
 
 
 def dim(g: GraphBuilder, x: str, axis: int) -> str:
@@ -342,7 +345,7 @@ class _KvAccess:
 
 def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: str | None,
                 a: ArchSpec, matmul=None, vocab_subset: str | None = None,
-                subset_columns: tuple[str, str] | None = None) -> None:
+                subset_columns: tuple[str, str] | None = None, turbo: TurboGraph | None = None) -> None:
     """Logits for the last real token (draft) or the N tokens ending there (target), picked as
     QEfficient picks them: first row max(last + 1 - N, 0) written as a Where, rows Tiled over
     the hidden size for GatherElements. N never exceeds seq_len (every specialization has
@@ -364,6 +367,7 @@ def logits_head(g: GraphBuilder, x: str, pos: str, nlk_input: str | None, lm: st
         rows = g.op("Add", first, g.op("Unsqueeze", span, g.const([0])))  # [B,N]
     picked = g.op("GatherElements", x, g.op("Tile", g.op("Unsqueeze", rows, g.const([-1])),
                                              g.const([1, 1, a.hidden_size])), axis=1)  # [B,N,H]
+    picked = turbo_stack(g, picked, turbo) if turbo else picked  # turbo.py: [B,N,heads+1,H]
     subset = vocab_subset is not None or subset_columns is not None
     out = g._name("subset_logits") if subset else "logits"
     # Granite's divisor, then Gemma's soft-capping, on the head's own output, before a subset is

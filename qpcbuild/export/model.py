@@ -18,6 +18,7 @@ from ..errors import QpcbuildError, UsageError
 from ..models.arch import ArchSpec, arch_from_config
 from ..models.safetensors import WeightReader
 from ..models.source import ModelSource, safetensors_files, tokenizer_files
+from ..models.turbo_heads import TurboHeads
 from ..models.vocab_subset import subset_digest
 from ..progress import step
 from . import DATA_FILE, GRAPH_FILE, OPSET
@@ -75,14 +76,18 @@ def _open_checkpoint(source: ModelSource, allow_pickle: bool,
 def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
                  weight_dtype: str = "float32", allow_pickle: bool = False,
                  allow_unused: bool = False,
-                 vocab_subset: np.ndarray | None = None) -> ExportResult:
+                 vocab_subset: np.ndarray | None = None,
+                 turbo: TurboHeads | None = None) -> ExportResult:
     """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft").
-    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows."""
+    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows.
+    `turbo` (target only): draft heads compiled into the logits (export/turbo.py)."""
     if role not in ("target", "draft"):
         raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
     if vocab_subset is not None and role != "draft":
         raise UsageError("a vocabulary subset is for drafts only: the target's logits decide "
                          "the output")
+    if turbo is not None and role != "target":  # (the plan never asks for it)
+        raise UsageError("turbo heads ride in the target's graph, not a draft's")
     model_dir, arch, reader = _open_checkpoint(source, allow_pickle, allow_unused)
 
     out_dir = Path(out_dir)
@@ -121,7 +126,7 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                         g.op("Cast", w, to=onnx.TensorProto.FLOAT)
                 return loaded[key]
 
-            Decoder(g, arch, load, vocab_subset).build(role, continuous_batching)
+            Decoder(g, arch, load, vocab_subset, turbo=turbo).build(role, continuous_batching)
             data.flush()
             os.fsync(data.fileno())
         # one entry per source tensor, however many forms of it the graph holds
@@ -134,7 +139,9 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                     "continuous_batching": str(continuous_batching).lower(),
                     "weight_dtype": weight_dtype,
                     **({"vocab_subset": subset_digest(vocab_subset)}
-                       if vocab_subset is not None else {})}
+                       if vocab_subset is not None else {}),
+                    **({"turbo_heads": turbo.info.sha256, "turbo_num_heads": str(turbo.info.num_heads),
+                        "turbo_num_layers": str(turbo.info.num_layers)} if turbo else {})}
         save(g.model(f"qpcbuild_{role}", OPSET, metadata), tmp / GRAPH_FILE)
         if out_dir.exists():
             shutil.rmtree(out_dir)

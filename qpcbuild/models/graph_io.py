@@ -12,17 +12,21 @@ from __future__ import annotations
 from .arch import ArchSpec
 
 
-def graph_io(role: str, arch: ArchSpec, continuous_batching: bool) -> dict[str, list[dict]]:
-    """{"inputs": [...], "outputs": [...]}, each {"name", "dtype", "shape"}, in graph order."""
+def graph_io(role: str, arch: ArchSpec, continuous_batching: bool,
+             turbo_heads: int = 0) -> dict[str, list[dict]]:
+    """{"inputs": [...], "outputs": [...]}, each {"name", "dtype", "shape"}, in graph order.
+    turbo_heads (a target with turbo heads compiled in): the logits gain an axis of the base
+    model and the heads, [B, N, heads + 1, V] (QEfficient's turbo form; index 0 = the base)."""
     kv_batch = "full_batch_size" if continuous_batching else "batch_size"
     kv_shape = [kv_batch, arch.num_kv_heads, "ctx_len", arch.head_dim]
     inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]},
               {"name": "position_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]}]
     if continuous_batching:
         inputs.append({"name": "batch_index", "dtype": "int64", "shape": ["batch_size", 1]})
+    stack = [turbo_heads + 1] if turbo_heads and role == "target" else []
     outputs = [{"name": "logits", "dtype": "float32",
                 "shape": ["batch_size", "num_logits_to_keep" if role == "target" else 1,
-                          arch.vocab_size]}]
+                          *stack, arch.vocab_size]}]
     for i in range(arch.num_layers):
         for kind in ("key", "value"):
             inputs.append({"name": f"past_{kind}.{i}", "dtype": "float32", "shape": kv_shape})

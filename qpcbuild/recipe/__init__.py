@@ -84,8 +84,8 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
             add("speculation.num_speculative_tokens", f"K={v} is outside 0..{MAX_K}")
     if isinstance(k, list) and len(set(k)) != len(k):
         add("speculation.num_speculative_tokens", f"duplicate values in {k}")
-    if r.draft.method == "draft_model" and ks and max(ks) == 0:
-        add("speculation.num_speculative_tokens", "draft_model needs K >= 1")
+    if r.draft.method in ("draft_model", "turbo") and ks and max(ks) == 0:
+        add("speculation.num_speculative_tokens", f"{r.draft.method} needs K >= 1")
     for b, kb in (r.speculation.num_speculative_tokens_per_batch_size or {}).items():
         if b < 1 or not 0 <= kb <= MAX_K:
             add("speculation.num_speculative_tokens_per_batch_size", f"{b}: {kb}: batch sizes "
@@ -123,7 +123,18 @@ def _draft_options(r: Recipe, add: Add) -> None:
     d = r.draft
     if d.method == "draft_model" and not d.model:
         add("draft.model", "draft_model needs a draft model (Hugging Face id or local folder)")
-    if d.method != "draft_model":
+    if d.method == "turbo":
+        if not d.model:
+            add("draft.model", "turbo needs its head folder (speculator_config.json and "
+                "speculator.safetensors)")
+        for key in ("revision", "vocab_subset"):
+            if getattr(d, key) is not None:
+                add(f"draft.{key}", "turbo heads are a local folder read through the target's "
+                    "own LM head; remove this key")
+        if r.disaggregated is not None:
+            add("draft.method", "turbo heads ride in the target's graph, which a disaggregated "
+                "bundle splits; use one node")
+    elif d.method != "draft_model":
         for key in ("model", "revision", "vocab_subset"):
             if getattr(d, key) is not None:
                 add(f"draft.{key}", f"method '{d.method}' uses no draft model; remove this key")

@@ -26,7 +26,8 @@ from .rows import (LoopTimes, RequestStats, Row, TokenCallback, new_row, prefill
                    prefill_feeds)
 from .sampling import (SamplingParams, WindowProbabilities, accept_greedy, accept_sampling,
                        probabilities, sample)
-from .model_session import ModelSession
+from .heads import keep_head_logits, propose_from_heads
+from .model_session import HeadsSession, ModelSession
 
 
 @dataclass
@@ -38,6 +39,7 @@ class _Run:
     k_fixed: int | None  # one K for every step, or None: the K schedule decides per step
     policy: SpeculationPolicy
     draft: ModelSession | None  # the draft model when it proposes in this run
+    heads: HeadsSession | None  # the target's turbo heads when they propose in this run
     proposer: Proposer | None  # the model-free proposer when it proposes in this run
     lazy_draft: bool  # the draft reads a prompt only once the row first speculates
     on_token: TokenCallback | None
@@ -51,8 +53,11 @@ class SpecDecoder:
                  policy: str = "fixed", draft_p_min: float = 0.0,
                  num_speculative_tokens_per_batch_size: dict[int, int] | None = None,
                  prefill_tails: tuple[int, ...] = (),
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 heads: HeadsSession | None = None):
+        """heads: the target itself when turbo heads are compiled into it (heads.py)."""
         self.target, self.draft, self.proposer = target, draft, proposer
+        self.heads = heads
         self.prefill_tails = tuple(sorted(prefill_tails))  # narrower last-chunk windows
         # How each step speculates (policy.py): speculation.policy's object per policy and K,
         # the draft's confidence stop and the K per live batch size
@@ -108,6 +113,8 @@ class SpecDecoder:
             for i, end in enumerate(ends):
                 if end:
                     last[i] = logits[i, 0]
+                    if self.heads is not None and session is self.target:
+                        keep_head_logits(rows[i], self.heads.head_logits()[i, 0])
         return last
 
     # ------------------------------------------------------------ policy
@@ -147,7 +154,8 @@ class SpecDecoder:
         until every row is done and none waits."""
         if k is not None and k not in self.ks:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
-        can_speculate = self.draft is not None or self.proposer is not None
+        can_speculate = self.draft is not None or self.proposer is not None or \
+            self.heads is not None
         gate = self.gate(policy, k) if can_speculate and not target_only else TargetOnly()
         mark = gate.figures()
         times = LoopTimes()
@@ -157,7 +165,8 @@ class SpecDecoder:
         lazy_draft = gate.name != "fixed"
         idle = Row([0], 1, tokens=[0], done=True)
         run = _Run(times, [idle] * self.batch, list(reversed(rows)), k, gate,
-                   None if target_only else self.draft, None if target_only else self.proposer,
+                   None if target_only else self.draft, None if target_only else self.heads,
+                   None if target_only else self.proposer,
                    lazy_draft, on_token, incoming)
         self._admit(run, [(s, run.waiting.pop()) for s in range(min(self.batch, len(rows)))])
         while self._schedule(run):
@@ -276,6 +285,8 @@ class SpecDecoder:
             return [[] for _ in run.slots], None
         if run.draft is not None:
             return drafting.propose(self, run.draft, run.slots, room, run.times)
+        if run.heads is not None:
+            return propose_from_heads(run.slots, room)
         proposer = run.proposer
         assert proposer is not None, "a speculative step without a draft or a proposer"
         return [proposer.propose(i, room[i]) if room[i] else []
@@ -323,6 +334,7 @@ class SpecDecoder:
                      first_slot: list[int]) -> None:
         """Each live row keeps its accepted prefix plus the target's own next token (greedy
         or speculative sampling), then the stop rules, statistics and the caller's callback."""
+        head_logits = self.heads.head_logits() if self.heads is not None else None
         for i, r in enumerate(run.slots):
             if r.done:
                 continue
@@ -333,6 +345,8 @@ class SpecDecoder:
             else:
                 qi = np.stack(q[i]) if q and q[i] else None
                 n, nxt = accept_sampling(WindowProbabilities(window, r.sp), qi, drafts, r.rng)
+            if head_logits is not None:  # at the last accepted token
+                keep_head_logits(r, head_logits[i, first_slot[i] + n])
             old_len = len(r.tokens)
             new = drafts[:n] + [nxt]
             r.target_len = old_len + n

@@ -22,7 +22,7 @@ from ..errors import BundleError, UsageError
 from ..recipe.schema import METHODS
 from .chat import ChatTemplate, as_messages
 from .engine import SpecDecoder
-from .model_session import ModelSession
+from .model_session import HeadsSession, ModelSession
 from .policy import POLICIES
 from .proposers import Proposer, make_proposer
 from .rows import Row, TokenCallback
@@ -239,12 +239,18 @@ def build_decoder(manifest: Manifest, target: ModelSession, draft: ModelSession 
     prefill_worker (a disaggregated bundle): the process the target's prompts go to."""
     shapes, spd, ks = manifest.shapes, manifest.speculation, manifest.ks
     schedule = {b: k for b, k in spd.schedule.items() if k in ks}
+    heads = target if method == "turbo" and isinstance(target, HeadsSession) and target.heads \
+        else None
+    if method == "turbo" and heads is None:
+        raise UsageError("turbo proposes from heads compiled into the target's graph, which "
+                         "this session does not return (ONNX Runtime runs them here; on the "
+                         "card, QEfficient's turbo runner does)")
     args = (target, draft, new_proposer(manifest, method), ks, shapes.prefill_seq_len, eos_ids,
             method or "target_only", bool(shapes.full_batch_size))
     kwargs: dict[str, Any] = dict(policy=policy or spd.policy,
                                   draft_p_min=float(spd.draft_p_min),
                                   num_speculative_tokens_per_batch_size=schedule,
-                                  prefill_tails=tuple(shapes.prefill_tail_seq_lens))
+                                  prefill_tails=tuple(shapes.prefill_tail_seq_lens), heads=heads)
     if prefill_worker is not None:
         from .disagg import DisaggDecoder, HandoffLog
 
@@ -288,6 +294,9 @@ def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None 
         raise UsageError(f"unknown method '{method}' ({' | '.join(METHODS)})")
     if method == "draft_model" and manifest.draft is None:
         raise UsageError(f"this bundle has no draft model (built for '{built_method}'); use "
+                         "--method ngram or --method suffix")
+    if method == "turbo" and not manifest.speculation.turbo_heads:
+        raise UsageError(f"this bundle has no turbo heads (built for '{built_method}'); use "
                          "--method ngram or --method suffix")
     if policy is not None and policy not in POLICIES:
         raise UsageError(f"unknown speculation policy '{policy}' ({' | '.join(POLICIES)})")

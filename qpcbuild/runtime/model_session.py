@@ -5,7 +5,7 @@ picks from. A module of its own so the two sessions need not know each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -60,6 +60,16 @@ def floor_windows(specs: list[Specialization], min_window: int) -> list[Speciali
             extra[s.batch_size] = Specialization(f"Window_{min_window}", s.batch_size,
                                                  min_window, s.ctx_len, rows)
     return list(extra.values())
+
+
+@runtime_checkable
+class HeadsSession(Protocol):
+    """A target with turbo heads compiled in (export/turbo.py): `run` returns the base model's
+    logits, and this the heads' of the same call."""
+    heads: int
+
+    def head_logits(self) -> np.ndarray:
+        """[B, num_logits, heads, V] of the last `run`, valid until the next call."""
 
 
 def pick_specialization(specs: list[Specialization], batch: int, seq_len: int) -> Specialization:

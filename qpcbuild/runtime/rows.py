@@ -126,6 +126,8 @@ class Row:
     # disaggregated bundle's prefill worker): the server answers 503
     unavailable: str = ""
     rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
+    # turbo: the heads' logits [heads, V] at the row's last token (the target's last call)
+    head_logits: np.ndarray | None = None
 
     # The finish reason is the request's record's (one place); the loop sets it here.
     @property

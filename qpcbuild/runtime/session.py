@@ -75,14 +75,18 @@ def check_graph_io(sess: Any, path: Path, role: str, kv_shape: tuple[int, ...],
 class OrtSession:
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
                  num_layers: int, vocab_size: int, threads: int | None = None,
-                 in_place: bool = False, min_window: int = 1):
+                 in_place: bool = False, min_window: int = 1, heads: int = 0):
         """threads: the recipe's `onnxruntime.intra_op_threads`; None: every CPU (see
         ort_threads for how the two roles share them). min_window: the fewest tokens a call
         must carry (the engine pads a lone token to it); its window is bound beside the
-        compiled ones (the fused graph's seq_len is symbolic)."""
+        compiled ones (the fused graph's seq_len is symbolic). heads: turbo heads compiled
+        into the logits (their [.., heads + 1, V] axis: `run` returns index 0, `head_logits`
+        the rest)."""
         self.path, self.role = Path(path), role
         self.min_window = min_window
         self.specializations = specs + floor_windows(specs, min_window)
+        self.heads = heads
+        self._last_logits: np.ndarray | None = None
         self._threads_option, self._in_place = threads, in_place
         self.threads = pool_threads(threads)
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
@@ -147,8 +151,9 @@ class OrtSession:
         arrays: dict[str, np.ndarray] = {
                   "input_ids": np.zeros((spec.batch_size, spec.seq_len), np.int64),
                   "position_ids": np.full((spec.batch_size, spec.seq_len), -1, np.int64),
-                  "logits": np.zeros((spec.batch_size, spec.num_logits, self.vocab_size),
-                                     np.float32)}
+                  "logits": np.zeros((spec.batch_size, spec.num_logits,
+                                      *((self.heads + 1,) if self.heads else ()),
+                                      self.vocab_size), np.float32)}
         if "num_logits_to_keep" in self._graph_inputs:
             arrays["num_logits_to_keep"] = np.zeros((spec.num_logits, 1), np.int64)
         if "batch_index" in self._graph_inputs:
@@ -191,7 +196,19 @@ class OrtSession:
             np.copyto(arrays["batch_index"], batch_index)
         self.sess.run_with_iobinding(bindings[self._parity])
         self._parity = (self._parity + 1) % len(bindings)
-        return arrays["logits"]
+        return self._base(arrays["logits"])
+
+    def _base(self, logits: np.ndarray) -> np.ndarray:
+        """The base model's logits of a call's output (all of it without heads)."""
+        self._last_logits = logits
+        return logits[:, :, 0] if self.heads else logits
+
+    def head_logits(self) -> np.ndarray:
+        """[B, num_logits, heads, V] of the last `run` (HeadsSession)."""
+        if not self.heads or self._last_logits is None:
+            raise BundleError(f"{self.path}: no turbo heads' logits (this graph has "
+                              f"{self.heads} heads, or nothing ran yet)")
+        return self._last_logits[:, :, 1:]
 
 
 class RowwiseOrtSession(OrtSession):
@@ -212,9 +229,9 @@ class RowwiseOrtSession(OrtSession):
 
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
                  num_layers: int, vocab_size: int, threads: int | None = None,
-                 min_window: int = 1):
+                 min_window: int = 1, heads: int = 0):
         super().__init__(path, role, specs, kv_shape, num_layers, vocab_size, threads,
-                         in_place=True, min_window=min_window)
+                         in_place=True, min_window=min_window, heads=heads)
 
     def _open(self) -> None:
         import onnxruntime as ort
@@ -266,7 +283,7 @@ class RowwiseOrtSession(OrtSession):
             t0 = time.perf_counter()
             self.sess.run_with_iobinding(together)  # rows without a token write past the end
             self._timed("together", time.perf_counter() - t0)
-            return arrays["logits"]
+            return self._base(arrays["logits"])
         t0 = time.perf_counter()
         for j in live:  # rows with no token in this call are not run
             slot = j if batch_index is None else int(batch_index[j, 0])
@@ -275,7 +292,7 @@ class RowwiseOrtSession(OrtSession):
             self.sess.run_with_iobinding(made[(j, slot)])
         if together is not None and live:
             self._timed("row", (time.perf_counter() - t0) / len(live))
-        return arrays["logits"]
+        return self._base(arrays["logits"])
 
     def _together_pays(self, live: int) -> bool:
         """Whether one call over every row (the free ones attend over the whole context) is

@@ -40,7 +40,9 @@ from onnx import TensorProto, helper
 from ...models.arch import ArchSpec
 from ...export.builder import GraphBuilder, weight_key
 from ...export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
+from ...export.turbo import TurboGraph, graph_names
 from ...models.graph_io import declare, graph_io
+from ...models.turbo_heads import MAX_HEADS
 from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 from .nbits import (INT8_BLOCK, LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, blockwise_nbits,
@@ -97,7 +99,8 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
         g = GraphBuilder(data, "model.onnx.data")
         _Lowered(g, arch, w, batch, ctx_len, weights, layout,
                  mxfp6=numerics.get("weights") == WEIGHT_FORMAT,
-                 mxint8=numerics.get("kv") == KV_FORMAT).build(role)
+                 mxint8=numerics.get("kv") == KV_FORMAT,
+                 turbo_layers=int(metadata.get("turbo_num_layers", "0"))).build(role)
         if windowed(arch, ctx_len):  # the kernel's reading, checked again where it is loaded
             metadata = {**metadata, **reading()}
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
@@ -110,8 +113,12 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
 class _Lowered:
     def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int | str, ctx: int,
                  weights: str = "float32", layout: NbitsLayout = LEGACY_NBITS,
-                 mxfp6: bool = False, mxint8: bool = False):
+                 mxfp6: bool = False, mxint8: bool = False, turbo_layers: int = 0):
         self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
+        # the portable graph's turbo heads (export/turbo.py), read back by their names
+        count = next(h for h in range(MAX_HEADS + 1) if not w.has(graph_names(h)[0]))
+        self.turbo_heads = count if turbo_layers else 0
+        self.turbo_layers = turbo_layers
         self.bits = WEIGHT_BITS.get(weights)  # None: float32 MatMuls
         self.layout = layout
         self.mxfp6, self.mxint8 = mxfp6, mxint8
@@ -178,7 +185,7 @@ class _Lowered:
         g, a, b, c = self.g, self.a, self.batch, self.ctx
         # the portable graph's I/O with ctx_len (and a batch size) fixed (no batch_index: the
         # runtime binds each row's KV itself)
-        io, fixed = graph_io(role, a, False), {"batch_size": b, "ctx_len": c}
+        io, fixed = graph_io(role, a, False, self.turbo_heads), {"batch_size": b, "ctx_len": c}
         given = declare(g, io["inputs"], output=False, fixed=fixed)
         ids, pos = given["input_ids"], given["position_ids"]
         past = [(given[f"past_key.{i}"], given[f"past_value.{i}"]) for i in range(a.num_layers)]
@@ -369,6 +376,9 @@ class _Lowered:
         lm = self.w.get(name)
         ids = None if not name.endswith("[subset]") else self.g.weight(
             VOCAB_SUBSET, np.flatnonzero(self.w.get(SUBSET_KEPT)).astype(np.int64).reshape(-1, 1))
-        logits_head(self.g, x, pos, nlk, None, self.a,
+        turbo = TurboGraph(tuple((self.weight(wn), self.weight(bn)) for wn, bn in
+                                 map(graph_names, range(self.turbo_heads))),
+                           self.turbo_layers) if self.turbo_heads else None
+        logits_head(self.g, x, pos, nlk, None, self.a, turbo=turbo,
                     matmul=lambda h, out: self.project(h, "lm_head^T", lm, out=out, head=True),
                     vocab_subset=ids)

@@ -27,9 +27,10 @@ def open_session(bundle: Path, manifest: Manifest, role: str,
     threads = info.ort.intra_op_threads if info.ort else None
     specs = [Specialization.from_manifest(s) for s in info.specializations]
     kv_shape = (shapes.kv_batch, arch.num_kv_heads, shapes.ctx_len, arch.head_dim)
+    heads = manifest.speculation.turbo_heads if role == "target" else 0
     if entry.graph == "fused" and shapes.kv_batch > 1:  # its windows take one row per call
         return RowwiseOrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
-                                 threads, min_window=entry.min_window)
+                                 threads, min_window=entry.min_window, heads=heads)
     return OrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
                       threads, in_place=entry.kv_binding == "in_place",
-                      min_window=entry.min_window)
+                      min_window=entry.min_window, heads=heads)
