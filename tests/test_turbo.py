@@ -181,3 +181,21 @@ def test_turbo_output_equals_generate_and_heads_match_transformers(graph, tiny_l
     for tokens, logits in kept:  # the heads at the last accepted token: tokens[-2]
         np.testing.assert_allclose(logits, torch_head_logits(model, tokens[:-1], heads_dir),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_bench_on_a_turbo_recipe_compiles_ks_up_to_the_head_count(tiny_llama, tmp_path):
+    """A bench bundle built from a recipe compiles Ks 0..8; a turbo one stops at its heads
+    (K=4 would be refused at plan time: no fourth head proposes)."""
+    heads = write_random_turbo_heads(tmp_path / "h", TINY["hidden_size"], heads=3)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w9 w3 w7 w5 w9"}) + "\n")
+    report = tmp_path / "b.json"
+    result = runner.invoke(app, ["bench", str(recipe(tmp_path, tiny_llama, heads)),
+                                 "--bundle-dir", str(tmp_path / "bench-bundle"),
+                                 "--cache-dir", str(tmp_path / "cache"), "--methods", "turbo",
+                                 "--prompts", str(prompts), "--max-new-tokens", "6",
+                                 "--repeats", "1", "--peers", "none", "--json-out", str(report)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["method"], r["k"]) for r in rows] == \
+        [("target_only", 0), ("turbo", 1), ("turbo", 2), ("turbo", 3)]

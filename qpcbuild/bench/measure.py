@@ -322,7 +322,7 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
             raise UsageError("--set applies to a recipe; this is a built bundle")
         bundle = target
     elif target.is_file():
-        want = sorted(set([0] + list(ks or BENCH_KS)))
+        want = sorted(set([0] + list(ks or _recipe_ks(target, overrides))))
         out = Path(bundle_out) if bundle_out else default_bench_dir(target, list(overrides))
         bundle = build_for_measurement(target, list(overrides), want, out, cache_dir, say)
     else:
@@ -341,6 +341,16 @@ def bench(target: Path, *, overrides: list[str] = (), prompt_file: Path | None =
     json_path, png = write_outputs(report, json_out or default_json_path(bundle, report["name"]),
                                    plot, plot_report)
     return report, json_path, png
+
+
+def _recipe_ks(recipe: Path, overrides) -> tuple[int, ...]:
+    """The Ks a bench bundle built from `recipe` compiles: 0..8, or for turbo heads 0 up to the
+    head count (a K has one head per proposed token; there is none past the last)."""
+    from ..plan import make_plan
+    from ..recipe import load_recipe
+
+    turbo = make_plan(load_recipe(recipe, list(overrides))).role("target").turbo
+    return BENCH_KS if turbo is None else tuple(range(turbo.info.num_heads + 1))
 
 
 def _local_models(target: Path, overrides, bundle: Path) -> dict[str, Path]:
