@@ -116,8 +116,8 @@ class _Lowered:
                  mxfp6: bool = False, mxint8: bool = False, turbo_layers: int = 0):
         self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
         # the portable graph's turbo heads (export/turbo.py), read back by their names
-        count = next(h for h in range(MAX_HEADS + 1) if not w.has(graph_names(h)[0]))
-        self.turbo_heads = count if turbo_layers else 0
+        self.turbo_heads = next(h for h in range(MAX_HEADS + 1)
+                                if not w.has(graph_names(h)[0])) if turbo_layers else 0
         self.turbo_layers = turbo_layers
         self.bits = WEIGHT_BITS.get(weights)  # None: float32 MatMuls
         self.layout = layout
