@@ -52,6 +52,7 @@ demo-run: $(VENV)/.installed
 #   make test QPCBUILD_HEAVY=skip       leave it out (its tests are skipped)
 #   make test QPCBUILD_HEAVY=required   a failed fetch fails the run (.ci/run)
 # get_models.py checks free disk and memory before downloading anything.
+# --durations=25: the log ends with the slowest tests, so a CI run shows where its time went.
 QPCBUILD_HEAVY ?=
 test: $(VENV)/.dev
 	@$(MAKE) --no-print-directory smollm2 || echo "test: SmolLM2 not fetched; its tests will be skipped"
@@ -62,7 +63,7 @@ test: $(VENV)/.dev
 	     $(MAKE) --no-print-directory qwen-coder || echo "test: Qwen2.5-Coder not fetched; its tests will be skipped";; \
 	esac
 	@$(MAKE) --no-print-directory gemma3 || echo "test: Gemma 3 270M not fetched; its tests will be skipped"
-	QPCBUILD_HEAVY=$(QPCBUILD_HEAVY) $(BIN)/python -m pytest -q
+	QPCBUILD_HEAVY=$(QPCBUILD_HEAVY) $(BIN)/python -m pytest -q --durations=25
 
 # The tier to run while editing: every test that needs no real model and builds no bundle end to
 # end (markers `slow` and `real_model`, pyproject.toml); minutes, where `make test` takes far longer.
