@@ -463,6 +463,28 @@ def test_failed_build_without_a_cache_leaves_nothing_and_keeps_old_bundle(recipe
     assert verify_bundle(out) == []
 
 
+def test_a_build_without_a_cache_frees_each_export_before_the_next_starts(recipe, tmp_path):
+    """--no-cache's disk peak: the target's export is gone (its artifact built and moved into
+    the bundle) by the time the draft's export has been made, even with jobs=2; the bundle is
+    the cached build's."""
+    out = tmp_path / "out" / "tiny"
+    exports_on_disk: dict[str, list[str]] = {}
+
+    def progress(stage: str, how: str, seconds: float) -> None:  # called as each stage ends
+        exports_on_disk[stage] = [p.name for p in out.parent.glob("*/.scratch/exports/*")]
+
+    result = build_bundle(make_plan(load_recipe(recipe)), cache=None, out=out, jobs=2,
+                          progress=progress)
+    assert [s["stage"] for s in result.stages] == [
+        "export target", "onnxruntime target", "export draft", "onnxruntime draft"]
+    assert len(exports_on_disk["export target"]) == 1
+    assert len(exports_on_disk["export draft"]) == 1
+    assert exports_on_disk["export draft"] != exports_on_disk["export target"]
+    cached = build(recipe, tmp_path / "cache", tmp_path / "cached" / "tiny")
+    assert result.bundle_id == cached.bundle_id and verify_bundle(out) == []
+    assert leftovers(out) == []
+
+
 def test_failed_first_build_leaves_no_bundle(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr(OrtBackend, "build", _fail_ort)
     out = tmp_path / "out" / "tiny"

@@ -15,15 +15,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
-from ..version import __version__
 from ..cache import Cache, ScratchCache
 from ..delivered import DeliveredFiles
 from ..errors import UsageError
-from ..models.source import (resolve, safetensors_files, tokenizer_files,
-                             weights_missing_message)
+from ..models.source import resolve, tokenizer_files, weights_missing_message
 from ..models.turbo_heads import TurboHeads, read_turbo_heads
 from ..models.vocab_subset import read_vocab_subset, subset_digest
-from ..plan import EXPORTER_VERSION, BuildPlan, RolePlan, digest
+from ..plan import BuildPlan, RolePlan, digest
 from ..progress import running
 from ..recipe import recipe_relative
 from ..recipe.schema import Recipe
@@ -31,6 +29,7 @@ from ..toolchain import artifact_versions
 from ..tree import hash_tree
 from .backend import Backend, BuildCache, BuildContext, get_backend
 from .handoff import manifest_record
+from .keys import artifact_key_inputs, unit_name, weight_files
 from .manifest import MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 from .staging import (check_writable_parent, publish, refuse_to_replace, remove_debris,
                       staging_folder)
@@ -60,32 +59,6 @@ class BuildResult:
         return {"bundle": self.bundle and str(self.bundle), "bundle_id": self.bundle_id,
                 "seconds": round(self.seconds, 2), "stages": self.stages,
                 **({"pushed": self.pushed} if self.pushed else {})}
-
-
-# ---------------------------------------------------------------- cache keys
-def artifact_key_inputs(role: RolePlan, weights_digest: str, backends: dict[str, Backend],
-                        compiler: str | None = None,
-                        emit_only: bool = False) -> dict[str, dict[str, Any]]:
-    """What each artifact's cache key is the digest of: the plan's settings, the weights'
-    content and the tools' versions (kept with the entry, so two keys can be compared)."""
-    # (the export's digest is its key; the backends' keys include it)
-    tools = artifact_versions()
-    export = {"settings": role.cache_keys.export, "weights": weights_digest,
-              "qpcbuild": __version__, "exporter": EXPORTER_VERSION,
-              "onnx": tools["onnx"], "numpy": tools["numpy"]}
-    return {"export": export,
-            **{name: b.key_inputs(role, digest(export), tools, compiler, emit_only)
-               for name, b in backends.items()}}
-
-
-def weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:
-    path = role.source.folder()
-    return [*safetensors_files(path, allow_pickle), path / "config.json"]
-
-
-def unit_name(stage: str, role: str) -> str:
-    """A build unit: one stage (export | a backend) of one role, e.g. onnxruntime-draft."""
-    return f"{stage}-{role}"
 
 
 def _check_output(out: Path) -> None:
@@ -214,6 +187,7 @@ class _Build:
     inputs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     graphs: dict[str, tuple[Path, dict[str, Any]]] = field(default_factory=dict)
     onnx_dirs: dict[str, Callable[[], Path]] = field(default_factory=dict)
+    shipped: dict[str, Path] = field(default_factory=dict)  # model role -> its graph in the bundle
     export_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, stage: str, reused: bool, t0: float, origin: str) -> None:
@@ -283,7 +257,7 @@ class _Build:
         {backend: {role: its manifest entry}}."""
         staging, cache = self.ctx.staging, self.cache
         built: dict[str, dict[str, Any]] = {name: {} for name in self.backends}
-        shipped: dict[str, Path] = {}  # model role -> its graph in the bundle
+        shipped = self.shipped  # across calls: role_by_role builds one role per call
         for rp in roles:
             todo = {name: b for name, b in self.backends.items() if self.wanted(name, rp.role)}
             if any(b.ships_graph for b in todo.values()):  # every backend builds from it
@@ -306,6 +280,27 @@ class _Build:
                                                    "emitted" else ""), reused, t0,
                             cache.origin(backend.cache_kind, key, reused))
         return built
+
+    def role_by_role(self, roles: list[RolePlan]) -> tuple[dict[str, dict[str, Any]],
+                                                          dict[str, dict[str, Any]]]:
+        """Without a cache: each role exported, its artifacts built and moved into the bundle,
+        then its export's scratch folder freed, before the next role's export starts. The disk
+        then holds one export beside the artifacts, not every export (a 1.5B float32 target's
+        graph is ~6 GB). Returns (exports, built) as export() and build_artifacts() do."""
+        assert not self.cache.keeps  # a kept cache's entries are not ours to free
+        exports: dict[str, dict[str, Any]] = {}
+        built: dict[str, dict[str, Any]] = {name: {} for name in self.backends}
+        for i, rp in enumerate(roles):
+            role, exports[role] = self.export(rp)
+            for name, entries in self.build_artifacts([rp]).items():
+                built[name].update(entries)
+            # a disaggregated bundle's target units share one export: kept for the later one
+            if all(later.model_role != rp.model_role for later in roles[i + 1:]):
+                with self.export_lock:  # forgotten too: a later role with its key rebuilds it
+                    entry = self.graphs.pop(self.keys[rp.role]["export"], None)
+                if entry is not None:
+                    shutil.rmtree(entry[0], ignore_errors=True)
+        return exports, built
 
 
 def _target_dir(plan: BuildPlan) -> Path:
@@ -378,9 +373,12 @@ def build_bundle(plan: BuildPlan, *, cache: Cache | None, out: Path | None = Non
         run = _Build(plan, store, backends, ctx, units, progress or (lambda *a: None))
         roles = [rp for rp in plan.roles
                  if any(run.wanted(stage, rp.role) for stage in ("export", *backends))]
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            exports = dict(pool.map(run.export, roles))
-        built = run.build_artifacts(roles)
+        if store.keeps or units is not None:
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                exports = dict(pool.map(run.export, roles))
+            built = run.build_artifacts(roles)
+        else:  # --no-cache, where disk matters more than exporting the roles concurrently
+            exports, built = run.role_by_role(roles)
         if units is not None:  # the units are in the cache; no bundle is assembled
             return BuildResult(None, None, time.perf_counter() - start, run.stages)
         manifest = _assemble_and_seal(run, out, target_dir, exports, built, tools,

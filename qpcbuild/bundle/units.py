@@ -12,7 +12,7 @@ from ..cache import Cache
 from .backend import Backend, get_backend
 from ..errors import UsageError
 from ..plan import BuildPlan, digest
-from .build import artifact_key_inputs, unit_name, weight_files
+from .keys import artifact_key_inputs, unit_name, weight_files
 
 
 @dataclass(frozen=True)

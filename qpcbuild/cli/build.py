@@ -110,7 +110,8 @@ def compile(recipe: Path = RecipeArg, set_: Optional[List[str]] = SetOpt,
                                           "and move it into the bundle: a one-shot build (a "
                                           "fresh CI container) needs disk for one copy of the "
                                           "graphs, not two."),
-            jobs: int = typer.Option(2, min=1, help="Export target and draft concurrently."),
+            jobs: int = typer.Option(2, min=1, help="Export target and draft concurrently "
+                                     "(--no-cache exports one role at a time)."),
             smoke_weights: bool = typer.Option(False, "--smoke-weights", help="Use random weights "
                                                "of the recipe's exact shapes (for checking a "
                                                "recipe without the real checkpoint)."),
