@@ -4,6 +4,8 @@
     python benchmarks/peers/get_peers.py gguf        # the Qwen2.5-Coder pair as GGUF files for llama.cpp
     python benchmarks/peers/get_peers.py vllm        # vLLM's CPU build in an environment of its own
     python benchmarks/peers/get_peers.py all         # the three, in that order (`make peers`)
+    python benchmarks/peers/get_peers.py gguf --target models/smollm2-135m-instruct \
+        --draft models/smollm2-draft                 # another pair's folders
 
 llama.cpp comes from the `llama-cpp-python` sdist on the package registry (its vendored source;
 the sdist's SHA-256 is pinned below), built with cmake for the programs bench runs
@@ -145,12 +147,19 @@ def _gguf_name(kind: str) -> str:
 
 
 def _source_stamp(folder: Path) -> dict:
-    """What a GGUF was made from: the folder's safetensors digests as get_models recorded them."""
-    try:
-        files = json.loads((folder / "conversion.json").read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise PeerError(2, f"{folder}: no readable conversion.json ({exc}); run `make qwen-coder`")
-    return {n: d for n, d in sorted(files.items()) if n.endswith(".safetensors")}
+    """What a GGUF was made from: the folder's safetensors digests, as get_models recorded them
+    in conversion.json, or computed here for a folder without one (a committed draft)."""
+    if (folder / "conversion.json").is_file():
+        try:
+            files = json.loads((folder / "conversion.json").read_text())["files"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise PeerError(2, f"{folder}: unreadable conversion.json ({exc}); convert it again "
+                               "(`make qwen-coder`, `make smollm2`)")
+        return {n: d for n, d in sorted(files.items()) if n.endswith(".safetensors")}
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise PeerError(2, f"{folder}: no safetensors weights to convert")
+    return {p.name: sha256(p) for p in found}
 
 
 def _recorded(folder: Path) -> dict[str, dict]:
@@ -227,7 +236,9 @@ def write_gguf(folder: Path, kind: str, src: Path, bin_dir: Path, python_path: s
     return write_ggufs(folder, [kind], src, bin_dir, python_path)[0]
 
 
-def convert_pair(store: Path, draft_type: str, target_types: list[str]) -> None:
+def convert_pair(store: Path, target: Path, draft: Path | None, draft_type: str,
+                 target_types: list[str]) -> None:
+    """GGUF copies of a target folder (at each of target_types) and of its draft (one file)."""
     bin_dir = build_llama_cpp(store)
     src = llama_source(store)
     # convert_hf_to_gguf.py needs the vendored gguf package and sentencepiece importable (even
@@ -237,11 +248,13 @@ def convert_pair(store: Path, draft_type: str, target_types: list[str]) -> None:
         _run([sys.executable, "-m", "pip", "install", "-q", "--target", str(pylib),
               "sentencepiece"], "installing sentencepiece for the GGUF converter")
     python_path = os.pathsep.join([str(pylib), str(src / "gguf-py")])
-    for folder in (TARGET_FOLDER, DRAFT_FOLDER):
+    folders = [target] + ([draft] if draft else [])
+    for folder in folders:
         if not (folder / "config.json").is_file():
-            raise PeerError(2, f"{folder}: not converted yet; run `make qwen-coder` first")
-    write_ggufs(TARGET_FOLDER, target_types, src, bin_dir, python_path)
-    write_gguf(DRAFT_FOLDER, draft_type, src, bin_dir, python_path)
+            raise PeerError(2, f"{folder}: no config.json (not converted yet? `make qwen-coder`)")
+    write_ggufs(target, target_types, src, bin_dir, python_path)
+    if draft:
+        write_gguf(draft, draft_type, src, bin_dir, python_path)
 
 
 # ---------------------------------------------------------------- vLLM
@@ -282,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of the target's GGUF precisions, f32 included (the "
                          "others feed the llama-lookup-<type> and llama-speculative-<type> "
                          "peers); default f32,q4_0,q4_k_m")
+    ap.add_argument("--target", type=Path, default=TARGET_FOLDER,
+                    help="the target's checkpoint folder (default: the Qwen2.5-Coder 1.5B one)")
+    ap.add_argument("--draft", default=str(DRAFT_FOLDER),
+                    help="the draft's checkpoint folder, or 'none' (default: Qwen2.5-Coder 0.5B)")
     args = ap.parse_args(argv)
     target_types = [t.strip() for t in args.target_types.split(",") if t.strip()]
     bad = [t for t in target_types if t not in TARGET_TYPES]
@@ -296,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.what in ("llama-cpp", "gguf", "all"):
             exports.append(f"QPCBUILD_LLAMA_CPP_BIN={build_llama_cpp(store)}")
         if args.what in ("gguf", "all"):
-            convert_pair(store, args.draft_type, target_types)
+            draft = None if args.draft == "none" else Path(args.draft).expanduser().resolve()
+            convert_pair(store, args.target.expanduser().resolve(), draft, args.draft_type,
+                         target_types)
         if args.what in ("vllm", "all"):
             exports.append(f"QPCBUILD_VLLM_PYTHON={install_vllm(store)}")
     except PeerError as exc:

@@ -142,3 +142,25 @@ def test_target_types_must_be_known_and_include_f32(tmp_path, capsys):
         assert get_peers.main(["gguf", "--store", str(tmp_path), "--target-types", bad]) == 2
         assert "--target-types" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything was fetched or built
+
+
+def test_a_committed_folder_without_conversion_record_is_stamped_by_its_weights(
+        tmp_path, monkeypatch):
+    """models/smollm2-draft is committed, not converted: its safetensors are hashed here, so a
+    retrained draft (other weights) makes its GGUF stale."""
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights v1")
+    ran = _stub_tools(monkeypatch)
+    get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "")
+    stamp = json.loads((folder / get_peers.RECORD).read_text())["ggufs"]["model-q4_0.gguf"]
+    assert stamp["safetensors"] == {"model.safetensors": get_peers.sha256(
+        folder / "model.safetensors")}
+    ran.clear()
+    (folder / "model.safetensors").write_bytes(b"weights v2")
+    get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "")
+    assert ran[0].startswith("converting")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PeerError, match="no safetensors"):
+        get_peers.write_gguf(empty, "q4_0", tmp_path, tmp_path, "")
