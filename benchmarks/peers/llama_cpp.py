@@ -16,17 +16,49 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from qpcbuild.bench import NO_CHECKPOINT, Measure, Peer, Say, local_source
+from qpcbuild.bench import NO_CHECKPOINT, Measure, Peer, PeerMaker, Say, local_source
 from qpcbuild.toolchain import package_version
 
 if TYPE_CHECKING:
     from qpcbuild.bundle.manifest import Manifest
 
 
-def _gguf(folder: Path | None) -> Path | None:
-    """The one GGUF file in a checkpoint folder (llama.cpp reads GGUF, not safetensors)."""
-    found = sorted(folder.glob("*.gguf")) if folder else []
-    return found[0] if len(found) == 1 else None
+def _gguf(folder: Path | None, kind: str | None = None) -> Path | None:
+    """A checkpoint folder's GGUF file (llama.cpp reads GGUF, not safetensors): with `kind`, the
+    one get_peers.py names model-<kind>.gguf; without, the folder's only GGUF, or its float32
+    one (model-f32.gguf) where get_peers.py wrote the target at several precisions."""
+    if folder is None:
+        return None
+    if kind is not None:
+        named = folder / f"model-{kind}.gguf"
+        return named if named.is_file() else None
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) == 1:
+        return found[0]
+    f32 = folder / "model-f32.gguf"
+    return f32 if f32 in found else None
+
+
+def _no_target_gguf(kind: str | None) -> str:
+    if kind is None:
+        return NO_GGUF
+    return (f"no model-{kind}.gguf in the target's checkpoint folder (python "
+            f"benchmarks/peers/get_peers.py gguf --target-types f32,{kind} writes it with "
+            "llama.cpp's own llama-quantize from the float32 GGUF)")
+
+
+def _peer_name(program: str, kind: str | None) -> str:
+    """The peer's name: the program, plus the target GGUF's precision when it is not float32."""
+    return program if kind is None else f"{program}-{kind}"
+
+
+def on_quantized_target(maker: Callable[..., Peer], kind: str) -> PeerMaker:
+    """`maker` (a llama.cpp program's peer) run on the target's model-<kind>.gguf instead of its
+    float32 one: the same weights quantized by llama.cpp itself (its Q4_0, Q4_K_M...)."""
+    def make(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
+             cache_dir: Path | None, say: Say) -> Peer:
+        return maker(manifest, ks, max_new, eos_ids, cache_dir, say, target_kind=kind)
+    return make
 
 
 NO_GGUF = ("no single .gguf file in the target's checkpoint folder (llama.cpp reads GGUF; for "
@@ -307,27 +339,28 @@ CLI_TIMING_NOTE = ("prompt given as text (our ids decoded; its prompt token coun
 
 
 def llama_lookup_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
-                      cache_dir: Path | None, say: Say) -> Peer:
+                      cache_dir: Path | None, say: Say, target_kind: str | None = None) -> Peer:
     """llama.cpp's own prompt lookup: the `llama-lookup` program, run once per prompt from the
     folder named by $QPCBUILD_LLAMA_CPP_BIN (a llama.cpp build's bin/). Target-only is the same
     program with no drafts (--spec-draft-n-max 0). Its own timing lines are used (prefill +
     decode loop: model loading and process start are not counted); it reads the prompt as text,
     so our token ids are decoded with the bundle's tokenizer and its prompt token count is
-    checked."""
+    checked. target_kind: run the target's model-<kind>.gguf (on_quantized_target)."""
+    name = _peer_name("llama-lookup", target_kind)
     exe, why = _llama_program("llama-lookup")
     if exe is None:
-        return Peer("llama-lookup", "skipped", why)
+        return Peer(name, "skipped", why)
     target = local_source(manifest, "target")
-    gguf = _gguf(target)
+    gguf = _gguf(target, target_kind)
     if gguf is None:
-        return Peer("llama-lookup", "skipped", NO_GGUF if target else NO_CHECKPOINT)
+        return Peer(name, "skipped", _no_target_gguf(target_kind) if target else NO_CHECKPOINT)
     tok, why = _target_tokenizer(target)
     if tok is None:
-        return Peer("llama-lookup", "skipped", why)
+        return Peer(name, "skipped", why)
     version = _llama_cpp_version(exe)
     threads = _backend_threads(manifest)
     ctx = manifest.shapes.ctx_len
-    peer = Peer("llama-lookup", "ok", version=version,
+    peer = Peer(name, "ok", version=version,
                 info={"program": str(exe), "gguf": str(gguf), "threads": threads, "n_ctx": ctx,
                       "ngram_sizes": list(LOOKUP_NGRAM), "sampling": "greedy (--temp 0 "
                       "--top-k 1)", "input": "prompt text decoded from our token ids",
@@ -341,42 +374,45 @@ def llama_lookup_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: 
         return _cli_runner(lambda f: [str(exe), "-f", str(f), *_greedy_args(
             gguf, max_new, threads, ctx, k)], files, eos_ids, max_new, drafts=k > 0)
 
-    peer.cases.append((Measure("llama-lookup", "target_only", None, "target-only (no drafts)"),
+    peer.cases.append((Measure(name, "target_only", None, "target-only (no drafts)"),
                        runner(0)))
     for k in ks:
         if k >= 1:
-            peer.cases.append((Measure("llama-lookup", "ngram", k, f"llama-lookup K={k}"),
-                               runner(k)))
+            peer.cases.append((Measure(name, "ngram", k, f"llama-lookup K={k}"), runner(k)))
     return peer
 
 
 def llama_speculative_peer(manifest: Manifest, ks: list[int], max_new: int, eos_ids: set[int],
-                           cache_dir: Path | None, say: Say) -> Peer:
+                           cache_dir: Path | None, say: Say,
+                           target_kind: str | None = None) -> Peer:
     """llama.cpp's own draft-model speculative decoding: the `llama-speculative` program from
     $QPCBUILD_LLAMA_CPP_BIN, on the one .gguf in the target's folder and the one in the draft's
     (e.g. llama.cpp's convert_hf_to_gguf.py: --outtype f32 for the target, the draft at the
     precision ours reads), greedy, at each K; --spec-draft-p-min 0 so that it drafts K tokens
     as ours does. Its target-only row is the "llama-lookup" peer's (the same llama.cpp build
-    and target file, no drafts)."""
+    and target file, no drafts). target_kind: run the target's model-<kind>.gguf
+    (on_quantized_target)."""
+    name = _peer_name("llama-speculative", target_kind)
     exe, why = _llama_program("llama-speculative")
     if exe is None:
-        return Peer("llama-speculative", "skipped", why)
+        return Peer(name, "skipped", why)
     target, draft = local_source(manifest, "target"), local_source(manifest, "draft")
     if draft is None:
-        return Peer("llama-speculative", "skipped", "the bundle has no draft model (or its "
-                    "checkpoint folder is not known: bench the recipe)")
-    t_gguf, d_gguf = _gguf(target), _gguf(draft)
-    if t_gguf is None or d_gguf is None:
-        return Peer("llama-speculative", "skipped", "no single .gguf file in the "
-                    f"{'target' if t_gguf is None else 'draft'}'s checkpoint folder (llama.cpp "
-                    "reads GGUF: convert_hf_to_gguf.py writes one)")
+        return Peer(name, "skipped", "the bundle has no draft model (or its checkpoint folder "
+                    "is not known: bench the recipe)")
+    t_gguf, d_gguf = _gguf(target, target_kind), _gguf(draft)
+    if t_gguf is None:
+        return Peer(name, "skipped", _no_target_gguf(target_kind))
+    if d_gguf is None:
+        return Peer(name, "skipped", "no single .gguf file in the draft's checkpoint folder "
+                    "(llama.cpp reads GGUF: convert_hf_to_gguf.py writes one)")
     tok, why = _target_tokenizer(target)
     if tok is None:
-        return Peer("llama-speculative", "skipped", why)
+        return Peer(name, "skipped", why)
     version = _llama_cpp_version(exe)
     threads = _backend_threads(manifest)
     ctx = manifest.shapes.ctx_len
-    peer = Peer("llama-speculative", "ok", version=version,
+    peer = Peer(name, "ok", version=version,
                 info={"program": str(exe), "target_gguf": str(t_gguf), "draft_gguf": str(d_gguf),
                       "threads": threads, "n_ctx": ctx, "sampling": "greedy (--temp 0 --top-k 1)",
                       "input": "prompt text decoded from our token ids",
@@ -394,6 +430,6 @@ def llama_speculative_peer(manifest: Manifest, ks: list[int], max_new: int, eos_
 
     for k in ks:
         if k >= 1:
-            peer.cases.append((Measure("llama-speculative", "draft_model", k,
-                                       f"llama-speculative K={k}"), runner(k)))
+            peer.cases.append((Measure(name, "draft_model", k, f"llama-speculative K={k}"),
+                               runner(k)))
     return peer

@@ -96,3 +96,71 @@ def test_a_gguf_already_written_from_the_same_weights_is_kept(tmp_path, monkeypa
         get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "")
     assert ran[0].startswith("converting") and ran[1].startswith("quantizing")
     assert ours.read_bytes() == b"GGUF ours"  # a failed run leaves the old file in place
+
+
+def _stub_tools(monkeypatch) -> list[str]:
+    """The converter and llama-quantize replaced by stand-ins that write their output file (its
+    text says how it was made), so the bookkeeping around them runs for real."""
+    ran: list[str] = []
+
+    def run(cmd, what, **kw):
+        ran.append(what)
+        if what.startswith("converting"):
+            Path(cmd[cmd.index("--outfile") + 1]).write_text("f32")
+        else:
+            Path(cmd[2]).write_text(f"{cmd[3]} of {Path(cmd[1]).read_text()}")
+    monkeypatch.setattr(get_peers, "_run", run)
+    return ran
+
+
+def test_the_target_is_written_at_each_precision_from_one_conversion(tmp_path, monkeypatch):
+    folder = _model_folder(tmp_path)
+    ran = _stub_tools(monkeypatch)
+    paths = get_peers.write_ggufs(folder, ["f32", "q4_0", "q4_k_m"], tmp_path, tmp_path, "")
+    assert [p.name for p in paths] == ["model-f32.gguf", "model-q4_0.gguf", "model-q4_k_m.gguf"]
+    assert [p.read_text() for p in paths] == ["f32", "Q4_0 of f32", "Q4_K_M of f32"]
+    assert ran == ["converting model to GGUF", "quantizing model to q4_0",
+                   "quantizing model to q4_k_m"]
+    record = json.loads((folder / get_peers.RECORD).read_text())["ggufs"]
+    assert sorted(record) == ["model-f32.gguf", "model-q4_0.gguf", "model-q4_k_m.gguf"]
+    assert record["model-q4_k_m.gguf"]["type"] == "q4_k_m"
+    # Again: nothing to do. One precision fewer: ours of it is removed, the others kept.
+    ran.clear()
+    get_peers.write_ggufs(folder, ["f32", "q4_0", "q4_k_m"], tmp_path, tmp_path, "")
+    assert ran == []
+    get_peers.write_ggufs(folder, ["f32", "q4_0"], tmp_path, tmp_path, "")
+    assert ran == [] and sorted(p.name for p in folder.glob("*.gguf")) == \
+        ["model-f32.gguf", "model-q4_0.gguf"]
+    # A precision added later: one conversion and one quantization, the rest untouched.
+    get_peers.write_ggufs(folder, ["f32", "q4_0", "q8_0"], tmp_path, tmp_path, "")
+    assert ran == ["converting model to GGUF", "quantizing model to q8_0"]
+    assert not list(folder.glob(".peer-gguf-*"))  # the staging folder is gone
+
+
+def test_target_types_must_be_known_and_include_f32(tmp_path, capsys):
+    for bad in ("f32,q3_k", "q4_0"):
+        assert get_peers.main(["gguf", "--store", str(tmp_path), "--target-types", bad]) == 2
+        assert "--target-types" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything was fetched or built
+
+
+def test_a_committed_folder_without_conversion_record_is_stamped_by_its_weights(
+        tmp_path, monkeypatch):
+    """models/smollm2-draft is committed, not converted: its safetensors are hashed here, so a
+    retrained draft (other weights) makes its GGUF stale."""
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights v1")
+    ran = _stub_tools(monkeypatch)
+    get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "")
+    stamp = json.loads((folder / get_peers.RECORD).read_text())["ggufs"]["model-q4_0.gguf"]
+    assert stamp["safetensors"] == {"model.safetensors": get_peers.sha256(
+        folder / "model.safetensors")}
+    ran.clear()
+    (folder / "model.safetensors").write_bytes(b"weights v2")
+    get_peers.write_gguf(folder, "q4_0", tmp_path, tmp_path, "")
+    assert ran[0].startswith("converting")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PeerError, match="no safetensors"):
+        get_peers.write_gguf(empty, "q4_0", tmp_path, tmp_path, "")

@@ -109,3 +109,28 @@ sys.stderr.write(open({str(tmp_path / "sample.txt")!r}).read())
     assert tokens == 6 and seconds == pytest.approx(0.25 + 0.4)
     assert acc == {"prompt_token_mismatch": 1, "draft_tokens_proposed": 12,
                    "draft_tokens_accepted": 3}
+
+
+def test_a_quantized_target_peer_reads_its_own_gguf(tmp_path, monkeypatch, peer_manifest):
+    """llama-speculative-q4_k_m runs the target's model-q4_k_m.gguf (get_peers.py writes it
+    beside the float32 one); the plain peer keeps the float32 file; a missing file is named."""
+    target = _folder(tmp_path, "t", "model-f32.gguf")
+    draft = _folder(tmp_path, "d", "model-q4_0.gguf")
+    exe = tmp_path / "bin" / "llama-speculative"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\nexit 1\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv(LLAMA_CPP_BIN_ENV, str(exe.parent))
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(
+        str(target / "tokenizer.json"))
+    manifest = peer_manifest(target, draft, threads=2, ctx=512)
+    p = PEERS["llama-speculative-q4_k_m"](manifest, [2], 8, {2}, None, print)
+    assert p.status == "skipped" and "model-q4_k_m.gguf" in p.note and "get_peers" in p.note
+    (target / "model-q4_k_m.gguf").write_bytes(b"GGUF")
+    p = PEERS["llama-speculative-q4_k_m"](manifest, [2], 8, {2}, None, print)
+    assert p.status == "ok" and p.name == "llama-speculative-q4_k_m"
+    assert p.info["target_gguf"] == str(target / "model-q4_k_m.gguf")
+    assert [m.system for m, _ in p.cases] == ["llama-speculative-q4_k_m"]
+    plain = llama_speculative_peer(manifest, [2], 8, {2}, None, print)
+    assert plain.info["target_gguf"] == str(target / "model-f32.gguf")
