@@ -140,3 +140,58 @@ def write_random_turbo_heads(folder: Path, hidden: int, heads: int = 3, layers: 
     save_file(tensors, str(folder / "speculator.safetensors"))
     (folder / "speculator_config.json").write_text(json.dumps(config))
     return folder
+
+
+def write_random_eagle3_head(folder: Path, num_layers: int, hidden: int, vocab: int, *,
+                             heads: int = 4, kv_heads: int = 2, intermediate: int = 48,
+                             draft_vocab: int | None = None, seed: int = 0, scale: float = 1.0,
+                             tamper=None) -> Path:
+    """A random EAGLE-3 head in the speculators format (models/eagle3_head.py) for a target of
+    `num_layers` layers, hidden size `hidden` and vocabulary `vocab`; the draft vocabulary is
+    every other target token unless `draft_vocab` says how many (the first ones).
+    `tamper(tensors, config)` edits them before they are written (tests of bad folders)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    vd = draft_vocab or vocab // 2
+    head_dim = hidden // heads
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "draft_vocab_size": vd, "norm_before_residual": False,
+              "target_hidden_size": hidden,
+              "eagle_aux_hidden_state_layer_ids": [min(2, num_layers - 1), num_layers // 2,
+                                                   max(num_layers - 3, 0)],
+              "transformer_layer_config": {
+                  "model_type": "llama", "hidden_size": hidden, "intermediate_size": intermediate,
+                  "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                  "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "max_position_embeddings": 256, "vocab_size": vocab, "hidden_act": "silu"}}
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+
+    p = "layers.0"
+    tensors = {"fc.weight": mat(hidden, 3 * hidden),
+               f"{p}.input_layernorm.weight": norm(), f"{p}.hidden_norm.weight": norm(),
+               f"{p}.self_attn.q_proj.weight": mat(heads * head_dim, 2 * hidden),
+               f"{p}.self_attn.k_proj.weight": mat(kv_heads * head_dim, 2 * hidden),
+               f"{p}.self_attn.v_proj.weight": mat(kv_heads * head_dim, 2 * hidden),
+               f"{p}.self_attn.o_proj.weight": mat(hidden, heads * head_dim),
+               f"{p}.post_attention_layernorm.weight": norm(),
+               f"{p}.mlp.gate_proj.weight": mat(intermediate, hidden),
+               f"{p}.mlp.up_proj.weight": mat(intermediate, hidden),
+               f"{p}.mlp.down_proj.weight": mat(hidden, intermediate),
+               "norm.weight": norm(), "lm_head.weight": mat(vd, hidden) * 4.0}
+    target_ids = np.arange(vd, dtype=np.int64) * (2 if draft_vocab is None else 1)
+    tensors["d2t"] = target_ids - np.arange(vd, dtype=np.int64)
+    if tamper is not None:
+        tamper(tensors, config)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
