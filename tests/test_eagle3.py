@@ -149,13 +149,93 @@ def test_head_graph_equals_a_transformers_forward_across_its_cache(tmp_path):
         np.zeros((1, i.num_kv_heads, 0, i.head_dim), np.float32)
     logits, outs = [], []
     for start, end in ((0, 5), (5, 6), (6, 9)):  # fill, one step, three more
-        lg, out, key, value = sess.run(None, {
+        lg, out, key, value, d2t = sess.run(None, {
             "input_ids": ids[None, start:end], "hidden": hidden[None, start:end],
             "position_ids": np.arange(start, end)[None], "past_key": cache[0],
             "past_value": cache[1]})
         cache = np.concatenate([cache[0], key], 2), np.concatenate([cache[1], value], 2)
         logits.append(lg[0])
         outs.append(out[0])
+    assert d2t.tolist() == head.draft_to_target.tolist()
     ref_logits, ref_out = torch_head(folder, embed, ids, hidden)
     np.testing.assert_allclose(np.concatenate(outs), ref_out, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.concatenate(logits), ref_logits, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the recipe and the loop
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
+
+
+def recipe(folder: Path, head: Path, graph: str = "fused", extra: str = "") -> Path:
+    path = folder / "eagle3.yaml"
+    path.write_text(f"""schema: 1
+name: eagle3-test
+target: {{model: {DEMO}}}
+draft: {{method: eagle3, model: {head}}}
+speculation: {{num_speculative_tokens: 3}}
+shapes: {{batch_size: 1, prefill_seq_len: 8, ctx_len: 64}}
+backends: [onnxruntime]
+onnxruntime: {{graph: {graph}}}
+{extra}""")
+    return path
+
+
+def demo_head(folder: Path, **kw) -> Path:
+    import json
+
+    cfg = json.loads((DEMO / "config.json").read_text())
+    return write_random_eagle3_head(folder, cfg["num_hidden_layers"], cfg["hidden_size"],
+                                    cfg["vocab_size"], heads=4, kv_heads=2, **kw)
+
+
+def test_a_recipe_with_a_head_of_another_model_exits_2_naming_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from qpcbuild.cli import app
+
+    head = write_random_eagle3_head(tmp_path / "h", 6, 128, 512)
+    result = CliRunner().invoke(app, ["plan", str(recipe(tmp_path, head))])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "draft.model" in text and "the target's hidden size is 256" in text, text
+
+
+def test_eagle3_options_a_version_does_not_support_are_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from qpcbuild.cli import app
+
+    path = recipe(tmp_path, demo_head(tmp_path / "h"))
+    path.write_text(path.read_text().replace("batch_size: 1,", "batch_size: 2,")
+                    .replace("[onnxruntime]", "[onnxruntime, qaic]"))
+    result = CliRunner().invoke(app, ["plan", str(path)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "eagle3 heads run one row" in text and "ONNX Runtime-only" in text, text
+
+
+@pytest.mark.parametrize("graph", ["fused", "portable"])
+def test_eagle3_greedy_output_equals_generate(graph, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    import qpcbuild
+    from qpcbuild.cli import app
+    from qpcbuild.runtime.rows import new_row
+    from qpcbuild.runtime.sampling import SamplingParams
+
+    path = recipe(tmp_path, demo_head(tmp_path / "h"), graph)
+    result = CliRunner().invoke(app, ["compile", str(path), "-o", str(tmp_path / "b"),
+                                      "--cache-dir", str(tmp_path / "cache")])
+    assert result.exit_code == 0, result.output
+    gen = qpcbuild.load(tmp_path / "b")
+    assert gen.decoder.eagle3 is not None
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    for prompt in ([3, 17, 42, 9, 100], [7] * 11 + [200, 5]):
+        row = new_row(prompt, 24, gen.decoder.ctx_len, SamplingParams(), 0)
+        gen.decoder.run_rows([row])
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+        assert row.tokens == ref[0].tolist()
+        assert row.stats.num_drafts > 0

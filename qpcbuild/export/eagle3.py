@@ -12,9 +12,10 @@ the target's token embedding (a copy in the head's file), pairs them with `hidde
 `position_ids` [B, n] (consecutive, after the P cached positions), and attends over `past_key` /
 `past_value` [B, nKV, P, D] (positions 0..P-1) and its own n keys, causally. Outputs: `logits`
 [B, n, Vd] over the draft vocabulary, `hidden_out` [B, n, H] (the layer's output before the final
-norm: the next step's hidden) and `key` / `value` [B, nKV, n, D], which the runtime writes into
-its cache at those positions. Stale positions past a row's accepted prefix are simply
-overwritten by the next call that reaches them (the cache given is always 0..P-1).
+norm: the next step's hidden), `key` / `value` [B, nKV, n, D], which the runtime writes into
+its cache at those positions, and `draft_to_target` [Vd] (d2t as target ids, a constant). Stale
+positions past a row's accepted prefix are simply overwritten by the next call that reaches them
+(the cache given is always 0..P-1).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class HeadGraph:
 
     def __init__(self, g: GraphBuilder, head: Eagle3Head, embed: np.ndarray,
                  max_positions: int):
-        self.g, self.i, self.w = g, head.info, head.weights
+        self.g, self.i, self.w, self.d2t = g, head.info, head.weights, head.draft_to_target
         self.embed, self.max_positions = embed, max_positions
 
     def norm(self, x: str, name: str) -> str:
@@ -121,6 +122,8 @@ class HeadGraph:
         g.output("hidden_out", FLOAT, ["batch_size", "seq_len", h])
         g.output("key", FLOAT, ["batch_size", nkv, "seq_len", d])
         g.output("value", FLOAT, ["batch_size", nkv, "seq_len", d])
+        g.op("Identity", g.const(self.d2t), out="draft_to_target")
+        g.output("draft_to_target", INT64, [i.draft_vocab_size])
 
     def repeat(self, kv: str, groups: int) -> str:
         """[B,nKV,T,D] -> [B,nKV*groups,T,D], each KV head repeated for its query heads."""

@@ -84,7 +84,7 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
             add("speculation.num_speculative_tokens", f"K={v} is outside 0..{MAX_K}")
     if isinstance(k, list) and len(set(k)) != len(k):
         add("speculation.num_speculative_tokens", f"duplicate values in {k}")
-    if r.draft.method in ("draft_model", "turbo") and ks and max(ks) == 0:
+    if r.draft.method in ("draft_model", "turbo", "eagle3") and ks and max(ks) == 0:
         add("speculation.num_speculative_tokens", f"{r.draft.method} needs K >= 1")
     for b, kb in (r.speculation.num_speculative_tokens_per_batch_size or {}).items():
         if b < 1 or not 0 <= kb <= MAX_K:
@@ -119,6 +119,27 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
         add("shapes.full_batch_size", f"{s.full_batch_size} is smaller than batch_size {s.batch_size}")
 
 
+def _eagle3_options(r: Recipe, add: Add) -> None:
+    """What this version's EAGLE-3 heads need: a head folder, one row, one node, ONNX Runtime."""
+    d = r.draft
+    if not d.model:
+        add("draft.model", "eagle3 needs its head folder (config.json and model.safetensors, "
+            "the speculators format)")
+    for key in ("revision", "vocab_subset"):
+        if getattr(d, key) is not None:
+            add(f"draft.{key}", "an EAGLE-3 head is a local folder with its own draft "
+                "vocabulary (d2t); remove this key")
+    if r.disaggregated is not None:
+        add("draft.method", "eagle3 reads the target's features on the node that verifies; a "
+            "disaggregated bundle is not supported with it; use one node")
+    if r.shapes.batch_size != 1 or r.shapes.full_batch_size is not None:
+        add("shapes.batch_size", "eagle3 heads run one row in this version (batch_size 1, no "
+            "full_batch_size); use draft_model, ngram or suffix for batched serving")
+    if "qaic" in r.backends:
+        add("backends", "eagle3 is ONNX Runtime-only in this version: the head graph and the "
+            "target's feature output are not compiled for Cloud AI; use backends: [onnxruntime]")
+
+
 def _draft_options(r: Recipe, add: Add) -> None:
     d = r.draft
     if d.method == "draft_model" and not d.model:
@@ -134,6 +155,8 @@ def _draft_options(r: Recipe, add: Add) -> None:
         if r.disaggregated is not None:
             add("draft.method", "turbo heads ride in the target's graph, which a disaggregated "
                 "bundle splits; use one node")
+    elif d.method == "eagle3":
+        _eagle3_options(r, add)
     elif d.method != "draft_model":
         for key in ("model", "revision", "vocab_subset"):
             if getattr(d, key) is not None:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
 from ..errors import UsageError
 from .rates import acceptance_rate, mean_acceptance_length
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:  # only its type: eagle3.py imports this module
+    from .eagle3 import Eagle3RowState
 
 # (prompt index, new token ids); ids are empty when a cancelled row ends
 TokenCallback = Callable[[int, list[int]], None]
@@ -128,6 +131,8 @@ class Row:
     rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
     # turbo: the heads' logits [heads, V] at the row's last token (the target's last call)
     head_logits: np.ndarray | None = None
+    # eagle3: the target's features by position and the head's cache (eagle3.py)
+    eagle3: Eagle3RowState | None = None
 
     # The finish reason is the request's record's (one place); the loop sets it here.
     @property
