@@ -200,22 +200,23 @@ def test_a_recipe_with_a_head_of_another_model_exits_2_naming_it(tmp_path):
     assert "draft.model" in text and "the target's hidden size is 256" in text, text
 
 
-def test_eagle3_options_a_version_does_not_support_are_refused(tmp_path):
+def test_a_qaic_eagle3_recipe_is_refused_as_onnxruntime_only(tmp_path):
     from typer.testing import CliRunner
 
     from qpcbuild.cli import app
 
     path = recipe(tmp_path, demo_head(tmp_path / "h"))
-    path.write_text(path.read_text().replace("batch_size: 1,", "batch_size: 2,")
-                    .replace("[onnxruntime]", "[onnxruntime, qaic]"))
+    path.write_text(path.read_text().replace("[onnxruntime]", "[onnxruntime, qaic]"))
     result = CliRunner().invoke(app, ["plan", str(path)])
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
-    assert "eagle3 heads run one row" in text and "ONNX Runtime-only" in text, text
+    assert "backends" in text and "ONNX Runtime-only" in text, text
 
 
-@pytest.mark.parametrize("graph", ["fused", "portable"])
-def test_eagle3_greedy_output_equals_generate(graph, tmp_path):
+@pytest.mark.parametrize("graph,shapes", [
+    ("fused", ""), ("portable", ""), ("fused", "shapes.batch_size=2"),
+    ("fused", "shapes.full_batch_size=3")], ids=["fused", "portable", "batch2", "cb"])
+def test_eagle3_greedy_output_equals_generate(graph, shapes, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
@@ -227,14 +228,19 @@ def test_eagle3_greedy_output_equals_generate(graph, tmp_path):
 
     path = recipe(tmp_path, demo_head(tmp_path / "h"), graph)
     result = CliRunner().invoke(app, ["compile", str(path), "-o", str(tmp_path / "b"),
-                                      "--cache-dir", str(tmp_path / "cache")])
+                                      "--cache-dir", str(tmp_path / "cache")]
+                                + (["--set", shapes] if shapes else []))
     assert result.exit_code == 0, result.output
     gen = qpcbuild.load(tmp_path / "b")
     assert gen.decoder.eagle3 is not None
     model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
-    for prompt in ([3, 17, 42, 9, 100], [7] * 11 + [200, 5]):
-        row = new_row(prompt, 24, gen.decoder.ctx_len, SamplingParams(), 0)
-        gen.decoder.run_rows([row])
+    prompts = ([3, 17, 42, 9, 100], [7] * 11 + [200, 5], [1, 2, 3])
+    rows = [new_row(p, 24, gen.decoder.ctx_len, SamplingParams(), i)
+            for i, p in enumerate(prompts)]
+    per_call = len(rows) if gen.decoder.cb else gen.target.batch_size
+    for start in range(0, len(rows), per_call):
+        gen.decoder.run_rows(rows[start:start + per_call])
+    for prompt, row in zip(prompts, rows):
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
         assert row.tokens == ref[0].tolist()

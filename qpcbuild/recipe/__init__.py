@@ -120,7 +120,7 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
 
 
 def _eagle3_options(r: Recipe, add: Add) -> None:
-    """What this version's EAGLE-3 heads need: a head folder, one row, one node, ONNX Runtime."""
+    """What this version's EAGLE-3 heads need: a head folder, one node, ONNX Runtime."""
     d = r.draft
     if not d.model:
         add("draft.model", "eagle3 needs its head folder (config.json and model.safetensors, "
@@ -132,9 +132,6 @@ def _eagle3_options(r: Recipe, add: Add) -> None:
     if r.disaggregated is not None:
         add("draft.method", "eagle3 reads the target's features on the node that verifies; a "
             "disaggregated bundle is not supported with it; use one node")
-    if r.shapes.batch_size != 1 or r.shapes.full_batch_size is not None:
-        add("shapes.batch_size", "eagle3 heads run one row in this version (batch_size 1, no "
-            "full_batch_size); use draft_model, ngram or suffix for batched serving")
     if "qaic" in r.backends:
         add("backends", "eagle3 is ONNX Runtime-only in this version: the head graph and the "
             "target's feature output are not compiled for Cloud AI; use backends: [onnxruntime]")

@@ -206,8 +206,7 @@ class OrtSession:
             np.copyto(arrays["batch_index"], batch_index)
         self.sess.run_with_iobinding(bindings[self._parity])
         self._parity = (self._parity + 1) % len(bindings)
-        self._last_features = arrays.get(FEATURES)
-        return self._base(arrays["logits"])
+        return self._base(arrays)
 
     def features(self) -> np.ndarray:
         """[B, S, H] of the last `run`: an EAGLE-3 head's input at each position (FeatureSession)."""
@@ -216,9 +215,11 @@ class OrtSession:
                               "nothing ran yet)")
         return self._last_features
 
-    def _base(self, logits: np.ndarray) -> np.ndarray:
-        """The base model's logits of a call's output (all of it without heads)."""
-        self._last_logits = logits
+    def _base(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """The base model's logits of a call's output (all of it without heads); the call's
+        outputs are kept for `head_logits` and `features`."""
+        logits = arrays["logits"]
+        self._last_logits, self._last_features = logits, arrays.get(FEATURES)
         return logits[:, :, 0] if self.heads else logits
 
     def head_logits(self) -> np.ndarray:
@@ -288,7 +289,10 @@ class RowwiseOrtSession(OrtSession):
                   "position_ids": ortvalue(arrays["position_ids"][rows])}
         if "num_logits_to_keep" in arrays:
             inputs["num_logits_to_keep"] = ortvalue(arrays["num_logits_to_keep"])
-        return self._binding(inputs, kv, kv, ortvalue(arrays["logits"][rows]))
+        b = self._binding(inputs, kv, kv, ortvalue(arrays["logits"][rows]))
+        if FEATURES in arrays:
+            b.bind_ortvalue_output(FEATURES, ortvalue(arrays[FEATURES][rows]))
+        return b
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
@@ -301,7 +305,7 @@ class RowwiseOrtSession(OrtSession):
             t0 = time.perf_counter()
             self.sess.run_with_iobinding(together)  # rows without a token write past the end
             self._timed("together", time.perf_counter() - t0)
-            return self._base(arrays["logits"])
+            return self._base(arrays)
         t0 = time.perf_counter()
         for j in live:  # rows with no token in this call are not run
             slot = j if batch_index is None else int(batch_index[j, 0])
@@ -310,7 +314,7 @@ class RowwiseOrtSession(OrtSession):
             self.sess.run_with_iobinding(made[(j, slot)])
         if together is not None and live:
             self._timed("row", (time.perf_counter() - t0) / len(live))
-        return self._base(arrays["logits"])
+        return self._base(arrays)
 
     def _together_pays(self, live: int) -> bool:
         """Whether one call over every row (the free ones attend over the whole context) is
