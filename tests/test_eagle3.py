@@ -245,3 +245,57 @@ def test_eagle3_greedy_output_equals_generate(graph, shapes, tmp_path):
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
         assert row.tokens == ref[0].tolist()
         assert row.stats.num_drafts > 0
+
+
+def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path):
+    """EAGLE's shift, checked against transformers: at each step the head reads, for every
+    verified position p, the target's hidden states entering its aux layers at p (through fc)
+    with the token at p + 1; its first proposal is the argmax at the last verified position
+    and the next one continues from its own output."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    import qpcbuild
+    from qpcbuild.cli import app
+    from qpcbuild.runtime.rows import new_row
+    from qpcbuild.runtime.sampling import SamplingParams
+
+    folder = demo_head(tmp_path / "h", seed=5)
+    result = CliRunner().invoke(app, ["compile", str(recipe(tmp_path, folder, "portable")), "-o",
+                                      str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    gen = qpcbuild.load(tmp_path / "b")
+    drafter = gen.decoder.eagle3
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose
+
+    def spy(rows, room):
+        proposals, q = propose(rows, room)
+        seen.append((list(rows[0].tokens), proposals[0]))
+        return proposals, q
+
+    drafter.propose = spy
+    row = new_row([5, 9, 33, 7, 81, 2, 40], 20, gen.decoder.ctx_len, SamplingParams(), 0)
+    gen.decoder.run_rows([row])
+    assert len(seen) >= 3
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    cfg = json.loads((folder / "config.json").read_text())
+    fc = load_file(str(folder / "model.safetensors"))["fc.weight"]
+    d2t = load_file(str(folder / "model.safetensors"))["d2t"]
+    embed = model.model.embed_tokens.weight.detach().numpy()
+    for tokens, proposals in seen:
+        with torch.no_grad():
+            states = model(input_ids=torch.tensor([tokens[:-1]]),
+                           output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in cfg["eagle_aux_hidden_state_layer_ids"]], -1)
+        ids, hidden = list(tokens[1:]), (aux @ fc.T).numpy()
+        for proposal in proposals:
+            logits, out = torch_head(folder, embed, ids, hidden)
+            draft = int(logits[-1].argmax())
+            assert draft + int(d2t[draft]) == proposal
+            ids.append(proposal)
+            hidden = np.concatenate([hidden, out[-1:]])
