@@ -195,3 +195,51 @@ def write_random_eagle3_head(folder: Path, num_layers: int, hidden: int, vocab: 
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def write_shortcut_eagle3_head(folder: Path, target: Path, keep=lambda token: token % 3 != 1
+                               ) -> Path:
+    """An EAGLE-3 head for the Llama checkpoint in `target` whose distribution overlaps the
+    target's own: fc passes the state entering layer L-3 through, the head's layer is that
+    layer (its q/k/v read only the hidden half), then the target's final norm and LM head rows.
+    So the head is the target with its last layers skipped, predicting roughly the target's
+    next token at the position it reads; `keep(token)` picks the draft vocabulary."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    w = {k: v.astype(np.float32) for k, v in load_file(str(target / "model.safetensors")).items()}
+    h, n, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    src = f"model.layers.{n - 3}"
+    ids = np.array([t for t in range(vocab) if keep(t)], np.int64)
+    lm = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+
+    def tamper(tensors: dict, config: dict) -> None:
+        tensors.clear()
+        fc = np.zeros((h, 3 * h), np.float32)
+        fc[:, 2 * h:] = np.eye(h, dtype=np.float32)
+        tensors["fc.weight"] = fc
+        for p in ("q", "k", "v"):
+            m = w[f"{src}.self_attn.{p}_proj.weight"]
+            tensors[f"layers.0.self_attn.{p}_proj.weight"] = np.concatenate(
+                [np.zeros_like(m), m], 1)
+        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                     "post_attention_layernorm"):
+            tensors[f"layers.0.{name}.weight"] = w[f"{src}.{name}.weight"]
+        tensors["layers.0.hidden_norm.weight"] = w[f"{src}.input_layernorm.weight"]
+        tensors["layers.0.input_layernorm.weight"] = np.ones(h, np.float32)
+        tensors["norm.weight"] = w["model.norm.weight"]
+        tensors["lm_head.weight"] = np.ascontiguousarray(lm[ids])
+        tensors["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+        config["draft_vocab_size"] = len(ids)
+        config["eagle_aux_hidden_state_layer_ids"] = [2, n // 2, n - 3]
+        config["transformer_layer_config"].update(
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+
+    return write_random_eagle3_head(folder, n, h, vocab, tamper=tamper)
