@@ -268,6 +268,10 @@ def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path)
     result = CliRunner().invoke(app, ["compile", str(recipe(tmp_path, folder, "portable")), "-o",
                                       str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")])
     assert result.exit_code == 0, result.output
+    served = CliRunner().invoke(app, ["serve-config", str(tmp_path / "b")])
+    text = " ".join(served.output.split())
+    assert served.exit_code == 2 and "does not serve draft heads" in text, text
+    assert '"method": "eagle3"' in text and str(folder) in text, text
     gen = qpcbuild.load(tmp_path / "b")
     drafter = gen.decoder.eagle3
     seen: list[tuple[list[int], list[int]]] = []
