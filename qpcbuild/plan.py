@@ -3,6 +3,8 @@
 The plan needs configs, never weights, so it runs in a second on a laptop for an 8B model. It is
 the single source of truth for K, shapes, core split and compiler inputs; later stages only read it.
 """
+# Over 400 lines: the roles' plans and the head folders (turbo, EAGLE-3) checked against the
+# target they ride on, which the roles' export keys and I/O depend on.
 
 from __future__ import annotations
 

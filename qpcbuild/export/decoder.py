@@ -18,6 +18,8 @@ full layer; a ring buffer of `window` slots would save memory but its slots woul
 by a window that is then rejected (the keys just behind it would be lost) and every row would need
 its own wrap-around, so it is not worth it at the context lengths a card serves.
 """
+# Over 400 lines: one graph for every family, with its logits head and the draft heads' outputs
+# (turbo's stack, EAGLE-3's features) that read the same hidden states.
 
 from __future__ import annotations
 

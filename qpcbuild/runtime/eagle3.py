@@ -18,7 +18,6 @@ vocabulary), which is then the q the acceptance rule divides by.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +25,10 @@ import numpy as np
 
 from ..errors import BundleError
 from ..ort_threads import session_options
-from .rows import Row
+from .rows import Eagle3RowState, Row
 from .sampling import probabilities, sample
 
 UNREACHABLE = np.float32(-1e30)  # logits of target tokens outside the draft vocabulary
-
-
-@dataclass
-class Eagle3RowState:
-    """One row's head state: the target's features by position, the head's cache, and how many
-    positions of it the target has verified (0..verified-1)."""
-    features: np.ndarray  # [ctx, H]
-    keys: np.ndarray  # [1, nKV, ctx + K, D]
-    values: np.ndarray
-    verified: int = 0
 
 
 class Eagle3Drafter:

@@ -6,6 +6,8 @@ absolute positions, and each row keeps its accepted prefix plus the target's own
 Nothing is rolled back: rejected slots hold stale KV that the position-derived mask hides until
 the next window overwrites it. This is the same control flow the card runs.
 """
+# Over 400 lines: one loop for every proposer (draft model, lookups, turbo and EAGLE-3 heads)
+# and every batching mode, whose steps share the rows' state.
 
 from __future__ import annotations
 

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..errors import UsageError
 from .rates import acceptance_rate, mean_acceptance_length
 from .sampling import SamplingParams
-
-if TYPE_CHECKING:  # only its type: eagle3.py imports this module
-    from .eagle3 import Eagle3RowState
 
 # (prompt index, new token ids); ids are empty when a cancelled row ends
 TokenCallback = Callable[[int, list[int]], None]
@@ -108,6 +105,16 @@ class RequestStats:
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "steps_with_speculation": self.spec_steps,
                 "steps_without_speculation": self.plain_steps}
+
+
+@dataclass
+class Eagle3RowState:
+    """One row's EAGLE-3 head state (eagle3.py): the target's features by position, the head's
+    cache, and how many positions of it the target has verified (0..verified-1)."""
+    features: np.ndarray  # [ctx, H]
+    keys: np.ndarray  # [1, nKV, ctx + K + 1, D]
+    values: np.ndarray
+    verified: int = 0
 
 
 @dataclass
