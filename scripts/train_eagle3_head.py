@@ -42,7 +42,7 @@ from pathlib import Path
 
 from stdlib_corpus import stdlib_sources  # scripts/ is on sys.path when a script runs
 from train_smollm2_draft import SKIPPED_DIRS, build_prompts, load_target, load_tokenizer, log
-from train_turbo_heads import generate
+from train_turbo_heads import add_data_args, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -252,20 +252,9 @@ def write(args, head: Eagle3Head, draft_ids, layer_ids, record: dict) -> None:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
-    ap.add_argument("--vocab", type=Path,
-                    default=ROOT / "models" / "smollm2-draft" / "draft_vocab.json")
+    add_data_args(ap, gen_minutes=3.0)
     ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-eagle3")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--code-prompts", type=int, default=1400)
-    ap.add_argument("--heldout-percent", type=int, default=10)
-    ap.add_argument("--max-prompt-tokens", type=int, default=128)
-    ap.add_argument("--gen-minutes", type=float, default=3.0)
-    ap.add_argument("--gen-batch", type=int, default=16)
-    ap.add_argument("--gen-new-tokens", type=int, default=96)
     ap.add_argument("--tf-windows", type=int, default=400)
-    ap.add_argument("--tf-len", type=int, default=128)
     ap.add_argument("--unroll", type=int, default=3)
     ap.add_argument("--window", type=int, default=48)
     ap.add_argument("--steps", type=int, default=100000)

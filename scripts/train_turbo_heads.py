@@ -234,23 +234,29 @@ def write(args, heads: Heads, record: dict) -> None:
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
+def add_data_args(ap: argparse.ArgumentParser, gen_minutes: float) -> None:
+    """The options of the target, the prompts and their generation (shared with
+    scripts/train_eagle3_head.py, which makes its data with `generate`)."""
     ap.add_argument("--target", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
     ap.add_argument("--vocab", type=Path,
                     default=ROOT / "models" / "smollm2-draft" / "draft_vocab.json")
-    ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-turbo")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--code-prompts", type=int, default=1400)
     ap.add_argument("--heldout-percent", type=int, default=10)
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
-    ap.add_argument("--gen-minutes", type=float, default=4.0)
+    ap.add_argument("--gen-minutes", type=float, default=gen_minutes)
     ap.add_argument("--gen-batch", type=int, default=16)
     ap.add_argument("--gen-new-tokens", type=int, default=96)
-    ap.add_argument("--tf-minutes", type=float, default=4.0)
     ap.add_argument("--tf-len", type=int, default=128)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    add_data_args(ap, gen_minutes=4.0)
+    ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-turbo")
+    ap.add_argument("--tf-minutes", type=float, default=4.0)
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--steps", type=int, default=600)
