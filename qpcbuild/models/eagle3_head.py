@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
+from .config_reader import read_json_object
 from .safetensors import WeightReader
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -91,15 +92,8 @@ def _number(cfg: dict[str, Any], key: str, where: Path, default: float) -> float
 
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise UsageError(f"{folder}: no {CONFIG_FILE}; an EAGLE-3 head folder holds it and "
-                         f"{WEIGHTS_FILE} (the speculators format)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise UsageError(f"{path}: unreadable ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise UsageError(f"{path}: a JSON object expected")
+    cfg = read_json_object(path, f"an EAGLE-3 head folder holds it and {WEIGHTS_FILE} (the "
+                                 "speculators format)")
     if cfg.get("speculators_model_type") != "eagle3":
         raise UsageError(f"{path}: speculators_model_type is "
                          f"{cfg.get('speculators_model_type')!r}, 'eagle3' expected")
