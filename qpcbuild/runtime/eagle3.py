@@ -87,10 +87,10 @@ class Eagle3Drafter:
     def _choose(self, r: Row, draft_logits: np.ndarray) -> tuple[int, np.ndarray | None]:
         """A proposal (a target id) and, for a sampled row, the distribution it came from."""
         assert self.draft_to_target is not None
+        if r.sp.greedy:  # the argmax over the draft vocabulary, as a target id
+            return int(self.draft_to_target[int(draft_logits.argmax())]), None
         full = np.full(self.vocab_size, UNREACHABLE, np.float32)
         full[self.draft_to_target] = draft_logits
-        if r.sp.greedy:
-            return int(full.argmax()), None
         probs = probabilities(full, r.sp)
         return sample(probs, r.rng), probs
 
