@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import random
 import sys
@@ -41,8 +40,8 @@ import time
 from pathlib import Path
 
 from stdlib_corpus import stdlib_sources  # scripts/ is on sys.path when a script runs
-from train_smollm2_draft import SKIPPED_DIRS, build_prompts, load_target, load_tokenizer, log
-from train_turbo_heads import add_data_args, generate
+from train_smollm2_draft import SKIPPED_DIRS, build_prompts, log
+from train_turbo_heads import add_data_args, frozen_target, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -266,19 +265,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    import torch
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    if not (args.target / "config.json").is_file():
-        print(f"error: {args.target} has no config.json; run scripts/get_smollm2.py first",
-              file=sys.stderr)
+    loaded = frozen_target(args)
+    if loaded is None:
         return 2
-    tok = load_tokenizer(args.target)
-    target = load_target(args.target)
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tok, target = loaded
+    import torch
     tc = target.config
     layer_ids = aux_layer_ids(tc.num_hidden_layers)
     cfg = {"hidden_size": tc.hidden_size, "intermediate_size": tc.intermediate_size,

@@ -251,6 +251,25 @@ def add_data_args(ap: argparse.ArgumentParser, gen_minutes: float) -> None:
     ap.add_argument("--tf-len", type=int, default=128)
 
 
+def frozen_target(args):
+    """Torch on --threads, seeded; the tokenizer and the target with its weights frozen (shared
+    with scripts/train_eagle3_head.py); None, after saying why, when the target is missing."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if not (args.target / "config.json").is_file():
+        print(f"error: {args.target} has no config.json; run scripts/get_smollm2.py first",
+              file=sys.stderr)
+        return None
+    tok = load_tokenizer(args.target)
+    target = load_target(args.target)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return tok, target
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -268,19 +287,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    import torch
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    if not (args.target / "config.json").is_file():
-        print(f"error: {args.target} has no config.json; run scripts/get_smollm2.py first",
-              file=sys.stderr)
+    loaded = frozen_target(args)
+    if loaded is None:
         return 2
-    tok = load_tokenizer(args.target)
-    target = load_target(args.target)
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tok, target = loaded
+    import torch
     prompts = build_prompts(tok, args)
     # held-out prompts are generated too (a share of the budget), for the evaluation
     t0 = time.time()
