@@ -3,6 +3,8 @@
 The plan needs configs, never weights, so it runs in a second on a laptop for an 8B model. It is
 the single source of truth for K, shapes, core split and compiler inputs; later stages only read it.
 """
+# Over 400 lines: the roles' plans and the head folders (turbo, EAGLE-3) checked against the
+# target they ride on, which the roles' export keys and I/O depend on.
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .recipe.placement import node_slots, placements, resolved_cores
 from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment
+from .models.eagle3_head import Eagle3Head, Eagle3HeadInfo, read_eagle3_head
 from .models.turbo_heads import TurboHeadsInfo, read_turbo_heads
 from .models.vocab_subset import read_vocab_subset, subset_digest
 
@@ -83,6 +86,28 @@ class TurboPlan:
 
 
 @dataclass(frozen=True)
+class Eagle3Plan:
+    """The target's EAGLE-3 head (models/eagle3_head.py), checked when planned."""
+    ref: str  # as the recipe wrote it
+    path: str  # resolved
+    info: Eagle3HeadInfo
+
+    @property
+    def options(self) -> dict[str, Any]:  # the manifest's speculation options
+        return {"speculator": self.ref, "speculator_sha256": self.info.sha256,
+                "eagle_aux_hidden_state_layer_ids": list(self.info.aux_layer_ids),
+                "draft_vocab_size": self.info.draft_vocab_size}
+
+    def read(self, arch: ArchSpec) -> Eagle3Head:
+        """The head, read again (by the build) and checked to be the one the plan saw."""
+        head = read_eagle3_head(Path(self.path), arch.num_layers, arch.hidden_size,
+                                arch.vocab_size)
+        if head.info != self.info:
+            raise UsageError(f"draft.model: {self.path} changed while the bundle was being built")
+        return head
+
+
+@dataclass(frozen=True)
 class RolePlan:
     # The unit's name in the bundle (its folder, roles.<role>): "target" | "draft", and for a
     # disaggregated recipe "prefill", the target's prefill unit (target and draft then decode)
@@ -102,6 +127,7 @@ class RolePlan:
     vocab_subset: VocabSubset | None = None  # draft only
     stage: str | None = None  # disaggregated: "prefill" | "decode"; None: one node does both
     turbo: TurboPlan | None = None  # target only: heads compiled into its logits
+    eagle3: Eagle3Plan | None = None  # target only: its feature output and the head's graph
 
     @property
     def model_role(self) -> str:
@@ -124,6 +150,7 @@ class RolePlan:
                 "memory": asdict(self.memory), "cache_keys": self.cache_keys.to_dict(),
                 "vocab_subset": self.vocab_subset and asdict(self.vocab_subset),
                 **({"turbo": asdict(self.turbo)} if self.turbo else {}),
+                **({"eagle3": asdict(self.eagle3)} if self.eagle3 else {}),
                 "arch": self.arch.to_dict()}
 
 
@@ -197,7 +224,7 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...], stage: str | None
 
 def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
                compiler: str | None, vocab_subset: VocabSubset | None = None,
-               turbo: TurboPlan | None = None) -> RolePlan:
+               turbo: TurboPlan | None = None, eagle3: Eagle3Plan | None = None) -> RolePlan:
     """unit: target | draft, or (disaggregated) prefill, the target's prefill unit."""
     role = model_role(unit)  # whose model and graph
     stage = None if r.disaggregated is None else "prefill" if unit == "prefill" else "decode"
@@ -215,7 +242,8 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                          # a subset changes the graph; its key stays as before without one
                          **({"vocab_subset": vocab_subset.sha256} if vocab_subset else {}),
                          # so do heads: keys without them stay as before
-                         **({"turbo": turbo.info.sha256} if turbo else {})})
+                         **({"turbo": turbo.info.sha256} if turbo else {}),
+                         **({"eagle3": eagle3.info.sha256} if eagle3 else {})})
     batch = node_slots(r, unit)
     n_dev = len(hw.device_group)
     head_rows = vocab_subset.size if vocab_subset else None
@@ -229,7 +257,8 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                       specializations=specializations(role, r, ks, stage, node_slots(r, unit)
                                                       if stage else None),
                       io=DeclaredIO.of(graph_io(role, arch, cb,
-                                                turbo.info.num_heads if turbo else 0)),
+                                                turbo.info.num_heads if turbo else 0,
+                                                eagle3_features=eagle3 is not None)),
                       export_key=export_key)
     parts = {name: backend_plan(name).plan_role(r, facts, compiler) for name in backend_names()}
     # the settings part of each backend's cache key
@@ -240,7 +269,7 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
         num_cores=cores, backends=parts, memory=memory,
         cache_keys=CacheKeys(export=export_key, backends=backend_keys), vocab_subset=vocab_subset,
-        stage=stage, turbo=turbo)
+        stage=stage, turbo=turbo, eagle3=eagle3)
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref: ModelRef | Draft) -> list[str]:
@@ -279,6 +308,19 @@ def _turbo_heads(r: Recipe, arch: ArchSpec) -> tuple[TurboPlan | None, list[Prob
                                "proposes one token, so K is at most the head count",
                                r.line_of("speculation.num_speculative_tokens"))]
     return turbo, []
+
+
+def _eagle3_head(r: Recipe, arch: ArchSpec) -> tuple[Eagle3Plan | None, list[Problem]]:
+    """The eagle3 recipe's head folder, checked against the target."""
+    ref = r.draft.model
+    if r.draft.method != "eagle3" or ref is None:
+        return None, []
+    try:
+        path = recipe_relative(r, ref)
+        info = read_eagle3_head(path, arch.num_layers, arch.hidden_size, arch.vocab_size).info
+    except (UsageError, RuntimeError, OSError) as exc:
+        return None, [Problem("draft.model", str(exc), r.line_of("draft.model"))]
+    return Eagle3Plan(ref=ref, path=str(path.resolve()), info=info), []
 
 
 def _resolve_sources(r: Recipe) -> tuple[dict[str, ModelSource], VocabSubset | None]:
@@ -355,7 +397,10 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
     """Resolve models (configs only), check what needs them, and decide everything.
     `memo_dir`: where checks of unchanged files are remembered (the cache's digests folder)."""
     sources, subset = _resolve_sources(r)
-    turbo, problems = _turbo_heads(r, arch_from_config(sources["target"].config, r.target.model))
+    target_arch = arch_from_config(sources["target"].config, r.target.model)
+    turbo, problems = _turbo_heads(r, target_arch)
+    eagle3, more = _eagle3_head(r, target_arch)
+    problems += more
     if problems:
         raise RecipeError(r.source, problems)
     warnings = [str(w) for w in r.warnings]
@@ -379,7 +424,7 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
 
     cores = resolved_cores(r)
     roles = [_role_plan("target", r, sources["target"], r.compiled_ks, cores["target"],
-                        compiler, turbo=turbo)]
+                        compiler, turbo=turbo, eagle3=eagle3)]
     if r.disaggregated is not None:  # the target's prefill unit: the same export, its own node
         roles.insert(0, _role_plan("prefill", r, sources["target"], r.compiled_ks,
                                    cores["prefill"], compiler))
@@ -394,7 +439,8 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
     card = CARDS[r.hardware.card]
     core_rows, mem_rows = _per_qid(roles, card, warnings)
     return BuildPlan(recipe=r, roles=tuple(roles), method=r.draft.method,
-                     method_options=turbo.options if turbo else r.method_options,
+                     method_options=turbo.options if turbo else eagle3.options if eagle3
+                     else r.method_options,
                      ks=r.compiled_ks, tokenizer=tok,
                      cores_per_qid=core_rows, memory_per_qid=mem_rows,
                      dram_gib_per_qid=card["dram_gib_per_qid"], warnings=warnings)

@@ -140,3 +140,106 @@ def write_random_turbo_heads(folder: Path, hidden: int, heads: int = 3, layers: 
     save_file(tensors, str(folder / "speculator.safetensors"))
     (folder / "speculator_config.json").write_text(json.dumps(config))
     return folder
+
+
+def write_random_eagle3_head(folder: Path, num_layers: int, hidden: int, vocab: int, *,
+                             heads: int = 4, kv_heads: int = 2, intermediate: int = 48,
+                             draft_vocab: int | None = None, seed: int = 0, scale: float = 1.0,
+                             tamper=None) -> Path:
+    """A random EAGLE-3 head in the speculators format (models/eagle3_head.py) for a target of
+    `num_layers` layers, hidden size `hidden` and vocabulary `vocab`; the draft vocabulary is
+    every other target token unless `draft_vocab` says how many (the first ones).
+    `tamper(tensors, config)` edits them before they are written (tests of bad folders)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    vd = draft_vocab or vocab // 2
+    head_dim = hidden // heads
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "draft_vocab_size": vd, "norm_before_residual": False,
+              "target_hidden_size": hidden,
+              "eagle_aux_hidden_state_layer_ids": [min(2, num_layers - 1), num_layers // 2,
+                                                   max(num_layers - 3, 0)],
+              "transformer_layer_config": {
+                  "model_type": "llama", "hidden_size": hidden, "intermediate_size": intermediate,
+                  "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                  "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "max_position_embeddings": 256, "vocab_size": vocab, "hidden_act": "silu"}}
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+
+    p = "layers.0"
+    tensors = {"fc.weight": mat(hidden, 3 * hidden),
+               f"{p}.input_layernorm.weight": norm(), f"{p}.hidden_norm.weight": norm(),
+               f"{p}.self_attn.q_proj.weight": mat(heads * head_dim, 2 * hidden),
+               f"{p}.self_attn.k_proj.weight": mat(kv_heads * head_dim, 2 * hidden),
+               f"{p}.self_attn.v_proj.weight": mat(kv_heads * head_dim, 2 * hidden),
+               f"{p}.self_attn.o_proj.weight": mat(hidden, heads * head_dim),
+               f"{p}.post_attention_layernorm.weight": norm(),
+               f"{p}.mlp.gate_proj.weight": mat(intermediate, hidden),
+               f"{p}.mlp.up_proj.weight": mat(intermediate, hidden),
+               f"{p}.mlp.down_proj.weight": mat(hidden, intermediate),
+               "norm.weight": norm(), "lm_head.weight": mat(vd, hidden) * 4.0}
+    target_ids = np.arange(vd, dtype=np.int64) * (2 if draft_vocab is None else 1)
+    tensors["d2t"] = target_ids - np.arange(vd, dtype=np.int64)
+    if tamper is not None:
+        tamper(tensors, config)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def write_shortcut_eagle3_head(folder: Path, target: Path, keep=lambda token: token % 3 != 1
+                               ) -> Path:
+    """An EAGLE-3 head for the Llama checkpoint in `target` whose distribution overlaps the
+    target's own: fc passes the state entering layer L-3 through, the head's layer is that
+    layer (its q/k/v read only the hidden half), then the target's final norm and LM head rows.
+    So the head is the target with its last layers skipped, predicting roughly the target's
+    next token at the position it reads; `keep(token)` picks the draft vocabulary."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    w = {k: v.astype(np.float32) for k, v in load_file(str(target / "model.safetensors")).items()}
+    h, n, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    src = f"model.layers.{n - 3}"
+    ids = np.array([t for t in range(vocab) if keep(t)], np.int64)
+    lm = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+
+    def tamper(tensors: dict, config: dict) -> None:
+        tensors.clear()
+        fc = np.zeros((h, 3 * h), np.float32)
+        fc[:, 2 * h:] = np.eye(h, dtype=np.float32)
+        tensors["fc.weight"] = fc
+        for p in ("q", "k", "v"):
+            m = w[f"{src}.self_attn.{p}_proj.weight"]
+            tensors[f"layers.0.self_attn.{p}_proj.weight"] = np.concatenate(
+                [np.zeros_like(m), m], 1)
+        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                     "post_attention_layernorm"):
+            tensors[f"layers.0.{name}.weight"] = w[f"{src}.{name}.weight"]
+        tensors["layers.0.hidden_norm.weight"] = w[f"{src}.input_layernorm.weight"]
+        tensors["layers.0.input_layernorm.weight"] = np.ones(h, np.float32)
+        tensors["norm.weight"] = w["model.norm.weight"]
+        tensors["lm_head.weight"] = np.ascontiguousarray(lm[ids])
+        tensors["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+        config["draft_vocab_size"] = len(ids)
+        config["eagle_aux_hidden_state_layer_ids"] = [2, n // 2, n - 3]
+        config["transformer_layer_config"].update(
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+
+    return write_random_eagle3_head(folder, n, h, vocab, tamper=tamper)

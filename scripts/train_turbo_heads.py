@@ -234,23 +234,48 @@ def write(args, heads: Heads, record: dict) -> None:
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
+def add_data_args(ap: argparse.ArgumentParser, gen_minutes: float) -> None:
+    """The options of the target, the prompts and their generation (shared with
+    scripts/train_eagle3_head.py, which makes its data with `generate`)."""
     ap.add_argument("--target", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
     ap.add_argument("--vocab", type=Path,
                     default=ROOT / "models" / "smollm2-draft" / "draft_vocab.json")
-    ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-turbo")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--code-prompts", type=int, default=1400)
     ap.add_argument("--heldout-percent", type=int, default=10)
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
-    ap.add_argument("--gen-minutes", type=float, default=4.0)
+    ap.add_argument("--gen-minutes", type=float, default=gen_minutes)
     ap.add_argument("--gen-batch", type=int, default=16)
     ap.add_argument("--gen-new-tokens", type=int, default=96)
-    ap.add_argument("--tf-minutes", type=float, default=4.0)
     ap.add_argument("--tf-len", type=int, default=128)
+
+
+def frozen_target(args):
+    """Torch on --threads, seeded; the tokenizer and the target with its weights frozen (shared
+    with scripts/train_eagle3_head.py); None, after saying why, when the target is missing."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if not (args.target / "config.json").is_file():
+        print(f"error: {args.target} has no config.json; run scripts/get_smollm2.py first",
+              file=sys.stderr)
+        return None
+    tok = load_tokenizer(args.target)
+    target = load_target(args.target)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return tok, target
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    add_data_args(ap, gen_minutes=4.0)
+    ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-turbo")
+    ap.add_argument("--tf-minutes", type=float, default=4.0)
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--steps", type=int, default=600)
@@ -262,19 +287,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    import torch
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    if not (args.target / "config.json").is_file():
-        print(f"error: {args.target} has no config.json; run scripts/get_smollm2.py first",
-              file=sys.stderr)
+    loaded = frozen_target(args)
+    if loaded is None:
         return 2
-    tok = load_tokenizer(args.target)
-    target = load_target(args.target)
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tok, target = loaded
+    import torch
     prompts = build_prompts(tok, args)
     # held-out prompts are generated too (a share of the budget), for the evaluation
     t0 = time.time()

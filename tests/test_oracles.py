@@ -23,9 +23,9 @@ from typer.testing import CliRunner
 
 import qpcbuild
 from qpcbuild.cli import app
-from qpcbuild.runtime import engine, heads, sampling
+from qpcbuild.runtime import eagle3, engine, heads, sampling
 from qpcbuild.runtime.sampling import SamplingParams, accept_sampling
-from qpcbuild.testing import write_random_turbo_heads
+from qpcbuild.testing import write_random_turbo_heads, write_shortcut_eagle3_head
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -427,3 +427,43 @@ def test_turbo_sampling_matches_transformers_distribution(turbo_sampling_bundle,
         assert joint_p_value(turbo_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3
     monkeypatch.setattr(engine, "propose_from_heads", argmax_with_softmax_q)
     assert joint_p_value(turbo_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3
+
+
+# ---------------------------------------------------------------- EAGLE-3 heads
+@pytest.fixture(scope="module")
+def eagle3_sampling_bundle(tmp_path_factory) -> Path:
+    """The demo target with a head that is the target minus its last layers (its softmax
+    overlaps the target's, without being it) over a draft vocabulary without every third
+    token: q is zero outside it."""
+    head = tmp_path_factory.getbasetemp() / "demo-eagle3-shortcut"
+    if not head.is_dir():
+        write_shortcut_eagle3_head(head, DEMO / "target")
+    return build(tmp_path_factory, "demo.yaml", *SAMPLING_SHAPES, "draft.method=eagle3",
+                 f"draft.model={head}", "speculation.num_speculative_tokens=[0,3]",
+                 "onnxruntime.graph=portable")
+
+
+def argmax_with_softmax_q_eagle3(self, r, draft_logits):
+    """Broken: the head proposes its argmax but reports its softmax as q."""
+    token, probs = ORIGINAL_CHOOSE(self, r, draft_logits)
+    return (int(probs.argmax()) if probs is not None else token), probs
+
+
+ORIGINAL_CHOOSE = eagle3.Eagle3Drafter._choose
+
+
+@pytest.mark.slow
+def test_eagle3_sampling_matches_transformers_distribution(eagle3_sampling_bundle, hf_target,
+                                                           monkeypatch):
+    """At T = 1.0 the head's softmax over the target vocabulary (zero outside its draft
+    vocabulary) is the draft distribution: exact; and the test rejects a rule that ignores q
+    and a head whose proposals were not drawn from the reported q. Slow (about 100 s on a
+    shared 2-core machine): three runs of 1,600 sampled continuations, the head called per
+    row and per drafted token."""
+    sp = SamplingParams(1.0)
+    assert joint_p_value(eagle3_sampling_bundle, hf_target, sp, TURBO_TEXT) > 1e-3
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "accept_sampling", ignore_q)
+        assert joint_p_value(eagle3_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3
+    monkeypatch.setattr(eagle3.Eagle3Drafter, "_choose", argmax_with_softmax_q_eagle3)
+    assert joint_p_value(eagle3_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3

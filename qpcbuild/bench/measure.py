@@ -79,7 +79,8 @@ def run_bench(bundle: Path, prompts: list[str], *, prompt_label: str = "", ks: l
         raise UsageError("--repeats must be at least 1")
     compiled = sorted(manifest.ks)
     supported = [m for m in METHODS if (m != "draft_model" or manifest.draft is not None)
-                 and (m != "turbo" or manifest.speculation.turbo_heads)]
+                 and (m != "turbo" or manifest.speculation.turbo_heads)
+                 and (m != "eagle3" or manifest.speculation.method == "eagle3")]
     methods = list(methods or supported)
     for m in methods:
         if m not in supported:

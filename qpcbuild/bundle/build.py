@@ -219,7 +219,8 @@ class _Build:
                                continuous_batching=r.shapes.full_batch_size is not None,
                                weight_dtype=r.precision.export_dtype, allow_pickle=allow_pickle,
                                allow_unused=ref.allow_unused_weights,
-                               vocab_subset=_subset_ids(role), turbo=_turbo_heads(role))
+                               vocab_subset=_subset_ids(role), turbo=_turbo_heads(role),
+                               eagle3=role.eagle3.read(role.arch) if role.eagle3 else None)
             return {"weights_digest": res.weights_digest, "metadata": res.metadata}
 
         key = keys["export"]

@@ -45,8 +45,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
           ks: Optional[str] = typer.Option(None, "--ks", help="Ks to measure: 1-8, 1,2,4 "
                                            "(default: every compiled K > 0)."),
           methods: Optional[str] = typer.Option(None, "--methods", help="Comma list of "
-                                                "draft_model, ngram, suffix, turbo (default: all the "
-                                                "bundle supports)."),
+                                                "draft_model, ngram, suffix, turbo, eagle3 "
+                                                "(default: all the bundle supports)."),
           max_new_tokens: int = MaxNewTokensOpt,
           repeats: int = typer.Option(3, min=1, help="Measured repeats (a warm-up pass comes "
                                       "first and is not counted)."),

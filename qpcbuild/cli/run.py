@@ -53,8 +53,8 @@ def run(bundle: Path = typer.Argument(..., help=BUNDLE_HELP),
         temperature: float = typer.Option(0.0, help="0 = greedy."),
         top_p: float = typer.Option(1.0), top_k: int = typer.Option(0),
         seed: Optional[int] = typer.Option(None),
-        method: Optional[str] = typer.Option(None, help="draft_model | ngram | suffix | turbo "
-                                             "(default: the bundle's)."),
+        method: Optional[str] = typer.Option(None, help="draft_model | ngram | suffix | turbo | "
+                                             "eagle3 (default: the bundle's)."),
         k: Optional[int] = typer.Option(None, "--k", help="One of the compiled Ks."),
         spec_policy: Optional[str] = SpecPolicyOpt,
         backend: str = typer.Option("onnxruntime", help="onnxruntime | qaic"),

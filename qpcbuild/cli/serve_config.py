@@ -161,6 +161,16 @@ def render(m: Manifest, bundle: Path, fmt: str, image: str = DEFAULT_IMAGE,
                          "'turbo', 'speculative_model_path': '<the head folder>'}), compiled "
                          "with num_speculative_tokens = turbo_num_heads; or serve this bundle "
                          "with `qpcbuild serve` (ONNX Runtime)")
+    if m.speculation.method == "eagle3":
+        spd = m.speculation.options
+        head = spd.get("speculator", "<the head folder>")
+        raise UsageError(f"{bundle}: vllm-qaic does not serve draft heads today (its worker "
+                         "proposes with ngram, suffix and draft_model only), and this bundle's "
+                         "EAGLE-3 head is built for ONNX Runtime only. Upstream vLLM (GPU) "
+                         "serves the same head folder: vllm serve <target> "
+                         "--speculative-config '{\"method\": \"eagle3\", \"model\": "
+                         f"\"{head}\", \"num_speculative_tokens\": {max(m.ks)}}}'; or serve "
+                         "this bundle with `qpcbuild serve` (ONNX Runtime)")
     if vllm_backend() not in m.backends:
         raise UsageError(f"{bundle}: built without the qaic backend; vLLM on Cloud AI needs QPCs "
                          "(add qaic to the recipe's backends)")

@@ -18,6 +18,8 @@ full layer; a ring buffer of `window` slots would save memory but its slots woul
 by a window that is then rejected (the keys just behind it would be lost) and every row would need
 its own wrap-around, so it is not worth it at the context lengths a card serves.
 """
+# Over 400 lines: one graph for every family, with its logits head and the draft heads' outputs
+# (turbo's stack, EAGLE-3's features) that read the same hidden states.
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from . import dialect
 from .dialect import INT32_MAX, INVALID_GATHER_INDEX, INVALID_SCATTER_INDEX
 from .builder import GraphBuilder
 from .experts import RoutedExperts
+from .eagle3 import FC_WEIGHT, Eagle3Head, feature_output
 from .turbo import TurboGraph, TurboHeads, turbo_stack, write_turbo_weights
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
@@ -60,11 +63,12 @@ def rope_tables(arch: ArchSpec, positions: int,
 class Decoder(RoutedExperts):
     def __init__(self, g: GraphBuilder, arch: ArchSpec, load: WeightLoader,
                  vocab_subset: np.ndarray | None = None, moe_op: bool = False,
-                 turbo: TurboHeads | None = None):
+                 turbo: TurboHeads | None = None, eagle3: Eagle3Head | None = None):
         """moe_op: routed layers on ONNX Runtime's MoE operator (experts.py), not the card's
-        dense form. turbo: heads compiled into a target's logits (turbo.py)."""
+        dense form. turbo: heads compiled into a target's logits (turbo.py). eagle3: the
+        head's feature output (eagle3.py)."""
         self.g, self.a, self.load, self.vocab_subset = g, arch, load, vocab_subset
-        self.moe_op, self.turbo = moe_op, turbo
+        self.moe_op, self.turbo, self.eagle3 = moe_op, turbo, eagle3
 
     # ------------------------------------------------------------ small pieces
     def rms_norm(self, x: str, weight: str) -> str:
@@ -147,7 +151,8 @@ class Decoder(RoutedExperts):
     # ------------------------------------------------------------ the graph
     def build(self, role: str, continuous_batching: bool) -> None:
         g, a = self.g, self.a
-        io = graph_io(role, a, continuous_batching, self.turbo.info.num_heads if self.turbo else 0)
+        io = graph_io(role, a, continuous_batching, self.turbo.info.num_heads if self.turbo else 0,
+                      eagle3_features=self.eagle3 is not None)
         given = declare(g, io["inputs"], output=False)
         ids, pos = given["input_ids"], given["position_ids"]
         batch_index = given.get("batch_index")
@@ -184,12 +189,17 @@ class Decoder(RoutedExperts):
         x = g.op("Gather", self.load("model.embed_tokens.weight",
                                      (a.vocab_size, a.hidden_size), False), ids)  # [B,S,H]
         x = self.scaled(x, a.embedding_scale)  # Gemma: rows times sqrt(H); Granite's multiplier
+        aux: dict[int, str] = {}  # an EAGLE-3 head's inputs: the states entering its layers
         for i in range(a.num_layers):
+            aux[i] = x
             sliding = a.is_sliding(i)
             cos, sin = rope[sliding and a.has_local_rope]
             x = self.layer(i, x, cos, sin, masks[sliding], kv, past[i], ctx)
         x = self.norm(x, "model.norm.weight", a.hidden_size)
         self.head(x, pos, nlk_input)
+        if self.eagle3 is not None:
+            feature_output(g, [aux[i] for i in self.eagle3.info.aux_layer_ids],
+                           g.weight(FC_WEIGHT, self.eagle3.weights["fc.weight"].T))
         declare(g, io["outputs"], output=True)
 
     def scaled(self, x: str, factor: float) -> str:

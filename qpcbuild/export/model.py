@@ -18,6 +18,7 @@ from ..errors import QpcbuildError, UsageError
 from ..models.arch import ArchSpec, arch_from_config
 from ..models.safetensors import WeightReader
 from ..models.source import ModelSource, safetensors_files, tokenizer_files
+from ..models.eagle3_head import Eagle3Head
 from ..models.turbo_heads import TurboHeads
 from ..models.vocab_subset import subset_digest
 from ..progress import step
@@ -73,21 +74,44 @@ def _open_checkpoint(source: ModelSource, allow_pickle: bool,
     return model_dir, arch, reader
 
 
-def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
-                 weight_dtype: str = "float32", allow_pickle: bool = False,
-                 allow_unused: bool = False,
-                 vocab_subset: np.ndarray | None = None,
-                 turbo: TurboHeads | None = None) -> ExportResult:
-    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft").
-    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows.
-    `turbo` (target only): draft heads compiled into the logits (export/turbo.py)."""
+def _check_role(role: str, vocab_subset: np.ndarray | None, turbo: TurboHeads | None,
+                eagle3: Eagle3Head | None) -> None:
+    """What each role's graph may carry (the plan never asks for anything else)."""
     if role not in ("target", "draft"):
         raise UsageError(f"role must be 'target' or 'draft', not '{role}'")
     if vocab_subset is not None and role != "draft":
         raise UsageError("a vocabulary subset is for drafts only: the target's logits decide "
                          "the output")
-    if turbo is not None and role != "target":  # (the plan never asks for it)
+    if turbo is not None and role != "target":
         raise UsageError("turbo heads ride in the target's graph, not a draft's")
+    if eagle3 is not None and role != "target":
+        raise UsageError("an EAGLE-3 head reads the target's features, not a draft's")
+
+
+def _heads_metadata(turbo: TurboHeads | None, eagle3: Eagle3Head | None) -> dict[str, str]:
+    """The graph's record of the draft heads it carries (what the ONNX Runtime lowering reads
+    back); nothing for a graph without them, so its bytes stay as before."""
+    out = {}
+    if turbo:
+        out.update(turbo_heads=turbo.info.sha256, turbo_num_heads=str(turbo.info.num_heads),
+                   turbo_num_layers=str(turbo.info.num_layers))
+    if eagle3:
+        out.update(eagle3_head=eagle3.info.sha256,
+                   eagle3_layers=",".join(map(str, eagle3.info.aux_layer_ids)))
+    return out
+
+
+def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_batching: bool = False,
+                 weight_dtype: str = "float32", allow_pickle: bool = False,
+                 allow_unused: bool = False,
+                 vocab_subset: np.ndarray | None = None,
+                 turbo: TurboHeads | None = None,
+                 eagle3: Eagle3Head | None = None) -> ExportResult:
+    """Write `out_dir/model.onnx` + `model.onnx.data` for `role` ("target" | "draft").
+    `vocab_subset` (draft only; sorted unique token ids): the LM head keeps only those rows.
+    `turbo` (target only): draft heads compiled into the logits (export/turbo.py).
+    `eagle3` (target only): the head's feature output beside the logits (export/eagle3.py)."""
+    _check_role(role, vocab_subset, turbo, eagle3)
     model_dir, arch, reader = _open_checkpoint(source, allow_pickle, allow_unused)
 
     out_dir = Path(out_dir)
@@ -126,7 +150,8 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                         g.op("Cast", w, to=onnx.TensorProto.FLOAT)
                 return loaded[key]
 
-            Decoder(g, arch, load, vocab_subset, turbo=turbo).build(role, continuous_batching)
+            Decoder(g, arch, load, vocab_subset, turbo=turbo,
+                    eagle3=eagle3).build(role, continuous_batching)
             data.flush()
             os.fsync(data.fileno())
         # one entry per source tensor, however many forms of it the graph holds
@@ -140,8 +165,7 @@ def export_model(source: ModelSource, role: str, out_dir: Path, *, continuous_ba
                     "weight_dtype": weight_dtype,
                     **({"vocab_subset": subset_digest(vocab_subset)}
                        if vocab_subset is not None else {}),
-                    **({"turbo_heads": turbo.info.sha256, "turbo_num_heads": str(turbo.info.num_heads),
-                        "turbo_num_layers": str(turbo.info.num_layers)} if turbo else {})}
+                    **_heads_metadata(turbo, eagle3)}
         save(g.model(f"qpcbuild_{role}", OPSET, metadata), tmp / GRAPH_FILE)
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -1,11 +1,15 @@
 """Typed reads of config.json values for `arch_from_config` (models/arch.py): the reader that
 collects every problem instead of stopping, and the RoPE facts (base, scaling, partial rotary,
-Gemma 3's per-layer-type bases, Phi-3's longrope)."""
+Gemma 3's per-layer-type bases, Phi-3's longrope). Also a head folder's JSON config, read whole."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
+
+from ..errors import UsageError
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -15,6 +19,20 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 LIMITS = {"hidden_size": 1 << 17, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
           "head_dim": 1 << 12, "num_hidden_layers": 1 << 10, "intermediate_size": 1 << 20,
           "vocab_size": 1 << 22, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24}
+
+
+def read_json_object(path: Path, missing: str) -> dict[str, Any]:
+    """The JSON object in `path` (a head folder's config); UsageError naming the file, with
+    `missing` as the reason when it is not there."""
+    if not path.is_file():
+        raise UsageError(f"{path.parent}: no {path.name}; {missing}")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise UsageError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{path}: a JSON object expected")
+    return cfg
 
 
 class ConfigReader:

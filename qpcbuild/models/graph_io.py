@@ -13,10 +13,12 @@ from .arch import ArchSpec
 
 
 def graph_io(role: str, arch: ArchSpec, continuous_batching: bool,
-             turbo_heads: int = 0) -> dict[str, list[dict]]:
+             turbo_heads: int = 0, eagle3_features: bool = False) -> dict[str, list[dict]]:
     """{"inputs": [...], "outputs": [...]}, each {"name", "dtype", "shape"}, in graph order.
     turbo_heads (a target with turbo heads compiled in): the logits gain an axis of the base
-    model and the heads, [B, N, heads + 1, V] (QEfficient's turbo form; index 0 = the base)."""
+    model and the heads, [B, N, heads + 1, V] (QEfficient's turbo form; index 0 = the base).
+    eagle3_features (a target an EAGLE-3 head reads): one more output, the head's input feature
+    at every position of the call, [B, S, H] (export/eagle3.py)."""
     kv_batch = "full_batch_size" if continuous_batching else "batch_size"
     kv_shape = [kv_batch, arch.num_kv_heads, "ctx_len", arch.head_dim]
     inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]},
@@ -35,6 +37,9 @@ def graph_io(role: str, arch: ArchSpec, continuous_batching: bool,
     if role == "target":
         inputs.append({"name": "num_logits_to_keep", "dtype": "int64",
                        "shape": ["num_logits_to_keep", 1]})
+        if eagle3_features:  # (its name: export/eagle3.py's FEATURE_OUTPUT)
+            outputs.append({"name": "eagle3_hidden", "dtype": "float32",
+                            "shape": ["batch_size", "seq_len", arch.hidden_size]})
     return {"inputs": inputs, "outputs": outputs}
 
 

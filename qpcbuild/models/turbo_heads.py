@@ -13,13 +13,13 @@ a target exactly when the hidden sizes agree.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import UsageError
+from .config_reader import read_json_object
 from .safetensors import WeightReader
 
 CONFIG_FILE, WEIGHTS_FILE = "speculator_config.json", "speculator.safetensors"
@@ -48,15 +48,8 @@ def weight_name(head: int, layer: int, kind: str) -> str:
 
 def _config(folder: Path) -> tuple[int, int]:
     path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise UsageError(f"{folder}: no {CONFIG_FILE}; a turbo head folder holds it and "
-                         f"{WEIGHTS_FILE} (QEfficient's turbo format)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise UsageError(f"{path}: unreadable ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise UsageError(f"{path}: a JSON object expected")
+    cfg = read_json_object(path, f"a turbo head folder holds it and {WEIGHTS_FILE} "
+                                 "(QEfficient's turbo format)")
     values = []
     for key, top in (("turbo_num_heads", MAX_HEADS), ("turbo_num_layers", MAX_LAYERS)):
         v = cfg.get(key)

@@ -84,7 +84,7 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
             add("speculation.num_speculative_tokens", f"K={v} is outside 0..{MAX_K}")
     if isinstance(k, list) and len(set(k)) != len(k):
         add("speculation.num_speculative_tokens", f"duplicate values in {k}")
-    if r.draft.method in ("draft_model", "turbo") and ks and max(ks) == 0:
+    if r.draft.method in ("draft_model", "turbo", "eagle3") and ks and max(ks) == 0:
         add("speculation.num_speculative_tokens", f"{r.draft.method} needs K >= 1")
     for b, kb in (r.speculation.num_speculative_tokens_per_batch_size or {}).items():
         if b < 1 or not 0 <= kb <= MAX_K:
@@ -119,21 +119,39 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
         add("shapes.full_batch_size", f"{s.full_batch_size} is smaller than batch_size {s.batch_size}")
 
 
+# What a head method needs of the recipe: its folder (the files it holds), no checkpoint keys
+# (why not), and one node (why).
+HEAD_FOLDERS = {
+    "turbo": ("speculator_config.json and speculator.safetensors",
+              "turbo heads are a local folder read through the target's own LM head",
+              "turbo heads ride in the target's graph, which a disaggregated bundle splits"),
+    "eagle3": ("config.json and model.safetensors, the speculators format",
+               "an EAGLE-3 head is a local folder with its own draft vocabulary (d2t)",
+               "eagle3 reads the target's features on the node that verifies, which a "
+               "disaggregated bundle splits from the prefill")}
+
+
+def _head_options(r: Recipe, add: Add) -> None:
+    d = r.draft
+    files, local, one_node = HEAD_FOLDERS[d.method]
+    if not d.model:
+        add("draft.model", f"{d.method} needs its head folder ({files})")
+    for key in ("revision", "vocab_subset"):
+        if getattr(d, key) is not None:
+            add(f"draft.{key}", f"{local}; remove this key")
+    if r.disaggregated is not None:
+        add("draft.method", f"{one_node}; use one node")
+    if d.method == "eagle3" and "qaic" in r.backends:
+        add("backends", "eagle3 is ONNX Runtime-only in this version: the head graph and the "
+            "target's feature output are not compiled for Cloud AI; use backends: [onnxruntime]")
+
+
 def _draft_options(r: Recipe, add: Add) -> None:
     d = r.draft
     if d.method == "draft_model" and not d.model:
         add("draft.model", "draft_model needs a draft model (Hugging Face id or local folder)")
-    if d.method == "turbo":
-        if not d.model:
-            add("draft.model", "turbo needs its head folder (speculator_config.json and "
-                "speculator.safetensors)")
-        for key in ("revision", "vocab_subset"):
-            if getattr(d, key) is not None:
-                add(f"draft.{key}", "turbo heads are a local folder read through the target's "
-                    "own LM head; remove this key")
-        if r.disaggregated is not None:
-            add("draft.method", "turbo heads ride in the target's graph, which a disaggregated "
-                "bundle splits; use one node")
+    if d.method in HEAD_FOLDERS:
+        _head_options(r, add)
     elif d.method != "draft_model":
         for key in ("model", "revision", "vocab_subset"):
             if getattr(d, key) is not None:

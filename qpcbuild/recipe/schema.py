@@ -39,7 +39,7 @@ CARD_ROOFLINE: dict[str, dict[str, float]] = {
     "cloud-ai-100-standard": {"dram_gbs_per_qid": 137.0, "fp16_tflops_per_qid": 110.0},
 }
 
-Method = Literal["draft_model", "ngram", "suffix", "turbo"]
+Method = Literal["draft_model", "ngram", "suffix", "turbo", "eagle3"]
 METHODS: tuple[str, ...] = get_args(Method)  # the one list of speculation methods
 Backend = Literal["onnxruntime", "qaic"]
 
@@ -59,7 +59,8 @@ class ModelRef(_Strict):
 class Draft(_Strict):
     method: Method = "draft_model"
     # draft_model: the draft's checkpoint; turbo: the head folder (speculator_config.json +
-    # speculator.safetensors, QEfficient's format: models/turbo_heads.py)
+    # speculator.safetensors, QEfficient's format: models/turbo_heads.py); eagle3: the head folder
+    # (config.json + model.safetensors, the speculators format: models/eagle3_head.py)
     model: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False

@@ -6,6 +6,8 @@ absolute positions, and each row keeps its accepted prefix plus the target's own
 Nothing is rolled back: rejected slots hold stale KV that the position-derived mask hides until
 the next window overwrites it. This is the same control flow the card runs.
 """
+# Over 400 lines: one loop for every proposer (draft model, lookups, turbo and EAGLE-3 heads)
+# and every batching mode, whose steps share the rows' state.
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from .rows import (LoopTimes, RequestStats, Row, TokenCallback, new_row, prefill
 from .sampling import (SamplingParams, WindowProbabilities, accept_greedy, accept_sampling,
                        probabilities, sample)
 from .heads import keep_head_logits, propose_from_heads
-from .model_session import HeadsSession, ModelSession
+from .eagle3 import Eagle3Drafter
+from .model_session import FeatureSession, HeadsSession, ModelSession
 
 
 @dataclass
@@ -40,6 +43,7 @@ class _Run:
     policy: SpeculationPolicy
     draft: ModelSession | None  # the draft model when it proposes in this run
     heads: HeadsSession | None  # the target's turbo heads when they propose in this run
+    eagle3: Eagle3Drafter | None  # the EAGLE-3 head when it proposes in this run
     proposer: Proposer | None  # the model-free proposer when it proposes in this run
     lazy_draft: bool  # the draft reads a prompt only once the row first speculates
     on_token: TokenCallback | None
@@ -54,10 +58,11 @@ class SpecDecoder:
                  num_speculative_tokens_per_batch_size: dict[int, int] | None = None,
                  prefill_tails: tuple[int, ...] = (),
                  clock: Callable[[], float] = time.perf_counter,
-                 heads: HeadsSession | None = None):
-        """heads: the target itself when turbo heads are compiled into it (heads.py)."""
+                 heads: HeadsSession | None = None, eagle3: Eagle3Drafter | None = None):
+        """heads: the target itself when turbo heads are compiled into it (heads.py).
+        eagle3: an EAGLE-3 head reading the target's features (eagle3.py)."""
         self.target, self.draft, self.proposer = target, draft, proposer
-        self.heads = heads
+        self.heads, self.eagle3 = heads, eagle3
         self.prefill_tails = tuple(sorted(prefill_tails))  # narrower last-chunk windows
         # How each step speculates (policy.py): speculation.policy's object per policy and K,
         # the draft's confidence stop and the K per live batch size
@@ -110,12 +115,19 @@ class SpecDecoder:
         for ids, pos, ends in prefill_feeds([r.prompt for r in rows], self.prefill_len,
                                             self.ctx_len, b, self.prefill_tails):
             logits = self._call(session, ids, pos, times, kind, index)
+            self._keep_features(session, rows, pos)
             for i, end in enumerate(ends):
                 if end:
                     last[i] = logits[i, 0]
                     if self.heads is not None and session is self.target:
                         keep_head_logits(rows[i], self.heads.head_logits()[i, 0])
         return last
+
+    def _keep_features(self, session: ModelSession, rows: list[Row], pos: np.ndarray) -> None:
+        """An EAGLE-3 head's features of the target's last call, kept by the rows' positions."""
+        if self.eagle3 is not None and session is self.target:
+            assert isinstance(session, FeatureSession)
+            self.eagle3.keep(rows, pos, session.features())
 
     # ------------------------------------------------------------ policy
     def gate(self, policy: str | None = None, k: int | None = None) -> SpeculationPolicy:
@@ -155,7 +167,7 @@ class SpecDecoder:
         if k is not None and k not in self.ks:
             raise UsageError(f"K={k} is not compiled in this bundle (compiled: {list(self.ks)})")
         can_speculate = self.draft is not None or self.proposer is not None or \
-            self.heads is not None
+            self.heads is not None or self.eagle3 is not None
         gate = self.gate(policy, k) if can_speculate and not target_only else TargetOnly()
         mark = gate.figures()
         times = LoopTimes()
@@ -166,6 +178,7 @@ class SpecDecoder:
         idle = Row([0], 1, tokens=[0], done=True)
         run = _Run(times, [idle] * self.batch, list(reversed(rows)), k, gate,
                    None if target_only else self.draft, None if target_only else self.heads,
+                   None if target_only else self.eagle3,
                    None if target_only else self.proposer,
                    lazy_draft, on_token, incoming)
         self._admit(run, [(s, run.waiting.pop()) for s in range(min(self.batch, len(rows)))])
@@ -287,6 +300,8 @@ class SpecDecoder:
             return drafting.propose(self, run.draft, run.slots, room, run.times)
         if run.heads is not None:
             return propose_from_heads(run.slots, room)
+        if run.eagle3 is not None:
+            return run.eagle3.propose(run.slots, room)
         proposer = run.proposer
         assert proposer is not None, "a speculative step without a draft or a proposer"
         return [proposer.propose(i, room[i]) if room[i] else []
@@ -322,6 +337,7 @@ class SpecDecoder:
             ids[i, :len(seq)] = seq
             pos[i, :len(seq)] = np.arange(start, start + len(seq))
         logits = self._call(self.target, ids, pos, times, "target")
+        self._keep_features(self.target, rows, pos)
         # The graph keeps the N logits rows that end at each row's last real token. A compiled
         # window keeps one per token (N = s); a lone token padded to the target's floor keeps
         # fewer (N = 1: the LM head skips the padding), so a shifted row's own rows start

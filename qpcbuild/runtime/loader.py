@@ -22,7 +22,9 @@ from ..errors import BundleError, UsageError
 from ..recipe.schema import METHODS
 from .chat import ChatTemplate, as_messages
 from .engine import SpecDecoder
-from .model_session import HeadsSession, ModelSession
+from ..export import EAGLE3_DIR, GRAPH_FILE
+from .eagle3 import Eagle3Drafter
+from .model_session import FeatureSession, HeadsSession, ModelSession
 from .policy import POLICIES
 from .proposers import Proposer, make_proposer
 from .rows import Row, TokenCallback
@@ -230,6 +232,18 @@ def new_proposer(manifest: Manifest, method: str | None) -> Proposer | None:
     return make_proposer(method, spd.options if spd.method == method else {})
 
 
+def eagle3_drafter(manifest: Manifest, target: ModelSession) -> Eagle3Drafter:
+    """The bundle's EAGLE-3 head, beside the target's artifact (ONNX Runtime only)."""
+    path = getattr(target, "path", None)
+    if not isinstance(target, FeatureSession) or not target.feature_size or path is None:
+        raise UsageError("eagle3 reads the features the target's ONNX Runtime graph returns, "
+                         "which this session does not (the head runs on ONNX Runtime only in "
+                         "this version)")
+    return Eagle3Drafter(Path(path).parent / EAGLE3_DIR / GRAPH_FILE,
+                         manifest.roles["target"].arch.vocab_size, manifest.shapes.ctx_len,
+                         max(manifest.ks))
+
+
 def build_decoder(manifest: Manifest, target: ModelSession, draft: ModelSession | None,
                   method: str | None, eos_ids: set[int], policy: str | None = None,
                   prefill_worker: PrefillWorker | None = None) -> SpecDecoder:
@@ -245,12 +259,14 @@ def build_decoder(manifest: Manifest, target: ModelSession, draft: ModelSession 
         raise UsageError("turbo proposes from heads compiled into the target's graph, which "
                          "this session does not return (ONNX Runtime runs them here; on the "
                          "card, QEfficient's turbo runner does)")
+    eagle3 = eagle3_drafter(manifest, target) if method == "eagle3" else None
     args = (target, draft, new_proposer(manifest, method), ks, shapes.prefill_seq_len, eos_ids,
             method or "target_only", bool(shapes.full_batch_size))
     kwargs: dict[str, Any] = dict(policy=policy or spd.policy,
                                   draft_p_min=float(spd.draft_p_min),
                                   num_speculative_tokens_per_batch_size=schedule,
-                                  prefill_tails=tuple(shapes.prefill_tail_seq_lens), heads=heads)
+                                  prefill_tails=tuple(shapes.prefill_tail_seq_lens), heads=heads,
+                                  eagle3=eagle3)
     if prefill_worker is not None:
         from .disagg import DisaggDecoder, HandoffLog
 
@@ -297,6 +313,9 @@ def load(bundle: str | Path, backend: str = DEFAULT_BACKEND, method: str | None 
                          "--method ngram or --method suffix")
     if method == "turbo" and not manifest.speculation.turbo_heads:
         raise UsageError(f"this bundle has no turbo heads (built for '{built_method}'); use "
+                         "--method ngram or --method suffix")
+    if method == "eagle3" and built_method != "eagle3":
+        raise UsageError(f"this bundle has no EAGLE-3 head (built for '{built_method}'); use "
                          "--method ngram or --method suffix")
     if policy is not None and policy not in POLICIES:
         raise UsageError(f"unknown speculation policy '{policy}' ({' | '.join(POLICIES)})")

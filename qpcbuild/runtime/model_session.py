@@ -72,6 +72,18 @@ class HeadsSession(Protocol):
         """[B, num_logits, heads, V] of the last `run`, valid until the next call."""
 
 
+FEATURES = "eagle3_hidden"  # the target graph's output an EAGLE-3 head reads (export/eagle3.py)
+
+
+@runtime_checkable
+class FeatureSession(Protocol):
+    """A target that returns an EAGLE-3 head's input feature at every position of a call."""
+    feature_size: int  # H; 0: this graph returns none
+
+    def features(self) -> np.ndarray:
+        """[B, S, H] of the last `run`, valid until the next call."""
+
+
 def pick_specialization(specs: list[Specialization], batch: int, seq_len: int) -> Specialization:
     for s in specs:
         if s.batch_size == batch and s.seq_len == seq_len:

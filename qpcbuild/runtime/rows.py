@@ -108,6 +108,16 @@ class RequestStats:
 
 
 @dataclass
+class Eagle3RowState:
+    """One row's EAGLE-3 head state (eagle3.py): the target's features by position, the head's
+    cache, and how many positions of it the target has verified (0..verified-1)."""
+    features: np.ndarray  # [ctx, H]
+    keys: np.ndarray  # [1, nKV, ctx + K + 1, D]
+    values: np.ndarray
+    verified: int = 0
+
+
+@dataclass
 class Row:
     prompt: list[int]
     limit: int  # total tokens (prompt + new) this row may reach
@@ -128,6 +138,8 @@ class Row:
     rate: RowRate = field(default_factory=RowRate)  # its new tokens per speculative step
     # turbo: the heads' logits [heads, V] at the row's last token (the target's last call)
     head_logits: np.ndarray | None = None
+    # eagle3: the target's features by position and the head's cache (eagle3.py)
+    eagle3: Eagle3RowState | None = None
 
     # The finish reason is the request's record's (one place); the loop sets it here.
     @property

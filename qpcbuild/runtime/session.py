@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import BundleError
 from ..ort_threads import pool_threads, session_options
 from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401  (re-exported)
-from .model_session import floor_windows
+from .model_session import FEATURES, floor_windows
 
 REMEASURE = 64  # single-token calls between re-timings of the way not taken (RowwiseOrtSession)
 # ONNX Runtime ships no type information: its sessions, values and bindings are Any here.
@@ -87,6 +87,8 @@ class OrtSession:
         self.specializations = specs + floor_windows(specs, min_window)
         self.heads = heads
         self._last_logits: np.ndarray | None = None
+        self._last_features: np.ndarray | None = None
+        self.feature_size = 0
         self._threads_option, self._in_place = threads, in_place
         self.threads = pool_threads(threads)
         self.batch_size, self.ctx_len, self.vocab_size = kv_shape[0], kv_shape[2], vocab_size
@@ -109,9 +111,11 @@ class OrtSession:
         for spec in self.specializations:
             arrays = self._arrays(spec)
             values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
-            inputs = {k: v for k, v in values.items() if k != "logits"}
+            inputs = {k: v for k, v in values.items() if k not in ("logits", FEATURES)}
             bindings = [self._binding(inputs, kv[src], kv[dst], values["logits"])
                         for src, dst in (((0, 0),) if self._in_place else ((0, 1), (1, 0)))]
+            for b in bindings if FEATURES in values else ():
+                b.bind_ortvalue_output(FEATURES, values[FEATURES])
             self._bound[(spec.batch_size, spec.seq_len)] = Bound(spec, arrays, values, bindings)
         self._parity = 0
 
@@ -132,6 +136,9 @@ class OrtSession:
         check_graph_io(self.sess, self.path, self.role, graph_kv_shape, self._num_layers,
                        self.vocab_size)
         self._graph_inputs = {i.name for i in self.sess.get_inputs()}
+        # an EAGLE-3 head's target also returns its feature at every position (eagle3.py)
+        self.feature_size = next((int(o.shape[-1]) for o in self.sess.get_outputs()
+                                  if o.name == FEATURES), 0)
 
     def _binding(self, inputs: dict[str, Any], kv_in: list[Any], kv_out: list[Any],
                  logits: Any) -> Any:
@@ -158,6 +165,9 @@ class OrtSession:
             arrays["num_logits_to_keep"] = np.zeros((spec.num_logits, 1), np.int64)
         if "batch_index" in self._graph_inputs:
             arrays["batch_index"] = np.arange(spec.batch_size, dtype=np.int64).reshape(-1, 1)
+        if self.feature_size:
+            arrays[FEATURES] = np.zeros((spec.batch_size, spec.seq_len, self.feature_size),
+                                        np.float32)
         return arrays
 
     @property
@@ -196,11 +206,20 @@ class OrtSession:
             np.copyto(arrays["batch_index"], batch_index)
         self.sess.run_with_iobinding(bindings[self._parity])
         self._parity = (self._parity + 1) % len(bindings)
-        return self._base(arrays["logits"])
+        return self._base(arrays)
 
-    def _base(self, logits: np.ndarray) -> np.ndarray:
-        """The base model's logits of a call's output (all of it without heads)."""
-        self._last_logits = logits
+    def features(self) -> np.ndarray:
+        """[B, S, H] of the last `run`: an EAGLE-3 head's input at each position (FeatureSession)."""
+        if self._last_features is None:
+            raise BundleError(f"{self.path}: no EAGLE-3 features (this graph returns none, or "
+                              "nothing ran yet)")
+        return self._last_features
+
+    def _base(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """The base model's logits of a call's output (all of it without heads); the call's
+        outputs are kept for `head_logits` and `features`."""
+        logits = arrays["logits"]
+        self._last_logits, self._last_features = logits, arrays.get(FEATURES)
         return logits[:, :, 0] if self.heads else logits
 
     def head_logits(self) -> np.ndarray:
@@ -270,7 +289,10 @@ class RowwiseOrtSession(OrtSession):
                   "position_ids": ortvalue(arrays["position_ids"][rows])}
         if "num_logits_to_keep" in arrays:
             inputs["num_logits_to_keep"] = ortvalue(arrays["num_logits_to_keep"])
-        return self._binding(inputs, kv, kv, ortvalue(arrays["logits"][rows]))
+        b = self._binding(inputs, kv, kv, ortvalue(arrays["logits"][rows]))
+        if FEATURES in arrays:
+            b.bind_ortvalue_output(FEATURES, ortvalue(arrays[FEATURES][rows]))
+        return b
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
@@ -283,7 +305,7 @@ class RowwiseOrtSession(OrtSession):
             t0 = time.perf_counter()
             self.sess.run_with_iobinding(together)  # rows without a token write past the end
             self._timed("together", time.perf_counter() - t0)
-            return self._base(arrays["logits"])
+            return self._base(arrays)
         t0 = time.perf_counter()
         for j in live:  # rows with no token in this call are not run
             slot = j if batch_index is None else int(batch_index[j, 0])
@@ -292,7 +314,7 @@ class RowwiseOrtSession(OrtSession):
             self.sess.run_with_iobinding(made[(j, slot)])
         if together is not None and live:
             self._timed("row", (time.perf_counter() - t0) / len(live))
-        return self._base(arrays["logits"])
+        return self._base(arrays)
 
     def _together_pays(self, live: int) -> bool:
         """Whether one call over every row (the free ones attend over the whole context) is

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ...cache import META, Cache
 from ...errors import Terminated, ToolchainError
-from ...export import DATA_FILE, GRAPH_FILE
+from ...export import DATA_FILE, EAGLE3_DIR, GRAPH_FILE
 from ...ort_threads import session_options
 from ...plan import RolePlan
 from ...toolchain import package_version
@@ -88,8 +88,26 @@ class OrtBackend:
 
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         if self.part(role).graph == "fused":
-            return self.build_fused(ctx, role, onnx_dir)
-        return self.build_portable(ctx, role, onnx_dir)
+            info = self.build_fused(ctx, role, onnx_dir)
+        else:
+            info = self.build_portable(ctx, role, onnx_dir)
+        if role.eagle3 is not None:
+            self.build_eagle3_head(ctx, role, onnx_dir)
+        return info
+
+    @staticmethod
+    def build_eagle3_head(ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> None:
+        """The EAGLE-3 head's graph beside the target's artifact (`<role>/ort/eagle3/`), with a
+        copy of the target's token embedding (export/eagle3.py)."""
+        from ...export.eagle3 import export_head
+        from .ort_graph import PortableWeights
+
+        assert role.eagle3 is not None
+        a = role.arch
+        head = role.eagle3.read(a)
+        embed = PortableWeights(onnx_dir / GRAPH_FILE).get("model.embed_tokens.weight")
+        export_head(head, embed, a.max_position_embeddings,
+                    ctx.staging / role.role / "ort" / EAGLE3_DIR)
 
     def build_fused(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         out = ctx.staging / role.role / "ort"

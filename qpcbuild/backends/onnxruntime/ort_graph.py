@@ -40,6 +40,7 @@ from onnx import TensorProto, helper
 from ...models.arch import ArchSpec
 from ...export.builder import GraphBuilder, weight_key
 from ...export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
+from ...export.eagle3 import FC_WEIGHT, feature_output
 from ...export.turbo import TurboGraph, graph_names
 from ...models.graph_io import declare, graph_io
 from ...models.turbo_heads import MAX_HEADS
@@ -100,7 +101,9 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
         _Lowered(g, arch, w, batch, ctx_len, weights, layout,
                  mxfp6=numerics.get("weights") == WEIGHT_FORMAT,
                  mxint8=numerics.get("kv") == KV_FORMAT,
-                 turbo_layers=int(metadata.get("turbo_num_layers", "0"))).build(role)
+                 turbo_layers=int(metadata.get("turbo_num_layers", "0")),
+                 eagle3_layers=tuple(int(i) for i in metadata.get("eagle3_layers", "").split(",")
+                                     if i)).build(role)
         if windowed(arch, ctx_len):  # the kernel's reading, checked again where it is loaded
             metadata = {**metadata, **reading()}
         model = g.model(f"qpcbuild_{role}_ort", 17, metadata)
@@ -113,8 +116,10 @@ def build_ort_graph(arch: ArchSpec, w: PortableWeights, role: str, batch: int | 
 class _Lowered:
     def __init__(self, g: GraphBuilder, a: ArchSpec, w: PortableWeights, batch: int | str, ctx: int,
                  weights: str = "float32", layout: NbitsLayout = LEGACY_NBITS,
-                 mxfp6: bool = False, mxint8: bool = False, turbo_layers: int = 0):
+                 mxfp6: bool = False, mxint8: bool = False, turbo_layers: int = 0,
+                 eagle3_layers: tuple[int, ...] = ()):
         self.g, self.a, self.w, self.batch, self.ctx = g, a, w, batch, ctx
+        self.eagle3_layers = eagle3_layers  # an EAGLE-3 head's feature output (export/eagle3.py)
         # the portable graph's turbo heads (export/turbo.py), read back by their names
         self.turbo_heads = next(h for h in range(MAX_HEADS + 1)
                                 if not w.has(graph_names(h)[0])) if turbo_layers else 0
@@ -185,7 +190,8 @@ class _Lowered:
         g, a, b, c = self.g, self.a, self.batch, self.ctx
         # the portable graph's I/O with ctx_len (and a batch size) fixed (no batch_index: the
         # runtime binds each row's KV itself)
-        io, fixed = graph_io(role, a, False, self.turbo_heads), {"batch_size": b, "ctx_len": c}
+        io = graph_io(role, a, False, self.turbo_heads, eagle3_features=bool(self.eagle3_layers))
+        fixed = {"batch_size": b, "ctx_len": c}
         given = declare(g, io["inputs"], output=False, fixed=fixed)
         ids, pos = given["input_ids"], given["position_ids"]
         past = [(given[f"past_key.{i}"], given[f"past_value.{i}"]) for i in range(a.num_layers)]
@@ -213,7 +219,9 @@ class _Lowered:
         x = self.scaled(g.op("Gather", self.weight("model.embed_tokens.weight"), ids),
                         a.embedding_scale)  # Granite's embedding multiplier
         h = self.norm(x, "model.layers.0.input_layernorm.weight")
+        aux: dict[int, str] = {}  # the residual stream entering each layer (EAGLE-3's inputs)
         for i in range(a.num_layers):
+            aux[i] = x
             p = f"model.layers.{i}"
             cos, sin = rope[a.is_sliding(i) and a.has_local_rope]
             # Granite scales each residual branch
@@ -231,6 +239,8 @@ class _Lowered:
                 else "model.norm.weight"
             h, x = self.skip_norm(x, delta, nxt)
         self.head(h, pos, nlk)
+        if self.eagle3_layers:
+            feature_output(g, [aux[i] for i in self.eagle3_layers], self.weight(FC_WEIGHT))
         declare(g, io["outputs"], output=True, fixed=fixed)
 
     def attention(self, i: int, h: str, past: tuple[str, str], seqlens: str, total: str,

@@ -1,0 +1,117 @@
+"""Proposals from an EAGLE-3 head (export/eagle3.py): a one-layer graph of its own that reads the
+target's features and the tokens the target chose.
+
+Every target call returns, beside its logits, the head's input feature at each position it
+ran; the row keeps them by position (a rejected draft's feature is rewritten by the next call
+that reaches its position, before the head ever reads it). When the row speculates, the head
+first catches up: the positions the target verified since its last catch-up, each pairing the
+token AFTER it with the target's feature at it (EAGLE's shift: the feature at position p read
+the text up to p, and the head predicts the token at p + 2 from it and the token at p + 1).
+Its output at the last verified position proposes the first token; each further proposal runs
+the head on the token just proposed and the head's own previous output. The head's cache
+entries past the verified positions are simply overwritten by the next catch-up.
+
+Greedy rows propose the argmax; sampled rows draw each proposal from the head's softmax under
+the row's own sampling settings over the target vocabulary (zero outside the head's draft
+vocabulary), which is then the q the acceptance rule divides by.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import BundleError
+from ..ort_threads import session_options
+from .rows import Eagle3RowState, Row
+from .sampling import probabilities, sample
+
+UNREACHABLE = np.float32(-1e30)  # logits of target tokens outside the draft vocabulary
+
+
+class Eagle3Drafter:
+    """The head's ONNX Runtime session and the per-row state it drafts from."""
+
+    def __init__(self, path: Path, vocab_size: int, ctx_len: int, max_k: int,
+                 threads: int | None = None):
+        import onnxruntime as ort
+
+        so, _ = session_options(threads, role_session=True)
+        try:
+            self.sess: Any = ort.InferenceSession(str(path), so,
+                                                  providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise BundleError(f"{path}: onnxruntime cannot load the EAGLE-3 head: {exc}") \
+                from None
+        shapes = {i.name: i.shape for i in self.sess.get_inputs()}
+        if set(shapes) != {"input_ids", "hidden", "position_ids", "past_key", "past_value"}:
+            raise BundleError(f"{path}: not an EAGLE-3 head graph (inputs {sorted(shapes)})")
+        self.hidden_size = int(shapes["hidden"][-1])
+        self.kv_heads, self.head_dim = int(shapes["past_key"][1]), int(shapes["past_key"][3])
+        self.vocab_size, self.ctx_len, self.max_k = vocab_size, ctx_len, max_k
+        self.draft_to_target: np.ndarray | None = None  # read from the first call
+
+    def state(self, row: Row) -> Eagle3RowState:
+        if row.eagle3 is None:
+            shape = (1, self.kv_heads, self.ctx_len + self.max_k + 1, self.head_dim)
+            row.eagle3 = Eagle3RowState(
+                np.zeros((self.ctx_len, self.hidden_size), np.float32),
+                np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        return row.eagle3
+
+    def keep(self, rows: list[Row], pos: np.ndarray, features: np.ndarray) -> None:
+        """The features of one target call ([B, S, H] at positions [B, S], -1 = padding)."""
+        for i, r in enumerate(rows[:len(pos)]):
+            if r.done:
+                continue
+            real = pos[i] >= 0
+            self.state(r).features[pos[i, real]] = features[i, real]
+
+    def _run(self, st: Eagle3RowState, tokens: list[int], hidden: np.ndarray,
+             start: int) -> tuple[np.ndarray, np.ndarray]:
+        """The head over `tokens` at positions start.., its cache 0..start-1; writes the call's
+        keys at those positions. The last position's logits [Vd] and output [H]."""
+        n = len(tokens)
+        logits, out, key, value, d2t = self.sess.run(None, {
+            "input_ids": np.asarray([tokens], np.int64), "hidden": hidden[None],
+            "position_ids": np.arange(start, start + n, dtype=np.int64)[None],
+            "past_key": st.keys[:, :, :start], "past_value": st.values[:, :, :start]})
+        st.keys[:, :, start:start + n] = key
+        st.values[:, :, start:start + n] = value
+        if self.draft_to_target is None:
+            self.draft_to_target = np.asarray(d2t, np.int64)
+        return logits[0, -1], out[0, -1]
+
+    def _choose(self, r: Row, draft_logits: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """A proposal (a target id) and, for a sampled row, the distribution it came from."""
+        assert self.draft_to_target is not None
+        if r.sp.greedy:  # the argmax over the draft vocabulary, as a target id
+            return int(self.draft_to_target[int(draft_logits.argmax())]), None
+        full = np.full(self.vocab_size, UNREACHABLE, np.float32)
+        full[self.draft_to_target] = draft_logits
+        probs = probabilities(full, r.sp)
+        return sample(probs, r.rng), probs
+
+    def propose(self, rows: list[Row], room: list[int]
+                ) -> tuple[list[list[int]], list[list[np.ndarray]] | None]:
+        proposals: list[list[int]] = [[] for _ in rows]
+        q: list[list[np.ndarray]] = [[] for _ in rows]
+        for i, r in enumerate(rows):
+            if r.done or not room[i]:
+                continue
+            st = self.state(r)
+            last = len(r.tokens) - 1  # the features of positions 0..last-1 are the target's
+            start = min(st.verified, last - 1)
+            logits, out = self._run(st, r.tokens[start + 1:last + 1],
+                                    st.features[start:last], start)
+            st.verified = last
+            for j in range(room[i]):
+                if j:
+                    logits, out = self._run(st, [proposals[i][-1]], out[None], last - 1 + j)
+                token, probs = self._choose(r, logits)
+                proposals[i].append(token)
+                if probs is not None:
+                    q[i].append(probs)
+        return proposals, q

@@ -1,0 +1,305 @@
+"""EAGLE-3 draft heads (draft.method: eagle3): the speculators-format folder is read strictly and
+refused with the reason when it does not fit the target; the head graph's outputs equal a
+PyTorch forward of the head written here from transformers' own Llama building blocks, across a
+call that fills its cache and a call that reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qpcbuild.errors import UsageError
+from qpcbuild.models.eagle3_head import read_eagle3_head
+from qpcbuild.testing import write_random_eagle3_head
+
+LAYERS, HIDDEN, VOCAB = 4, 32, 96
+
+
+# ---------------------------------------------------------------- the format, strictly
+def _drop(key):
+    return lambda t, c: t.pop(key)
+
+
+def _embed(t, c):
+    t["embed_tokens.weight"] = np.zeros((VOCAB, HIDDEN), np.float32)
+
+
+def _layer_ids(t, c):
+    c["eagle_aux_hidden_state_layer_ids"] = [1, 2, LAYERS]
+
+
+def _d2t_range(t, c):
+    t["d2t"] = t["d2t"] + VOCAB
+
+
+def _d2t_dtype(t, c):
+    t["d2t"] = t["d2t"].astype(np.int32)
+
+
+def _d2t_twice(t, c):
+    t["d2t"][1] = t["d2t"][0] - 1  # draft id 1 -> the target token of draft id 0
+
+
+def _type(t, c):
+    c["speculators_model_type"] = "eagle"
+
+
+def _vocab(t, c):
+    c["transformer_layer_config"]["vocab_size"] = VOCAB + 1
+
+
+def _fc_width(t, c):
+    t["fc.weight"] = t["fc.weight"][:, :2 * HIDDEN]
+
+
+@pytest.mark.parametrize("tamper,message", [
+    (_drop("layers.0.hidden_norm.weight"), "missing layers.0.hidden_norm.weight"),
+    (_embed, "unexpected embed_tokens.weight"),
+    (_layer_ids, "eagle_aux_hidden_state_layer_ids must list target layers in 0..3"),
+    (_d2t_range, "outside 0..95"),
+    (_d2t_dtype, "'d2t' must be int64"),
+    (_d2t_twice, "two draft ids to the same target token"),
+    (_type, "speculators_model_type is 'eagle'"),
+    (_vocab, "vocab_size is 97"),
+    (_fc_width, r"'fc.weight' has shape \[32, 64\]"),
+], ids=["missing", "embedding", "layer-ids", "d2t-range", "d2t-dtype", "d2t-twice", "type",
+        "vocab", "fc-width"])
+def test_head_folders_are_read_strictly(tamper, message, tmp_path):
+    folder = write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB, tamper=tamper)
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        read_eagle3_head(folder, LAYERS, HIDDEN, VOCAB)
+
+
+def test_a_head_of_another_hidden_size_is_refused(tmp_path):
+    folder = write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB)
+    with pytest.raises(UsageError, match="target_hidden_size is 32, the target's hidden size is 64"):
+        read_eagle3_head(folder, LAYERS, 64, VOCAB)
+
+
+def test_a_good_folder_maps_draft_ids_to_target_ids(tmp_path):
+    head = read_eagle3_head(write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB),
+                            LAYERS, HIDDEN, VOCAB)
+    assert head.info.aux_layer_ids == (2, 2, 1)
+    assert head.draft_to_target.tolist() == list(range(0, VOCAB, 2))  # every other token
+    assert head.weights["lm_head.weight"].shape == (VOCAB // 2, HIDDEN)
+
+
+# ---------------------------------------------------------------- the head graph
+def torch_head(folder: Path, embed, ids, hidden):
+    """(logits, hidden_out) of the head over one sequence from position 0, by transformers'
+    LlamaRMSNorm / LlamaRotaryEmbedding / apply_rotary_pos_emb / LlamaMLP and the weights read
+    with safetensors' own loader."""
+    import json
+
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
+                                                          LlamaRotaryEmbedding,
+                                                          apply_rotary_pos_emb)
+
+    cfg = json.loads((folder / "config.json").read_text())
+    lc = LlamaConfig(**{k: v for k, v in cfg["transformer_layer_config"].items()
+                        if k != "model_type"})
+    w = load_file(str(folder / "model.safetensors"))
+
+    def norm(name):
+        n = LlamaRMSNorm(lc.hidden_size, eps=lc.rms_norm_eps)
+        n.weight.data.copy_(w[name])
+        return n
+
+    mlp = LlamaMLP(lc)
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        getattr(mlp, part).weight.data.copy_(w[f"layers.0.mlp.{part}.weight"])
+    with torch.no_grad():
+        x = torch.tensor(embed)[torch.tensor(ids)][None]
+        h = torch.tensor(hidden)[None]
+        z = torch.cat([norm("layers.0.input_layernorm.weight")(x),
+                       norm("layers.0.hidden_norm.weight")(h)], -1)
+        d, n = lc.head_dim, len(ids)
+        q, k, v = (F.linear(z, w[f"layers.0.self_attn.{p}_proj.weight"]).view(1, n, -1, d)
+                   .transpose(1, 2) for p in "qkv")
+        cos, sin = LlamaRotaryEmbedding(lc)(v, torch.arange(n)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        attn = F.linear(attn.transpose(1, 2).reshape(1, n, -1), w["layers.0.self_attn.o_proj.weight"])
+        y = h + attn
+        out = y + mlp(norm("layers.0.post_attention_layernorm.weight")(y))
+        logits = F.linear(norm("norm.weight")(out), w["lm_head.weight"])
+    return logits[0].numpy(), out[0].numpy()
+
+
+def test_head_graph_equals_a_transformers_forward_across_its_cache(tmp_path):
+    import onnxruntime as ort
+
+    from qpcbuild.export.eagle3 import export_head
+
+    folder = write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB, seed=3)
+    head = read_eagle3_head(folder, LAYERS, HIDDEN, VOCAB)
+    rng = np.random.default_rng(1)
+    embed = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    ids = rng.integers(0, VOCAB, 9)
+    hidden = rng.standard_normal((9, HIDDEN)).astype(np.float32)
+    sess = ort.InferenceSession(str(export_head(head, embed, 64, tmp_path / "g")))
+    i = head.info
+    cache = np.zeros((1, i.num_kv_heads, 0, i.head_dim), np.float32), \
+        np.zeros((1, i.num_kv_heads, 0, i.head_dim), np.float32)
+    logits, outs = [], []
+    for start, end in ((0, 5), (5, 6), (6, 9)):  # fill, one step, three more
+        lg, out, key, value, d2t = sess.run(None, {
+            "input_ids": ids[None, start:end], "hidden": hidden[None, start:end],
+            "position_ids": np.arange(start, end)[None], "past_key": cache[0],
+            "past_value": cache[1]})
+        cache = np.concatenate([cache[0], key], 2), np.concatenate([cache[1], value], 2)
+        logits.append(lg[0])
+        outs.append(out[0])
+    assert d2t.tolist() == head.draft_to_target.tolist()
+    ref_logits, ref_out = torch_head(folder, embed, ids, hidden)
+    np.testing.assert_allclose(np.concatenate(outs), ref_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(logits), ref_logits, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the recipe and the loop
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
+
+
+def recipe(folder: Path, head: Path, graph: str = "fused", extra: str = "") -> Path:
+    path = folder / "eagle3.yaml"
+    path.write_text(f"""schema: 1
+name: eagle3-test
+target: {{model: {DEMO}}}
+draft: {{method: eagle3, model: {head}}}
+speculation: {{num_speculative_tokens: 3}}
+shapes: {{batch_size: 1, prefill_seq_len: 8, ctx_len: 64}}
+backends: [onnxruntime]
+onnxruntime: {{graph: {graph}}}
+{extra}""")
+    return path
+
+
+def demo_head(folder: Path, **kw) -> Path:
+    import json
+
+    cfg = json.loads((DEMO / "config.json").read_text())
+    return write_random_eagle3_head(folder, cfg["num_hidden_layers"], cfg["hidden_size"],
+                                    cfg["vocab_size"], heads=4, kv_heads=2, **kw)
+
+
+def test_a_recipe_with_a_head_of_another_model_exits_2_naming_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from qpcbuild.cli import app
+
+    head = write_random_eagle3_head(tmp_path / "h", 6, 128, 512)
+    result = CliRunner().invoke(app, ["plan", str(recipe(tmp_path, head))])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "draft.model" in text and "the target's hidden size is 256" in text, text
+
+
+def test_a_qaic_eagle3_recipe_is_refused_as_onnxruntime_only(tmp_path):
+    from typer.testing import CliRunner
+
+    from qpcbuild.cli import app
+
+    path = recipe(tmp_path, demo_head(tmp_path / "h"))
+    path.write_text(path.read_text().replace("[onnxruntime]", "[onnxruntime, qaic]"))
+    result = CliRunner().invoke(app, ["plan", str(path)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "backends" in text and "ONNX Runtime-only" in text, text
+
+
+@pytest.mark.parametrize("graph,shapes", [
+    ("fused", ""), ("portable", ""), ("fused", "shapes.batch_size=2"),
+    ("fused", "shapes.full_batch_size=3")], ids=["fused", "portable", "batch2", "cb"])
+def test_eagle3_greedy_output_equals_generate(graph, shapes, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    import qpcbuild
+    from qpcbuild.cli import app
+    from qpcbuild.runtime.rows import new_row
+    from qpcbuild.runtime.sampling import SamplingParams
+
+    path = recipe(tmp_path, demo_head(tmp_path / "h"), graph)
+    result = CliRunner().invoke(app, ["compile", str(path), "-o", str(tmp_path / "b"),
+                                      "--cache-dir", str(tmp_path / "cache")]
+                                + (["--set", shapes] if shapes else []))
+    assert result.exit_code == 0, result.output
+    gen = qpcbuild.load(tmp_path / "b")
+    assert gen.decoder.eagle3 is not None
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    prompts = ([3, 17, 42, 9, 100], [7] * 11 + [200, 5], [1, 2, 3])
+    rows = [new_row(p, 24, gen.decoder.ctx_len, SamplingParams(), i)
+            for i, p in enumerate(prompts)]
+    per_call = len(rows) if gen.decoder.cb else gen.target.batch_size
+    for start in range(0, len(rows), per_call):
+        gen.decoder.run_rows(rows[start:start + per_call])
+    for prompt, row in zip(prompts, rows):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+        assert row.tokens == ref[0].tolist()
+        assert row.stats.num_drafts > 0
+
+
+def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path):
+    """EAGLE's shift, checked against transformers: at each step the head reads, for every
+    verified position p, the target's hidden states entering its aux layers at p (through fc)
+    with the token at p + 1; its first proposal is the argmax at the last verified position
+    and the next one continues from its own output."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    import qpcbuild
+    from qpcbuild.cli import app
+    from qpcbuild.runtime.rows import new_row
+    from qpcbuild.runtime.sampling import SamplingParams
+
+    folder = demo_head(tmp_path / "h", seed=5)
+    result = CliRunner().invoke(app, ["compile", str(recipe(tmp_path, folder, "portable")), "-o",
+                                      str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    served = CliRunner().invoke(app, ["serve-config", str(tmp_path / "b")])
+    text = " ".join(served.output.split())
+    assert served.exit_code == 2 and "does not serve draft heads" in text, text
+    assert '"method": "eagle3"' in text and str(folder) in text, text
+    gen = qpcbuild.load(tmp_path / "b")
+    drafter = gen.decoder.eagle3
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose
+
+    def spy(rows, room):
+        proposals, q = propose(rows, room)
+        seen.append((list(rows[0].tokens), proposals[0]))
+        return proposals, q
+
+    drafter.propose = spy
+    row = new_row([5, 9, 33, 7, 81, 2, 40], 20, gen.decoder.ctx_len, SamplingParams(), 0)
+    gen.decoder.run_rows([row])
+    assert len(seen) >= 3
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    cfg = json.loads((folder / "config.json").read_text())
+    fc = load_file(str(folder / "model.safetensors"))["fc.weight"]
+    d2t = load_file(str(folder / "model.safetensors"))["d2t"]
+    embed = model.model.embed_tokens.weight.detach().numpy()
+    for tokens, proposals in seen:
+        with torch.no_grad():
+            states = model(input_ids=torch.tensor([tokens[:-1]]),
+                           output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in cfg["eagle_aux_hidden_state_layer_ids"]], -1)
+        ids, hidden = list(tokens[1:]), (aux @ fc.T).numpy()
+        for proposal in proposals:
+            logits, out = torch_head(folder, embed, ids, hidden)
+            draft = int(logits[-1].argmax())
+            assert draft + int(d2t[draft]) == proposal
+            ids.append(proposal)
+            hidden = np.concatenate([hidden, out[-1:]])
