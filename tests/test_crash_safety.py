@@ -104,8 +104,11 @@ START = ("import sys; from qpcbuild.launch import main; print('up', file=sys.std
 def test_ctrl_c_during_start_up_is_no_traceback():
     # every 12.5 ms over the whole start-up: importing the CLI, then typer building the command
     for delay in [i * 0.0125 for i in range(32)]:
+        # (SIGINT's default disposition back: a job started in the background inherits it
+        # ignored, and this test would then pass without Ctrl-C ever arriving)
         proc = subprocess.Popen([sys.executable, "-c", START], env=ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         assert proc.stderr.readline().strip() == "up"
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)

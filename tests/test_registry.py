@@ -170,8 +170,12 @@ def test_a_pull_killed_midway_leaves_nothing(oci_registry, registry_demo_bundle,
     dest_root = tmp_path / "dest"
     dest_root.mkdir()
     out = dest_root / "bundle"
+    # A CI runner that starts its job in the background (`cmd &` in a script) hands it SIGINT
+    # ignored, and Python then never turns Ctrl-C into KeyboardInterrupt: the pull gets the
+    # default disposition back, as a terminal would give it.
     proc = subprocess.Popen([*QPCBUILD, "pull", ref, "-d", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not any(p.stat().st_size for p in dest_root.glob(".bundle.building-*/aaa-big.bin")):
         assert proc.poll() is None, proc.stdout.read().decode()

@@ -20,6 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 import qpcbuild.bundle.build as build_mod
+import qpcbuild.bundle.keys as keys_mod
 from qpcbuild.backends.qaic.finish import finish_bundle
 from qpcbuild.bundle import build_bundle, read_manifest, verify_bundle
 from qpcbuild.bundle import manifest as manifest_mod
@@ -206,9 +207,10 @@ def test_cache_keys_follow_content_and_toolchain_not_paths_k_or_threads(repo_cop
     again = build(moved / "recipes" / "demo.yaml", cache, tmp_path / "c")
     assert all(reuse(again).values()) and again.bundle_id == first.bundle_id
     # A new onnxruntime: the ORT artifacts are rebuilt (and credited to it), exports reused.
-    real = build_mod.artifact_versions
-    monkeypatch.setattr(build_mod, "artifact_versions",
-                        lambda: {**real(), "onnxruntime": "99.0"})
+    real = keys_mod.artifact_versions
+    for module in (keys_mod, build_mod):  # the cache keys, and the manifest's tool versions
+        monkeypatch.setattr(module, "artifact_versions",
+                            lambda: {**real(), "onnxruntime": "99.0"})
     newer = build(recipe, cache, tmp_path / "d")
     assert reuse(newer) == {"export target": True, "export draft": True,
                             "onnxruntime target": False, "onnxruntime draft": False}
