@@ -51,19 +51,29 @@ def aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def features(target, seqs: list[list[int]], layer_ids: list[int]):
+def features(target, seqs: list[list[int]], layer_ids: list[int], batch: int = 16):
     """Per sequence: (tokens, aux features [n, 3H] float16, target's greedy choice per position
-    [n] with -1 at 0), by one pass each in batches of equal-length windows."""
+    [n] with -1 at 0), by one pass over right-padded batches of similar length (causal
+    attention: the padding after a sequence changes nothing before it)."""
     import torch
 
-    out = []
+    out: list = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     with torch.no_grad():
-        for ids in seqs:
-            res = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
-            aux = torch.cat([res.hidden_states[i][0] for i in layer_ids], dim=-1)
-            choice = torch.full((len(ids),), -1, dtype=torch.long)
-            choice[1:] = res.logits[0, :-1].argmax(-1)
-            out.append((torch.tensor(ids), aux.half(), choice))
+        for start in range(0, len(order), batch):
+            rows = order[start:start + batch]
+            width = max(len(seqs[i]) for i in rows)
+            ids = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
+            res = target(input_ids=ids, output_hidden_states=True)
+            aux = torch.cat([res.hidden_states[j] for j in layer_ids], dim=-1)
+            best = res.logits.argmax(-1)
+            for r, i in enumerate(rows):
+                n = len(seqs[i])
+                choice = torch.full((n,), -1, dtype=torch.long)
+                choice[1:] = best[r, :n - 1]
+                out[i] = (torch.tensor(seqs[i]), aux[r, :n].half(), choice)
     return out
 
 
@@ -260,6 +270,7 @@ def parse_args(argv):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--train-minutes", type=float, default=9.0)
+    ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
     return ap.parse_args(argv)
 
 
@@ -279,7 +290,7 @@ def main(argv=None) -> int:
            "max_position_embeddings": tc.max_position_embeddings, "vocab_size": tc.vocab_size,
            "hidden_act": "silu"}
     t0 = time.time()
-    seqs = generate(args, target, tok, build_prompts(tok, args))
+    seqs = generate(args, target, tok, build_prompts(tok, args), with_hidden=False)
     gen_s = time.time() - t0
     windows = stdlib_windows(args, tok)
     t1 = time.time()
@@ -297,6 +308,7 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(list(head.p.values()), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     history, t2, step = [], time.time(), 0
+    last_save = t2
     budget = args.train_minutes * 60
     for step in range(1, args.steps + 1):
         frac = min(1.0, (time.time() - t2) / budget)
@@ -311,9 +323,13 @@ def main(argv=None) -> int:
         loss.backward()
         opt.step()
         if step % 25 == 0 or step == 1:
-            history.append({"step": step, "loss": round(float(loss) / args.unroll, 4)})
-            log(f"step {step} loss/step {float(loss) / args.unroll:.3f} "
+            history.append({"step": step, "loss": round(loss.item() / args.unroll, 4)})
+            log(f"step {step} loss/step {loss.item() / args.unroll:.3f} "
                 f"({time.time() - t2:.0f} s)")
+        if time.time() - last_save > args.checkpoint_minutes * 60:
+            # a run cut short (a shared machine, a time limit) still leaves a usable head
+            write(args, head, draft_ids, layer_ids, {"partial": True, "step": step})
+            last_save = time.time()
         if time.time() - t2 > budget:
             break
     train_s = time.time() - t2

@@ -45,9 +45,9 @@ from train_smollm2_draft import (SKIPPED_DIRS, build_prompts, load_target, load_
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def generate(args, target, tok, prompts: list[dict]) -> list[dict]:
+def generate(args, target, tok, prompts: list[dict], with_hidden: bool = True) -> list[dict]:
     """Greedy continuations by the target in left-padded batches until the time budget; each
-    sequence with its final-norm hidden states (one teacher-forced pass)."""
+    sequence with its final-norm hidden states (one teacher-forced pass) when `with_hidden`."""
     import torch
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -75,10 +75,13 @@ def generate(args, target, tok, prompts: list[dict]) -> list[dict]:
             if eos in cont:
                 cont = cont[:cont.index(eos) + 1]
             seq = p["ids"] + cont
-            with torch.no_grad():
-                hidden = target.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
+            hidden = None
+            if with_hidden:
+                with torch.no_grad():
+                    hidden = target.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
+                hidden = hidden.half()
             seqs.append({"kind": p["kind"], "heldout": p["heldout"], "tokens": seq,
-                         "prompt_len": len(p["ids"]), "hidden": hidden.half()})
+                         "prompt_len": len(p["ids"]), "hidden": hidden})
         log(f"generated {len(seqs)} sequences ({time.time() - t0:.0f} s)")
     return seqs
 

@@ -162,6 +162,41 @@ def test_head_graph_equals_a_transformers_forward_across_its_cache(tmp_path):
     np.testing.assert_allclose(np.concatenate(logits), ref_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_head_graph_runs_every_projection_in_blocks_close_to_float(bits, tmp_path):
+    """onnxruntime.draft_weights for an eagle3 recipe: the head's eight projections become
+    MatMulNBits (the embedding stays a float table), and its logits stay near the float
+    head's (a proposer's numerics change only what it proposes)."""
+    import onnx
+    import onnxruntime as ort
+
+    from qpcbuild.backends.onnxruntime.nbits import LEGACY_NBITS
+    from qpcbuild.backends.onnxruntime.ort_graph import matmul_nbits
+    from qpcbuild.export.eagle3 import export_head
+
+    folder = write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB, seed=3)
+    head = read_eagle3_head(folder, LAYERS, HIDDEN, VOCAB)
+    rng = np.random.default_rng(1)
+    embed = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    ids, hidden = rng.integers(0, VOCAB, 6), rng.standard_normal((6, HIDDEN)).astype(np.float32)
+
+    def project(g, x, name, w, out):
+        return matmul_nbits(g, x, name, w, bits, LEGACY_NBITS, out)
+
+    path = export_head(head, embed, 64, tmp_path / "g", project, f"int{bits}")
+    graph = onnx.load(str(path), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("MatMulNBits") == 8, ops
+    assert {p.key: p.value for p in graph.metadata_props}["weights"] == f"int{bits}"
+    empty = np.zeros((1, head.info.num_kv_heads, 0, head.info.head_dim), np.float32)
+    logits = ort.InferenceSession(str(path)).run(["logits"], {
+        "input_ids": ids[None], "hidden": hidden[None], "position_ids": np.arange(6)[None],
+        "past_key": empty, "past_value": empty})[0][0]
+    ref, _ = torch_head(folder, embed, ids, hidden)
+    err = np.abs(logits - ref).max() / np.abs(ref).max()
+    assert 0 < err < (0.05 if bits == 8 else 0.25), err
+
+
 # ---------------------------------------------------------------- the recipe and the loop
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
 
@@ -215,7 +250,8 @@ def test_a_qaic_eagle3_recipe_is_refused_as_onnxruntime_only(tmp_path):
 
 @pytest.mark.parametrize("graph,shapes", [
     ("fused", ""), ("portable", ""), ("fused", "shapes.batch_size=2"),
-    ("fused", "shapes.full_batch_size=3")], ids=["fused", "portable", "batch2", "cb"])
+    ("fused", "shapes.full_batch_size=3"), ("fused", "onnxruntime.draft_weights=int8")],
+    ids=["fused", "portable", "batch2", "cb", "int8-head"])
 def test_eagle3_greedy_output_equals_generate(graph, shapes, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

@@ -21,9 +21,10 @@ positions past a row's accepted prefix are simply overwritten by the next call t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from . import DATA_FILE, GRAPH_FILE, OPSET
 from ..models.eagle3_head import LAYER, Eagle3Head, Eagle3HeadInfo
@@ -32,6 +33,9 @@ from .builder import GraphBuilder, save
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 FEATURE_OUTPUT = "eagle3_hidden"  # the target graph's extra output [B, S, H]
 FC_WEIGHT = "eagle3.fc.weight^T"  # [n*H, H] in the target's graph
+# project(g, x, name, w [K, N], out) -> x @ w in some weight format (the ONNX Runtime backend
+# passes its MatMulNBits form for int8/int4 heads); None: a float32 MatMul
+Projection = Callable[[GraphBuilder, str, str, np.ndarray, "str | None"], str]
 
 
 def feature_output(g: GraphBuilder, aux: list[str], fc_t: str) -> None:
@@ -45,9 +49,9 @@ class HeadGraph:
     """Builds the head graph into `g` from the head's weights and the target's embedding."""
 
     def __init__(self, g: GraphBuilder, head: Eagle3Head, embed: np.ndarray,
-                 max_positions: int):
+                 max_positions: int, project: Projection | None = None):
         self.g, self.i, self.w, self.d2t = g, head.info, head.weights, head.draft_to_target
-        self.embed, self.max_positions = embed, max_positions
+        self.embed, self.max_positions, self.project = embed, max_positions, project
 
     def norm(self, x: str, name: str) -> str:
         g = self.g
@@ -57,6 +61,8 @@ class HeadGraph:
         return g.op("Mul", g.op("Mul", x, scale), g.weight(name, self.w[name]))
 
     def linear(self, x: str, name: str, out: str | None = None) -> str:
+        if self.project is not None:
+            return self.project(self.g, x, f"{name}^T", self.w[name].T, out)
         return self.g.op("MatMul", x, self.g.weight(f"{name}^T", self.w[name].T), out=out)
 
     def split_heads(self, x: str, n: int) -> str:
@@ -154,12 +160,19 @@ def head_info_metadata(info: Eagle3HeadInfo) -> dict[str, str]:
             "num_kv_heads": str(info.num_kv_heads), "head_dim": str(info.head_dim)}
 
 
-def export_head(head: Eagle3Head, embed: np.ndarray, max_positions: int, out_dir: Path) -> Path:
-    """Write `out_dir/model.onnx` + `model.onnx.data` of the head graph; the graph's path."""
+def export_head(head: Eagle3Head, embed: np.ndarray, max_positions: int, out_dir: Path,
+                project: Projection | None = None, weights: str = "float32") -> Path:
+    """Write `out_dir/model.onnx` + `model.onnx.data` of the head graph; the graph's path.
+    project/weights: the projections' form and its name (the graph's metadata says it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / DATA_FILE, "wb") as data:
         g = GraphBuilder(data, DATA_FILE)
-        HeadGraph(g, head, embed, max_positions).build()
-    save(g.model("qpcbuild_eagle3_head", OPSET, head_info_metadata(head.info)),
-         out_dir / GRAPH_FILE)
+        HeadGraph(g, head, embed, max_positions, project).build()
+    metadata = head_info_metadata(head.info)
+    if weights != "float32":  # (only then: a float32 head's graph is as before)
+        metadata["weights"] = weights
+    model = g.model("qpcbuild_eagle3_head", OPSET, metadata)
+    if project is not None:
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    save(model, out_dir / GRAPH_FILE)
     return out_dir / GRAPH_FILE

@@ -188,8 +188,8 @@ def _numerics_options(r: Recipe, add: Add) -> None:
         key, fmt = f"onnxruntime.{role}_weights", getattr(r.onnxruntime, f"{role}_weights")
         if fmt == "float32":
             continue
-        if role == "draft" and d.method != "draft_model":
-            add(key, f"method '{d.method}' has no draft model")
+        if role == "draft" and d.method not in ("draft_model", "eagle3"):
+            add(key, f"method '{d.method}' has no draft model or head of its own")
         elif r.onnxruntime.graph != "fused":
             add(key, f"{fmt} {role} weights need onnxruntime.graph: fused")
         elif fmt == "int4" and p.quantization == "mxfp6":

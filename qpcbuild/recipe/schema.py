@@ -184,7 +184,8 @@ class OrtOptions(_Strict):
     # (com.microsoft.MatMulNBits, int8 activations). A draft's numerics change only which tokens
     # it proposes, never the output, so a smaller draft trades acceptance for speed; a quantized
     # *target* changes the output itself: opt-in, labelled in run/bench/manifest output, and
-    # measured against the float32 target by `bench --numerics`.
+    # measured against the float32 target by `bench --numerics`. draft_weights also sets an
+    # EAGLE-3 head's projections (method eagle3): the head proposes, so the same holds for it.
     draft_weights: WeightFormat = "float32"
     target_weights: WeightFormat = "float32"
 

@@ -52,6 +52,7 @@ class Eagle3Drafter:
         self.kv_heads, self.head_dim = int(shapes["past_key"][1]), int(shapes["past_key"][3])
         self.vocab_size, self.ctx_len, self.max_k = vocab_size, ctx_len, max_k
         self.draft_to_target: np.ndarray | None = None  # read from the first call
+        self.calls = 0  # head calls so far (the engine counts them as draft calls)
 
     def state(self, row: Row) -> Eagle3RowState:
         if row.eagle3 is None:
@@ -74,6 +75,7 @@ class Eagle3Drafter:
         """The head over `tokens` at positions start.., its cache 0..start-1; writes the call's
         keys at those positions. The last position's logits [Vd] and output [H]."""
         n = len(tokens)
+        self.calls += 1
         logits, out, key, value, d2t = self.sess.run(None, {
             "input_ids": np.asarray([tokens], np.int64), "hidden": hidden[None],
             "position_ids": np.arange(start, start + n, dtype=np.int64)[None],

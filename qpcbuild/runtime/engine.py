@@ -300,8 +300,12 @@ class SpecDecoder:
             return drafting.propose(self, run.draft, run.slots, room, run.times)
         if run.heads is not None:
             return propose_from_heads(run.slots, room)
-        if run.eagle3 is not None:
-            return run.eagle3.propose(run.slots, room)
+        if run.eagle3 is not None:  # the head's calls are the draft's time and calls
+            t0, calls = self.clock(), run.eagle3.calls
+            out = run.eagle3.propose(run.slots, room)
+            run.times.draft_s += self.clock() - t0
+            run.times.draft_calls += run.eagle3.calls - calls
+            return out
         proposer = run.proposer
         assert proposer is not None, "a speculative step without a draft or a proposer"
         return [proposer.propose(i, room[i]) if room[i] else []

@@ -100,14 +100,21 @@ class OrtBackend:
         """The EAGLE-3 head's graph beside the target's artifact (`<role>/ort/eagle3/`), with a
         copy of the target's token embedding (export/eagle3.py)."""
         from ...export.eagle3 import export_head
-        from .ort_graph import PortableWeights
+        from .nbits import LEGACY_NBITS, WEIGHT_BITS
+        from .ort_graph import PortableWeights, matmul_nbits
 
         assert role.eagle3 is not None
         a = role.arch
         head = role.eagle3.read(a)
         embed = PortableWeights(onnx_dir / GRAPH_FILE).get("model.embed_tokens.weight")
+        # onnxruntime.draft_weights: the head is the proposer, so its numerics change only
+        # which tokens it proposes (a draft's layout, the fastest)
+        weights = ctx.plan.recipe.onnxruntime.draft_weights
+        bits = WEIGHT_BITS.get(weights)
+        project = None if bits is None else (
+            lambda g, x, name, w, out: matmul_nbits(g, x, name, w, bits, LEGACY_NBITS, out))
         export_head(head, embed, a.max_position_embeddings,
-                    ctx.staging / role.role / "ort" / EAGLE3_DIR)
+                    ctx.staging / role.role / "ort" / EAGLE3_DIR, project, weights)
 
     def build_fused(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         out = ctx.staging / role.role / "ort"

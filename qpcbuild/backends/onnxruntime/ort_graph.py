@@ -53,6 +53,31 @@ from .window import local_window_size, reading, windowed
 MS = "com.microsoft"
 
 
+
+def matmul_nbits(g: GraphBuilder, x: str, name: str, arr: np.ndarray, bits: int,
+                 layout: NbitsLayout, out: str | None = None,
+                 blocks: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    """x @ arr [K, N] as com.microsoft.MatMulNBits in `layout` (`blocks`: codes and scales
+    already made, the MXFP6 grid's 8-bit blocks of 32)."""
+    zero = None
+    if blocks is not None:
+        q, scale = blocks
+    elif layout.symmetric:
+        q, scale = blockwise_nbits(arr, bits, layout.block_size)
+    else:
+        q, scale, zero = blockwise_nbits_asymmetric(arr, bits, layout.block_size)
+    inputs = [x, g.weight(f"{name}.q{bits}", q), g.weight(f"{name}.scale", scale)]
+    if zero is not None:
+        inputs.append(g.weight(f"{name}.zero_point", zero))
+    out = out or g._name("matmul")
+    g.nodes.append(helper.make_node(
+        "MatMulNBits", inputs, [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits",
+        K=arr.shape[0], N=arr.shape[1], bits=bits,
+        block_size=INT8_BLOCK if blocks is not None else layout.block_size,
+        accuracy_level=layout.accuracy_level))
+    return out
+
+
 class PortableWeights:
     """Tensors of an exported portable graph, read back from its external data file."""
 
@@ -140,26 +165,10 @@ class _Lowered:
             if self.mxfp6:  # the card's weights: float32 values on the MXFP6 grid
                 arr = mxfp6_weight(arr)
             return self.g.op("MatMul", x, self.g.weight(name, arr), out=out)
-        g, lay = self.g, self.layout
         # int8 with mxfp6: the MXFP6 values exactly, in the same 8-bit layout of blocks of 32
         # (the recipe refuses int4 with mxfp6)
-        zero = None
-        if self.mxfp6:
-            q, scale = mxfp6_int8_blocks(arr)
-        elif lay.symmetric:
-            q, scale = blockwise_nbits(arr, self.bits, lay.block_size)
-        else:
-            q, scale, zero = blockwise_nbits_asymmetric(arr, self.bits, lay.block_size)
-        inputs = [x, g.weight(f"{name}.q{self.bits}", q), g.weight(f"{name}.scale", scale)]
-        if zero is not None:
-            inputs.append(g.weight(f"{name}.zero_point", zero))
-        out = out or g._name("matmul")
-        g.nodes.append(helper.make_node(
-            "MatMulNBits", inputs, [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits",
-            K=arr.shape[0], N=arr.shape[1], bits=self.bits,
-            block_size=INT8_BLOCK if self.mxfp6 else lay.block_size,
-            accuracy_level=lay.accuracy_level))
-        return out
+        blocks = mxfp6_int8_blocks(arr) if self.mxfp6 else None
+        return matmul_nbits(self.g, x, name, arr, self.bits, self.layout, out, blocks)
 
     def scaled(self, x: str, factor: float) -> str:
         """x * factor, x itself for 1 (every family but Granite)."""

@@ -98,6 +98,15 @@ def _layout_key(role: str, weights: str) -> dict[str, Any]:
     return {"nbits": changed} if changed else {}
 
 
+def _head_key(r: Recipe, role: str) -> dict[str, str]:
+    """An EAGLE-3 head's weight format (its graph is built beside the target's artifact), only
+    where it is not float32, so that other bundles keep their ids."""
+    fmt = r.onnxruntime.draft_weights
+    if role == "target" and r.draft.method == "eagle3" and fmt != "float32":
+        return {"eagle3_head_weights": fmt}
+    return {}
+
+
 class OrtPlan:
     def plan_role(self, r: Recipe, facts: RoleFacts, compiler: str | None) -> OrtPart:
         role = facts.role
@@ -117,6 +126,7 @@ class OrtPlan:
                 "graph": part.graph, "batch_size": part.batch_size, "ctx_len": part.ctx_len,
                 "kv_dtype": part.kv_dtype, "weights": part.weights,
                 **_layout_key(facts.model_role, part.weights),
+                **_head_key(r, facts.model_role),
                 # emulated card formats (exact builds keep their key)
                 **({"numerics": part.numerics_formats} if part.numerics == "emulated" else {})}
 
