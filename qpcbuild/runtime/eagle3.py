@@ -29,6 +29,7 @@ from .rows import Eagle3RowState, Row
 from .sampling import probabilities, sample
 
 UNREACHABLE = np.float32(-1e30)  # logits of target tokens outside the draft vocabulary
+CALL_OUTPUTS = ("logits", "hidden_out", "key", "value")  # what every head call reads
 
 
 class Eagle3Drafter:
@@ -76,14 +77,16 @@ class Eagle3Drafter:
         keys at those positions. The last position's logits [Vd] and output [H]."""
         n = len(tokens)
         self.calls += 1
-        logits, out, key, value, d2t = self.sess.run(None, {
+        first = self.draft_to_target is None  # d2t is a constant: read once
+        outs = self.sess.run([*CALL_OUTPUTS, *(["draft_to_target"] if first else [])], {
             "input_ids": np.asarray([tokens], np.int64), "hidden": hidden[None],
             "position_ids": np.arange(start, start + n, dtype=np.int64)[None],
             "past_key": st.keys[:, :, :start], "past_value": st.values[:, :, :start]})
+        logits, out, key, value = outs[:4]
         st.keys[:, :, start:start + n] = key
         st.values[:, :, start:start + n] = value
-        if self.draft_to_target is None:
-            self.draft_to_target = np.asarray(d2t, np.int64)
+        if first:
+            self.draft_to_target = np.asarray(outs[4], np.int64)
         return logits[0, -1], out[0, -1]
 
     def _choose(self, r: Row, draft_logits: np.ndarray) -> tuple[int, np.ndarray | None]:
