@@ -162,6 +162,70 @@ def test_head_graph_equals_a_transformers_forward_across_its_cache(tmp_path):
     np.testing.assert_allclose(np.concatenate(logits), ref_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("continuous_batching", [False, True], ids=["plain", "cb"])
+def test_card_head_graph_equals_a_transformers_forward_through_its_retained_cache(
+        continuous_batching, tmp_path):
+    """The head's card form (retained-state KV written at position_ids, mask from positions)
+    on ONNX Runtime: a catch-up window, two draft steps on wrong tokens, the catch-up that
+    overwrites them, a single step and a window padded with position -1 give the logits and
+    hidden of one transformers forward over the true sequence."""
+    import onnx
+    import onnxruntime as ort
+
+    from qpcbuild.export.dialect import onnxruntime_indices
+    from qpcbuild.export.eagle3_card import export_card_head
+
+    folder = write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB, seed=4, heads=4,
+                                      kv_heads=2)
+    head = read_eagle3_head(folder, LAYERS, HIDDEN, VOCAB)
+    rng = np.random.default_rng(2)
+    embed = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    ids = rng.integers(0, VOCAB, 12)
+    hidden = rng.standard_normal((12, HIDDEN)).astype(np.float32)
+    path = export_card_head(head, embed, 64, continuous_batching, tmp_path / "g")
+    opts = ort.SessionOptions()
+    indices = {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in
+               onnxruntime_indices(onnx.load(str(path), load_external_data=False)).items()}
+    for name, value in indices.items():  # the card's INT32_MAX as ONNX Runtime takes it
+        opts.add_initializer(name, value)
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    i, slots, slot = head.info, 2 if continuous_batching else 1, 1 if continuous_batching else 0
+    kv = {f"past_{kind}.0": np.zeros((slots, i.num_kv_heads, 32, i.head_dim), np.float32)
+          for kind in ("key", "value")}
+    got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def call(positions, tokens=None, feats=None):
+        real = [p for p in positions if p >= 0]
+        tokens = ids[real] if tokens is None else tokens
+        feats = hidden[real] if feats is None else feats
+        pad = len(positions) - len(real)
+        feeds = {"input_ids": np.concatenate([tokens, np.zeros(pad, np.int64)])[None],
+                 "hidden": np.concatenate([feats, np.zeros((pad, HIDDEN), np.float32)])[None],
+                 "position_ids": np.array([positions], np.int64), **kv}
+        if continuous_batching:
+            feeds["batch_index"] = np.array([[slot]], np.int64)
+        out = dict(zip(names, sess.run(None, feeds)))
+        for name in kv:
+            kv[name] = out[f"{name}_RetainedState"]
+        for n, p in enumerate(real):
+            got[p] = out["logits"][0, n], out["hidden_out"][0, n]
+
+    call([0, 1, 2, 3, 4])
+    call([5], rng.integers(0, VOCAB, 1), rng.standard_normal((1, HIDDEN)).astype(np.float32))
+    call([6], rng.integers(0, VOCAB, 1), rng.standard_normal((1, HIDDEN)).astype(np.float32))
+    call([5, 6, 7])  # the verified tokens overwrite the rejected drafts' entries
+    call([8])
+    call([9, 10, 11, -1])
+    assert sorted(got) == list(range(12))
+    ref_logits, ref_out = torch_head(folder, embed, ids, hidden)
+    np.testing.assert_allclose(np.stack([got[p][0] for p in range(12)]), ref_logits,
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.stack([got[p][1] for p in range(12)]), ref_out,
+                               rtol=1e-4, atol=1e-4)
+    assert sess.get_outputs()[0].shape[-1] == i.draft_vocab_size  # logits over the draft vocab
+
+
 # ---------------------------------------------------------------- the recipe and the loop
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
 
