@@ -264,17 +264,103 @@ def test_a_recipe_with_a_head_of_another_model_exits_2_naming_it(tmp_path):
     assert "draft.model" in text and "the target's hidden size is 256" in text, text
 
 
-def test_a_qaic_eagle3_recipe_is_refused_as_onnxruntime_only(tmp_path):
+def card_recipe(tmp_path: Path) -> Path:
+    """The eagle3 recipe built for the card too, with no compiler on this machine."""
+    path = recipe(tmp_path, demo_head(tmp_path / "h"), "portable")
+    path.write_text(path.read_text().replace("[onnxruntime]", "[onnxruntime, qaic]"))
+    return path
+
+
+def test_an_eagle3_recipe_for_the_card_plans_the_heads_own_compile(tmp_path, monkeypatch):
+    import json
+
     from typer.testing import CliRunner
 
     from qpcbuild.cli import app
 
-    path = recipe(tmp_path, demo_head(tmp_path / "h"))
-    path.write_text(path.read_text().replace("[onnxruntime]", "[onnxruntime, qaic]"))
-    result = CliRunner().invoke(app, ["plan", str(path)])
-    assert result.exit_code == 2, result.output
-    text = " ".join(result.output.split())
-    assert "backends" in text and "ONNX Runtime-only" in text, text
+    monkeypatch.delenv("QAIC_COMPILER", raising=False)
+    result = CliRunner().invoke(app, ["plan", str(card_recipe(tmp_path)), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    target = plan["roles"]["target"]
+    head = target["eagle3_head"]
+    # the head takes the draft's share of the shared QID, as a draft model would
+    assert (target["num_cores"], head["num_cores"]) == (8, 8)
+    assert plan["cores_per_qid"] == [{"qid": 0, "target": 8, "eagle3_head": 8, "free": 0}]
+    # the prompt's window, the catch-up windows up to K + 1 and the one-token draft steps
+    assert [(s["name"], s["symbols"]["seq_len"]) for s in head["specializations"]] == \
+        [("Prefill", "8"), ("Decode_0", "1"), ("Decode_1", "4")]
+    command = target["backends"]["qaic"]["eagle3_head"]["compiler_command"]
+    assert "-m=target/eagle3/onnx/model.onnx" in command and "-aic-num-cores=8" in command
+    assert "-aic-binary-dir=target/eagle3/qpc" in command
+    assert plan["memory_per_qid_gib"][0]["eagle3_head_weights"] > 0
+    shown = CliRunner().invoke(app, ["plan", str(card_recipe(tmp_path))])
+    assert shown.exit_code == 0 and "qaic compile of the EAGLE-3 head" in shown.output
+
+
+def test_an_emit_only_eagle3_bundle_compiles_the_head_beside_the_target(tmp_path, monkeypatch):
+    """--emit-only writes the head's card graph, specializations, custom I/O and compile.sh
+    next to the target's; the target's compile.sh (a stand-in compiler here) compiles both,
+    `finish` records both QPCs, doctor checks the head's graph; `run` on the card refuses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from qpcbuild.backends.qaic.finish import finish_bundle
+    from qpcbuild.bundle.verify import verify_bundle
+    from qpcbuild.cli import app
+
+    monkeypatch.delenv("QAIC_COMPILER", raising=False)
+    out = tmp_path / "b"
+    result = CliRunner().invoke(app, ["compile", str(card_recipe(tmp_path)), "-o", str(out),
+                                      "--cache-dir", str(tmp_path / "c"), "--emit-only"])
+    assert result.exit_code == 0, result.output
+    unit = out / "target" / "eagle3"
+    specs = json.loads((unit / "qaic" / "specializations.json").read_text())["specializations"]
+    assert [s["symbols"] for s in specs] == [
+        {"batch_size": "1", "seq_len": w, "ctx_len": "64"} for w in ("8", "1", "4")]
+    assert [e["IOName"] for e in yaml.safe_load((unit / "qaic" / "custom_io.yaml").read_text())] \
+        == ["past_key.0", "past_key.0_RetainedState", "past_value.0",
+            "past_value.0_RetainedState"]
+    assert "bash target/eagle3/qaic/compile.sh" in \
+        (out / "target" / "qaic" / "compile.sh").read_text()
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["roles"]["target"]["backends"]["qaic"]
+    assert entry["eagle3_head"]["status"] == "emitted" and entry["eagle3_head"]["qpc"] is None
+    assert "-aic-num-cores=8" in entry["compiler_args"]  # the target gave the head its half
+
+    doctor = CliRunner().invoke(app, ["doctor", str(out), "--json"])
+    report = json.loads(doctor.output)["roles"]
+    assert report["target/eagle3"]["graph"].endswith("target/eagle3/onnx/model.onnx")
+    assert {"CtxScatter", "CtxGather", "CustomRMSNorm"} <= set(report["target/eagle3"]["functions"])
+    assert not any("manifest lists" in f for f in report["target/eagle3"]["findings"])
+
+    ran = CliRunner().invoke(app, ["run", str(out), "--backend", "qaic", "--prompt", "hi"])
+    assert ran.exit_code == 2, ran.output
+    assert "eagle3 runs its head on onnxruntime only" in " ".join(ran.output.split())
+
+    compiler = tmp_path / "sdk" / "qaic-compile"  # writes the binary dir it is given
+    compiler.parent.mkdir()
+    compiler.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                        "out = next(a.split('=', 1)[1] for a in sys.argv "
+                        "if a.startswith('-aic-binary-dir='))\n"
+                        "os.makedirs(out, exist_ok=True)\n"
+                        "open(os.path.join(out, 'programqpc.bin'), 'wb').write(b'stand-in')\n")
+    compiler.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "QAIC_COMPILER": str(compiler)}  # no qpcbuild on PATH
+    proc = subprocess.run([str(out / "target" / "qaic" / "compile.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (unit / "qpc" / "programqpc.bin").is_file()
+    finished = finish_bundle(out, ["target"])
+    head = finished.roles["target"].backends["qaic"].eagle3_head
+    assert head.status == "compiled" and head.qpc_files == ["target/eagle3/qpc/programqpc.bin"]
+    assert head.log == "target/eagle3/logs/qaic-compile.log"
+    assert verify_bundle(out) == [] and os.access(out / "manifest.json", os.R_OK)
 
 
 @pytest.mark.parametrize("graph,shapes", [

@@ -32,6 +32,7 @@ from .decoder import Decoder
 from .eagle3 import head_info_metadata
 
 EMBED = "embed_tokens.weight"  # the target's token embedding, copied into the head's file
+HEAD_ARCHITECTURE = "Eagle3Speculator"  # as the speculators format's config.json names it
 
 
 def head_arch(info: Eagle3HeadInfo, max_positions: int) -> ArchSpec:
@@ -109,7 +110,20 @@ def export_card_head(head: Eagle3Head, embed: np.ndarray, max_positions: int,
     with open(out_dir / DATA_FILE, "wb") as data:
         g = GraphBuilder(data, DATA_FILE)
         HeadCardGraph(g, head, embed, max_positions).build_head(continuous_batching)
+    # (the architecture names the form for `qpcbuild doctor`: an EAGLE-3 head, its own)
     metadata = {**head_info_metadata(head.info), "graph": "card",
+                "architecture": HEAD_ARCHITECTURE,
                 "continuous_batching": str(continuous_batching).lower()}
     save(g.model("qpcbuild_eagle3_head", OPSET, metadata), out_dir / GRAPH_FILE)
     return out_dir / GRAPH_FILE
+
+
+def target_embedding(target_graph: Path) -> np.ndarray:
+    """The token embedding [V, H] of an exported target graph, float32 (a float16 export's
+    too), read from its external data file."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(target_graph), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.name == f"model.{EMBED}")
+    return numpy_helper.to_array(tensor, str(target_graph.parent)).astype(np.float32)
