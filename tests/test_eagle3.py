@@ -271,6 +271,25 @@ def card_recipe(tmp_path: Path) -> Path:
     return path
 
 
+def stand_in_compiler(folder: Path) -> Path:
+    """A stand-in for qaic-compile: writes a programqpc.bin naming the graph it was given into
+    the binary folder it was given, after checking that its inputs exist."""
+    import sys
+
+    folder.mkdir(parents=True)
+    path = folder / "qaic-compile"
+    path.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                    "opts = dict(a.split('=', 1) for a in sys.argv[1:] if '=' in a)\n"
+                    "for flag in ('-m', '-network-specialization-config', "
+                    "'-custom-IO-list-file'):\n"
+                    "    assert os.path.isfile(opts[flag]), opts[flag]\n"
+                    "os.makedirs(opts['-aic-binary-dir'], exist_ok=True)\n"
+                    "with open(os.path.join(opts['-aic-binary-dir'], 'programqpc.bin'), 'w') as f:\n"
+                    "    f.write('stand-in for ' + opts['-m'])\n")
+    path.chmod(0o755)
+    return path
+
+
 def test_an_eagle3_recipe_for_the_card_plans_the_heads_own_compile(tmp_path, monkeypatch):
     import json
 
@@ -305,7 +324,6 @@ def test_an_emit_only_eagle3_bundle_compiles_the_head_beside_the_target(tmp_path
     import json
     import os
     import subprocess
-    import sys
 
     import yaml
     from typer.testing import CliRunner
@@ -343,14 +361,7 @@ def test_an_emit_only_eagle3_bundle_compiles_the_head_beside_the_target(tmp_path
     assert ran.exit_code == 2, ran.output
     assert "eagle3 runs its head on onnxruntime only" in " ".join(ran.output.split())
 
-    compiler = tmp_path / "sdk" / "qaic-compile"  # writes the binary dir it is given
-    compiler.parent.mkdir()
-    compiler.write_text(f"#!{sys.executable}\nimport os, sys\n"
-                        "out = next(a.split('=', 1)[1] for a in sys.argv "
-                        "if a.startswith('-aic-binary-dir='))\n"
-                        "os.makedirs(out, exist_ok=True)\n"
-                        "open(os.path.join(out, 'programqpc.bin'), 'wb').write(b'stand-in')\n")
-    compiler.chmod(0o755)
+    compiler = stand_in_compiler(tmp_path / "sdk")
     env = {"PATH": "/usr/bin:/bin", "QAIC_COMPILER": str(compiler)}  # no qpcbuild on PATH
     proc = subprocess.run([str(out / "target" / "qaic" / "compile.sh")], env=env,
                           capture_output=True, text=True, timeout=60)
@@ -453,3 +464,30 @@ def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path)
             assert draft + int(d2t[draft]) == proposal
             ids.append(proposal)
             hidden = np.concatenate([hidden, out[-1:]])
+
+
+def test_with_a_compiler_the_head_is_compiled_cached_and_reused(tmp_path, monkeypatch):
+    """Where the SDK is (a stand-in here), compile runs qaic-compile for the target and then
+    for its head; a second build takes both QPCs from the cache."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from qpcbuild.bundle.verify import verify_bundle
+    from qpcbuild.cli import app
+
+    compiler = stand_in_compiler(tmp_path / "sdk")
+    monkeypatch.setenv("QAIC_COMPILER", str(compiler))
+    path = card_recipe(tmp_path)
+    for out in (tmp_path / "b1", tmp_path / "b2"):
+        result = CliRunner().invoke(app, ["compile", str(path), "-o", str(out),
+                                          "--cache-dir", str(tmp_path / "c")])
+        assert result.exit_code == 0, result.output
+        head = json.loads((out / "manifest.json").read_text())["roles"]["target"]["backends"][
+            "qaic"]["eagle3_head"]
+        assert head["status"] == "compiled" and head["log"] == \
+            "target/eagle3/logs/qaic-compile.log"
+        assert (out / "target" / "eagle3" / "qpc" / "programqpc.bin").read_text() == \
+            "stand-in for target/eagle3/onnx/model.onnx"
+        assert verify_bundle(out) == []
+    assert "qaic target" in result.output and "reused" in result.output.split("qaic target")[1]
