@@ -315,6 +315,10 @@ def test_an_eagle3_recipe_for_the_card_plans_the_heads_own_compile(tmp_path, mon
     assert plan["memory_per_qid_gib"][0]["eagle3_head_weights"] > 0
     shown = CliRunner().invoke(app, ["plan", str(card_recipe(tmp_path))])
     assert shown.exit_code == 0 and "qaic compile of the EAGLE-3 head" in shown.output
+    crowded = CliRunner().invoke(app, ["plan", str(card_recipe(tmp_path)), "--set",
+                                       "hardware.target.num_cores=16"])
+    text = " ".join(crowded.output.split())
+    assert crowded.exit_code == 2 and "target 16 + EAGLE-3 head 1 cores exceed" in text, text
 
 
 def test_an_emit_only_eagle3_bundle_compiles_the_head_beside_the_target(tmp_path, monkeypatch):

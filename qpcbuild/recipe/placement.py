@@ -55,8 +55,11 @@ def _placement(r: Recipe, add: Add) -> None:
         shared = set(t.device_group) & set(dh.device_group)
         cores = resolved_cores(r)
         if shared and cores["target"] + cores["draft"] > card["cores_per_qid"]:
-            add(f"{draft_key}.num_cores", f"target {cores['target']} + draft {cores['draft']} "
-                f"cores exceed the {card['cores_per_qid']} cores of shared QID(s) {sorted(shared)}")
+            draft = "EAGLE-3 head" if head_on_card(r) else "draft"
+            add(f"{draft_key}.num_cores", f"target {cores['target']} + {draft} {cores['draft']} "
+                f"cores exceed the {card['cores_per_qid']} cores of shared QID(s) {sorted(shared)}"
+                + ("; give the head cores of the target's (hardware.target.num_cores) or "
+                   "devices of its own (hardware.draft.device_group)" if head_on_card(r) else ""))
     elif r.hardware.draft != RoleHardware() or \
             (r.disaggregated and r.disaggregated.decode.draft != RoleHardware()):
         key = "disaggregated.decode.draft" if r.disaggregated else "hardware.draft"
