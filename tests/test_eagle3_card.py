@@ -148,6 +148,7 @@ def test_an_emit_only_eagle3_bundle_compiles_the_head_beside_the_target(tmp_path
     from typer.testing import CliRunner
 
     from qpcbuild.backends.qaic.finish import finish_bundle
+    from qpcbuild.errors import BundleError
     from qpcbuild.bundle.verify import verify_bundle
     from qpcbuild.cli import app
 
@@ -179,6 +180,11 @@ def test_an_emit_only_eagle3_bundle_compiles_the_head_beside_the_target(tmp_path
     ran = CliRunner().invoke(app, ["run", str(out), "--backend", "qaic", "--prompt", "hi"])
     assert ran.exit_code == 2, ran.output
     assert "eagle3 runs its head on onnxruntime only" in " ".join(ran.output.split())
+
+    (out / "target" / "qpc").mkdir()  # the target's QPC alone is not a finished bundle
+    (out / "target" / "qpc" / "programqpc.bin").write_text("a target QPC")
+    with pytest.raises(BundleError, match="the target's EAGLE-3 head QPC is missing"):
+        finish_bundle(out, ["target"])
 
     compiler = stand_in_compiler(tmp_path / "sdk")
     env = {"PATH": "/usr/bin:/bin", "QAIC_COMPILER": str(compiler)}  # no qpcbuild on PATH
