@@ -76,6 +76,11 @@ def backend_module(name: str, part: str) -> ModuleType:
 
 
 # ---------------------------------------------------------------- planning
+# The folder of a target's EAGLE-3 head compiled for a card, laid out as a role's (onnx/, qaic/,
+# qpc/, logs/): the head is a unit of its own there, not a role of the manifest
+EAGLE3_HEAD_UNIT = "target/eagle3"
+
+
 def model_role(unit: str) -> str:
     """Whose model and graph a unit runs: a disaggregated bundle's "prefill" unit is the
     target's (its "target" and "draft" decode)."""
@@ -131,6 +136,9 @@ class RoleFacts:
     specializations: list[Specialization]
     io: DeclaredIO  # the exported graph's inputs and outputs
     export_key: str  # the settings part of the exported graph's cache key
+    # A target's EAGLE-3 head compiled for a card beside it: the head's own unit (its folder
+    # EAGLE3_HEAD_UNIT, its cores and devices, shapes and graph I/O); None: no such head
+    head: RoleFacts | None = None
 
     @property
     def model_role(self) -> str:
@@ -205,6 +213,11 @@ class BackendEntry(BaseModel):
         """The KV inputs' names in the artifact, where they are not the exported graph's (a
         disaggregated card unit's); None: the exported names."""
         return None
+
+    def unit_graphs(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        """Graphs of units compiled beside the role's own (a target's EAGLE-3 head on a card),
+        by unit folder: (the graph's path in the bundle, its I/O as graph_io declares it)."""
+        return {}
 
 
 def entry_model(name: str) -> type[BackendEntry]:

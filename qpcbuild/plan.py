@@ -4,7 +4,8 @@ The plan needs configs, never weights, so it runs in a second on a laptop for an
 the single source of truth for K, shapes, core split and compiler inputs; later stages only read it.
 """
 # Over 400 lines: the roles' plans and the head folders (turbo, EAGLE-3) checked against the
-# target they ride on, which the roles' export keys and I/O depend on.
+# target they ride on, which the roles' export keys and I/O depend on, and an EAGLE-3 head's
+# own unit where it is compiled for a card.
 
 from __future__ import annotations
 
@@ -17,17 +18,18 @@ from typing import Any
 from .version import __version__
 from .models.arch import ArchSpec, arch_from_config
 from .models.checkpoint import checkpoint_problems
-from .models.graph_io import graph_io
+from .models.graph_io import eagle3_head_io, graph_io
 from .models.specialization import Specialization
 from .errors import Problem, RecipeError, UsageError
-from .backend_api import (BackendPart, CacheKeys, DeclaredIO, RoleFacts, backend_names,
+from .backend_api import (EAGLE3_HEAD_UNIT, BackendPart, CacheKeys, DeclaredIO, RoleFacts,
+                          backend_names,
                           backend_plan, model_role)
 from .recipe import recipe_relative, resolve_model_path
-from .recipe.placement import node_slots, placements, resolved_cores
+from .recipe.placement import head_on_card, node_slots, placements, resolved_cores
 from .recipe.schema import CARDS, Draft, ModelRef, Recipe
 from .models.source import ModelSource, resolve
 from .models.tokenizer_check import alignment
-from .models.eagle3_head import Eagle3Head, Eagle3HeadInfo, read_eagle3_head
+from .models.eagle3_head import Eagle3Head, Eagle3HeadInfo, read_eagle3_head, weight_shapes
 from .models.turbo_heads import TurboHeadsInfo, read_turbo_heads
 from .models.vocab_subset import read_vocab_subset, subset_digest
 
@@ -108,6 +110,31 @@ class Eagle3Plan:
 
 
 @dataclass(frozen=True)
+class HeadUnit:
+    """A target's EAGLE-3 head compiled for a card: a unit of its own beside the target (its
+    folder EAGLE3_HEAD_UNIT), placed as a draft model would be (hardware.draft)."""
+    unit: str
+    device_group: list[int]
+    num_cores: int
+    specializations: list[Specialization]
+    io: DeclaredIO
+    memory: RoleMemory
+
+    def facts(self, export_key: str) -> RoleFacts:
+        """What a backend plans the head's compile from (the target's export key: the head's
+        card graph is made from the head folder and the target's graph)."""
+        return RoleFacts(role=self.unit, cores=self.num_cores, device_group=self.device_group,
+                         specializations=self.specializations, io=self.io,
+                         export_key=export_key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit, "device_group": self.device_group,
+                "num_cores": self.num_cores,
+                "specializations": [s.model_dump() for s in self.specializations],
+                "io": self.io.to_dict(), "memory": asdict(self.memory)}
+
+
+@dataclass(frozen=True)
 class RolePlan:
     # The unit's name in the bundle (its folder, roles.<role>): "target" | "draft", and for a
     # disaggregated recipe "prefill", the target's prefill unit (target and draft then decode)
@@ -128,6 +155,7 @@ class RolePlan:
     stage: str | None = None  # disaggregated: "prefill" | "decode"; None: one node does both
     turbo: TurboPlan | None = None  # target only: heads compiled into its logits
     eagle3: Eagle3Plan | None = None  # target only: its feature output and the head's graph
+    eagle3_head: HeadUnit | None = None  # target only: that head's unit on a card
 
     @property
     def model_role(self) -> str:
@@ -151,6 +179,7 @@ class RolePlan:
                 "vocab_subset": self.vocab_subset and asdict(self.vocab_subset),
                 **({"turbo": asdict(self.turbo)} if self.turbo else {}),
                 **({"eagle3": asdict(self.eagle3)} if self.eagle3 else {}),
+                **({"eagle3_head": self.eagle3_head.to_dict()} if self.eagle3_head else {}),
                 "arch": self.arch.to_dict()}
 
 
@@ -194,7 +223,10 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...], stage: str | None
                     slots: int | None = None) -> list[Specialization]:
     """The role's compiled shapes. stage (a disaggregated target): "prefill" keeps the Prefill
     entries only, "decode" the Decode ones (the draft always has both: it prefills the prompt
-    on the decode node). slots: the node's KV slots, in place of full_batch_size."""
+    on the decode node). slots: the node's KV slots, in place of full_batch_size.
+    role EAGLE3_HEAD_UNIT (an EAGLE-3 head on a card): the prompt's windows as the target's, then
+    the catch-up over the positions a step verified (up to K + 1) and one token per further
+    draft step."""
     s = r.shapes
     fbs = s.full_batch_size and (slots or s.full_batch_size)
     prefill = {"batch_size": 1 if fbs else s.batch_size, "seq_len": s.prefill_seq_len,
@@ -204,6 +236,9 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...], stage: str | None
         prefill["num_logits_to_keep"] = 1
         decodes = [{"batch_size": decode_batch, "seq_len": k + 1, "ctx_len": s.ctx_len,
                     "num_logits_to_keep": k + 1} for k in ks]
+    elif role == EAGLE3_HEAD_UNIT:
+        decodes = [{"batch_size": decode_batch, "seq_len": w, "ctx_len": s.ctx_len}
+                   for w in sorted({1} | {k + 1 for k in ks})]
     else:
         decodes = [] if s.prefill_seq_len == 1 and not fbs else \
             [{"batch_size": decode_batch, "seq_len": 1, "ctx_len": s.ctx_len}]
@@ -224,8 +259,10 @@ def specializations(role: str, r: Recipe, ks: tuple[int, ...], stage: str | None
 
 def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], cores: int,
                compiler: str | None, vocab_subset: VocabSubset | None = None,
-               turbo: TurboPlan | None = None, eagle3: Eagle3Plan | None = None) -> RolePlan:
-    """unit: target | draft, or (disaggregated) prefill, the target's prefill unit."""
+               turbo: TurboPlan | None = None, eagle3: Eagle3Plan | None = None,
+               head_cores: int | None = None) -> RolePlan:
+    """unit: target | draft, or (disaggregated) prefill, the target's prefill unit.
+    head_cores: an EAGLE-3 head compiled for a card beside the target, on that many cores."""
     role = model_role(unit)  # whose model and graph
     stage = None if r.disaggregated is None else "prefill" if unit == "prefill" else "decode"
     arch = arch_from_config(src.config, f"{src.ref}/config.json")
@@ -253,13 +290,15 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
                      + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
         kv_cache_gib=arch.kv_bytes_per_token(KV_BYTES[r.precision.kv_cache_dtype])
         * r.shapes.ctx_len * batch / 2**30 / n_dev)
+    head = _head_unit(r, eagle3.info, arch, ks, head_cores) \
+        if eagle3 is not None and head_cores is not None else None
     facts = RoleFacts(role=unit, cores=cores, device_group=list(hw.device_group),
                       specializations=specializations(role, r, ks, stage, node_slots(r, unit)
                                                       if stage else None),
                       io=DeclaredIO.of(graph_io(role, arch, cb,
                                                 turbo.info.num_heads if turbo else 0,
                                                 eagle3_features=eagle3 is not None)),
-                      export_key=export_key)
+                      export_key=export_key, head=head.facts(export_key) if head else None)
     parts = {name: backend_plan(name).plan_role(r, facts, compiler) for name in backend_names()}
     # the settings part of each backend's cache key
     backend_keys = {name: digest(backend_plan(name).settings(r, facts, part))
@@ -269,7 +308,28 @@ def _role_plan(unit: str, r: Recipe, src: ModelSource, ks: tuple[int, ...], core
         specializations=facts.specializations, io=facts.io, device_group=facts.device_group,
         num_cores=cores, backends=parts, memory=memory,
         cache_keys=CacheKeys(export=export_key, backends=backend_keys), vocab_subset=vocab_subset,
-        stage=stage, turbo=turbo, eagle3=eagle3)
+        stage=stage, turbo=turbo, eagle3=eagle3, eagle3_head=head)
+
+
+def _head_unit(r: Recipe, info: Eagle3HeadInfo, arch: ArchSpec, ks: tuple[int, ...],
+               cores: int) -> HeadUnit:
+    """An EAGLE-3 head's unit on a card: the draft's devices and cores, its shapes, its graph's
+    I/O and its memory (its matmuls compressed as the target's, the copy of the target's
+    embedding in fp16, one layer's KV)."""
+    hw = placements(r)["draft"][1]
+    matmuls = sum(rows * cols for name, (rows, *rest) in weight_shapes(info).items()
+                  for cols in rest if name != "fc.weight")  # fc is baked into the target
+    kv = 2 * info.num_kv_heads * info.head_dim * KV_BYTES[r.precision.kv_cache_dtype]
+    n_dev = len(hw.device_group)
+    memory = RoleMemory(
+        weights_gib=(matmuls * WEIGHT_BYTES[r.precision.quantization]
+                     + arch.embedding_param_count * 2.0) / 2**30 / n_dev,
+        kv_cache_gib=kv * r.shapes.ctx_len * node_slots(r, "target") / 2**30 / n_dev)
+    io = eagle3_head_io(info.hidden_size, info.num_kv_heads, info.head_dim,
+                        info.draft_vocab_size, r.shapes.full_batch_size is not None)
+    return HeadUnit(unit=EAGLE3_HEAD_UNIT, device_group=list(hw.device_group), num_cores=cores,
+                    specializations=specializations(EAGLE3_HEAD_UNIT, r, ks),
+                    io=DeclaredIO.of(io), memory=memory)
 
 
 def _checkpoint_problems(src: ModelSource, arch: ArchSpec, ref: ModelRef | Draft) -> list[str]:
@@ -372,19 +432,23 @@ def _per_qid(roles: list[RolePlan], card: dict[str, Any],
              warnings: list[str]) -> tuple[list[dict[str, int]], list[dict[str, float]]]:
     """Cores and memory per device (QID) the roles use; a warning where a QID's memory does not
     hold its weights and KV cache."""
-    qids = sorted({q for rp in roles for q in rp.device_group})
+    # (an EAGLE-3 head on a card is a unit of its own: its column "eagle3_head")
+    units = [(rp.role, rp.device_group, rp.num_cores, rp.memory) for rp in roles] + \
+        [("eagle3_head", h.device_group, h.num_cores, h.memory) for rp in roles
+         if (h := rp.eagle3_head) is not None]
+    qids = sorted({q for _, group, _, _ in units for q in group})
     # (nodes on distinct hosts may both name QID 0: the rows then add up two machines)
     core_rows: list[dict[str, int]] = []
     mem_rows: list[dict[str, float]] = []
     for q in qids:
-        row = {"qid": q, **{rp.role: rp.num_cores if q in rp.device_group else 0 for rp in roles}}
-        row["free"] = card["cores_per_qid"] - sum(row.get(rp.role, 0) for rp in roles)
+        row = {"qid": q, **{name: cores if q in group else 0 for name, group, cores, _ in units}}
+        row["free"] = card["cores_per_qid"] - sum(row.get(name, 0) for name, *_ in units)
         core_rows.append(row)
         mem: dict[str, float] = {"qid": q}
-        for rp in roles:
-            if q in rp.device_group:
-                mem[f"{rp.role}_weights"] = round(rp.memory.weights_gib, 3)
-                mem[f"{rp.role}_kv"] = round(rp.memory.kv_cache_gib, 3)
+        for name, group, _, memory in units:
+            if q in group:
+                mem[f"{name}_weights"] = round(memory.weights_gib, 3)
+                mem[f"{name}_kv"] = round(memory.kv_cache_gib, 3)
         mem["total"] = round(sum(v for k, v in mem.items() if k != "qid"), 3)
         mem_rows.append(mem)
         if mem["total"] > card["dram_gib_per_qid"]:
@@ -424,7 +488,8 @@ def make_plan(r: Recipe, compiler: str | None = None, memo_dir: Path | None = No
 
     cores = resolved_cores(r)
     roles = [_role_plan("target", r, sources["target"], r.compiled_ks, cores["target"],
-                        compiler, turbo=turbo, eagle3=eagle3)]
+                        compiler, turbo=turbo, eagle3=eagle3,
+                        head_cores=cores["draft"] if head_on_card(r) else None)]
     if r.disaggregated is not None:  # the target's prefill unit: the same export, its own node
         roles.insert(0, _role_plan("prefill", r, sources["target"], r.compiled_ks,
                                    cores["prefill"], compiler))

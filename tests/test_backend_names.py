@@ -15,7 +15,7 @@ from typing import get_args
 from qpcbuild.backend_api import (BACKENDS, BackendEntry, BackendPart, backend_module,
                                   backend_plan, entry_model)
 from qpcbuild.bundle.backend import get_backend
-from qpcbuild.recipe.schema import Backend
+from qpcbuild.recipe.schema import CARD_BACKENDS, Backend
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qpcbuild"
 NAME = re.compile(r"""(?<![\w.])["'](qaic|onnxruntime)["']""")
@@ -70,6 +70,8 @@ def test_each_folder_is_a_registered_backend_and_the_recipe_lists_the_same():
                      if p.is_dir() and (p / "__init__.py").is_file())
     assert folders == sorted(BACKENDS)
     assert list(get_args(Backend)) == list(BACKENDS)
+    # the recipe's names of the backends that run on a card (where an EAGLE-3 head takes cores)
+    assert CARD_BACKENDS == tuple(n for n, info in BACKENDS.items() if not info.runs_on_host)
 
 
 def test_each_backend_has_its_plan_build_entry_and_session():

@@ -1,20 +1,18 @@
 """EAGLE-3 draft heads (draft.method: eagle3): the speculators-format folder is read strictly and
 refused with the reason when it does not fit the target; the head graph's outputs equal a
-PyTorch forward of the head written here from transformers' own Llama building blocks, across a
-call that fills its cache and a call that reads it."""
+PyTorch forward of the head written from transformers' own Llama building blocks
+(helpers_eagle3.py), across a call that fills its cache and a call that reads it. (The head on
+the card: test_eagle3_card.py.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from helpers_eagle3 import DEMO, HIDDEN, LAYERS, VOCAB, demo_head, recipe, torch_head
 
 from qpcbuild.errors import UsageError
 from qpcbuild.models.eagle3_head import read_eagle3_head
 from qpcbuild.testing import write_random_eagle3_head
-
-LAYERS, HIDDEN, VOCAB = 4, 32, 96
 
 
 # ---------------------------------------------------------------- the format, strictly
@@ -87,51 +85,6 @@ def test_a_good_folder_maps_draft_ids_to_target_ids(tmp_path):
 
 
 # ---------------------------------------------------------------- the head graph
-def torch_head(folder: Path, embed, ids, hidden):
-    """(logits, hidden_out) of the head over one sequence from position 0, by transformers'
-    LlamaRMSNorm / LlamaRotaryEmbedding / apply_rotary_pos_emb / LlamaMLP and the weights read
-    with safetensors' own loader."""
-    import json
-
-    import torch
-    import torch.nn.functional as F
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
-                                                          LlamaRotaryEmbedding,
-                                                          apply_rotary_pos_emb)
-
-    cfg = json.loads((folder / "config.json").read_text())
-    lc = LlamaConfig(**{k: v for k, v in cfg["transformer_layer_config"].items()
-                        if k != "model_type"})
-    w = load_file(str(folder / "model.safetensors"))
-
-    def norm(name):
-        n = LlamaRMSNorm(lc.hidden_size, eps=lc.rms_norm_eps)
-        n.weight.data.copy_(w[name])
-        return n
-
-    mlp = LlamaMLP(lc)
-    for part in ("gate_proj", "up_proj", "down_proj"):
-        getattr(mlp, part).weight.data.copy_(w[f"layers.0.mlp.{part}.weight"])
-    with torch.no_grad():
-        x = torch.tensor(embed)[torch.tensor(ids)][None]
-        h = torch.tensor(hidden)[None]
-        z = torch.cat([norm("layers.0.input_layernorm.weight")(x),
-                       norm("layers.0.hidden_norm.weight")(h)], -1)
-        d, n = lc.head_dim, len(ids)
-        q, k, v = (F.linear(z, w[f"layers.0.self_attn.{p}_proj.weight"]).view(1, n, -1, d)
-                   .transpose(1, 2) for p in "qkv")
-        cos, sin = LlamaRotaryEmbedding(lc)(v, torch.arange(n)[None])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        attn = F.linear(attn.transpose(1, 2).reshape(1, n, -1), w["layers.0.self_attn.o_proj.weight"])
-        y = h + attn
-        out = y + mlp(norm("layers.0.post_attention_layernorm.weight")(y))
-        logits = F.linear(norm("norm.weight")(out), w["lm_head.weight"])
-    return logits[0].numpy(), out[0].numpy()
-
-
 def test_head_graph_equals_a_transformers_forward_across_its_cache(tmp_path):
     import onnxruntime as ort
 
@@ -198,31 +151,6 @@ def test_a_quantized_head_graph_runs_every_projection_in_blocks_close_to_float(b
 
 
 # ---------------------------------------------------------------- the recipe and the loop
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
-
-
-def recipe(folder: Path, head: Path, graph: str = "fused", extra: str = "") -> Path:
-    path = folder / "eagle3.yaml"
-    path.write_text(f"""schema: 1
-name: eagle3-test
-target: {{model: {DEMO}}}
-draft: {{method: eagle3, model: {head}}}
-speculation: {{num_speculative_tokens: 3}}
-shapes: {{batch_size: 1, prefill_seq_len: 8, ctx_len: 64}}
-backends: [onnxruntime]
-onnxruntime: {{graph: {graph}}}
-{extra}""")
-    return path
-
-
-def demo_head(folder: Path, **kw) -> Path:
-    import json
-
-    cfg = json.loads((DEMO / "config.json").read_text())
-    return write_random_eagle3_head(folder, cfg["num_hidden_layers"], cfg["hidden_size"],
-                                    cfg["vocab_size"], heads=4, kv_heads=2, **kw)
-
-
 def test_a_recipe_with_a_head_of_another_model_exits_2_naming_it(tmp_path):
     from typer.testing import CliRunner
 
@@ -233,19 +161,6 @@ def test_a_recipe_with_a_head_of_another_model_exits_2_naming_it(tmp_path):
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
     assert "draft.model" in text and "the target's hidden size is 256" in text, text
-
-
-def test_a_qaic_eagle3_recipe_is_refused_as_onnxruntime_only(tmp_path):
-    from typer.testing import CliRunner
-
-    from qpcbuild.cli import app
-
-    path = recipe(tmp_path, demo_head(tmp_path / "h"))
-    path.write_text(path.read_text().replace("[onnxruntime]", "[onnxruntime, qaic]"))
-    result = CliRunner().invoke(app, ["plan", str(path)])
-    assert result.exit_code == 2, result.output
-    text = " ".join(result.output.split())
-    assert "backends" in text and "ONNX Runtime-only" in text, text
 
 
 @pytest.mark.parametrize("graph,shapes", [

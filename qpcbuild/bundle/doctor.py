@@ -62,6 +62,10 @@ OWN_FORMS = {
     "MixtralForCausalLM": "Mixtral as a verify target is qpcbuild's own graph: an exact dense "
     "routed block (TopK, ScatterElements, every expert on every token) and a sliding-window "
     "mask over the full buffer, not QEfficient's form, which has not been recorded here",
+    "Eagle3Speculator": "An EAGLE-3 head's card graph is qpcbuild's own (QEfficient's EAGLE-3 "
+    "export has not been recorded here): one Llama layer whose q/k/v read the token's embedding "
+    "and the `hidden` graph input side by side, so a CustomRMSNorm takes a graph input, and "
+    "whose logits cover the draft vocabulary at every position",
     "GptOssForCausalLM": "GPT-OSS as a verify target is qpcbuild's own graph: attention sinks as "
     "a Concat column of the softmax, a windowed mask over the full buffer, YaRN in the RoPE "
     "tables, experts Gathered from their stacks and run densely with a Clip-clamped SwiGLU; "
@@ -220,7 +224,7 @@ def doctor(target: Path, manifest: Manifest | None) -> dict[str, Any]:
             raise UsageError(str(exc)) from None
         return {"graph": str(target), "roles": {"graph": report}, "checked": 1,
                 "clean": not report["findings"]}
-    roles = {}
+    roles: dict[str, dict[str, Any]] = {}  # by role, and by unit folder for a head
     for role, entry in manifest.roles.items():
         graph = target / role / "onnx" / "model.onnx"
         if graph.is_file():
@@ -229,6 +233,9 @@ def doctor(target: Path, manifest: Manifest | None) -> dict[str, Any]:
             roles[role] = {"graph": None, "findings": [], "note": "no card graph: the bundle was "
                            "built without the qaic backend (add qaic to backends, or "
                            "--emit-only where no SDK is installed)"}
+        for built in entry.backends.values():  # a target's EAGLE-3 head, compiled beside it
+            for unit, (path, io) in built.unit_graphs().items():
+                roles[unit] = check_graph(target / path, RoleIO.model_validate(io))
     return {"bundle": str(target), "roles": roles,
             "checked": sum(r["graph"] is not None for r in roles.values()),
             "clean": all(not r["findings"] for r in roles.values())}

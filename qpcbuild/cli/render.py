@@ -11,6 +11,8 @@ from rich.table import Table
 if TYPE_CHECKING:  # the plan's imports (onnx, numpy) would slow every command's start
     from ..bundle.manifest import Manifest
     from ..models.arch import ArchSpec
+    from ..backend_api import DeclaredIO
+    from ..models.specialization import Specialization
     from ..plan import BuildPlan
 
 console = Console(highlight=False)
@@ -44,6 +46,25 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     return t
 
 
+def _shapes_and_io(specializations: list[Specialization], declared: DeclaredIO) -> None:
+    """A unit's specializations and graph I/O (the KV buffers elided past 8 rows)."""
+    spec = Table("name", *specializations[0].symbols.keys(), title="specializations",
+                 title_justify="left")
+    for s in specializations:
+        spec.add_row(s.name, *s.symbols.values())
+    console.print(spec)
+    io = Table("direction", "name", "dtype", "shape", title="graph I/O", title_justify="left")
+    for direction in ("inputs", "outputs"):
+        items = list(getattr(declared, direction))
+        shown = items if len(items) <= 8 else items[:5] + [None] + items[-2:]
+        for item in shown:
+            if item is None:
+                io.add_row("", f"... {len(items) - 7} more KV buffers", "", "")
+            else:
+                io.add_row(direction[:-1], item.name, item.dtype, str(list(item.shape)))
+    console.print(io)
+
+
 def show_plan(plan: BuildPlan) -> None:
     r = plan.recipe
     console.print(f"[bold]Plan for '{r.name}'[/]  method={plan.method}  K={list(plan.ks)}  "
@@ -66,27 +87,22 @@ def show_plan(plan: BuildPlan) -> None:
             *_attention_rows(a),
             ("device group / cores per QID", f"{rp.device_group} / {rp.num_cores}"),
         ]))
-        spec = Table("name", *rp.specializations[0].symbols.keys(), title="specializations",
-                     title_justify="left")
-        for s in rp.specializations:
-            spec.add_row(s.name, *s.symbols.values())
-        console.print(spec)
-        io = Table("direction", "name", "dtype", "shape", title="graph I/O", title_justify="left")
-        for direction in ("inputs", "outputs"):
-            items = list(getattr(rp.io, direction))
-            shown = items if len(items) <= 8 else items[:5] + [None] + items[-2:]
-            for item in shown:
-                if item is None:
-                    io.add_row("", f"... {len(items) - 7} more KV buffers", "", "")
-                else:
-                    io.add_row(direction[:-1], item.name, item.dtype, str(list(item.shape)))
-        console.print(io)
+        _shapes_and_io(rp.specializations, rp.io)
         for name, part in rp.backends.items():
             for line in part.describe(r, len(rp.device_group), name in r.backends):
                 console.print(line)
         console.print("cache keys: " + ", ".join(f"{k} {v}" for k, v in rp.cache_keys.to_dict().items()))
+        head = rp.eagle3_head
+        if head is not None:  # compiled for the card beside the target, as a unit of its own
+            heading(f"[bold]{head.unit}[/]: the EAGLE-3 head on the card (its own QPC)")
+            console.print(_kv_table("", [
+                ("device group / cores per QID", f"{head.device_group} / {head.num_cores}"),
+                ("memory estimate per QID, GiB", f"weights {head.memory.weights_gib:.3f}, "
+                 f"KV {head.memory.kv_cache_gib:.3f}")]))
+            _shapes_and_io(head.specializations, head.io)
     heading("[bold]cores and memory per QID[/]")
-    roles = [rp.role for rp in plan.roles]
+    roles = [rp.role for rp in plan.roles] + \
+        ["eagle3_head" for rp in plan.roles if rp.eagle3_head is not None]
     cores = Table("QID", *roles, "free", title="NSP cores", title_justify="left")
     for row in plan.cores_per_qid:
         cores.add_row(str(row["qid"]), *(str(row[x]) for x in roles), str(row["free"]))
@@ -138,6 +154,12 @@ def show_manifest(m: Manifest) -> None:
         elif q:
             console.print(f"{role} QPC: not compiled yet; run `bash {q.compile_script}` on a "
                           "machine with the Cloud AI SDK")
+        head = q.eagle3_head if q else None
+        if head is not None:
+            console.print(f"{role} EAGLE-3 head: graph {head.graph}, {head.num_cores} cores x "
+                          f"{head.device_group}; QPC "
+                          + (f"{head.qpc}" if head.qpc else "not compiled yet (the target's "
+                             "compile.sh compiles it)"))
     size = sum(f.size for f in m.files.values())
     console.print(f"{len(m.files)} files, {size / 2**20:.1f} MiB; toolchain: "
                   + ", ".join(f"{k} {v}" for k, v in m.toolchain.items()

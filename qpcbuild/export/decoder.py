@@ -159,32 +159,13 @@ class Decoder(RoutedExperts):
         past = [(given[f"past_key.{i}"], given[f"past_value.{i}"]) for i in range(a.num_layers)]
         nlk_input = given.get("num_logits_to_keep")
 
-        ctx_len = g.op("Gather", g.op("Shape", past[0][0]), g.const(2))  # [] = C
-        ctx = g.op("Unsqueeze", ctx_len, g.const([0]))  # [1] = C
+        ctx_len, ctx = self.cache_length(past[0][0])
 
         rope = {False: self.rope_at(pos, "rope")}  # (cos, sin), each [B,1,S,D]
         if a.has_local_rope:  # Gemma 3's sliding layers: a base of their own
             rope[True] = self.rope_at(pos, "rope.local", local=True)
-
-        keys = g.op("Range", g.const(0), ctx_len, g.const(1))  # [C]
-        # Mask [B,1,S,C]: key k hidden from query q when k > position of q.
-        query_pos = g.op("Unsqueeze", pos, g.const([-1]))  # [B,S,1]
-        mask = g.op("Unsqueeze", g.op("Greater", keys, query_pos), g.const([1]))
-        masks = {False: mask}
-        if any(a.is_sliding(i) for i in range(a.num_layers)):
-            masks[True] = self.sliding_mask(mask, keys, query_pos)
-        # Slots past a row's last position are invalid: they gather at INT32_MAX, their values
-        # are zeroed and their keys masked (dialect.py says why INT32_MAX).
-        limit = g.op("Unsqueeze", g.op("ReduceMax", pos, axes=[1], keepdims=1), g.const([1]))
-        invalid = g.op("Greater", g.op("Unsqueeze", keys, g.const([0, 1])), limit)  # [B,1,C]
-        ctx_indices = g.op("Where", invalid, invalid_index(g, INVALID_GATHER_INDEX),
-                           g.op("Unsqueeze", keys, g.const([0, 1])))
-        invalid_v = g.op("Unsqueeze", invalid, g.const([-1]))  # [B,1,C,1]
-        # Continuous batching hands the scatter INT32_MAX for a padded token (position -1),
-        # as QEfficient does; the plain scatter takes -1 (slot C-1) as QEfficient's does.
-        write_pos = pos if batch_index is None else g.op(
-            "Where", g.op("Less", pos, g.const(0)), invalid_index(g, INVALID_SCATTER_INDEX), pos)
-        kv = _KvAccess(g, write_pos, batch_index, ctx_indices, ctx_len, invalid_v)
+        masks, kv = self.cache_access(pos, batch_index, ctx_len,
+                                      any(a.is_sliding(i) for i in range(a.num_layers)))
 
         x = g.op("Gather", self.load("model.embed_tokens.weight",
                                      (a.vocab_size, a.hidden_size), False), ids)  # [B,S,H]
@@ -201,6 +182,37 @@ class Decoder(RoutedExperts):
             feature_output(g, [aux[i] for i in self.eagle3.info.aux_layer_ids],
                            g.weight(FC_WEIGHT, self.eagle3.weights["fc.weight"].T))
         declare(g, io["outputs"], output=True)
+
+    def cache_length(self, past_key: str) -> tuple[str, str]:
+        """C = ctx_len from a KV buffer [B,nKV,C,D]: as a scalar [] and as [1]."""
+        g = self.g
+        ctx_len = g.op("Gather", g.op("Shape", past_key), g.const(2))  # [] = C
+        return ctx_len, g.op("Unsqueeze", ctx_len, g.const([0]))  # [1] = C
+
+    def cache_access(self, pos: str, batch_index: str | None, ctx_len: str,
+                     sliding: bool) -> tuple[dict[bool, str], "_KvAccess"]:
+        """The masks derived from positions ({sliding: [B,1,S,C]}; sliding: whether any layer
+        needs its window's) and the KV buffers' write and read at those positions."""
+        g = self.g
+        keys = g.op("Range", g.const(0), ctx_len, g.const(1))  # [C]
+        # Mask [B,1,S,C]: key k hidden from query q when k > position of q.
+        query_pos = g.op("Unsqueeze", pos, g.const([-1]))  # [B,S,1]
+        mask = g.op("Unsqueeze", g.op("Greater", keys, query_pos), g.const([1]))
+        masks = {False: mask}
+        if sliding:
+            masks[True] = self.sliding_mask(mask, keys, query_pos)
+        # Slots past a row's last position are invalid: they gather at INT32_MAX, their values
+        # are zeroed and their keys masked (dialect.py says why INT32_MAX).
+        limit = g.op("Unsqueeze", g.op("ReduceMax", pos, axes=[1], keepdims=1), g.const([1]))
+        invalid = g.op("Greater", g.op("Unsqueeze", keys, g.const([0, 1])), limit)  # [B,1,C]
+        ctx_indices = g.op("Where", invalid, invalid_index(g, INVALID_GATHER_INDEX),
+                           g.op("Unsqueeze", keys, g.const([0, 1])))
+        invalid_v = g.op("Unsqueeze", invalid, g.const([-1]))  # [B,1,C,1]
+        # Continuous batching hands the scatter INT32_MAX for a padded token (position -1),
+        # as QEfficient does; the plain scatter takes -1 (slot C-1) as QEfficient's does.
+        write_pos = pos if batch_index is None else g.op(
+            "Where", g.op("Less", pos, g.const(0)), invalid_index(g, INVALID_SCATTER_INDEX), pos)
+        return masks, _KvAccess(g, write_pos, batch_index, ctx_indices, ctx_len, invalid_v)
 
     def scaled(self, x: str, factor: float) -> str:
         """x * factor (a float32 constant), x itself for 1."""
@@ -239,19 +251,7 @@ class Decoder(RoutedExperts):
         # RoPE's result Cast to the model's dtype, as QEfficient writes it (a no-op here)
         q, k = (g.op("Cast", self.rope(x, cos, sin), to=FLOAT) for x in (q, k))  # [B,n,S,D]
 
-        k_all = kv.write(past[0], k, f"past_key.{i}_RetainedState")
-        v_all = kv.write(past[1], v, f"past_value.{i}_RetainedState")
-        k_all, v_all = kv.read(k_all), kv.read(v_all, zero_invalid=True)  # [B,nKV,C,D]
-
-        k_rep, v_rep = self.repeat_kv(k_all, ctx), self.repeat_kv(v_all, ctx)  # [B,nH,C,D]
-        scores = g.op("MatMul", q, g.op("Transpose", k_rep, perm=[0, 1, 3, 2]))  # [B,nH,S,C]
-        scores = g.op("Mul", scores, g.const(a.scores_scale, np.float32))
-        scores = soft_cap(g, scores, a.attn_logit_softcapping)
-        scores = g.op("Where", mask, g.const(MASKED, np.float32), scores)
-        probs = self.softmax_with_sinks(scores, f"{p}.self_attn.sinks", ctx) if \
-            a.attention_sinks else g.op("Softmax", scores, axis=-1)
-        attn = g.op("MatMul", probs, v_rep)  # [B,nH,S,D]
-        attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
+        attn = self.attend(i, q, k, v, mask, kv, past, ctx, f"{p}.self_attn")
         attn = self.scaled(self.linear(attn, f"{p}.self_attn.o_proj", nh * d, h, a.o_bias),
                            a.residual_scale)
         if a.sandwich_norms:  # Gemma: the attention output normed, the MLP input by its own
@@ -266,6 +266,26 @@ class Decoder(RoutedExperts):
         if a.sandwich_norms:
             out = self.norm(out, f"{p}.post_feedforward_layernorm.weight", h)
         return g.op("Add", x, out)
+
+    def attend(self, i: int, q: str, k: str, v: str, mask: str, kv: "_KvAccess",
+               past: tuple[str, str], ctx: str, prefix: str) -> str:
+        """Layer i's attention of q [B,nH,S,D] over its KV buffers once the call's k, v
+        [B,nKV,S,D] are written at their positions (the retained-state outputs): [B,S,nH*D]."""
+        g, a = self.g, self.a
+        k_all = kv.write(past[0], k, f"past_key.{i}_RetainedState")
+        v_all = kv.write(past[1], v, f"past_value.{i}_RetainedState")
+        k_all, v_all = kv.read(k_all), kv.read(v_all, zero_invalid=True)  # [B,nKV,C,D]
+
+        k_rep, v_rep = self.repeat_kv(k_all, ctx), self.repeat_kv(v_all, ctx)  # [B,nH,C,D]
+        scores = g.op("MatMul", q, g.op("Transpose", k_rep, perm=[0, 1, 3, 2]))  # [B,nH,S,C]
+        scores = g.op("Mul", scores, g.const(a.scores_scale, np.float32))
+        scores = soft_cap(g, scores, a.attn_logit_softcapping)
+        scores = g.op("Where", mask, g.const(MASKED, np.float32), scores)
+        probs = self.softmax_with_sinks(scores, f"{prefix}.sinks", ctx) if \
+            a.attention_sinks else g.op("Softmax", scores, axis=-1)
+        attn = g.op("MatMul", probs, v_rep)  # [B,nH,S,D]
+        return g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]),
+                    g.const([0, 0, a.num_heads * a.head_dim]))
 
     def softmax_with_sinks(self, scores: str, name: str, ctx: str) -> str:
         """GPT-OSS's attention sinks: each head's learned logit joins the softmax over the keys

@@ -59,3 +59,27 @@ def declare(g, entries: list[dict], output: bool, fixed: dict[str, int] | None =
         else:
             made[e["name"]] = g.input(e["name"], elem_types[e["dtype"]], shape)
     return made
+
+
+def eagle3_head_io(hidden_size: int, num_kv_heads: int, head_dim: int, draft_vocab_size: int,
+                   continuous_batching: bool) -> dict[str, list[dict]]:
+    """The card form of an EAGLE-3 head's graph (export/eagle3_card.py), in graph_io's form: the
+    token and the H-wide hidden at each position, its one layer's KV as retained state, and
+    the logits over the draft vocabulary with the hidden the next draft step reads."""
+    kv_batch = "full_batch_size" if continuous_batching else "batch_size"
+    kv_shape = [kv_batch, num_kv_heads, "ctx_len", head_dim]
+    inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]},
+              {"name": "hidden", "dtype": "float32",
+               "shape": ["batch_size", "seq_len", hidden_size]},
+              {"name": "position_ids", "dtype": "int64", "shape": ["batch_size", "seq_len"]}]
+    if continuous_batching:
+        inputs.append({"name": "batch_index", "dtype": "int64", "shape": ["batch_size", 1]})
+    outputs = [{"name": "logits", "dtype": "float32",
+                "shape": ["batch_size", "seq_len", draft_vocab_size]},
+               {"name": "hidden_out", "dtype": "float32",
+                "shape": ["batch_size", "seq_len", hidden_size]}]
+    for kind in ("key", "value"):
+        inputs.append({"name": f"past_{kind}.0", "dtype": "float32", "shape": kv_shape})
+        outputs.append({"name": f"past_{kind}.0_RetainedState", "dtype": "float32",
+                        "shape": kv_shape})
+    return {"inputs": inputs, "outputs": outputs}

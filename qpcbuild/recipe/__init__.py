@@ -141,9 +141,6 @@ def _head_options(r: Recipe, add: Add) -> None:
             add(f"draft.{key}", f"{local}; remove this key")
     if r.disaggregated is not None:
         add("draft.method", f"{one_node}; use one node")
-    if d.method == "eagle3" and "qaic" in r.backends:
-        add("backends", "eagle3 is ONNX Runtime-only in this version: the head graph and the "
-            "target's feature output are not compiled for Cloud AI; use backends: [onnxruntime]")
 
 
 def _draft_options(r: Recipe, add: Add) -> None:

@@ -7,17 +7,25 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .schema import CARDS, Disaggregated, Recipe, RoleHardware
+from .schema import CARD_BACKENDS, CARDS, Disaggregated, Recipe, RoleHardware
 
 Add = Callable[..., None]  # add(key path, message, severity="error")
 
 
+def head_on_card(r: Recipe) -> bool:
+    """Whether an EAGLE-3 head is compiled for a card beside its target: it then runs as a
+    draft model would, on the draft's devices and its share of the cores (`hardware.draft`).
+    On the host it takes none, so an ONNX Runtime-only recipe places the target as before."""
+    return r.draft.method == "eagle3" and any(b in CARD_BACKENDS for b in r.backends)
+
+
 def placements(r: Recipe) -> dict[str, tuple[str, RoleHardware]]:
     """Each unit's devices and cores as the recipe places them, with the key that does: the
-    roles under `hardware`, or the three units of `disaggregated` (prefill is the target's
-    prefill unit; target and draft decode)."""
+    roles under `hardware` (an EAGLE-3 head on a card as the draft: head_on_card), or the
+    three units of `disaggregated` (prefill is the target's prefill unit; target and draft
+    decode)."""
     h, dis = r.hardware, r.disaggregated
-    has_draft = r.draft.method == "draft_model"
+    has_draft = r.draft.method == "draft_model" or head_on_card(r)
     if dis is None:
         return {"target": ("hardware.target", h.target),
                 **({"draft": ("hardware.draft", h.draft)} if has_draft else {})}
@@ -47,8 +55,11 @@ def _placement(r: Recipe, add: Add) -> None:
         shared = set(t.device_group) & set(dh.device_group)
         cores = resolved_cores(r)
         if shared and cores["target"] + cores["draft"] > card["cores_per_qid"]:
-            add(f"{draft_key}.num_cores", f"target {cores['target']} + draft {cores['draft']} "
-                f"cores exceed the {card['cores_per_qid']} cores of shared QID(s) {sorted(shared)}")
+            draft = "EAGLE-3 head" if head_on_card(r) else "draft"
+            add(f"{draft_key}.num_cores", f"target {cores['target']} + {draft} {cores['draft']} "
+                f"cores exceed the {card['cores_per_qid']} cores of shared QID(s) {sorted(shared)}"
+                + ("; give the head cores of the target's (hardware.target.num_cores) or "
+                   "devices of its own (hardware.draft.device_group)" if head_on_card(r) else ""))
     elif r.hardware.draft != RoleHardware() or \
             (r.disaggregated and r.disaggregated.decode.draft != RoleHardware()):
         key = "disaggregated.decode.draft" if r.disaggregated else "hardware.draft"

@@ -42,6 +42,9 @@ CARD_ROOFLINE: dict[str, dict[str, float]] = {
 Method = Literal["draft_model", "ngram", "suffix", "turbo", "eagle3"]
 METHODS: tuple[str, ...] = get_args(Method)  # the one list of speculation methods
 Backend = Literal["onnxruntime", "qaic"]
+# The names of the backends that run on an accelerator card (backend_api.BACKENDS' runs_on_host
+# False; tests/test_backend_names.py holds the two together)
+CARD_BACKENDS: tuple[str, ...] = ("qaic",)
 
 
 class _Strict(BaseModel):

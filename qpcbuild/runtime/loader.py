@@ -116,6 +116,12 @@ class Generator:
             raise UsageError(f"--k {k} is not compiled in this bundle (compiled Ks: "
                              f"{list(self.ks)}); rebuild with speculation.num_speculative_tokens")
         self.k = k
+        if method == "eagle3" and backend != DEFAULT_BACKEND:  # before any session opens
+            raise UsageError(f"eagle3 runs its head on {DEFAULT_BACKEND} only in this version: "
+                             f"the {backend} runtime does not open the head (a card bundle "
+                             "carries the head's compiler inputs beside the target's, for "
+                             f"qaic-compile); use --backend {DEFAULT_BACKEND}, or --method ngram "
+                             "or suffix on this backend")
         tok_file = bundle / "tokenizer" / "tokenizer.json"
         if not tok_file.is_file():
             raise BundleError(f"{bundle}: no tokenizer/tokenizer.json; this bundle can only be "

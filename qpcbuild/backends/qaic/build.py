@@ -12,8 +12,10 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
+from ...backend_api import EAGLE3_HEAD_UNIT
 from ...cache import META, Cache
 from ...errors import BundleError, ToolchainError
+from ...models.specialization import Specialization
 from ...plan import RolePlan
 from ...toolchain import compiler_identity, qaic_sdk_versions
 from ...tree import copy_tree
@@ -70,8 +72,9 @@ class QaicBackend:
         # keeps the QPC and its log.
         def keep_qpc(tmp: Path) -> dict[str, Any]:
             result = self.build(ctx, role, graph)
-            for part in ("qpc", "logs"):
-                copy_tree(ctx.staging / role.role / part, tmp / role.role / part)
+            for unit in compiled_units(role):
+                for part in ("qpc", "logs"):
+                    copy_tree(ctx.staging / unit / part, tmp / unit / part)
             return result
 
         entry, info, reused = cache.get_or_build(self.cache_kind, key, keep_qpc, inputs)
@@ -88,38 +91,31 @@ class QaicBackend:
         return part
 
     def write_inputs(self, ctx: BuildContext, role: RolePlan) -> list[str]:
-        r, planned = ctx.plan.recipe, self.part(role)
-        qdir = ctx.staging / role.role / "qaic"
-        qdir.mkdir(parents=True, exist_ok=True)
-        spec = specializations_file(role.specializations, r.hardware.specializations_format)
-        (qdir / "specializations.json").write_text(json.dumps(spec, indent=2) + "\n")
-        (qdir / "custom_io.yaml").write_text(custom_io_yaml(planned.custom_io))
+        planned = self.part(role)
         if planned.kv_infix is not None:
             self.write_card_graph(ctx, role, planned)
-        if planned.mdp_partition:
-            (qdir / f"mdp_ts_{len(role.device_group)}.json").write_text(
-                json.dumps(planned.mdp_partition, indent=2) + "\n")
-        args = planned.compiler_argv[1:]
-        script = qdir / "compile.sh"
-        script.write_text(
-            "#!/usr/bin/env bash\n"
-            f"# Compile the {role.role} QPC for '{r.name}' on a machine with the Cloud AI SDK.\n"
-            "# Runs from the bundle root; QAIC_COMPILER overrides the compiler path.\n"
-            "set -euo pipefail\n"
-            'cd "$(dirname "$0")/../.."\n'
-            f'compiler="${{QAIC_COMPILER:-{QAIC_DEFAULT}}}"\n'
-            f"mkdir -p {role.role}/logs\n"
-            f'"$compiler" {shlex.join(args)} 2>&1 | tee {role.role}/logs/qaic-compile.log\n'
-            f"test -s {role.role}/qpc/{QPC_FILE} || {{ echo 'no {QPC_FILE} produced' >&2; "
-            "exit 1; }\n"
-            "# Record the QPC in the manifest (files, digests, SDK versions) and re-seal it.\n"
-            "if command -v qpcbuild >/dev/null 2>&1; then\n"
-            f'  qpcbuild finish . --role {role.role} --compiler "$compiler"\n'
-            "else\n"
-            f"  echo 'compiled {role.role}/qpc; now run: qpcbuild finish <this bundle>' >&2\n"
-            "fi\n")
-        script.chmod(0o755)
-        return args
+        head = planned.eagle3_head
+        if head is not None and role.eagle3_head is not None:  # first: the target's script runs it
+            self.write_head_graph(ctx, role)
+            write_unit_inputs(ctx, role.eagle3_head.unit, head, role.eagle3_head.specializations,
+                              len(role.eagle3_head.device_group), finish=None)
+        return write_unit_inputs(ctx, role.role, planned, role.specializations,
+                                 len(role.device_group), finish=role.role,
+                                 then=role.eagle3_head.unit if head and role.eagle3_head else None)
+
+    @staticmethod
+    def write_head_graph(ctx: BuildContext, role: RolePlan) -> None:
+        """The EAGLE-3 head's card graph (export/eagle3_card.py) in its unit's onnx/ folder,
+        from the head folder and the target's embedding in the bundle's target graph."""
+        from ...export import GRAPH_FILE
+        from ...export.eagle3_card import export_card_head, target_embedding
+
+        assert role.eagle3 is not None
+        head = role.eagle3.read(role.arch)
+        embed = target_embedding(ctx.staging / role.model_role / "onnx" / GRAPH_FILE)
+        export_card_head(head, embed, role.arch.max_position_embeddings,
+                         ctx.plan.recipe.shapes.full_batch_size is not None,
+                         ctx.staging / EAGLE3_HEAD_UNIT / "onnx")
 
     @staticmethod
     def write_card_graph(ctx: BuildContext, role: RolePlan, planned: QaicPart) -> None:
@@ -144,35 +140,107 @@ class QaicBackend:
             entry.update(graph=f"{role.model_role}/onnx/{card_graph_file(planned.kv_infix)}",
                          kv_infix=planned.kv_infix,
                          kv_buffers=[e["IOName"] for e in planned.custom_io])
+        head, unit = planned.eagle3_head, role.eagle3_head
+        head_entry: dict[str, Any] | None = None
+        if head is not None and unit is not None:  # only then, likewise
+            head_entry = {"unit": unit.unit, "graph": f"{unit.unit}/onnx/{card_graph_file(None)}",
+                          "inputs": f"{unit.unit}/qaic",
+                          "compile_script": f"{unit.unit}/qaic/compile.sh",
+                          "compiler_args": head.compiler_argv[1:], "num_cores": unit.num_cores,
+                          "device_group": unit.device_group,
+                          "specializations": [s.model_dump() for s in unit.specializations],
+                          "io": unit.io.to_dict()}
         if ctx.emit_only:
+            if head_entry is not None:
+                entry["eagle3_head"] = {**head_entry, "status": "emitted", "qpc": None}
             return {**entry, "status": "emitted", "qpc": None}
         compiler, tried = find_compiler(ctx.compiler)
         if compiler is None:
             raise ToolchainError(missing_compiler_message(tried))
-        argv = [compiler, *args]
-        log_dir = ctx.staging / role.role / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log = log_dir / "qaic-compile.log"
-        with open(log, "wb") as fh:
-            try:
-                proc = subprocess.run(argv, cwd=ctx.staging, stdout=fh, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=os.environ.copy())
-            except OSError as exc:
-                raise ToolchainError(f"could not start {compiler}: {exc}") from None
-        tail = log.read_text(errors="replace")[-2000:]
-        qpc = ctx.staging / role.role / "qpc" / QPC_FILE
-        if proc.returncode != 0:
-            how = f"signal {-proc.returncode}" if proc.returncode < 0 else \
-                f"exit code {proc.returncode}"
-            raise ToolchainError(f"qaic compile of the {role.role} failed ({how}). Command:\n  "
-                                 f"{shlex.join(argv)}\nLast output:\n{tail}")
-        if not qpc.is_file():
-            raise ToolchainError(f"the compiler exited 0 but wrote no {role.role}/qpc/{QPC_FILE}."
-                                 f"\nLast output:\n{tail}")
-        qpc_files = sorted(p.relative_to(ctx.staging).as_posix()
-                           for p in (ctx.staging / role.role / "qpc").rglob("*") if p.is_file())
-        return {**entry, "status": "compiled", "qpc": f"{role.role}/qpc", "qpc_files": qpc_files,
-                "log": f"{role.role}/logs/qaic-compile.log", "compiler": compiler_identity(compiler)}
+        compiled = run_compiler(ctx, role.role, role.role, [compiler, *args])
+        if head_entry is not None and head is not None:
+            entry["eagle3_head"] = {**head_entry, **run_compiler(
+                ctx, head_entry["unit"], "EAGLE-3 head", [compiler, *head.compiler_argv[1:]])}
+        return {**entry, **compiled}
+
+
+def compiled_units(role: RolePlan) -> list[str]:
+    """The folders whose qpc/ and logs/ the role's compile writes: its own, and its EAGLE-3
+    head's where one is compiled beside it."""
+    return [role.role] + ([role.eagle3_head.unit] if role.eagle3_head else [])
+
+
+def run_compiler(ctx: BuildContext, unit: str, what: str, argv: list[str]) -> dict[str, Any]:
+    """qaic-compile as planned for one unit (its folder `unit`), in the staging bundle; its
+    entry's record of the QPC (ToolchainError naming `what` when the compile fails)."""
+    log_dir = ctx.staging / unit / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / "qaic-compile.log"
+    with open(log, "wb") as fh:
+        try:
+            proc = subprocess.run(argv, cwd=ctx.staging, stdout=fh, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, env=os.environ.copy())
+        except OSError as exc:
+            raise ToolchainError(f"could not start {argv[0]}: {exc}") from None
+    tail = log.read_text(errors="replace")[-2000:]
+    qpc = ctx.staging / unit / "qpc" / QPC_FILE
+    if proc.returncode != 0:
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else \
+            f"exit code {proc.returncode}"
+        raise ToolchainError(f"qaic compile of the {what} failed ({how}). Command:\n  "
+                             f"{shlex.join(argv)}\nLast output:\n{tail}")
+    if not qpc.is_file():
+        raise ToolchainError(f"the compiler exited 0 but wrote no {unit}/qpc/{QPC_FILE}."
+                             f"\nLast output:\n{tail}")
+    qpc_files = sorted(p.relative_to(ctx.staging).as_posix()
+                       for p in (ctx.staging / unit / "qpc").rglob("*") if p.is_file())
+    return {"status": "compiled", "qpc": f"{unit}/qpc", "qpc_files": qpc_files,
+            "log": f"{unit}/logs/qaic-compile.log", "compiler": compiler_identity(argv[0])}
+
+
+def write_unit_inputs(ctx: BuildContext, unit: str, planned: QaicPart,
+                      specs: list[Specialization], n_devices: int, finish: str | None,
+                      then: str | None = None) -> list[str]:
+    """A unit's compiler inputs and compile.sh in `unit`/qaic/ (unit: a role, or an EAGLE-3
+    head's folder). finish: the role whose QPCs the script records with `qpcbuild finish`
+    (None: the script of a head, which its target's script runs before that role's finish);
+    then: the unit whose compile.sh runs after this one's compile (the target's head)."""
+    r = ctx.plan.recipe
+    qdir = ctx.staging / unit / "qaic"
+    qdir.mkdir(parents=True, exist_ok=True)
+    spec = specializations_file(specs, r.hardware.specializations_format)
+    (qdir / "specializations.json").write_text(json.dumps(spec, indent=2) + "\n")
+    (qdir / "custom_io.yaml").write_text(custom_io_yaml(planned.custom_io))
+    if planned.mdp_partition:
+        (qdir / f"mdp_ts_{n_devices}.json").write_text(
+            json.dumps(planned.mdp_partition, indent=2) + "\n")
+    args = planned.compiler_argv[1:]
+    what = f"the {unit} QPC" if finish else f"the EAGLE-3 head's QPC ({unit})"
+    lines = ["#!/usr/bin/env bash",
+             f"# Compile {what} for '{r.name}' on a machine with the Cloud AI SDK.",
+             "# Runs from the bundle root; QAIC_COMPILER overrides the compiler path.",
+             "set -euo pipefail",
+             'cd "$(dirname "$0")/' + "/".join([".."] * (unit.count("/") + 2)) + '"',
+             f'compiler="${{QAIC_COMPILER:-{QAIC_DEFAULT}}}"',
+             f"mkdir -p {unit}/logs",
+             f'"$compiler" {shlex.join(args)} 2>&1 | tee {unit}/logs/qaic-compile.log',
+             f"test -s {unit}/qpc/{QPC_FILE} || {{ echo 'no {QPC_FILE} produced' >&2; exit 1; }}"]
+    if then is not None:
+        lines.append(f"bash {then}/qaic/compile.sh  # the EAGLE-3 head, recorded by this finish")
+    if finish is None:
+        lines.append(f"echo 'compiled {unit}/qpc; the compile.sh of the target records it (run "
+                     "alone: qpcbuild finish <this bundle> --role target)' >&2")
+    else:
+        lines += ["# Record the QPC in the manifest (files, digests, SDK versions) and re-seal it.",
+                  "if command -v qpcbuild >/dev/null 2>&1; then",
+                  f'  qpcbuild finish . --role {finish} --compiler "$compiler"',
+                  "else",
+                  f"  echo 'compiled {unit}/qpc; now run: qpcbuild finish <this bundle>' >&2",
+                  "fi"]
+    script = qdir / "compile.sh"
+    script.write_text("\n".join(lines) + "\n")
+    script.chmod(0o755)
+    return args
 
 
 QAIC_DEFAULT = "/opt/qti-aic/exec/qaic-compile"

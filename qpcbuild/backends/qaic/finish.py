@@ -11,7 +11,7 @@ import fcntl
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ...bundle.manifest import Manifest, SealedManifest, write_manifest
 from ...bundle.verify import actual_files, compare_files
@@ -27,6 +27,11 @@ def _under(path: str, folders: tuple[str, ...]) -> bool:
 
 def _nonempty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
+
+
+def _units(role: str, entry: QaicEntry) -> list[str]:
+    """The folders whose QPCs the role's compile.sh writes: its own, and its EAGLE-3 head's."""
+    return [role] + ([entry.eagle3_head.unit] if entry.eagle3_head is not None else [])
 
 
 def finish_bundle(bundle: Path, roles: list[str] | None = None,
@@ -75,9 +80,10 @@ def _finish(bundle: Path, roles: list[str] | None,
     # runs, hashes it again. An unfinished role without a QPC stays out of this manifest.
     unfinished = [r for r in qaic_roles if r not in roles and qaic[r].status != "compiled"]
     roles = list(roles) + [r for r in unfinished if _nonempty(bundle / r / "qpc" / QPC_FILE)]
-    adopting = tuple(f"{role}/{part}" for role in roles for part in ADOPTED)
-    pending = tuple(f"{role}/{part}" for role in unfinished if role not in roles
-                    for part in ADOPTED)
+    adopting = tuple(f"{unit}/{part}" for role in roles for unit in _units(role, qaic[role])
+                     for part in ADOPTED)
+    pending = tuple(f"{unit}/{part}" for role in unfinished if role not in roles
+                    for unit in _units(role, qaic[role]) for part in ADOPTED)
     # Every sealed file is hashed, not only sized: a byte flipped in a graph or the compiler's
     # inputs after `compile --emit-only` must not be sealed anew beside a QPC built from it. A
     # QPC compiled again replaces the one recorded before.
@@ -92,19 +98,30 @@ def _finish(bundle: Path, roles: list[str] | None,
         raise BundleError(f"{bundle} does not match its manifest, so it cannot be finished: "
                           + "; ".join(problems[:5]))
     for role in roles:
-        qpc = bundle / role / "qpc" / QPC_FILE
-        if not _nonempty(qpc):
-            state = "is empty" if qpc.is_file() else "is missing"
-            raise BundleError(f"the {role} QPC {state} ({role}/qpc/{QPC_FILE}); run "
-                              f"`bash {role}/qaic/compile.sh` in the bundle on a machine with the "
-                              "Cloud AI SDK first")
+        for unit in _units(role, qaic[role]):
+            qpc = bundle / unit / "qpc" / QPC_FILE
+            if not _nonempty(qpc):
+                state = "is empty" if qpc.is_file() else "is missing"
+                what = role if unit == role else f"{role}'s EAGLE-3 head"
+                raise BundleError(f"the {what} QPC {state} ({unit}/qpc/{QPC_FILE}); run "
+                                  f"`bash {role}/qaic/compile.sh` in the bundle on a machine "
+                                  "with the Cloud AI SDK first")
     files = {p: meta if _under(p, adopting) else sealed.files[p] for p, meta in found.items()
              if not _under(p, pending)}
     sdk = qaic_sdk_versions()
-    entries = {role: {"status": "compiled", "qpc": f"{role}/qpc",
-                      "qpc_files": sorted(p for p in files if p.startswith(f"{role}/qpc/")),
-                      "log": log if (log := f"{role}/logs/qaic-compile.log") in files else None,
-                      "compiler": compiler_id,
+    entries = {role: {**_compiled(role, files), "compiler": compiler_id,
                       "sdk": sdk, "finished_by": f"qpcbuild {__version__}"} for role in roles}
+    for role in roles:
+        head = qaic[role].eagle3_head
+        if head is not None:
+            entries[role]["eagle3_head"] = {**head.model_dump(mode="json"),
+                                            **_compiled(head.unit, files)}
     return write_manifest(bundle, m.with_built(NAME, entries, files,
                                                {} if sdk is None else {"qaic_sdk": sdk}))
+
+
+def _compiled(unit: str, files: dict[str, Any]) -> dict[str, Any]:
+    """A unit's record of its QPC once compiled: its files and log, as found in the bundle."""
+    return {"status": "compiled", "qpc": f"{unit}/qpc",
+            "qpc_files": sorted(p for p in files if p.startswith(f"{unit}/qpc/")),
+            "log": log if (log := f"{unit}/logs/qaic-compile.log") in files else None}

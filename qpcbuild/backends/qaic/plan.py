@@ -118,11 +118,18 @@ class QaicPart(BackendPart):
     compiler_argv: list[str]  # relative to the bundle root; argv[0] is the compiler
     # vllm-qaic's KV name infix in the compiled graph and custom_io (None: the exported names)
     kv_infix: str | None = None
+    # A target's EAGLE-3 head compiled beside it: its own compile, planned as a unit's
+    # (its folder backend_api.EAGLE3_HEAD_UNIT); None: no head on the card
+    eagle3_head: QaicPart | None = None
 
     def to_dict(self) -> dict[str, Any]:
         shown = {**super().to_dict(), "compiler_command": shlex.join(self.compiler_argv)}
         if self.kv_infix is None:
             del shown["kv_infix"]  # an aggregated plan shows what it always did
+        if self.eagle3_head is None:
+            del shown["eagle3_head"]  # so does a plan without a head
+        else:
+            shown["eagle3_head"] = self.eagle3_head.to_dict()
         return shown
 
     def describe(self, r: Recipe, n_devices: int, built: bool) -> list[str]:
@@ -135,6 +142,13 @@ class QaicPart(BackendPart):
         if built:
             lines.append(f"[bold]qaic compile[/] (cwd = bundle root):\n  "
                          f"{shlex.join(self.compiler_argv)}")
+        head = self.eagle3_head
+        if head is not None:
+            lines.append(f"EAGLE-3 head: its own compile, custom_io.yaml {len(head.custom_io)} "
+                         f"entries ({', '.join(e['IOName'] for e in head.custom_io)})")
+            if built:
+                lines.append(f"[bold]qaic compile of the EAGLE-3 head[/] (cwd = bundle root):"
+                             f"\n  {shlex.join(head.compiler_argv)}")
         return lines
 
     def manifest_role_fields(self) -> dict[str, Any]:
@@ -146,6 +160,7 @@ class QaicPlan:
         compiler = compiler or find_compiler()[0] or DEFAULT_COMPILER
         infix = kv_infix(r)
         return QaicPart(
+            eagle3_head=self.plan_role(r, facts.head, compiler) if facts.head else None,
             custom_io=[{"IOName": n, "Precision": r.precision.kv_cache_dtype}
                        for n in kv_buffers(facts.io, infix)],
             mdp_partition=mdp_partition(facts.device_group, facts.cores),
@@ -155,12 +170,16 @@ class QaicPlan:
 
     def settings(self, r: Recipe, facts: RoleFacts, part: QaicPart) -> dict[str, Any]:
         # argv[0] is left out: where the compiler is installed does not change the program
-        settings = {"export": facts.export_key, "argv": part.compiler_argv[1:],
-                    "specs": [s.model_dump() for s in facts.specializations],
-                    "custom_io": r.precision.kv_cache_dtype,
-                    "fmt": r.hardware.specializations_format}
+        settings: dict[str, Any] = {
+            "export": facts.export_key, "argv": part.compiler_argv[1:],
+            "specs": [s.model_dump() for s in facts.specializations],
+            "custom_io": r.precision.kv_cache_dtype, "fmt": r.hardware.specializations_format}
         # only where set: an aggregated unit's key (and so its bundle id) is as before
-        return settings if part.kv_infix is None else {**settings, "kv_infix": part.kv_infix}
+        if part.kv_infix is not None:
+            settings["kv_infix"] = part.kv_infix
+        if facts.head is not None and part.eagle3_head is not None:  # likewise
+            settings["eagle3_head"] = self.settings(r, facts.head, part.eagle3_head)
+        return settings
 
     def problems(self, r: Recipe, role: str, arch: ArchSpec) -> list[Problem]:
         return []  # the card compiles whatever the exporter writes
