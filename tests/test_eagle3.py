@@ -124,7 +124,7 @@ def test_a_quantized_head_graph_runs_every_projection_in_blocks_close_to_float(b
     import onnxruntime as ort
 
     from qpcbuild.backends.onnxruntime.nbits import LEGACY_NBITS
-    from qpcbuild.backends.onnxruntime.ort_graph import matmul_nbits
+    from qpcbuild.backends.onnxruntime.nbits import matmul_nbits
     from qpcbuild.export.eagle3 import export_head
 
     folder = write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB, seed=3)

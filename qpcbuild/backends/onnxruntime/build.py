@@ -100,8 +100,8 @@ class OrtBackend:
         """The EAGLE-3 head's graph beside the target's artifact (`<role>/ort/eagle3/`), with a
         copy of the target's token embedding (export/eagle3.py)."""
         from ...export.eagle3 import export_head
-        from .nbits import LEGACY_NBITS, WEIGHT_BITS
-        from .ort_graph import PortableWeights, matmul_nbits
+        from .nbits import LEGACY_NBITS, WEIGHT_BITS, matmul_nbits
+        from .ort_graph import PortableWeights
 
         assert role.eagle3 is not None
         a = role.arch

@@ -7,7 +7,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from onnx import helper
 
+from ...export.builder import GraphBuilder
+
+MS = "com.microsoft"  # the domain of MatMulNBits
 INT8_BLOCK = 32
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 
@@ -107,3 +111,27 @@ def blockwise_nbits_asymmetric(w: np.ndarray, bits: int, block: int = INT8_BLOCK
     zero = np.clip(np.rint(-lo / scale), 0, top).astype(np.uint8)
     q = np.clip(np.rint(cols / scale[..., None]) + zero[..., None], 0, top).astype(np.uint8)
     return _pack(q, bits), scale.astype(np.float32).reshape(-1), _pack(zero, bits).reshape(-1)
+
+
+def matmul_nbits(g: GraphBuilder, x: str, name: str, arr: np.ndarray, bits: int,
+                 layout: NbitsLayout, out: str | None = None,
+                 blocks: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    """x @ arr [K, N] as com.microsoft.MatMulNBits in `layout` (`blocks`: codes and scales
+    already made, the MXFP6 grid's 8-bit blocks of 32)."""
+    zero = None
+    if blocks is not None:
+        q, scale = blocks
+    elif layout.symmetric:
+        q, scale = blockwise_nbits(arr, bits, layout.block_size)
+    else:
+        q, scale, zero = blockwise_nbits_asymmetric(arr, bits, layout.block_size)
+    inputs = [x, g.weight(f"{name}.q{bits}", q), g.weight(f"{name}.scale", scale)]
+    if zero is not None:
+        inputs.append(g.weight(f"{name}.zero_point", zero))
+    out = out or g._name("matmul")
+    g.nodes.append(helper.make_node(
+        "MatMulNBits", inputs, [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits",
+        K=arr.shape[0], N=arr.shape[1], bits=bits,
+        block_size=INT8_BLOCK if blocks is not None else layout.block_size,
+        accuracy_level=layout.accuracy_level))
+    return out

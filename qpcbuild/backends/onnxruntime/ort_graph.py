@@ -46,36 +46,8 @@ from ...models.graph_io import declare, graph_io
 from ...models.turbo_heads import MAX_HEADS
 from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
-from .nbits import (INT8_BLOCK, LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, blockwise_nbits,
-                    blockwise_nbits_asymmetric)
+from .nbits import LEGACY_NBITS, MS, WEIGHT_BITS, NbitsLayout, matmul_nbits
 from .window import local_window_size, reading, windowed
-
-MS = "com.microsoft"
-
-
-
-def matmul_nbits(g: GraphBuilder, x: str, name: str, arr: np.ndarray, bits: int,
-                 layout: NbitsLayout, out: str | None = None,
-                 blocks: tuple[np.ndarray, np.ndarray] | None = None) -> str:
-    """x @ arr [K, N] as com.microsoft.MatMulNBits in `layout` (`blocks`: codes and scales
-    already made, the MXFP6 grid's 8-bit blocks of 32)."""
-    zero = None
-    if blocks is not None:
-        q, scale = blocks
-    elif layout.symmetric:
-        q, scale = blockwise_nbits(arr, bits, layout.block_size)
-    else:
-        q, scale, zero = blockwise_nbits_asymmetric(arr, bits, layout.block_size)
-    inputs = [x, g.weight(f"{name}.q{bits}", q), g.weight(f"{name}.scale", scale)]
-    if zero is not None:
-        inputs.append(g.weight(f"{name}.zero_point", zero))
-    out = out or g._name("matmul")
-    g.nodes.append(helper.make_node(
-        "MatMulNBits", inputs, [out], domain=MS, name=f"n{len(g.nodes)}_MatMulNBits",
-        K=arr.shape[0], N=arr.shape[1], bits=bits,
-        block_size=INT8_BLOCK if blocks is not None else layout.block_size,
-        accuracy_level=layout.accuracy_level))
-    return out
 
 
 class PortableWeights:
