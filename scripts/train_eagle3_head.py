@@ -9,7 +9,7 @@ has verified, or the head's own previous output while it drafts ahead. Its outpu
 Data, all labelled with the TARGET's own greedy choice at every position (what greedy
 verification accepts): (1) the prompts of scripts/train_smollm2_draft.py continued greedily by
 the target (train_turbo_heads.generate, 10% of prompts held out by hash) until --gen-minutes;
-(2) windows of standard-library source read in one pass each until --tf-minutes. One more pass
+(2) --tf-windows windows of standard-library source, one per file. One more pass
 per sequence gives the three auxiliary hidden states and the labels.
 
 Training-time test: each step unrolls --unroll drafting steps. Step 0 pairs the token at t + 1
@@ -25,7 +25,7 @@ embedding half starts at zero), fc picks the deepest feature, norm and lm_head r
 target: the head starts as a shortened target and learns to use the next token's embedding.
 
 Run:  python scripts/train_eagle3_head.py                 # the defaults are what was run
-      python scripts/train_eagle3_head.py --gen-minutes 0.3 --tf-minutes 0.3 --steps 3 --out /tmp/h
+      python scripts/train_eagle3_head.py --gen-minutes 0.3 --tf-windows 8 --steps 3 --out /tmp/h
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def features(target, seqs: list[list[int]], layer_ids: list[int], batch: int = 1
 
 
 def stdlib_windows(args, tok) -> list[list[int]]:
-    """Windows of --tf-len tokens of standard-library source, one per file, until --tf-minutes
-    of the target's reading time are estimated spent (the pass itself runs in `features`)."""
+    """--tf-windows windows of --tf-len tokens of standard-library source, one per file at a
+    seeded offset (the target reads them in `features`)."""
     files = stdlib_sources(SKIPPED_DIRS)
     random.Random(args.seed + 7).shuffle(files)
     windows = []
@@ -261,15 +261,16 @@ def write(args, head: Eagle3Head, draft_ids, layer_ids, record: dict) -> None:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    add_data_args(ap, gen_minutes=3.0)
+    add_data_args(ap, gen_minutes=16.0)
+    ap.set_defaults(threads=2, gen_batch=32)  # this script's run had the machine to itself
     ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-eagle3")
-    ap.add_argument("--tf-windows", type=int, default=400)
+    ap.add_argument("--tf-windows", type=int, default=600)
     ap.add_argument("--unroll", type=int, default=3)
     ap.add_argument("--window", type=int, default=48)
     ap.add_argument("--steps", type=int, default=100000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--train-minutes", type=float, default=9.0)
+    ap.add_argument("--train-minutes", type=float, default=35.0)
     ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
     return ap.parse_args(argv)
 
