@@ -254,3 +254,27 @@ def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path)
             assert draft + int(d2t[draft]) == proposal
             ids.append(proposal)
             hidden = np.concatenate([hidden, out[-1:]])
+
+
+def test_tune_counts_a_heads_acceptance_with_the_target_running(tmp_path):
+    """tune replays each K over the target's known greedy outputs, but a head reads the
+    target's own features, which known tokens cannot give: its statistics must be those of a
+    real run at that K (before, the replay saw no proposal at all)."""
+    from typer.testing import CliRunner
+
+    import qpcbuild
+    from qpcbuild.cli import app
+    from qpcbuild.tune.acceptance import replayed, summed_run
+
+    result = CliRunner().invoke(app, ["compile", str(recipe(tmp_path, demo_head(tmp_path / "h"))),
+                                      "-o", str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    gen = qpcbuild.load(tmp_path / "b")
+    ids = [[3, 17, 42, 9, 100], [7] * 11 + [200, 5]]
+    outputs = summed_run(gen.sibling(target_only=True), ids, 16, None, target_only=True)["outputs"]
+    sim = replayed(gen, ids, outputs, 16, 3)
+    gen.fresh_proposer()
+    real = summed_run(gen, ids, 16, 3)
+    assert sim["drafts"] > 0 and sim["draft_calls"] > 0
+    assert (sim["drafts"], sim["accepted"], sim["per_pos"]) == \
+        (real["drafts"], real["accepted"], real["per_pos"])

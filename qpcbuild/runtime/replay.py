@@ -27,16 +27,22 @@ def replay(decoder: SpecDecoder, prompts: list[list[int]], outputs: list[list[in
     steps) and the draft calls are exactly those of `generate(..., k=k)`; target calls are
     counted, not timed. The proposer's state carries over as in `generate` (a suffix
     cache keeps these requests). Rows are decoded in groups of the compiled batch. It
-    drives the draft session, so it must not run while the same sessions decode elsewhere."""
+    drives the draft session, so it must not run while the same sessions decode elsewhere.
+
+    Proposers that read the target's own states (turbo heads, an EAGLE-3 head) cannot be fed
+    from known tokens: for them the target itself is run, so the statistics are those of
+    `generate(..., k=k)` by construction."""
     if len(prompts) != len(outputs):
         raise UsageError(f"{len(prompts)} prompts but {len(outputs)} outputs to replay")
     rows_all: list[Row] = []
     total = LoopTimes()
-    teacher = KnownTarget(decoder)
+    reads_target = decoder.heads is not None or decoder.eagle3 is not None
+    teacher = decoder if reads_target else KnownTarget(decoder)
     for start in range(0, len(prompts), decoder.batch):
         rows = [new_row(p, max_new_tokens, decoder.ctx_len, SamplingParams(), start + n)
                 for n, p in enumerate(prompts[start:start + decoder.batch])]
-        teacher.known = {r.index: r.prompt + list(outputs[r.index]) for r in rows}
+        if isinstance(teacher, KnownTarget):
+            teacher.known = {r.index: r.prompt + list(outputs[r.index]) for r in rows}
         times = teacher.run_rows(rows, k)
         for name in ("prefill_s", "draft_s", "target_s", "total_s", "target_calls",
                      "draft_calls"):

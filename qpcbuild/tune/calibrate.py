@@ -90,8 +90,15 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
     alphas = {k: sims[k]["alpha"] for k in ks}
     fractions = {k: sims[k]["proposal_fraction"] for k in ks}
     tables, details, measured = {}, {}, {}
+    head_call_s = _head_call_seconds(low, high)
     for b in batches:
         t_verify, t_draft, details[b] = costs(ks, position, b)
+        if t_draft is None and head_call_s is not None:  # an EAGLE-3 head: K calls a step
+            t_draft = {kk: kk * head_call_s for kk in ks}
+            details[b] = {**details[b], "draft_ms_for_k_steps": {
+                kk: round(t * 1e3, 4) for kk, t in t_draft.items()},
+                "draft_step_ms": round(head_call_s * 1e3, 4),
+                "draft_step_from": "the head's calls in the check runs"}
         measured[b] = (t_verify, t_draft)
         tables[b] = predict(method, alphas, t_draft, t_verify, host, fractions, ks,
                             host_target_only=host_base)
@@ -160,6 +167,14 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
                     recommended_ks=tuple(recommended_ks(method, k)),
                     table=tuple(KPrediction.from_row(r) for r in rows), evidence=evidence,
                     cost_source=cost_source, per_batch=per_batch, confidence_stop=stop)
+
+
+def _head_call_seconds(*runs: dict[str, Any]) -> float | None:
+    """Seconds per proposer call measured in real runs of a method without a draft session
+    whose proposer still makes calls of its own (an EAGLE-3 head: the engine counts them as
+    draft calls); None when the runs made none."""
+    calls = sum(run["draft_calls"] for run in runs)
+    return sum(run["draft_s"] for run in runs) / calls if calls else None
 
 
 def _confidence_stop(gen, ids, outputs, max_new_tokens, k_max, plain_sim, costs, host,

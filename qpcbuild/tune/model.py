@@ -88,7 +88,11 @@ def predict(method: str, alphas: list[float] | dict[int, list[float]],
             verify = t_verify[k]
             tokens = e
         else:
-            draft = 0.0
+            # a model-free proposer costs nothing of its own; an EAGLE-3 head makes K calls in
+            # a step that proposes (the catch-up proposes the first token), none in one that
+            # does not
+            steps = t_draft.get(k, 0.0) if isinstance(t_draft, dict) else k * (t_draft or 0.0)
+            draft = p * steps if method == "eagle3" else 0.0
             verify = p * t_verify[k] + (1 - p) * t_verify[base_k]
             tokens = p * e + (1 - p)
         cost = draft + verify + host
