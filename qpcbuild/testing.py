@@ -197,13 +197,15 @@ def write_random_eagle3_head(folder: Path, num_layers: int, hidden: int, vocab: 
     return folder
 
 
-def write_shortcut_eagle3_head(folder: Path, target: Path, keep=lambda token: token % 3 != 1
-                               ) -> Path:
+def write_shortcut_eagle3_head(folder: Path, target: Path, keep=lambda token: token % 3 != 1,
+                               token_weight: float = 0.0) -> Path:
     """An EAGLE-3 head for the Llama checkpoint in `target` whose distribution overlaps the
     target's own: fc passes the state entering layer L-3 through, the head's layer is that
     layer (its q/k/v read only the hidden half), then the target's final norm and LM head rows.
     So the head is the target with its last layers skipped, predicting roughly the target's
-    next token at the position it reads; `keep(token)` picks the draft vocabulary."""
+    next token at the position it reads; `keep(token)` picks the draft vocabulary.
+    `token_weight` > 0 lets q/k/v read the token's embedding too (that many times the weights
+    they apply to the hidden half), so the head's distribution depends on the token it reads."""
     import json
 
     import numpy as np
@@ -224,7 +226,7 @@ def write_shortcut_eagle3_head(folder: Path, target: Path, keep=lambda token: to
         for p in ("q", "k", "v"):
             m = w[f"{src}.self_attn.{p}_proj.weight"]
             tensors[f"layers.0.self_attn.{p}_proj.weight"] = np.concatenate(
-                [np.zeros_like(m), m], 1)
+                [token_weight * m, m], 1)
         for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                      "post_attention_layernorm"):
             tensors[f"layers.0.{name}.weight"] = w[f"{src}.{name}.weight"]

@@ -24,7 +24,15 @@ Initialisation: the layer from the target's layer L-3 (its q/k/v read the hidden
 embedding half starts at zero), fc picks the deepest feature, norm and lm_head rows from the
 target: the head starts as a shortened target and learns to use the next token's embedding.
 
-Run:  python scripts/train_eagle3_head.py                 # the defaults are what was run
+Second stage (--init): continue from a trained head on new data (another --seed draws other
+prompts and windows; the held-out 10% is chosen by a hash of each prompt, so no stage trains on
+another's held-out prompts).
+
+Run (models/smollm2-eagle3 is these two stages, models/smollm2-eagle3/README.md):
+      python scripts/train_eagle3_head.py --out /tmp/stage1          # stage 1: the defaults
+      python scripts/train_eagle3_head.py --init /tmp/stage1 --out /tmp/stage2 --seed 4321 \
+          --code-prompts 2400 --gen-minutes 25 --gen-batch 64 --tf-windows 1200 \
+          --tf-per-file 2 --train-minutes 25 --lr 5e-4 --checkpoint-minutes 8
       python scripts/train_eagle3_head.py --gen-minutes 0.3 --tf-windows 8 --steps 3 --out /tmp/h
 """
 
@@ -90,8 +98,12 @@ def stdlib_windows(args, tok) -> list[list[int]]:
             ids = tok(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         except (UnicodeDecodeError, OSError):
             continue
-        if len(ids) >= args.tf_len:
-            start = random.Random(f"{args.seed}:{path}").randrange(len(ids) - args.tf_len + 1)
+        for k in range(args.tf_per_file):
+            if len(ids) < args.tf_len or len(windows) >= args.tf_windows:
+                break
+            # the first offset of a file is the one earlier runs drew (same seed string)
+            where = f"{args.seed}:{path}" + (f":{k}" if k else "")
+            start = random.Random(where).randrange(len(ids) - args.tf_len + 1)
             windows.append(ids[start:start + args.tf_len])
     return windows
 
@@ -240,6 +252,27 @@ def evaluate(head, data, column, window: int, steps: int) -> list[float]:
     return [round(h / max(t, 1), 4) for h, t in zip(hits, total)]
 
 
+def warm_start(head: Eagle3Head, folder: Path, draft_ids, layer_ids: list[int]) -> None:
+    """Replace the shortened-target start with a trained head's tensors (a second stage of
+    training on new data); a head for other aux layers or another draft vocabulary is refused."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("eagle_aux_hidden_state_layer_ids") != layer_ids:
+        raise SystemExit(f"error: {folder}: aux layers {config.get('eagle_aux_hidden_state_layer_ids')}"
+                         f" are not {layer_ids}")
+    tensors = load_file(str(folder / "model.safetensors"))
+    d2t = tensors.pop("d2t")
+    if not torch.equal(torch.arange(len(d2t)) + d2t, draft_ids):
+        raise SystemExit(f"error: {folder}: its draft vocabulary is not --vocab's")
+    if set(tensors) != set(head.p):
+        raise SystemExit(f"error: {folder}: tensors {sorted(set(tensors) ^ set(head.p))} differ")
+    for name, value in tensors.items():
+        head.p[name] = value.float().requires_grad_(True)
+    log(f"warm start from {folder}")
+
+
 def write(args, head: Eagle3Head, draft_ids, layer_ids, record: dict) -> None:
     import torch
     from safetensors.torch import save_file
@@ -272,6 +305,11 @@ def parse_args(argv):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--train-minutes", type=float, default=35.0)
     ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    ap.add_argument("--tf-per-file", type=int, default=1,
+                    help="stdlib windows drawn per file (seeded offsets)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue from this head folder's weights instead of the shortened "
+                         "target (same target, aux layers and draft vocabulary)")
     return ap.parse_args(argv)
 
 
@@ -304,6 +342,8 @@ def main(argv=None) -> int:
     column = torch.full((tc.vocab_size,), -1, dtype=torch.long)
     column[draft_ids] = torch.arange(len(draft_ids))
     head = Eagle3Head(target, layer_ids, draft_ids, cfg)
+    if args.init is not None:
+        warm_start(head, args.init, draft_ids, layer_ids)
     before = evaluate(head, heldout, column, args.window, args.unroll)
     log(f"held-out top-1 per step before training: {before}")
     opt = torch.optim.AdamW(list(head.p.values()), lr=args.lr, weight_decay=0.0)

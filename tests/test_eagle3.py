@@ -228,8 +228,8 @@ def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path)
     seen: list[tuple[list[int], list[int]]] = []
     propose = drafter.propose
 
-    def spy(rows, room):
-        proposals, q = propose(rows, room)
+    def spy(rows, room, stop):
+        proposals, q = propose(rows, room, stop)
         seen.append((list(rows[0].tokens), proposals[0]))
         return proposals, q
 
@@ -278,3 +278,54 @@ def test_tune_counts_a_heads_acceptance_with_the_target_running(tmp_path):
     assert sim["drafts"] > 0 and sim["draft_calls"] > 0
     assert (sim["drafts"], sim["accepted"], sim["per_pos"]) == \
         (real["drafts"], real["accepted"], real["per_pos"])
+
+
+def test_a_confidence_stopped_head_proposes_less_and_keeps_the_targets_output(tmp_path):
+    """speculation.draft_p_min with a head: a row stops drafting where the head's softmax is
+    less confident than the threshold, the step verifies in the smallest compiled window that
+    holds what was proposed, and the greedy output is still transformers' `generate`; tune's
+    replay at that threshold counts what the run did."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    import qpcbuild
+    from qpcbuild.cli import app
+    from qpcbuild.runtime.rows import new_row
+    from qpcbuild.runtime.sampling import SamplingParams
+    from qpcbuild.testing import write_shortcut_eagle3_head
+    from qpcbuild.tune.acceptance import replayed
+
+    head = write_shortcut_eagle3_head(tmp_path / "h", DEMO)
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    prompts = ([3, 17, 42, 9, 100], [7] * 11 + [200, 5], [1, 2, 3])
+    stats = {}
+    for p_min in (0.0, 0.2):
+        out = tmp_path / f"b{p_min}"
+        result = CliRunner().invoke(app, [
+            "compile", str(recipe(tmp_path, head)), "-o", str(out), "--cache-dir",
+            str(tmp_path / "cache"), "--set", f"speculation.draft_p_min={p_min}",
+            "--set", "speculation.num_speculative_tokens=[1,2,3]"])
+        assert result.exit_code == 0, result.output
+        gen = qpcbuild.load(out)
+        rows = [new_row(p, 24, gen.decoder.ctx_len, SamplingParams(), i)
+                for i, p in enumerate(prompts)]
+        windows: dict[int, int] = {}
+        for row in rows:  # batch 1: a row per call
+            for k, n in gen.decoder.run_rows([row]).windows.items():
+                windows[k] = windows.get(k, 0) + n
+        for prompt, row in zip(prompts, rows):
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+            assert row.tokens == ref[0].tolist(), p_min
+        stats[p_min] = (sum(r.stats.num_draft_tokens for r in rows), windows)
+        # tune's replay (the real target running, the stop at p_min) counts what the run did
+        sim = replayed(gen, [list(p) for p in prompts],
+                       [r.tokens[len(p):] for p, r in zip(prompts, rows)], 24, 3, p_min)
+        assert (sim["draft_tokens"], sim["accepted"], sim["windows"]) == \
+            (stats[p_min][0], sum(r.stats.num_accepted_tokens for r in rows), windows)
+    (full, full_windows), (stopped, windows) = stats[0.0], stats[0.2]
+    assert 0 < stopped < full, stats
+    # without the stop only a row's last steps (little room left) verify fewer than K tokens
+    smaller = sum(n for k, n in windows.items() if k < 3)
+    assert smaller > sum(n for k, n in full_windows.items() if k < 3) + 3, stats

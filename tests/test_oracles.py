@@ -443,10 +443,10 @@ def eagle3_sampling_bundle(tmp_path_factory) -> Path:
                  "onnxruntime.graph=portable")
 
 
-def argmax_with_softmax_q_eagle3(self, r, draft_logits):
+def argmax_with_softmax_q_eagle3(self, r, draft_logits, probs):
     """Broken: the head proposes its argmax but reports its softmax as q."""
-    token, probs = ORIGINAL_CHOOSE(self, r, draft_logits)
-    return (int(probs.argmax()) if probs is not None else token), probs
+    return int(probs.argmax()) if probs is not None else ORIGINAL_CHOOSE(self, r, draft_logits,
+                                                                         probs)
 
 
 ORIGINAL_CHOOSE = eagle3.Eagle3Drafter._choose
@@ -467,3 +467,29 @@ def test_eagle3_sampling_matches_transformers_distribution(eagle3_sampling_bundl
         assert joint_p_value(eagle3_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3
     monkeypatch.setattr(eagle3.Eagle3Drafter, "_choose", argmax_with_softmax_q_eagle3)
     assert joint_p_value(eagle3_sampling_bundle, hf_target, sp, TURBO_TEXT) < 1e-3
+
+
+@pytest.mark.slow
+def test_a_confidence_stopped_head_samples_exactly(tmp_path_factory, hf_target, monkeypatch):
+    """speculation.draft_p_min with an EAGLE-3 head at T = 1.0. A shortcut head that also reads
+    the token (its softmax overlaps the target's and depends on the first sampled token): its
+    largest probability at the first draft position lies above the threshold after some first
+    tokens and below it after others, so rows stop and rows propose in one run. The joint stays
+    the target's, and the same run with a rule that ignores q is rejected. Slow (about 70 s):
+    two runs of 1,600 sampled continuations."""
+    head = tmp_path_factory.getbasetemp() / "demo-eagle3-shortcut-token"
+    if not head.is_dir():
+        write_shortcut_eagle3_head(head, DEMO / "target", token_weight=0.5)
+    bundle = build(tmp_path_factory, "demo.yaml", *SAMPLING_SHAPES, "draft.method=eagle3",
+                   f"draft.model={head}", "speculation.num_speculative_tokens=[0,1,2,3]",
+                   "speculation.draft_p_min=0.165", "onnxruntime.graph=portable")
+    gen = qpcbuild.load(bundle)
+    prompt = gen.encode(TURBO_TEXT)
+    ctx = prompt + [int(np.argmax(hf_probabilities(hf_target, prompt, SamplingParams(1.0))))]
+    proposed = [r.stats.num_draft_tokens > 0 for seed in range(4) for r in gen.generate(
+        [ctx] * 8, max_new_tokens=3, temperature=1.0, seed=seed).rows]
+    assert any(proposed) and not all(proposed), proposed  # both kinds of row in one run
+    sp = SamplingParams(1.0)
+    assert joint_p_value(bundle, hf_target, sp, TURBO_TEXT) > 1e-3
+    monkeypatch.setattr(engine, "accept_sampling", ignore_q)
+    assert joint_p_value(bundle, hf_target, sp, TURBO_TEXT) < 1e-3

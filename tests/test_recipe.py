@@ -216,6 +216,9 @@ BAD = [
         "draft.revision", L_DRAFT_MODEL, "method 'ngram' uses no draft model"),
     Bad("draft-model-missing", edit((DRAFT_MODEL_LINE, "#")),
         "draft.model", L_DRAFT, "needs a draft model"),
+    Bad("p-min-with-ngram", edit(NGRAM, (DRAFT_MODEL_LINE + "\n", "")),
+        "speculation.draft_p_min", None, "method 'ngram' has no draft distribution",
+        overrides=("speculation.draft_p_min=0.3",)),
     Bad("ngram-min-above-max", edit(NGRAM, (DRAFT_MODEL_LINE, "  prompt_lookup_min: 5\n"
                                                              "  prompt_lookup_max: 2")),
         "draft.prompt_lookup_min", L_DRAFT_MODEL, "5 is larger than prompt_lookup_max 2"),

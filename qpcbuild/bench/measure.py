@@ -295,7 +295,7 @@ def _gated_generators(gens: dict, policies, draft_p_min: float | None) -> dict:
                 continue
             sib = g.sibling(m)
             label = f"{m} K={{k}} {policy}"
-            if draft_p_min is not None and m == "draft_model":
+            if draft_p_min is not None and m in ("draft_model", "eagle3"):
                 sib.decoder.confidence_stop = ConfidenceStop(draft_p_min)
                 label += f" p_min={draft_p_min:g}"
             out[(m, policy)] = (sib, label)

@@ -82,8 +82,8 @@ def bench(target: Path = typer.Argument(..., help="Bundle folder, or a recipe: t
                                           "speculation policies to measure per method and K: "
                                           "fixed, auto (goodput-gated), off."),
           draft_p_min: Optional[float] = typer.Option(None, "--draft-p-min", help="Confidence "
-                                                      "stop for the draft_model rows of "
-                                                      "non-fixed policies (0..1)."),
+                                                      "stop for the draft_model and eagle3 "
+                                                      "rows of non-fixed policies (0..1)."),
           temperature: float = typer.Option(0.0, help="Sampling temperature of our runs (seeded "
                                             "per prompt batch; > 0: outputs are not compared)."),
           verify: str = VerifyOpt):

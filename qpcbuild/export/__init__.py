@@ -13,11 +13,12 @@ from importlib import import_module
 
 OPSET = 17  # the ONNX opset every graph of ours is written in (and whose schemas are read)
 GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
+MS = "com.microsoft"  # ONNX Runtime's contrib-operator domain (MatMulNBits, MoE, GQA)
 EAGLE3_DIR = "eagle3"  # an EAGLE-3 head's graph, in a folder beside its target's artifact
 
 _WHERE = {"export_model": "model", "ExportResult": "model"}
 
-__all__ = ["DATA_FILE", "EAGLE3_DIR", "GRAPH_FILE", "OPSET", *sorted(_WHERE)]
+__all__ = ["DATA_FILE", "EAGLE3_DIR", "GRAPH_FILE", "MS", "OPSET", *sorted(_WHERE)]
 
 
 def __getattr__(name: str):

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 from onnx import TensorProto, helper
 
-from . import DATA_FILE, GRAPH_FILE, OPSET
+from . import DATA_FILE, GRAPH_FILE, MS, OPSET
 from ..models.eagle3_head import LAYER, Eagle3Head, Eagle3HeadInfo
 from .builder import GraphBuilder, save
 
@@ -173,6 +173,6 @@ def export_head(head: Eagle3Head, embed: np.ndarray, max_positions: int, out_dir
         metadata["weights"] = weights
     model = g.model("qpcbuild_eagle3_head", OPSET, metadata)
     if project is not None:
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        model.opset_import.append(helper.make_opsetid(MS, 1))
     save(model, out_dir / GRAPH_FILE)
     return out_dir / GRAPH_FILE

@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 from onnx import helper
 
+from . import MS
+
 if TYPE_CHECKING:
     from ..models.arch import ArchSpec
     from .builder import GraphBuilder
-
-
-MS = "com.microsoft"  # the domain of ONNX Runtime's MoE operator
 
 
 class RoutedExperts:

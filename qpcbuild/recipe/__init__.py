@@ -90,9 +90,9 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
         if b < 1 or not 0 <= kb <= MAX_K:
             add("speculation.num_speculative_tokens_per_batch_size", f"{b}: {kb}: batch sizes "
                 f"must be >= 1 and Ks in 0..{MAX_K}")
-    if r.speculation.draft_p_min and r.draft.method != "draft_model":
-        add("speculation.draft_p_min", f"method '{r.draft.method}' has no draft model to be "
-            "confident; remove this key")
+    if r.speculation.draft_p_min and r.draft.method not in ("draft_model", "eagle3"):
+        add("speculation.draft_p_min", f"method '{r.draft.method}' has no draft distribution to "
+            "be confident in (draft_model and eagle3 have one); remove this key")
     s = r.shapes
     compiled = ks + list((r.speculation.num_speculative_tokens_per_batch_size or {}).values())
     kmax = max(compiled or [0])

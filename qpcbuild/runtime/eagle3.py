@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import BundleError
 from ..ort_threads import session_options
+from .policy import ConfidenceStop
 from .rows import Eagle3RowState, Row
 from .sampling import probabilities, sample
 
@@ -89,18 +90,27 @@ class Eagle3Drafter:
             self.draft_to_target = np.asarray(outs[4], np.int64)
         return logits[0, -1], out[0, -1]
 
-    def _choose(self, r: Row, draft_logits: np.ndarray) -> tuple[int, np.ndarray | None]:
-        """A proposal (a target id) and, for a sampled row, the distribution it came from."""
+    def _distribution(self, r: Row, draft_logits: np.ndarray) -> np.ndarray | None:
+        """A sampled row's distribution over the target vocabulary (None for a greedy row)."""
         assert self.draft_to_target is not None
-        if r.sp.greedy:  # the argmax over the draft vocabulary, as a target id
-            return int(self.draft_to_target[int(draft_logits.argmax())]), None
+        if r.sp.greedy:
+            return None
         full = np.full(self.vocab_size, UNREACHABLE, np.float32)
         full[self.draft_to_target] = draft_logits
-        probs = probabilities(full, r.sp)
-        return sample(probs, r.rng), probs
+        return probabilities(full, r.sp)
 
-    def propose(self, rows: list[Row], room: list[int]
+    def _choose(self, r: Row, draft_logits: np.ndarray, probs: np.ndarray | None) -> int:
+        """A proposal, as a target id: the argmax over the draft vocabulary (greedy) or a draw."""
+        assert self.draft_to_target is not None
+        if probs is None:
+            return int(self.draft_to_target[int(draft_logits.argmax())])
+        return sample(probs, r.rng)
+
+    def propose(self, rows: list[Row], room: list[int], stop: ConfidenceStop = ConfidenceStop()
                 ) -> tuple[list[list[int]], list[list[np.ndarray]] | None]:
+        """Up to room[i] proposals per row; a row stops early where the head's distribution for
+        the next token is less confident than `stop` asks (it is looked at before the token is
+        drawn, as for a draft model, so sampling stays exact)."""
         proposals: list[list[int]] = [[] for _ in rows]
         q: list[list[np.ndarray]] = [[] for _ in rows]
         for i, r in enumerate(rows):
@@ -115,8 +125,10 @@ class Eagle3Drafter:
             for j in range(room[i]):
                 if j:
                     logits, out = self._run(st, [proposals[i][-1]], out[None], last - 1 + j)
-                token, probs = self._choose(r, logits)
-                proposals[i].append(token)
+                probs = self._distribution(r, logits)
+                if stop.stops(logits, probs):
+                    break
+                proposals[i].append(self._choose(r, logits, probs))
                 if probs is not None:
                     q[i].append(probs)
         return proposals, q

@@ -302,7 +302,7 @@ class SpecDecoder:
             return propose_from_heads(run.slots, room)
         if run.eagle3 is not None:  # the head's calls are the draft's time and calls
             t0, calls = self.clock(), run.eagle3.calls
-            out = run.eagle3.propose(run.slots, room)
+            out = run.eagle3.propose(run.slots, room, self.confidence_stop)
             run.times.draft_s += self.clock() - t0
             run.times.draft_calls += run.eagle3.calls - calls
             return out

@@ -133,8 +133,9 @@ class KSchedule:
 
 @dataclass(frozen=True)
 class ConfidenceStop:
-    """A draft model stops proposing for a row once its most likely next token has less than
-    `p_min` of its probability (`speculation.draft_p_min`; 0: never stops early)."""
+    """A draft model or an EAGLE-3 head stops proposing for a row once its most likely next
+    token has less than `p_min` of its probability (`speculation.draft_p_min`; 0: never stops
+    early)."""
     p_min: float = 0.0
 
     def stops(self, logits: np.ndarray, probs: np.ndarray | None) -> bool:

@@ -18,10 +18,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ...export import DATA_FILE, GRAPH_FILE, OPSET
+from ...export import DATA_FILE, GRAPH_FILE, MS, OPSET
 from ...export.builder import GraphBuilder, weight_key
 from ...export.decoder import SUBSET_KEPT, Decoder
-from ...export.experts import MS
 from ...models.arch import ArchSpec
 from .plan import MOE_FORM
 

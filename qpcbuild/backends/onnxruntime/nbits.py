@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from onnx import helper
 
+from ...export import MS
 from ...export.builder import GraphBuilder
 
-MS = "com.microsoft"  # the domain of MatMulNBits
 INT8_BLOCK = 32
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 

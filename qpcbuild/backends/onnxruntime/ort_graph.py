@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ...models.arch import ArchSpec
+from ...export import MS
 from ...export.builder import GraphBuilder, weight_key
 from ...export.decoder import SUBSET_KEPT, VOCAB_SUBSET, logits_head
 from ...export.eagle3 import FC_WEIGHT, feature_output
@@ -46,7 +47,7 @@ from ...models.graph_io import declare, graph_io
 from ...models.turbo_heads import MAX_HEADS
 from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
-from .nbits import LEGACY_NBITS, MS, WEIGHT_BITS, NbitsLayout, matmul_nbits
+from .nbits import LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, matmul_nbits
 from .window import local_window_size, reading, windowed
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ToolchainError
+from ...export import MS
 from ...models.arch import ArchSpec
 
 READING = "gqa_local_window_extra_keys"  # the graph's metadata: keys kept beyond the attribute
@@ -37,7 +38,7 @@ def keys_kept(local_window_size: int = _PROBE_WINDOW) -> int:
     n, d = _PROBE_LEN, _HEAD
     node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens",
                                                     "total"], ["out", "k_out", "v_out"],
-                            domain="com.microsoft", num_heads=1, kv_num_heads=1, scale=1.0,
+                            domain=MS, num_heads=1, kv_num_heads=1, scale=1.0,
                             local_window_size=local_window_size)
     floats = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in
               (("q", [1, n, d]), ("k", [1, n, d]), ("v", [1, n, d]), ("past_k", [1, 1, n, d]),
@@ -48,7 +49,7 @@ def keys_kept(local_window_size: int = _PROBE_WINDOW) -> int:
             for name in ("out", "k_out", "v_out")]
     model = helper.make_model(helper.make_graph([node], "window_probe", floats + ints, outs),
                               opset_imports=[helper.make_opsetid("", 17),
-                                             helper.make_opsetid("com.microsoft", 1)])
+                                             helper.make_opsetid(MS, 1)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     session = ort.InferenceSession(model.SerializeToString(), opts,

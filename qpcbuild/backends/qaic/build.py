@@ -21,7 +21,7 @@ from ...toolchain import compiler_identity, qaic_sdk_versions
 from ...tree import copy_tree
 from ...bundle.backend import BuildContext
 from .kv_names import card_graph_file, is_kv_name, write_card_graph
-from .manifest import NAME, QPC_FILE
+from .manifest import NAME, QPC_FILE, compiled_units
 from .plan import QaicPart, custom_io_yaml, find_compiler, specializations_file
 
 
@@ -72,7 +72,7 @@ class QaicBackend:
         # keeps the QPC and its log.
         def keep_qpc(tmp: Path) -> dict[str, Any]:
             result = self.build(ctx, role, graph)
-            for unit in compiled_units(role):
+            for unit in compiled_units(role.role, role.eagle3_head):
                 for part in ("qpc", "logs"):
                     copy_tree(ctx.staging / unit / part, tmp / unit / part)
             return result
@@ -162,12 +162,6 @@ class QaicBackend:
             entry["eagle3_head"] = {**head_entry, **run_compiler(
                 ctx, head_entry["unit"], "EAGLE-3 head", [compiler, *head.compiler_argv[1:]])}
         return {**entry, **compiled}
-
-
-def compiled_units(role: RolePlan) -> list[str]:
-    """The folders whose qpc/ and logs/ the role's compile writes: its own, and its EAGLE-3
-    head's where one is compiled beside it."""
-    return [role.role] + ([role.eagle3_head.unit] if role.eagle3_head else [])
 
 
 def run_compiler(ctx: BuildContext, unit: str, what: str, argv: list[str]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from ...bundle.verify import actual_files, compare_files
 from ...errors import BundleError, QpcbuildError, UsageError
 from ...toolchain import compiler_identity, qaic_sdk_versions
 from ...version import __version__
-from .manifest import ADOPTED, NAME, QPC_FILE, QaicEntry
+from .manifest import ADOPTED, NAME, QPC_FILE, QaicEntry, compiled_units
 
 
 def _under(path: str, folders: tuple[str, ...]) -> bool:
@@ -27,11 +27,6 @@ def _under(path: str, folders: tuple[str, ...]) -> bool:
 
 def _nonempty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
-
-
-def _units(role: str, entry: QaicEntry) -> list[str]:
-    """The folders whose QPCs the role's compile.sh writes: its own, and its EAGLE-3 head's."""
-    return [role] + ([entry.eagle3_head.unit] if entry.eagle3_head is not None else [])
 
 
 def finish_bundle(bundle: Path, roles: list[str] | None = None,
@@ -80,10 +75,10 @@ def _finish(bundle: Path, roles: list[str] | None,
     # runs, hashes it again. An unfinished role without a QPC stays out of this manifest.
     unfinished = [r for r in qaic_roles if r not in roles and qaic[r].status != "compiled"]
     roles = list(roles) + [r for r in unfinished if _nonempty(bundle / r / "qpc" / QPC_FILE)]
-    adopting = tuple(f"{unit}/{part}" for role in roles for unit in _units(role, qaic[role])
-                     for part in ADOPTED)
+    adopting = tuple(f"{unit}/{part}" for role in roles
+                     for unit in compiled_units(role, qaic[role].eagle3_head) for part in ADOPTED)
     pending = tuple(f"{unit}/{part}" for role in unfinished if role not in roles
-                    for unit in _units(role, qaic[role]) for part in ADOPTED)
+                    for unit in compiled_units(role, qaic[role].eagle3_head) for part in ADOPTED)
     # Every sealed file is hashed, not only sized: a byte flipped in a graph or the compiler's
     # inputs after `compile --emit-only` must not be sealed anew beside a QPC built from it. A
     # QPC compiled again replaces the one recorded before.
@@ -98,7 +93,7 @@ def _finish(bundle: Path, roles: list[str] | None,
         raise BundleError(f"{bundle} does not match its manifest, so it cannot be finished: "
                           + "; ".join(problems[:5]))
     for role in roles:
-        for unit in _units(role, qaic[role]):
+        for unit in compiled_units(role, qaic[role].eagle3_head):
             qpc = bundle / unit / "qpc" / QPC_FILE
             if not _nonempty(qpc):
                 state = "is empty" if qpc.is_file() else "is missing"

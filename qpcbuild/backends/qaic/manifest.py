@@ -16,6 +16,12 @@ QPC_FILE = "programqpc.bin"
 ADOPTED = ("qpc", "logs")  # what compile.sh writes under each role, for `finish` to adopt
 
 
+def compiled_units(role: str, head: Any) -> list[str]:
+    """The folders whose qpc/ and logs/ a role's compile writes: its own, and its EAGLE-3
+    head's (`head`: the plan's or the manifest's record of it, None without one)."""
+    return [role] + ([head.unit] if head is not None else [])
+
+
 class QaicHeadEntry(BaseModel):
     """A target's EAGLE-3 head compiled for the card beside it (export/eagle3_card.py): its
     unit's folder, card graph, compiler inputs and, once compiled, its QPC. The target's
