@@ -59,26 +59,9 @@ def parse_args(argv):
     return args, bundles, ks
 
 
-def one_run(gen, prompts, max_new_tokens: int, k: int) -> dict:
-    """Greedy decode of every prompt, one at a time; summed statistics and the outputs."""
-    totals = {"decode_tokens": 0, "decode_s": 0.0, "target_s": 0.0, "target_calls": 0,
-              "draft_s": 0.0, "draft_calls": 0, "drafts": 0, "accepted": 0}
-    outputs = []
-    for ids in prompts:
-        res = gen.generate([ids], max_new_tokens, k=k, target_only=k == 0)
-        st = res.stats
-        for key, value in (("decode_tokens", st.decode_tokens), ("decode_s", st.decode_s),
-                           ("target_s", st.target_s), ("target_calls", st.target_calls),
-                           ("draft_s", st.draft_s), ("draft_calls", st.draft_calls),
-                           ("drafts", st.num_drafts), ("accepted", st.num_accepted_tokens)):
-            totals[key] += value
-        outputs.append(res.rows[0].tokens[len(ids):])
-    return {**totals, "outputs": outputs}
-
-
 def summary(runs: list[dict], bases: list[dict]) -> dict:
-    rates = [r["decode_tokens"] / r["decode_s"] for r in runs]
-    ratios = [rate / (b["decode_tokens"] / b["decode_s"]) for rate, b in zip(rates, bases)]
+    rates = [r["decode_tokens_per_s"] for r in runs]
+    ratios = [rate / b["decode_tokens_per_s"] for rate, b in zip(rates, bases)]
     last = runs[-1]
 
     def spread(xs):
@@ -101,6 +84,7 @@ def main(argv=None) -> int:
     args, bundles, ks = parse_args(argv)
     import qpcbuild
     from qpcbuild.measuring import load_prompts
+    from qpcbuild.tune.acceptance import summed_run  # greedy runs over prompts, stats summed
 
     gens = {name: qpcbuild.load(path) for name, path in bundles.items()}
     _, texts = load_prompts(None, args.prompt_set, args.num_prompts)
@@ -112,7 +96,8 @@ def main(argv=None) -> int:
     for rep in range(args.repeats):
         shift = rep % len(configs)
         for name, k in configs[shift:] + configs[:shift]:
-            runs[(name, k)].append(one_run(gens[name], prompts[name], args.max_new_tokens, k))
+            runs[(name, k)].append(summed_run(gens[name], prompts[name], args.max_new_tokens,
+                                              k or None, target_only=k == 0))
             print(f"repeat {rep + 1}: {name} K={k} done", file=sys.stderr, flush=True)
     lossless = all(r["outputs"] == runs[(name, 0)][0]["outputs"]
                    for (name, _), rs in runs.items() for r in rs)

@@ -299,6 +299,9 @@ def test_a_confidence_stopped_head_proposes_less_and_keeps_the_targets_output(tm
     head = write_shortcut_eagle3_head(tmp_path / "h", DEMO)
     model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
     prompts = ([3, 17, 42, 9, 100], [7] * 11 + [200, 5], [1, 2, 3])
+    with torch.no_grad():
+        refs = [model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0].tolist()
+                for p in prompts]
     stats = {}
     for p_min in (0.0, 0.2):
         out = tmp_path / f"b{p_min}"
@@ -314,10 +317,7 @@ def test_a_confidence_stopped_head_proposes_less_and_keeps_the_targets_output(tm
         for row in rows:  # batch 1: a row per call
             for k, n in gen.decoder.run_rows([row]).windows.items():
                 windows[k] = windows.get(k, 0) + n
-        for prompt, row in zip(prompts, rows):
-            with torch.no_grad():
-                ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
-            assert row.tokens == ref[0].tolist(), p_min
+        assert [row.tokens for row in rows] == refs, p_min
         stats[p_min] = (sum(r.stats.num_draft_tokens for r in rows), windows)
         # tune's replay (the real target running, the stop at p_min) counts what the run did
         sim = replayed(gen, [list(p) for p in prompts],

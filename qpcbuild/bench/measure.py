@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ..errors import UsageError
 from ..prompts import check_output_file
 from ..runtime import suffix_tree
-from ..recipe import METHODS
+from ..recipe import CONFIDENT_METHODS, METHODS
 from ..runtime.policy import ConfidenceStop
 from ..runtime.rows import prefill_calls
 from ..measuring import (BENCH_KS, Say, build_for_measurement,
@@ -295,7 +295,7 @@ def _gated_generators(gens: dict, policies, draft_p_min: float | None) -> dict:
                 continue
             sib = g.sibling(m)
             label = f"{m} K={{k}} {policy}"
-            if draft_p_min is not None and m in ("draft_model", "eagle3"):
+            if draft_p_min is not None and m in CONFIDENT_METHODS:
                 sib.decoder.confidence_stop = ConfidenceStop(draft_p_min)
                 label += f" p_min={draft_p_min:g}"
             out[(m, policy)] = (sib, label)

@@ -21,7 +21,7 @@ from .file import KeyPath, dotted, parse_yaml, read_capped
 from .placement import Add, _placement, resolved_cores  # noqa: F401  (as before)
 from .schema import (  # noqa: F401  (the schema's names, for recipe's importers)
     MAX_K, MAX_CTX_LEN, CTX_LEN_MULTIPLE, CARDS, CARD_ROOFLINE_SOURCE, CARD_ROOFLINE, Method,
-    METHODS, Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
+    METHODS, CONFIDENT_METHODS, Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
     vllm_lookup_range, Speculation, Shapes, Precision, RoleHardware, CompilerOptions, Hardware,
     WeightFormat, OrtOptions, Recipe, Disaggregated, NodeHardware, DecodeNode)
 
@@ -90,9 +90,9 @@ def _speculation_and_shapes(r: Recipe, add: Add) -> None:
         if b < 1 or not 0 <= kb <= MAX_K:
             add("speculation.num_speculative_tokens_per_batch_size", f"{b}: {kb}: batch sizes "
                 f"must be >= 1 and Ks in 0..{MAX_K}")
-    if r.speculation.draft_p_min and r.draft.method not in ("draft_model", "eagle3"):
+    if r.speculation.draft_p_min and r.draft.method not in CONFIDENT_METHODS:
         add("speculation.draft_p_min", f"method '{r.draft.method}' has no draft distribution to "
-            "be confident in (draft_model and eagle3 have one); remove this key")
+            f"be confident in ({' and '.join(CONFIDENT_METHODS)} have one); remove this key")
     s = r.shapes
     compiled = ks + list((r.speculation.num_speculative_tokens_per_batch_size or {}).values())
     kmax = max(compiled or [0])

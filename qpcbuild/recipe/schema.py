@@ -41,6 +41,8 @@ CARD_ROOFLINE: dict[str, dict[str, float]] = {
 
 Method = Literal["draft_model", "ngram", "suffix", "turbo", "eagle3"]
 METHODS: tuple[str, ...] = get_args(Method)  # the one list of speculation methods
+# The methods whose proposals come from a distribution that speculation.draft_p_min can read
+CONFIDENT_METHODS: tuple[str, ...] = ("draft_model", "eagle3")
 Backend = Literal["onnxruntime", "qaic"]
 # The names of the backends that run on an accelerator card (backend_api.BACKENDS' runs_on_host
 # False; tests/test_backend_names.py holds the two together)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from ..backend_api import backend_info
 from ..errors import UsageError
+from ..recipe import CONFIDENT_METHODS
 from .acceptance import replayed, summed_run
 from .decision import (ROOFLINE, BatchChoice, ConfidenceStop, CostSource, Decision, Evidence,
                        KPrediction, ModelCheck, TuneRun)
@@ -156,7 +157,7 @@ def calibrate(bundle: Path, method: str, k_max: int, prompts: list[str], max_new
     per_batch = tuple(BatchChoice(**{**p, "table": tuple(p["table"])})
                       for p in best_k_per_batch(tables)) if len(batches) > 1 else ()
     stop = None
-    if method in ("draft_model", "eagle3"):  # the proposers with a distribution to stop on
+    if method in CONFIDENT_METHODS:
         say(f"confidence stop: the loop replayed at K={k_max} for draft_p_min in "
             f"{', '.join(f'{p:g}' for p in P_MIN_GRID)}")
         stop = _confidence_stop(gen, ids, outputs, max_new_tokens, k_max,
