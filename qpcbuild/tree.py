@@ -6,13 +6,17 @@ wherever a tree is read.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -24,6 +28,8 @@ _FICLONE = 0x40049409  # Linux ioctl: share the source's blocks (btrfs, XFS, bca
 # copy_file_range not offered by this kernel, filesystem pair or sandbox
 _NO_KERNEL_COPY = {errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM,
                    errno.EBADF}
+# Linux fallocate(2) mode: free a byte range's blocks, keeping the file's size
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 
 class ArchiveError(UsageError):
@@ -130,6 +136,24 @@ def copy_file(src: Path, dst: Path) -> None:
             fout.seek(0)
             fout.truncate()
         shutil.copyfileobj(fin, fout, CHUNK_SIZE)
+
+
+def free_range(fd: int, offset: int, length: int) -> bool:
+    """Give a file's blocks in [offset, offset + length) back to the filesystem; the range then
+    reads as zeros and the file keeps its size. False where the system cannot (not Linux, a
+    filesystem without hole punching): the bytes simply stay until the file is removed."""
+    fallocate = _fallocate()
+    return length > 0 and fallocate is not None and \
+        fallocate(fd, _PUNCH_HOLE, offset, length) == 0
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).fallocate
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn  # type: ignore[no-any-return]
 
 
 def copy_tree(src: Path, dst: Path, skip: Iterable[str] = (), move: bool = False) -> None:

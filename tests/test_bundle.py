@@ -27,9 +27,12 @@ from qpcbuild.bundle import BuildResult, build_bundle, read_manifest, verify_bun
 from qpcbuild.cache import Cache
 from qpcbuild.cli import app
 from qpcbuild.backends.onnxruntime.build import OrtBackend
-from qpcbuild.errors import BundleError, ToolchainError, UsageError
+from qpcbuild.backends.onnxruntime.weights import PortableWeights
+from qpcbuild.errors import BundleError, QpcbuildError, ToolchainError, UsageError
+from qpcbuild.export import DATA_FILE, GRAPH_FILE
 from qpcbuild.plan import make_plan
 from qpcbuild.recipe import load_recipe
+from qpcbuild.tree import free_range
 
 pytestmark = pytest.mark.slow
 
@@ -464,9 +467,9 @@ def test_failed_build_without_a_cache_leaves_nothing_and_keeps_old_bundle(recipe
 
 
 def test_a_build_without_a_cache_frees_each_export_before_the_next_starts(recipe, tmp_path):
-    """--no-cache's disk peak: the target's export is gone (its artifact built and moved into
-    the bundle) by the time the draft's export has been made, even with jobs=2; the bundle is
-    the cached build's."""
+    """--no-cache's disk peak: the smaller model (the draft) goes first, and its export is gone
+    (its artifact built and moved into the bundle) by the time the target's export has been
+    made, even with jobs=2; the bundle is the cached build's."""
     out = tmp_path / "out" / "tiny"
     exports_on_disk: dict[str, list[str]] = {}
 
@@ -476,13 +479,79 @@ def test_a_build_without_a_cache_frees_each_export_before_the_next_starts(recipe
     result = build_bundle(make_plan(load_recipe(recipe)), cache=None, out=out, jobs=2,
                           progress=progress)
     assert [s["stage"] for s in result.stages] == [
-        "export target", "onnxruntime target", "export draft", "onnxruntime draft"]
+        "export draft", "onnxruntime draft", "export target", "onnxruntime target"]
     assert len(exports_on_disk["export target"]) == 1
     assert len(exports_on_disk["export draft"]) == 1
     assert exports_on_disk["export draft"] != exports_on_disk["export target"]
     cached = build(recipe, tmp_path / "cache", tmp_path / "cached" / "tiny")
     assert result.bundle_id == cached.bundle_id and verify_bundle(out) == []
     assert leftovers(out) == []
+
+
+def _punches_holes(folder: Path) -> bool:
+    """Whether this filesystem gives a file's freed ranges back (ext4, XFS, btrfs, tmpfs)."""
+    probe = folder / "probe"
+    probe.write_bytes(b"x" * 65536)
+    with open(probe, "r+b") as fh:
+        os.fsync(fh.fileno())
+        freed = free_range(fh.fileno(), 0, 65536)
+    return freed and probe.stat().st_blocks * 512 < 65536
+
+
+@pytest.mark.parametrize("release", ["kept", "broken"])
+def test_a_build_without_a_cache_frees_each_layer_of_the_export_once_lowered(
+        recipe, tmp_path, monkeypatch, release):
+    """--no-cache's disk peak inside one role: the fused lowering gives each layer's bytes of
+    the scratch export back to the disk once that layer is lowered, so the export and the
+    artifact never both hold every layer (GBs at the peak of a 1.5B float32 target). The
+    bundle is still the cached build's; with release() disabled ("broken") the export keeps
+    every byte, which the same measurement must see."""
+    if not _punches_holes(tmp_path):
+        pytest.skip("this filesystem cannot free a file's ranges (fallocate PUNCH_HOLE)")
+    if release == "broken":
+        monkeypatch.setattr(PortableWeights, "release", lambda self, names: None)
+    out = tmp_path / "out" / "tiny"
+    seen: dict[str, tuple[int, int, int, int]] = {}
+
+    def progress(stage: str, how: str, seconds: float) -> None:  # called as each stage ends
+        if stage == "onnxruntime target":  # the target's export is still on disk here
+            graph = next(out.parent.glob(f"*/.scratch/exports/*/onnx/{GRAPH_FILE}"))
+            layers = [e for n, e in PortableWeights(graph).entries.items()
+                      if n.startswith("model.layers.")]
+            data = graph.with_name(DATA_FILE).stat()
+            seen[stage] = (data.st_size, data.st_blocks * 512, sum(e[2] for e in layers),
+                           len(layers))
+
+    result = build_bundle(make_plan(load_recipe(recipe)), cache=None, out=out, jobs=1,
+                          progress=progress)
+    size, allocated, layer_bytes, tensors = seen["onnxruntime target"]
+    # a freed range keeps at most its two partial pages allocated
+    assert layer_bytes > 2 * 4096 * tensors
+    if release == "kept":
+        assert allocated <= size - layer_bytes + 2 * 4096 * tensors
+    else:
+        assert allocated >= size - 4096
+    cached = build(recipe, tmp_path / "cache", tmp_path / "cached" / "tiny")
+    assert result.bundle_id == cached.bundle_id and verify_bundle(out) == []
+
+
+def test_released_weights_are_never_read_as_zeros(recipe, tmp_path):
+    """What release() freed reads back as zeros on disk: reading it again is an error; a
+    graph that is not being spent (a cached export) keeps every tensor readable."""
+    build(recipe, tmp_path / "cache", tmp_path / "out" / "tiny")
+    graph = next(g for g in (tmp_path / "cache" / "exports").glob(f"*/onnx/{GRAPH_FILE}")
+                 if PortableWeights(g).has("model.layers.1.mlp.down_proj.weight^T"))  # target
+    first = "model.layers.0.mlp.down_proj.weight^T"
+    kept = PortableWeights(graph)
+    kept.release([first])
+    assert kept.get(first).any()
+    copy = tmp_path / "spent"
+    shutil.copytree(graph.parent, copy)
+    spent = PortableWeights(copy / GRAPH_FILE, spend=True)
+    spent.release([first])
+    with pytest.raises(QpcbuildError, match="after releasing it"):
+        spent.get(first)
+    assert spent.get("model.layers.1.mlp.down_proj.weight^T").any()
 
 
 def test_failed_first_build_leaves_no_bundle(recipe, tmp_path, monkeypatch):

@@ -89,6 +89,31 @@ def test_compile_into_proc_is_a_clear_error(tmp_path):
     assert isinstance(result.exception, SystemExit)
 
 
+def test_a_full_disk_is_a_clear_error_that_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The disk filling up while an artifact is written (what a CI runner with a small disk
+    saw): a message naming the file, exit code 1, no stack trace, no bundle and no staging
+    folder, and the cache keeps only complete entries."""
+    import qpcbuild.backends.onnxruntime.ort_graph as ort_graph
+
+    real = ort_graph.build_ort_graph
+
+    def fills_the_disk(arch, w, role, batch, ctx_len, out_dir, *args, **kwargs):
+        real(arch, w, role, batch, ctx_len, out_dir, *args, **kwargs)
+        data = out_dir / "model.onnx.data"
+        raise OSError(28, "No space left on device", str(data))
+
+    monkeypatch.setattr(ort_graph, "build_ort_graph", fills_the_disk)
+    out, cache = tmp_path / "out" / "bundle", tmp_path / "cache"
+    result = compile_demo(out, cache)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "out of disk space while writing" in result.output
+    assert "model.onnx.data" in result.output and "Traceback" not in result.output
+    assert list(out.parent.iterdir()) == []
+    monkeypatch.undo()
+    again = compile_demo(out, cache)  # the same cache: nothing half-written is reused
+    assert again.exit_code == 0, again.output
+
+
 def test_cache_commands_refuse_a_cache_dir_typo(tmp_path):
     for cmd in ("ls", "verify", "prune"):
         result = runner.invoke(app, ["cache", cmd, "--cache-dir", str(tmp_path / "typo")])

@@ -167,15 +167,12 @@ def test_fuzzed_manifest_edits_load_or_fail_cleanly(pristine, tmp_path_factory, 
 
     try:
         bundle = resealed(pristine, tmp, edit)
-    except QpcbuildError:
-        return  # refused when sealing: fine
-    try:
         gen = qpcbuild.load(bundle, verify="full")
         gen.generate(["def f"], max_new_tokens=2)
     except QpcbuildError:
-        pass
+        pass  # refused when sealing or when loading: fine
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # 60 copies of the bundle otherwise
 
 
 # ---------------------------------------------------------------- corrupt tokenizers

@@ -32,6 +32,9 @@ class BuildContext:
     # files the cache delivers into `staging` with the digests its entries recorded (the seal
     # does not read them again); None where nothing is sealed from them
     delivered: DeliveredFiles | None = None
+    # the role's exported graph is a scratch copy and this backend its last reader (a build
+    # without a cache): it may free the graph's bytes as it goes
+    spend_export: bool = False
 
 
 class Backend(Protocol):

@@ -8,7 +8,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -42,8 +42,7 @@ SCRATCH = ".scratch"  # where a build without a cache makes its artifacts
 Progress = Callable[[str, str, float], None]
 
 
-# compile --push: (staging folder with the sealed manifest, {file: where its bytes are}) ->
-# what was pushed (as JSON)
+# compile --push: (staging with the sealed manifest, {file: where its bytes are}) -> pushed
 Publish = Callable[[Path, dict[str, object]], dict[str, Any]]
 
 
@@ -253,15 +252,19 @@ class _Build:
         self.record(f"export {role.role}", True, t0, cache.origin("exports", key, True))
         return role.role, meta
 
-    def build_artifacts(self, roles: list[RolePlan]) -> dict[str, dict[str, Any]]:
+    def build_artifacts(self, roles: list[RolePlan],
+                        spent: bool = False) -> dict[str, dict[str, Any]]:
         """Each wanted backend's artifacts for each role, into the staging bundle; returns
-        {backend: {role: its manifest entry}}."""
+        {backend: {role: its manifest entry}}. `spent`: the exports are removed afterwards."""
         staging, cache = self.ctx.staging, self.cache
         built: dict[str, dict[str, Any]] = {name: {} for name in self.backends}
         shipped = self.shipped  # across calls: role_by_role builds one role per call
         for rp in roles:
             todo = {name: b for name, b in self.backends.items() if self.wanted(name, rp.role)}
-            if any(b.ships_graph for b in todo.values()):  # every backend builds from it
+            ships = any(b.ships_graph for b in todo.values())
+            # the last reader of a spent export frees it as it goes (never the bundle's copy)
+            last = list(todo)[-1] if spent and todo and not ships else None
+            if ships:  # every backend builds from it
                 # (a disaggregated bundle's two target units share the target's one graph)
                 onnx_dir = staging / rp.model_role / "onnx"
                 if rp.model_role not in shipped:
@@ -273,7 +276,8 @@ class _Build:
                 t0 = time.perf_counter()
                 key = self.keys[rp.role][name]
                 with running(f"{name} {rp.role}"):  # minutes under qaic-compile
-                    info, reused = backend.build_cached(self.ctx, rp, cache, key,
+                    ctx = replace(self.ctx, spend_export=name == last)
+                    info, reused = backend.build_cached(ctx, rp, cache, key,
                                                         self.inputs[rp.role][name],
                                                         self.onnx_dirs[rp.role])
                 built[name][rp.role] = info
@@ -284,19 +288,23 @@ class _Build:
 
     def role_by_role(self, roles: list[RolePlan]) -> tuple[dict[str, dict[str, Any]],
                                                           dict[str, dict[str, Any]]]:
-        """Without a cache: each role exported, its artifacts built and moved into the bundle,
-        then its export's scratch folder freed, before the next role's export starts. The disk
-        then holds one export beside the artifacts, not every export (a 1.5B float32 target's
-        graph is ~6 GB). Returns (exports, built) as export() and build_artifacts() do."""
+        """Without a cache, smallest model first: each role exported, its artifacts built and
+        moved into the bundle, then its export freed, before the next role's export starts.
+        The disk holds one export beside the artifacts, the largest beside only the small
+        roles' (a 1.5B float32 target's is ~7 GB). Returns what export/build_artifacts do."""
         assert not self.cache.keeps  # a kept cache's entries are not ours to free
         exports: dict[str, dict[str, Any]] = {}
         built: dict[str, dict[str, Any]] = {name: {} for name in self.backends}
+        r = self.plan.recipe
+        roles = sorted(roles, key=lambda rp: sum(f.stat().st_size for f in weight_files(
+            rp, (r.draft if rp.model_role == "draft" else r.target).allow_pickle)))
         for i, rp in enumerate(roles):
             role, exports[role] = self.export(rp)
-            for name, entries in self.build_artifacts([rp]).items():
-                built[name].update(entries)
             # a disaggregated bundle's target units share one export: kept for the later one
-            if all(later.model_role != rp.model_role for later in roles[i + 1:]):
+            spent = all(later.model_role != rp.model_role for later in roles[i + 1:])
+            for name, entries in self.build_artifacts([rp], spent).items():
+                built[name].update(entries)
+            if spent:
                 with self.export_lock:  # forgotten too: a later role with its key rebuilds it
                     entry = self.graphs.pop(self.keys[rp.role]["export"], None)
                 if entry is not None:

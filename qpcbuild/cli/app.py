@@ -3,6 +3,7 @@ code, never a stack trace), JSON output and the common arguments."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import signal
@@ -55,6 +56,11 @@ SetOpt = typer.Option(None, "--set", help="Override a recipe key: --set shapes.c
                       "(repeatable).")
 
 
+# A full disk (or quota) ends a command with a message, not a stack trace: each writer removes
+# what it had half written as the error passes through it.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _terminate(signum, frame):
     Terminated.requested = True
     raise Terminated()
@@ -76,6 +82,15 @@ def handles_errors(fn: Callable) -> Callable:
             if kwargs.get("json_out") is True or kwargs.get("json_stdout") is True:
                 emit_json({"error": error_object(exc)})  # CI parses stdout
             raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:
+            if exc.errno not in DISK_FULL:
+                raise
+            where = f" while writing {exc.filename}" if exc.filename else ""
+            err_console.print(f"[red]error:[/] out of disk space{where} ({exc.strerror}); "
+                              "what this command was writing has been removed: free some space "
+                              "(`qpcbuild cache prune` frees the build cache) and run it again",
+                              soft_wrap=True)
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("[red]interrupted[/]")
             raise typer.Exit(130) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,7 +73,7 @@ class OrtBackend:
                      inputs: dict[str, Any], onnx_dir: Callable[[], Path]) -> tuple[dict, bool]:
         # Built in the cache's scratch folder, then delivered into the bundle.
         def build(tmp: Path) -> dict[str, Any]:
-            return self.build(BuildContext(ctx.plan, tmp, ctx.emit_only, ctx.compiler), role,
+            return self.build(replace(ctx, staging=tmp, delivered=None), role,
                               onnx_dir())
 
         entry, info, reused = cache.get_or_build(self.cache_kind, key, build, inputs)
@@ -101,7 +102,7 @@ class OrtBackend:
         copy of the target's token embedding (export/eagle3.py)."""
         from ...export.eagle3 import export_head
         from .nbits import LEGACY_NBITS, WEIGHT_BITS, matmul_nbits
-        from .ort_graph import PortableWeights
+        from .weights import PortableWeights
 
         assert role.eagle3 is not None
         a = role.arch
@@ -123,7 +124,7 @@ class OrtBackend:
         from .nbits import nbits_layout
         from .ort_graph import PortableWeights, build_ort_graph
 
-        weights = PortableWeights(onnx_dir / GRAPH_FILE)
+        weights = PortableWeights(onnx_dir / GRAPH_FILE, spend=ctx.spend_export)
         source = onnx.load(str(onnx_dir / GRAPH_FILE), load_external_data=False)
         metadata = {p.key: p.value for p in source.metadata_props}
         ort = self.part(role)

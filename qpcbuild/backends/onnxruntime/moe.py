@@ -37,7 +37,7 @@ def rebuild_with_moe_op(export_dir: Path, out_dir: Path, arch: ArchSpec) -> Path
                 if t.data_location == TensorProto.EXTERNAL}
     subset = None
     if SUBSET_KEPT in exported:  # a draft's vocabulary subset: its kept token ids
-        from .ort_graph import PortableWeights
+        from .weights import PortableWeights
 
         subset = np.flatnonzero(PortableWeights(export_dir / GRAPH_FILE).get(SUBSET_KEPT))
     with open(out_dir / TABLES_FILE, "wb") as tables:

@@ -34,7 +34,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
 from ...models.arch import ArchSpec
@@ -48,32 +47,8 @@ from ...models.turbo_heads import MAX_HEADS
 from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
 from .nbits import LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, matmul_nbits
+from .weights import PortableWeights
 from .window import local_window_size, reading, windowed
-
-
-class PortableWeights:
-    """Tensors of an exported portable graph, read back from its external data file."""
-
-    def __init__(self, onnx_path: Path):
-        model = onnx.load(str(onnx_path), load_external_data=False)
-        self.dir = onnx_path.parent
-        self.entries = {}
-        for t in model.graph.initializer:
-            if t.data_location == TensorProto.EXTERNAL:
-                info = {e.key: e.value for e in t.external_data}
-                self.entries[t.name] = (info["location"], int(info.get("offset", 0)),
-                                        int(info["length"]), t.data_type, tuple(t.dims))
-
-    def get(self, name: str) -> np.ndarray:
-        location, offset, length, dtype, dims = self.entries[name]
-        np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
-        with open(self.dir / location, "rb") as fh:
-            fh.seek(offset)
-            arr = np.frombuffer(fh.read(length), dtype=np_dtype).reshape(dims)
-        return arr.astype(np.float32) if arr.dtype.kind == "f" else arr  # float16 exports too
-
-    def has(self, name: str) -> bool:
-        return name in self.entries
 
 
 def rope_tables(arch: ArchSpec, ctx_len: int,
@@ -200,6 +175,8 @@ class _Lowered:
 
         x = self.scaled(g.op("Gather", self.weight("model.embed_tokens.weight"), ids),
                         a.embedding_scale)  # Granite's embedding multiplier
+        if not self.eagle3_layers:  # (an EAGLE-3 head's graph copies the table afterwards)
+            self.w.release(["model.embed_tokens.weight"])  # the head's is its own tensor
         h = self.norm(x, "model.layers.0.input_layernorm.weight")
         aux: dict[int, str] = {}  # the residual stream entering each layer (EAGLE-3's inputs)
         for i in range(a.num_layers):
@@ -220,6 +197,8 @@ class _Lowered:
             nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < a.num_layers \
                 else "model.norm.weight"
             h, x = self.skip_norm(x, delta, nxt)
+            # no later step reads a layer's own tensors
+            self.w.release([n for n in self.w.entries if n.startswith(f"{p}.")])
         self.head(h, pos, nlk)
         if self.eagle3_layers:
             feature_output(g, [aux[i] for i in self.eagle3_layers], self.weight(FC_WEIGHT))
