@@ -21,9 +21,10 @@ from .file import KeyPath, dotted, parse_yaml, read_capped
 from .placement import Add, _placement, resolved_cores  # noqa: F401  (as before)
 from .schema import (  # noqa: F401  (the schema's names, for recipe's importers)
     MAX_K, MAX_CTX_LEN, CTX_LEN_MULTIPLE, CARDS, CARD_ROOFLINE_SOURCE, CARD_ROOFLINE, Method,
-    METHODS, CONFIDENT_METHODS, Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS, VLLM_NGRAM_DEFAULT,
-    vllm_lookup_range, Speculation, Shapes, Precision, RoleHardware, CompilerOptions, Hardware,
-    WeightFormat, OrtOptions, Recipe, Disaggregated, NodeHardware, DecodeNode)
+    METHODS, CONFIDENT_METHODS, Backend, ModelRef, Draft, NGRAM_DEFAULTS, SUFFIX_DEFAULTS,
+    VLLM_NGRAM_DEFAULT, vllm_lookup_range, Speculation, Shapes, Precision, RoleHardware,
+    CompilerOptions, Hardware, WeightFormat, OrtOptions, Recipe, Disaggregated, NodeHardware,
+    DecodeNode)
 
 
 # ---------------------------------------------------------------- validation

@@ -88,13 +88,11 @@ class OrtBackend:
         return part
 
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
+        if role.eagle3 is not None:  # first: it copies the embedding, which the lowering frees
+            self.build_eagle3_head(ctx, role, onnx_dir)  # from a spent export
         if self.part(role).graph == "fused":
-            info = self.build_fused(ctx, role, onnx_dir)
-        else:
-            info = self.build_portable(ctx, role, onnx_dir)
-        if role.eagle3 is not None:
-            self.build_eagle3_head(ctx, role, onnx_dir)
-        return info
+            return self.build_fused(ctx, role, onnx_dir)
+        return self.build_portable(ctx, role, onnx_dir)
 
     @staticmethod
     def build_eagle3_head(ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> None:

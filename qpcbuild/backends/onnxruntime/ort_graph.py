@@ -175,8 +175,7 @@ class _Lowered:
 
         x = self.scaled(g.op("Gather", self.weight("model.embed_tokens.weight"), ids),
                         a.embedding_scale)  # Granite's embedding multiplier
-        if not self.eagle3_layers:  # (an EAGLE-3 head's graph copies the table afterwards)
-            self.w.release(["model.embed_tokens.weight"])  # the head's is its own tensor
+        self.w.release(["model.embed_tokens.weight"])  # the LM head's is its own tensor
         h = self.norm(x, "model.layers.0.input_layernorm.weight")
         aux: dict[int, str] = {}  # the residual stream entering each layer (EAGLE-3's inputs)
         for i in range(a.num_layers):

@@ -18,8 +18,8 @@ class PortableWeights:
     """Tensors of an exported portable graph, read back from its external data file.
 
     `spend`: the graph is a scratch copy that nothing reads after this lowering (a build
-    without a cache), so release() may give each layer's bytes back to the disk once the layer
-    is lowered, so the export and the artifact never both hold every layer (the float32
+    without a cache). release() then gives each layer's bytes back to the disk once the layer
+    is lowered, and the export and the artifact never both hold every layer (the float32
     Qwen2.5-Coder pair's build: 8.3 GiB of disk at the peak instead of 12.6)."""
 
     def __init__(self, onnx_path: Path, spend: bool = False):
