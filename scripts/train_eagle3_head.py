@@ -24,15 +24,18 @@ Initialisation: the layer from the target's layer L-3 (its q/k/v read the hidden
 embedding half starts at zero), fc picks the deepest feature, norm and lm_head rows from the
 target: the head starts as a shortened target and learns to use the next token's embedding.
 
-Second stage (--init): continue from a trained head on new data (another --seed draws other
+Later stages (--init): continue from a trained head on new data (another --seed draws other
 prompts and windows; the held-out 10% is chosen by a hash of each prompt, so no stage trains on
 another's held-out prompts).
 
-Run (models/smollm2-eagle3 is these two stages, models/smollm2-eagle3/README.md):
+Run (models/smollm2-eagle3 is these three stages, models/smollm2-eagle3/README.md):
       python scripts/train_eagle3_head.py --out /tmp/stage1          # stage 1: the defaults
       python scripts/train_eagle3_head.py --init /tmp/stage1 --out /tmp/stage2 --seed 4321 \
           --code-prompts 2400 --gen-minutes 25 --gen-batch 64 --tf-windows 1200 \
           --tf-per-file 2 --train-minutes 25 --lr 5e-4 --checkpoint-minutes 8
+      python scripts/train_eagle3_head.py --init /tmp/stage2 --out /tmp/stage3 --seed 777 \
+          --code-prompts 300 --gen-minutes 13 --gen-batch 64 --tf-windows 300 \
+          --train-minutes 15 --lr 3e-4 --checkpoint-minutes 5    # every chat and prose prompt
       python scripts/train_eagle3_head.py --gen-minutes 0.3 --tf-windows 8 --steps 3 --out /tmp/h
 """
 

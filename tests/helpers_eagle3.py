@@ -71,9 +71,9 @@ onnxruntime: {{graph: {graph}}}
     return path
 
 
-def demo_head(folder: Path, **kw) -> Path:
+def demo_head(folder: Path, heads: int = 4, kv_heads: int = 2, **kw) -> Path:
     import json
 
     cfg = json.loads((DEMO / "config.json").read_text())
     return write_random_eagle3_head(folder, cfg["num_hidden_layers"], cfg["hidden_size"],
-                                    cfg["vocab_size"], heads=4, kv_heads=2, **kw)
+                                    cfg["vocab_size"], heads=heads, kv_heads=kv_heads, **kw)

@@ -115,6 +115,65 @@ def test_head_graph_equals_a_transformers_forward_across_its_cache(tmp_path):
     np.testing.assert_allclose(np.concatenate(logits), ref_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_the_fused_head_graph_equals_the_forward_with_its_cache_kept_in_place(tmp_path):
+    """The ONNX Runtime form of a fused target's head (backends/onnxruntime/eagle3_graph.py):
+    GroupQueryAttention reads and writes one buffer bound as both the cache input and its
+    retained-state output, and the tokens come in as rows of the target's embedding (the graph
+    holds none). Its outputs equal transformers' forward; slots past a call's positions hold
+    garbage (what a rejected draft leaves), which the kernel must never read."""
+    import onnx
+    import onnxruntime as ort
+
+    from qpcbuild.backends.onnxruntime.eagle3_graph import export_fused_head
+
+    # (GroupQueryAttention takes head_dim 16 and up; 2 query heads share one KV head)
+    folder = write_random_eagle3_head(tmp_path / "h", LAYERS, HIDDEN, VOCAB, heads=2,
+                                      kv_heads=1, seed=3)
+    head = read_eagle3_head(folder, LAYERS, HIDDEN, VOCAB)
+    rng = np.random.default_rng(1)
+    embed = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    ids = rng.integers(0, VOCAB, 9)
+    hidden = rng.standard_normal((9, HIDDEN)).astype(np.float32)
+
+    def project(g, x, name, w, out):
+        return g.op("MatMul", x, g.weight(name, w), out=out)
+
+    path = export_fused_head(head, 64, tmp_path / "g", project, "float32")
+    graph = onnx.load(str(path), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert "GroupQueryAttention" in ops and "Softmax" not in ops and len(ops) < 40, ops
+    assert "Gather" not in ops and not any(tuple(t.dims) == (VOCAB, HIDDEN)
+                                           for t in graph.initializer)  # no embedding
+    sess = ort.InferenceSession(str(path))
+    i = head.info
+    buffers = [rng.standard_normal((1, i.num_kv_heads, 16, i.head_dim)).astype(np.float32) * 50
+               for _ in range(2)]
+    b = sess.io_binding()
+    for name, buffer in zip(("past_key", "past_value"), buffers):
+        value = ort.OrtValue.ortvalue_from_numpy(buffer)
+        b.bind_ortvalue_input(name, value)
+        b.bind_ortvalue_output(f"{name}_RetainedState", value)
+    logits, outs = [], []
+    for start, end in ((0, 5), (5, 6), (6, 9)):  # fill, one step, three more
+        b.bind_cpu_input("inputs_embeds", embed[ids[start:end]][None])  # the target's rows
+        b.bind_cpu_input("hidden", hidden[None, start:end])
+        b.bind_cpu_input("position_ids", np.arange(start, end)[None])
+        b.bind_output("logits")  # (each call: its shape is the call's)
+        b.bind_output("hidden_out")
+        sess.run_with_iobinding(b)
+        lg, out = (v.numpy() for v in b.get_outputs()[2:])
+        logits.append(lg[0])
+        outs.append(out[0])
+    ref_logits, ref_out = torch_head(folder, embed, ids, hidden)
+    np.testing.assert_allclose(np.concatenate(outs), ref_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(logits), ref_logits, rtol=1e-4, atol=1e-4)
+    assert np.abs(buffers[0][:, :, 9:]).max() > 10  # the garbage past position 8 is still there
+    d2t = sess.run(["draft_to_target"], {
+        "inputs_embeds": embed[ids[:1]][None], "hidden": hidden[None, :1], "position_ids": [[0]],
+        "past_key": buffers[0][:, :, :1].copy(), "past_value": buffers[1][:, :, :1].copy()})[0]
+    assert d2t.tolist() == head.draft_to_target.tolist()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_head_graph_runs_every_projection_in_blocks_close_to_float(bits, tmp_path):
     """onnxruntime.draft_weights for an eagle3 recipe: the head's eight projections become
@@ -198,7 +257,12 @@ def test_eagle3_greedy_output_equals_generate(graph, shapes, tmp_path):
         assert row.stats.num_drafts > 0
 
 
-def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path):
+@pytest.mark.parametrize("graph,heads,in_place", [
+    ("fused", 4, True), ("portable", 4, False),
+    ("fused", 32, False)],  # head_dim 8: GroupQueryAttention's kernel refuses it, so a fused
+    ids=["fused", "portable", "fused-head-dim-8"])  # target's head is built portable
+def test_proposals_are_the_heads_forward_over_the_targets_own_features(graph, heads, in_place,
+                                                                      tmp_path):
     """EAGLE's shift, checked against transformers: at each step the head reads, for every
     verified position p, the target's hidden states entering its aux layers at p (through fc)
     with the token at p + 1; its first proposal is the argmax at the last verified position
@@ -215,8 +279,8 @@ def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path)
     from qpcbuild.runtime.rows import new_row
     from qpcbuild.runtime.sampling import SamplingParams
 
-    folder = demo_head(tmp_path / "h", seed=5)
-    result = CliRunner().invoke(app, ["compile", str(recipe(tmp_path, folder, "portable")), "-o",
+    folder = demo_head(tmp_path / "h", seed=5, heads=heads, kv_heads=heads // 2)
+    result = CliRunner().invoke(app, ["compile", str(recipe(tmp_path, folder, graph)), "-o",
                                       str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")])
     assert result.exit_code == 0, result.output
     served = CliRunner().invoke(app, ["serve-config", str(tmp_path / "b")])
@@ -225,6 +289,7 @@ def test_proposals_are_the_heads_forward_over_the_targets_own_features(tmp_path)
     assert '"method": "eagle3"' in text and str(folder) in text, text
     gen = qpcbuild.load(tmp_path / "b")
     drafter = gen.decoder.eagle3
+    assert drafter.in_place == in_place  # the head graph in the target's form where it fits
     seen: list[tuple[list[int], list[int]]] = []
     propose = drafter.propose
 

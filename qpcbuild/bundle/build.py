@@ -29,7 +29,7 @@ from ..toolchain import artifact_versions
 from ..tree import hash_tree
 from .backend import Backend, BuildCache, BuildContext, get_backend
 from .handoff import manifest_record
-from .keys import artifact_key_inputs, unit_name, weight_files
+from .keys import artifact_key_inputs, model_ref, unit_name, weight_files
 from .manifest import MANIFEST_SCHEMA, UNSEALED_FILES, Manifest, write_manifest
 from .staging import (check_writable_parent, publish, refuse_to_replace, remove_debris,
                       staging_folder)
@@ -203,7 +203,7 @@ class _Build:
         nothing built here needs the graph, else the export entry (from the cache or built)."""
         t0 = time.perf_counter()
         r, cache, backends = self.plan.recipe, self.cache, self.backends
-        ref = r.target if role.model_role == "target" else r.draft
+        ref = model_ref(r, role)
         allow_pickle = ref.allow_pickle
         self.inputs[role.role] = inputs = artifact_key_inputs(
             role, cache.weights_digest(weight_files(role, allow_pickle)), backends,
@@ -295,9 +295,8 @@ class _Build:
         assert not self.cache.keeps  # a kept cache's entries are not ours to free
         exports: dict[str, dict[str, Any]] = {}
         built: dict[str, dict[str, Any]] = {name: {} for name in self.backends}
-        r = self.plan.recipe
         roles = sorted(roles, key=lambda rp: sum(f.stat().st_size for f in weight_files(
-            rp, (r.draft if rp.model_role == "draft" else r.target).allow_pickle)))
+            rp, model_ref(self.plan.recipe, rp).allow_pickle)))
         for i, rp in enumerate(roles):
             role, exports[role] = self.export(rp)
             # a disaggregated bundle's target units share one export: kept for the later one

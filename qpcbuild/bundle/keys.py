@@ -9,6 +9,7 @@ from typing import Any
 
 from ..models.source import safetensors_files
 from ..plan import EXPORTER_VERSION, RolePlan, digest
+from ..recipe.schema import Draft, ModelRef, Recipe
 from ..toolchain import artifact_versions
 from ..version import __version__
 from .backend import Backend
@@ -27,6 +28,11 @@ def artifact_key_inputs(role: RolePlan, weights_digest: str, backends: dict[str,
     return {"export": export,
             **{name: b.key_inputs(role, digest(export), tools, compiler, emit_only)
                for name, b in backends.items()}}
+
+
+def model_ref(r: Recipe, role: RolePlan) -> ModelRef | Draft:
+    """The recipe's entry for the role's model (the target's or the draft's)."""
+    return r.target if role.model_role == "target" else r.draft
 
 
 def weight_files(role: RolePlan, allow_pickle: bool) -> list[Path]:

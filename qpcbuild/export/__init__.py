@@ -15,10 +15,14 @@ OPSET = 17  # the ONNX opset every graph of ours is written in (and whose schema
 GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 MS = "com.microsoft"  # ONNX Runtime's contrib-operator domain (MatMulNBits, MoE, GQA)
 EAGLE3_DIR = "eagle3"  # an EAGLE-3 head's graph, in a folder beside its target's artifact
+# the target artifact's token embedding, whose rows a head graph without a copy of its own
+# takes as `inputs_embeds` (backends/onnxruntime/eagle3_graph.py)
+TARGET_EMBEDDING = "model.embed_tokens.weight"
 
 _WHERE = {"export_model": "model", "ExportResult": "model"}
 
-__all__ = ["DATA_FILE", "EAGLE3_DIR", "GRAPH_FILE", "MS", "OPSET", *sorted(_WHERE)]
+__all__ = ["DATA_FILE", "EAGLE3_DIR", "GRAPH_FILE", "MS", "OPSET", "TARGET_EMBEDDING",
+           *sorted(_WHERE)]
 
 
 def __getattr__(name: str):

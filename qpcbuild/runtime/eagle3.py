@@ -24,20 +24,44 @@ from typing import Any
 import numpy as np
 
 from ..errors import BundleError
+from ..export import TARGET_EMBEDDING
 from ..ort_threads import session_options
 from .policy import ConfidenceStop
 from .rows import Eagle3RowState, Row
 from .sampling import probabilities, sample
 
 UNREACHABLE = np.float32(-1e30)  # logits of target tokens outside the draft vocabulary
-CALL_OUTPUTS = ("logits", "hidden_out", "key", "value")  # what every head call reads
+CALL_OUTPUTS = ("logits", "hidden_out", "key", "value")  # what a portable head call reads
+IN_PLACE = "past_key_RetainedState"  # an output of the fused graph only
+
+
+def target_embedding(target_graph: Path, hidden_size: int) -> np.ndarray:
+    """The token embedding [V, H] of the target's ONNX Runtime artifact, mapped read-only from
+    its external data file: rows are paged in as they are indexed, none is copied."""
+    import onnx
+    from onnx import TensorProto
+
+    model = onnx.load(str(target_graph), load_external_data=False)
+    t = next((t for t in model.graph.initializer if t.name == TARGET_EMBEDDING), None)
+    if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2 or \
+            t.dims[1] != hidden_size or t.data_location != TensorProto.EXTERNAL:
+        raise BundleError(f"{target_graph}: no float32 '{TARGET_EMBEDDING}' [V, {hidden_size}] "
+                          "in an external data file, which the EAGLE-3 head reads its tokens from")
+    where = {e.key: e.value for e in t.external_data}
+    return np.memmap(target_graph.parent / where["location"], np.float32, "r",
+                     int(where.get("offset", 0)), tuple(t.dims))
 
 
 class Eagle3Drafter:
-    """The head's ONNX Runtime session and the per-row state it drafts from."""
+    """The head's ONNX Runtime session and the per-row state it drafts from. Two graph forms:
+    the fused one (backends/onnxruntime/eagle3_graph.py) reads and writes each row's cache in
+    place through an I/O binding; the portable one (export/eagle3.py) takes the cached
+    positions as inputs and returns the call's keys, which are written into the cache here."""
 
-    def __init__(self, path: Path, vocab_size: int, ctx_len: int, max_k: int,
-                 threads: int | None = None):
+    def __init__(self, path: Path, target_graph: Path, vocab_size: int, ctx_len: int,
+                 max_k: int, threads: int | None = None):
+        """path: the head's graph; target_graph: the target's artifact, whose token embedding
+        the fused form reads."""
         import onnxruntime as ort
 
         so, _ = session_options(threads, role_session=True)
@@ -48,12 +72,23 @@ class Eagle3Drafter:
             raise BundleError(f"{path}: onnxruntime cannot load the EAGLE-3 head: {exc}") \
                 from None
         shapes = {i.name: i.shape for i in self.sess.get_inputs()}
-        if set(shapes) != {"input_ids", "hidden", "position_ids", "past_key", "past_value"}:
+        self.in_place = IN_PLACE in {o.name for o in self.sess.get_outputs()}
+        tokens_in = "inputs_embeds" if self.in_place else "input_ids"
+        if set(shapes) != {tokens_in, "hidden", "position_ids", "past_key", "past_value"}:
             raise BundleError(f"{path}: not an EAGLE-3 head graph (inputs {sorted(shapes)})")
         self.hidden_size = int(shapes["hidden"][-1])
+        self.embedding = target_embedding(target_graph, self.hidden_size) if self.in_place \
+            else None
         self.kv_heads, self.head_dim = int(shapes["past_key"][1]), int(shapes["past_key"][3])
         self.vocab_size, self.ctx_len, self.max_k = vocab_size, ctx_len, max_k
-        self.draft_to_target: np.ndarray | None = None  # read from the first call
+        self.ortvalue = ort.OrtValue.ortvalue_from_numpy
+        # d2t is a constant output: read by one call on a scratch cache, which also pays the
+        # session's first-call set-up before any row is timed
+        scratch = np.zeros((1, self.kv_heads, 1, self.head_dim), np.float32)
+        self.draft_to_target: np.ndarray = np.asarray(self.sess.run(["draft_to_target"], {
+            **self._tokens([0]), "hidden": np.zeros((1, 1, self.hidden_size), np.float32),
+            "position_ids": np.zeros((1, 1), np.int64),
+            "past_key": scratch, "past_value": scratch})[0], np.int64)
         self.calls = 0  # head calls so far (the engine counts them as draft calls)
 
     def state(self, row: Row) -> Eagle3RowState:
@@ -78,21 +113,44 @@ class Eagle3Drafter:
         keys at those positions. The last position's logits [Vd] and output [H]."""
         n = len(tokens)
         self.calls += 1
-        first = self.draft_to_target is None  # d2t is a constant: read once
-        outs = self.sess.run([*CALL_OUTPUTS, *(["draft_to_target"] if first else [])], {
-            "input_ids": np.asarray([tokens], np.int64), "hidden": hidden[None],
-            "position_ids": np.arange(start, start + n, dtype=np.int64)[None],
-            "past_key": st.keys[:, :, :start], "past_value": st.values[:, :, :start]})
-        logits, out, key, value = outs[:4]
-        st.keys[:, :, start:start + n] = key
-        st.values[:, :, start:start + n] = value
-        if first:
-            self.draft_to_target = np.asarray(outs[4], np.int64)
+        inputs = {**self._tokens(tokens), "hidden": hidden[None],
+                  "position_ids": np.arange(start, start + n, dtype=np.int64)[None]}
+        if self.in_place:
+            b = self._binding(st)
+            for name, value in inputs.items():
+                b.bind_cpu_input(name, value)
+            for name in ("logits", "hidden_out"):  # each call: their shape is the call's
+                b.bind_output(name)
+            self.sess.run_with_iobinding(b)
+            logits, out = (v.numpy() for v in b.get_outputs()[2:])  # (the cache stays put)
+        else:
+            logits, out, key, value = self.sess.run(list(CALL_OUTPUTS), {
+                **inputs, "past_key": st.keys[:, :, :start], "past_value": st.values[:, :, :start]})
+            st.keys[:, :, start:start + n] = key
+            st.values[:, :, start:start + n] = value
         return logits[0, -1], out[0, -1]
+
+    def _tokens(self, tokens: list[int]) -> dict[str, np.ndarray]:
+        """The call's tokens as the graph takes them: their ids, or (the fused form) their rows
+        of the target's embedding."""
+        if self.embedding is None:
+            return {"input_ids": np.asarray([tokens], np.int64)}
+        return {"inputs_embeds": self.embedding[tokens][None]}
+
+    def _binding(self, st: Eagle3RowState) -> Any:
+        """The row's I/O binding of the fused graph: its cache read and written in place (bound
+        once, before the call's logits and output)."""
+        if st.binding is None:
+            b = self.sess.io_binding()
+            for name, buffer in (("past_key", st.keys), ("past_value", st.values)):
+                value = self.ortvalue(buffer)
+                b.bind_ortvalue_input(name, value)
+                b.bind_ortvalue_output(f"{name}_RetainedState", value)
+            st.binding = b
+        return st.binding
 
     def _distribution(self, r: Row, draft_logits: np.ndarray) -> np.ndarray | None:
         """A sampled row's distribution over the target vocabulary (None for a greedy row)."""
-        assert self.draft_to_target is not None
         if r.sp.greedy:
             return None
         full = np.full(self.vocab_size, UNREACHABLE, np.float32)
@@ -101,7 +159,6 @@ class Eagle3Drafter:
 
     def _choose(self, r: Row, draft_logits: np.ndarray, probs: np.ndarray | None) -> int:
         """A proposal, as a target id: the argmax over the draft vocabulary (greedy) or a draw."""
-        assert self.draft_to_target is not None
         if probs is None:
             return int(self.draft_to_target[int(draft_logits.argmax())])
         return sample(probs, r.rng)

@@ -245,7 +245,7 @@ def eagle3_drafter(manifest: Manifest, target: ModelSession) -> Eagle3Drafter:
         raise UsageError("eagle3 reads the features the target's ONNX Runtime graph returns, "
                          "which this session does not (the head runs on ONNX Runtime only in "
                          "this version)")
-    return Eagle3Drafter(Path(path).parent / EAGLE3_DIR / GRAPH_FILE,
+    return Eagle3Drafter(Path(path).parent / EAGLE3_DIR / GRAPH_FILE, Path(path),
                          manifest.roles["target"].arch.vocab_size, manifest.shapes.ctx_len,
                          max(manifest.ks))
 

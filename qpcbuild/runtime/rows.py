@@ -115,6 +115,7 @@ class Eagle3RowState:
     keys: np.ndarray  # [1, nKV, ctx + K + 1, D]
     values: np.ndarray
     verified: int = 0
+    binding: Any = None  # the fused head graph's I/O binding of this cache (eagle3.py)
 
 
 @dataclass

@@ -88,32 +88,39 @@ class OrtBackend:
         return part
 
     def build(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
-        if role.eagle3 is not None:  # first: it copies the embedding, which the lowering frees
-            self.build_eagle3_head(ctx, role, onnx_dir)  # from a spent export
+        if role.eagle3 is not None:  # first: a portable head copies the embedding, which the
+            self.build_eagle3_head(ctx, role, onnx_dir)  # lowering frees from a spent export
         if self.part(role).graph == "fused":
             return self.build_fused(ctx, role, onnx_dir)
         return self.build_portable(ctx, role, onnx_dir)
 
-    @staticmethod
-    def build_eagle3_head(ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> None:
-        """The EAGLE-3 head's graph beside the target's artifact (`<role>/ort/eagle3/`), with a
-        copy of the target's token embedding (export/eagle3.py)."""
+    def build_eagle3_head(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> None:
+        """The EAGLE-3 head's graph beside the target's artifact (`<role>/ort/eagle3/`), in the
+        target's form: a fused target's head on the fused kernels, reading the target's own
+        token embedding (eagle3_graph.py), where its head_dim fits them; else in plain
+        operators with a copy of that embedding (export/eagle3.py)."""
         from ...export.eagle3 import export_head
+        from .eagle3_graph import export_fused_head, fits_fused
         from .nbits import LEGACY_NBITS, WEIGHT_BITS, matmul_nbits
         from .weights import PortableWeights
 
         assert role.eagle3 is not None
         a = role.arch
         head = role.eagle3.read(a)
-        embed = PortableWeights(onnx_dir / GRAPH_FILE).get("model.embed_tokens.weight")
         # onnxruntime.draft_weights: the head is the proposer, so its numerics change only
         # which tokens it proposes (a draft's layout, the fastest)
         weights = ctx.plan.recipe.onnxruntime.draft_weights
         bits = WEIGHT_BITS.get(weights)
         project = None if bits is None else (
             lambda g, x, name, w, out: matmul_nbits(g, x, name, w, bits, LEGACY_NBITS, out))
-        export_head(head, embed, a.max_position_embeddings,
-                    ctx.staging / role.role / "ort" / EAGLE3_DIR, project, weights)
+        out = ctx.staging / role.role / "ort" / EAGLE3_DIR
+        if self.part(role).graph == "fused" and fits_fused(head.info):
+            export_fused_head(head, a.max_position_embeddings, out, project or (
+                lambda g, x, name, w, out: g.op("MatMul", x, g.weight(name, w), out=out)),
+                weights)
+        else:
+            embed = PortableWeights(onnx_dir / GRAPH_FILE).get("model.embed_tokens.weight")
+            export_head(head, embed, a.max_position_embeddings, out, project, weights)
 
     def build_fused(self, ctx: BuildContext, role: RolePlan, onnx_dir: Path) -> dict[str, Any]:
         out = ctx.staging / role.role / "ort"

@@ -46,6 +46,7 @@ from ...models.graph_io import declare, graph_io
 from ...models.turbo_heads import MAX_HEADS
 from ...numerics import BLOCK as MX_BLOCK
 from ...numerics import KV_FORMAT, WEIGHT_FORMAT, mxfp6_int8_blocks, mxfp6_weight
+from .fused_ops import attention_lengths, grouped_query_attention, norm, skip_norm
 from .nbits import LEGACY_NBITS, WEIGHT_BITS, NbitsLayout, matmul_nbits
 from .weights import PortableWeights
 from .window import local_window_size, reading, windowed
@@ -129,19 +130,11 @@ class _Lowered:
         return self.g.weight(key, self.w.get(key))
 
     def norm(self, x: str, weight: str) -> str:
-        return self.g.op("SimplifiedLayerNormalization", x, self.norm_weight(weight), axis=-1,
-                         epsilon=self.a.rms_norm_eps, stash_type=1)
+        return norm(self.g, x, self.norm_weight(weight), self.a.rms_norm_eps)
 
     def skip_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
         """(norm(x + delta), x + delta) in one kernel."""
-        g = self.g
-        normed, summed = g._name("sln"), g._name("residual")
-        g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization",
-                                        [x, delta, self.norm_weight(weight)],
-                                        [normed, "", "", summed], domain=MS,
-                                        name=f"n{len(g.nodes)}_SkipSLN",
-                                        epsilon=self.a.rms_norm_eps))
-        return normed, summed
+        return skip_norm(self.g, x, delta, self.norm_weight(weight), self.a.rms_norm_eps)
 
     def build(self, role: str) -> None:
         g, a, b, c = self.g, self.a, self.batch, self.ctx
@@ -154,16 +147,8 @@ class _Lowered:
         past = [(given[f"past_key.{i}"], given[f"past_value.{i}"]) for i in range(a.num_layers)]
         nlk = given.get("num_logits_to_keep")
 
-        seq = g.op("Shape", ids, start=1, end=2)  # [1]
-        start = g.op("Squeeze", g.op("Slice", pos, g.const([0]), g.const([1]), g.const([1])),
-                     g.const([1]))  # [B] first slot's position
-        # Rows with no real token (all -1) write their slots at the end of the buffer.
-        start = g.op("Where", g.op("Less", start, g.const(0)),
-                     g.op("Sub", g.const([c]), seq), start)
-        last = g.op("Sub", g.op("Add", start, seq), g.const([1]))
-        seqlens = g.op("Cast", last, to=TensorProto.INT32)  # index of each row's last slot
-        total = g.op("Cast", g.op("ReduceMax", g.op("Add", last, g.const([1])), keepdims=0),
-                     to=TensorProto.INT32)
+        # (rows with no real token (all -1) write their slots at the end of the buffer)
+        seq, start, seqlens, total = attention_lengths(g, ids, pos, c)
         cos, sin = rope_tables(a, c)
         rope = {False: (g.weight("rope_cos", cos), g.weight("rope_sin", sin))}
         if a.has_local_rope:  # Gemma 3's sliding layers: a RoPE base of their own
@@ -232,14 +217,12 @@ class _Lowered:
             if a.is_sliding(i) and a.sliding_window < self.ctx else {}
         if a.attn_logit_softcapping:  # Gemma 2: cap * tanh(scores / cap), scale applied first
             extra["softcap"] = a.attn_logit_softcapping
-        out = g._name("attn")
-        g.nodes.append(helper.make_node(
-            "GroupQueryAttention", inputs,
-            [out, f"past_key.{i}_RetainedState", f"past_value.{i}_RetainedState"], domain=MS,
-            name=f"n{len(g.nodes)}_GQA", num_heads=a.num_heads, kv_num_heads=a.num_kv_heads,
+        out = grouped_query_attention(
+            g, inputs, [f"past_key.{i}_RetainedState", f"past_value.{i}_RetainedState"],
+            num_heads=a.num_heads, kv_num_heads=a.num_kv_heads,
             do_rotary=0 if self.mxint8 else 1, rotary_interleaved=0,
             scale=a.scores_scale,  # 1/sqrt(head_dim), Gemma's query_pre_attn_scalar ** -0.5,
-            **extra))  # or Granite's attention multiplier
+            **extra)  # or Granite's attention multiplier
         o = self.project(out, f"{p}.o_proj.weight^T")
         return g.op("Add", o, self.weight(f"{p}.o_proj.bias")) if a.o_bias else o
 

@@ -99,12 +99,16 @@ def _layout_key(role: str, weights: str) -> dict[str, Any]:
 
 
 def _head_key(r: Recipe, role: str) -> dict[str, str]:
-    """An EAGLE-3 head's weight format (its graph is built beside the target's artifact), only
-    where it is not float32, so that other bundles keep their ids."""
+    """An EAGLE-3 head's weight format where it is not float32, and its graph's form where it is
+    the fused one (eagle3_graph.py; the head's graph is built beside the target's artifact, in
+    the target's form), so that other bundles keep their ids."""
+    from .eagle3_graph import HEAD_GRAPH
+
+    if role != "target" or r.draft.method != "eagle3":
+        return {}
     fmt = r.onnxruntime.draft_weights
-    if role == "target" and r.draft.method == "eagle3" and fmt != "float32":
-        return {"eagle3_head_weights": fmt}
-    return {}
+    return {**({"eagle3_head_weights": fmt} if fmt != "float32" else {}),
+            **({"eagle3_head_graph": HEAD_GRAPH} if ort_graph(r) == "fused" else {})}
 
 
 class OrtPlan:
