@@ -39,13 +39,13 @@ from .fused_ops import attention_lengths, grouped_query_attention, norm, skip_no
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 HEAD_GRAPH = "fused"  # the head graph's form, in its metadata and its cache key
 GQA_HEAD_DIM = 16  # GroupQueryAttention's CPU kernel takes head_dim in multiples of this
+# project(g, x, name, w [K, N], out) -> x @ w in the head's weight format
+Projection = Callable[[GraphBuilder, str, str, np.ndarray, "str | None"], str]
 
 
 def fits_fused(info: Eagle3HeadInfo) -> bool:
     """Whether the head can run on the fused kernels (else its portable form is built)."""
     return info.head_dim % GQA_HEAD_DIM == 0
-# project(g, x, name, w [K, N], out) -> x @ w in the head's weight format
-Projection = Callable[[GraphBuilder, str, str, np.ndarray, "str | None"], str]
 
 
 def rope_caches(head_dim: int, theta: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
