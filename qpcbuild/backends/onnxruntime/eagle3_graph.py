@@ -33,8 +33,10 @@ from onnx import TensorProto, helper
 from ...export import DATA_FILE, GRAPH_FILE, MS, OPSET, TARGET_EMBEDDING
 from ...export.builder import GraphBuilder, save
 from ...export.eagle3 import head_info_metadata
+from ...export.eagle3_card import head_arch
 from ...models.eagle3_head import LAYER, Eagle3Head, Eagle3HeadInfo
 from .fused_ops import attention_lengths, grouped_query_attention, norm, skip_norm
+from .ort_graph import rope_tables
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 HEAD_GRAPH = "fused"  # the head graph's form, in its metadata and its cache key
@@ -46,14 +48,6 @@ Projection = Callable[[GraphBuilder, str, str, np.ndarray, "str | None"], str]
 def fits_fused(info: Eagle3HeadInfo) -> bool:
     """Whether the head can run on the fused kernels (else its portable form is built)."""
     return info.head_dim % GQA_HEAD_DIM == 0
-
-
-def rope_caches(head_dim: int, theta: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """GroupQueryAttention's cos/sin caches [positions, D/2] for the head's RoPE (as the
-    portable form's tables, without their duplicated half)."""
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    freqs = np.outer(np.arange(positions, dtype=np.float32), inv.astype(np.float32))
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
 def build_fused_head(g: GraphBuilder, head: Eagle3Head, max_positions: int,
@@ -80,7 +74,7 @@ def build_fused_head(g: GraphBuilder, head: Eagle3Head, max_positions: int,
     p = f"{LAYER}.self_attn"
     qkv = linear(z, [f"{p}.{n}_proj.weight" for n in ("q", "k", "v")], f"{p}.qkv^T")
     q, k, v = g.op("Split", qkv, g.const([nh * d, nkv * d, nkv * d]), axis=-1, n_out=3)
-    cos, sin = rope_caches(d, i.rope_theta, max_positions)
+    cos, sin = rope_tables(head_arch(i, max_positions), max_positions)  # the target's kind
     attn = grouped_query_attention(
         g, [q, k, v, past_k, past_v, seqlens, total, g.weight("rope_cos", cos),
             g.weight("rope_sin", sin)], ["past_key_RetainedState", "past_value_RetainedState"],
