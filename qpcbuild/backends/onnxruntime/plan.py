@@ -102,10 +102,10 @@ def _head_key(r: Recipe, role: str) -> dict[str, str]:
     """An EAGLE-3 head's weight format where it is not float32, and its graph's form where it is
     the fused one (eagle3_graph.py; the head's graph is built beside the target's artifact, in
     the target's form), so that other bundles keep their ids."""
-    from .eagle3_graph import HEAD_GRAPH
-
     if role != "target" or r.draft.method != "eagle3":
         return {}
+    from .eagle3_graph import HEAD_GRAPH  # (a graph module: imported for eagle3 recipes only)
+
     fmt = r.onnxruntime.draft_weights
     return {**({"eagle3_head_weights": fmt} if fmt != "float32" else {}),
             **({"eagle3_head_graph": HEAD_GRAPH} if ort_graph(r) == "fused" else {})}
