@@ -49,6 +49,8 @@ def layouts(weights: str):
     out["b128 asym acc4 head"] = NbitsLayout(block_size=128, symmetric=False)
     out["b64 asym acc4 fp32-head"] = NbitsLayout(block_size=64, symmetric=False,
                                                  quantize_head=False)
+    for block in (32, 64, 128):  # least-squares scales over the whole grid (scale_search)
+        out[f"b{block} searched acc4 head"] = NbitsLayout(block_size=block, scale_search=True)
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from .bench.report import _r, _short, write_outputs
 from .backend_api import HOST_BACKEND
 from .errors import UsageError
+from .runtime.model_session import padded_window
 from .recipe.changes import RecipeChanges
 from .measuring import (Say, build_for_measurement, default_bench_dir, is_bundle, load_prompts,
                         loadavg, machine_info)
@@ -34,10 +35,11 @@ def _numerics_changes(r) -> tuple[RecipeChanges, RecipeChanges, RecipeChanges]:
     emulated one with the recipe's card formats, or mxfp6 + mxint8 when the recipe asks for
     none."""
     common = RecipeChanges(backends=(HOST_BACKEND,),
-                           onnxruntime={"graph": "fused", "draft_weights": "float32"},
+                           onnxruntime={"graph": "fused", "draft_weights": "float32",
+                                        "draft_block_size": None},
                            shapes={"batch_size": 1, "full_batch_size": None})
     fp32 = RecipeChanges(precision={"quantization": "none", "kv_cache_dtype": "float16"},
-                         onnxruntime={"target_weights": "float32"})
+                         onnxruntime={"target_weights": "float32", "target_block_size": None})
     p, tw = r.precision, r.onnxruntime.target_weights
     card = {"quantization": p.quantization, "kv_cache_dtype": p.kv_cache_dtype}
     if tw != "float32":  # the recipe's quantized ORT target (and its card formats, if any)
@@ -64,7 +66,7 @@ def teacher_forced_logits(gen, prompt: list[int], output: list[int], window: int
             last = logits[0, 0].copy()
     rows = [last]
     feed = output[:-1]
-    width = max(window, t.min_window)  # a lone token padded as the engine pads it
+    width = padded_window(t, window)  # padded as the engine pads it
     for j in range(0, len(feed), window):
         piece = feed[j:j + window]
         ids = np.zeros((t.batch_size, width), np.int64)

@@ -289,6 +289,13 @@ BAD = [
                                   "precision.quantization=mxfp6")),
     Bad("weights-format-unknown", BASE, "onnxruntime.target_weights", None, "int4",
         ("onnxruntime.target_weights=int3",)),
+    Bad("block-size-for-float32-weights", BASE, "onnxruntime.target_block_size", None,
+        "is float32", ("onnxruntime.target_block_size=128",)),
+    Bad("block-size-unknown", BASE, "onnxruntime.draft_block_size", None, "128",
+        ("onnxruntime.draft_weights=int4", "onnxruntime.draft_block_size=48")),
+    Bad("block-size-under-mxfp6", BASE, "onnxruntime.draft_block_size", None, "blocks of 32",
+        ("onnxruntime.draft_weights=int8", "onnxruntime.draft_block_size=64",
+         "precision.quantization=mxfp6")),
     # ---- --set overrides
     Bad("override-missing-equals", BASE, "shapes.ctx_len", None, "KEY.PATH=VALUE",
         ("shapes.ctx_len",)),
@@ -568,7 +575,8 @@ def test_cli_resolved_prints_yaml_with_defaults():
     assert doc["hardware"]["specializations_format"] == "named"
     assert doc["hardware"]["compiler_options"]["mos"] is None
     assert doc["onnxruntime"] == {"graph": "fused", "intra_op_threads": None,
-                                  "draft_weights": "float32", "target_weights": "float32"}
+                                  "draft_weights": "float32", "target_weights": "float32",
+                                  "draft_block_size": None, "target_block_size": None}
     assert doc["draft"]["trust_remote_code"] is False
     # What --resolved prints is itself a valid recipe that resolves to the same thing.
     assert recipe_from_text(result.stdout).to_yaml_dict() == doc

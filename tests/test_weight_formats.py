@@ -11,53 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
 from qpcbuild.backends.onnxruntime.nbits import blockwise_nbits, blockwise_nbits_asymmetric
 
-
-def spec_dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, k: int,
-                    zero_points: np.ndarray | None = None) -> np.ndarray:
-    """[K, N] float32 from MatMulNBits inputs, one code at a time as the spec reads them
-    (zero_points: per column ceil(blocks * bits / 8) bytes, low bits first; None: 2^(bits-1))."""
-    n, blocks, blob = packed.shape
-    block = blob * 8 // bits
-    out = np.zeros((n, blocks * block), np.float64)
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
-    zp_bytes = -(-blocks * bits // 8)
-
-    def code_at(row: np.ndarray, j: int) -> int:
-        return (int(row[j // per_byte]) >> (bits * (j % per_byte))) & mask  # low bits first
-
-    for col in range(n):
-        for b in range(blocks):
-            s = float(scales[col * blocks + b])
-            zero = 1 << (bits - 1) if zero_points is None else \
-                code_at(zero_points[col * zp_bytes:(col + 1) * zp_bytes], b)
-            for j in range(block):
-                out[col, b * block + j] = (code_at(packed[col, b], j) - zero) * s
-    return out[:, :k].T.astype(np.float32)
-
-
-def ort_matmul_nbits(x, packed, scales, k, n, bits, accuracy_level, block=32, zero_points=None):
-    import onnxruntime as ort
-
-    inits = [numpy_helper.from_array(packed, "q"), numpy_helper.from_array(scales, "s")]
-    if zero_points is not None:
-        inits.append(numpy_helper.from_array(zero_points, "z"))
-    node = helper.make_node("MatMulNBits", ["x", "q", "s"] + (["z"] if zero_points is not None
-                                                             else []), ["y"],
-                            domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
-                            accuracy_level=accuracy_level)
-    graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, {"x": x})[0]
+from helpers_nbits import ort_matmul_nbits, spec_dequantize
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -239,13 +197,19 @@ def test_a_float32_target_is_labelled_float32_and_nothing_more(tmp_path):
     assert card["target_weights"] == "float32" and "note" not in card
 
 
-def test_bench_numerics_measures_an_int4_target_against_fp32(tmp_path):
+@pytest.mark.parametrize("blocks", [(), ("onnxruntime.target_block_size=128",
+                                           "onnxruntime.draft_weights=int4",
+                                           "onnxruntime.draft_block_size=64")],
+                         ids=["blocks-of-32", "blocks-of-128"])
+def test_bench_numerics_measures_an_int4_target_against_fp32(tmp_path, blocks):
+    """Also for a recipe with block sizes: its float32 column drops them with the format."""
     from qpcbuild.cli import app
 
     js = tmp_path / "n.json"
+    sets = [a for b in blocks for a in ("--set", b)]
     res = CliRunner().invoke(app, [
         "bench", str(DEMO_RECIPE), "--numerics", "--set", "onnxruntime.target_weights=int4",
-        "--num-prompts", "2", "--max-new-tokens", "24", "--ks", "4",
+        *sets, "--num-prompts", "2", "--max-new-tokens", "24", "--ks", "4",
         "--cache-dir", str(tmp_path / "cache"), "--bundle-dir", str(tmp_path / "b"),
         "--json-out", str(js), "--no-plot"])
     assert res.exit_code == 0, res.output
@@ -258,15 +222,19 @@ def test_bench_numerics_measures_an_int4_target_against_fp32(tmp_path):
     assert "ORT target weights int4 blocks" in res.output
 
 
-def _window_drift(bundle: Path, window: int, floor: int | None = None) -> float:
+def _window_drift(bundle: Path, window: int, floor: int | None = None,
+                  step: int | None = None) -> float:
     """Max |logit difference| between each output token's target logits computed one token a
     call (target-only decode, padded to the session's window floor unless `floor` replaces
-    it) and `window` tokens a call (a verify window)."""
+    it) and `window` tokens a call (a verify window); `step` replaces the session's window
+    step for both."""
     import qpcbuild
     from qpcbuild.numerics_bench import teacher_forced_logits
 
     gen = qpcbuild.load(bundle, verify="none")
     padded, worst = gen.target.min_window, 0.0
+    if step is not None:
+        gen.target.window_step = step
     for prompt in ("def add(a, b):", "The capital of France is", "for i in range(10):"):
         ids = gen.encode(prompt)
         out = gen.generate([ids], max_new_tokens=24, target_only=True).rows[0].tokens[len(ids):]
@@ -293,6 +261,45 @@ def test_an_int4_target_gives_a_token_the_same_logits_alone_or_in_a_verify_windo
     assert _window_drift(int4_target, 5, floor=1) > 1e-2
 
 
+def test_block_sizes_reach_the_graphs_the_keys_and_the_manifest(tmp_path):
+    """onnxruntime.<role>_block_size: each role's MatMulNBits nodes take that block, the
+    manifest records it, the cache keys tell it apart, and speculation stays lossless relative
+    to that target; a draft left at 32 keeps the key it had."""
+    import qpcbuild
+    from qpcbuild.plan import make_plan
+    from qpcbuild.recipe import load_recipe
+
+    sets = ("onnxruntime.draft_weights=int4", "onnxruntime.target_weights=int4")
+    wide = sets + ("onnxruntime.target_block_size=128", "onnxruntime.draft_block_size=64")
+    out = _build(tmp_path, *wide)
+    for role, block in (("target", 128), ("draft", 64)):
+        assert {a.i for n in onnx_nodes(out, role) for a in n.attribute
+                if a.name == "block_size"} == {block}
+    roles = json.loads((out / "manifest.json").read_text())["roles"]
+    assert roles["target"]["backends"]["onnxruntime"]["block_size"] == 128
+    assert roles["draft"]["backends"]["onnxruntime"]["block_size"] == 64
+    # the target's integer kernel pairs rows in such blocks: its windows are padded to even
+    assert roles["target"]["backends"]["onnxruntime"]["window_step"] == 2
+    assert "window_step" not in roles["draft"]["backends"]["onnxruntime"]
+
+    def keys(*overrides):
+        plan = make_plan(load_recipe(DEMO_RECIPE, list(overrides)))
+        return {rp.role: rp.cache_keys.backends["onnxruntime"] for rp in plan.roles}
+
+    default, blocks = keys(*sets), keys(*wide)
+    assert default["target"] != blocks["target"] and default["draft"] != blocks["draft"]
+    assert keys(*sets, "onnxruntime.target_block_size=128")["draft"] == default["draft"]
+    default_manifest = json.loads((_build(tmp_path / "b32", *sets) / "manifest.json")
+                                  .read_text())["roles"]
+    assert "block_size" not in default_manifest["target"]["backends"]["onnxruntime"]
+    gen = qpcbuild.load(out, verify="none")
+    for prompt in ("def add(a, b):", "The capital of", "for i in range("):
+        spd = gen.generate([prompt], max_new_tokens=32).rows[0].tokens
+        assert spd == gen.generate([prompt], max_new_tokens=32, target_only=True).rows[0].tokens
+    assert _window_drift(out, 5) == 0.0  # 5 runs as 6, 1 as 2
+    assert _window_drift(out, 5, step=1) > 0.0  # odd windows as they are: the last row drifts
+
+
 def test_only_a_quantized_target_pads_its_lone_tokens(int4_target, tmp_path):
     """The window floor is the int8/int4 target's: its draft, and a float32 target (whose
     manifest stays as it was), run lone tokens as they are."""
@@ -302,27 +309,32 @@ def test_only_a_quantized_target_pads_its_lone_tokens(int4_target, tmp_path):
     assert roles["target"]["backends"]["onnxruntime"]["min_window"] == 2
     assert "min_window" not in roles["draft"]["backends"]["onnxruntime"]
     gen = qpcbuild.load(int4_target, verify="none")
-    assert (gen.target.min_window, gen.draft.min_window, gen.decoder.min_window) == (2, 1, 2)
+    assert (gen.target.min_window, gen.draft.min_window) == (2, 1)
     fp32 = _build(tmp_path)
     assert "min_window" not in json.loads((fp32 / "manifest.json").read_text())[
         "roles"]["target"]["backends"]["onnxruntime"]
-    assert qpcbuild.load(fp32, verify="none").decoder.min_window == 1
+    assert qpcbuild.load(fp32, verify="none").target.min_window == 1
 
 
 def test_a_window_floor_binds_one_padded_window_per_batch_size():
     """A session with a floor of 2 adds a 2-token window beside each batch size's narrower
     ones, keeping their logits rows (1 for a lone token: the LM head skips the padding), and
     none where a 2-token window is compiled already (a K=1 verify)."""
-    from qpcbuild.runtime.model_session import Specialization, floor_windows
+    from qpcbuild.runtime.model_session import Specialization, padded_windows
 
     def spec(batch, seq, logits):
         return Specialization(f"S{batch}x{seq}", batch, seq, 64, logits)
 
     decode = [spec(1, 32, 1), spec(1, 1, 1), spec(1, 5, 5), spec(4, 1, 1)]
-    assert [(s.batch_size, s.seq_len, s.num_logits) for s in floor_windows(decode, 2)] == \
+    assert [(s.batch_size, s.seq_len, s.num_logits) for s in padded_windows(decode, 2)] == \
         [(1, 2, 1), (4, 2, 1)]
-    assert floor_windows(decode + [spec(1, 2, 2)], 2) == [Specialization("Window_2", 4, 2, 64, 1)]
-    assert floor_windows(decode, 1) == []
+    assert padded_windows(decode + [spec(1, 2, 2)], 2) == [Specialization("Window_2", 4, 2, 64, 1)]
+    assert padded_windows(decode, 1) == []
+    # a step of 2 also widens each odd window by one, and its logits rows (the LM head's call)
+    assert [(s.batch_size, s.seq_len, s.num_logits) for s in padded_windows(decode, 2, 2)] == \
+        [(1, 2, 2), (1, 6, 6), (4, 2, 2)]
+    assert padded_windows(decode + [spec(1, 6, 6)], 2, 2) == [
+        Specialization("Window_2", 1, 2, 64, 2), Specialization("Window_2", 4, 2, 64, 2)]
 
 
 def test_an_int4_target_pads_its_last_tokens_inside_the_buffer(tmp_path):

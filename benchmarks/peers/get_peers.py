@@ -126,18 +126,34 @@ def llama_source(store: Path) -> Path:
     return src
 
 
+# Native code for this CPU (the peer should be at its best here), without AMX: on a host whose
+# CPU reports AMX tiles but whose virtual machine does not let a process use them, ggml's AMX
+# matmul dies on its first `ldtilecfg` (general protection fault, seen on this project's
+# machines), and its decode-time matmuls (one token) run on AVX-512 VNNI either way. GCC lets
+# an explicit -mno-* win over -march=native in any order. No curl: no model hub.
+LLAMA_CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                     "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+
+
 def build_llama_cpp(store: Path) -> Path:
-    """llama.cpp's bench programs built once; returns the folder for $QPCBUILD_LLAMA_CPP_BIN."""
+    """llama.cpp's bench programs built once with LLAMA_CMAKE_FLAGS (rebuilt when a build in
+    the store used others); returns the folder for $QPCBUILD_LLAMA_CPP_BIN."""
     src = llama_source(store)
     bin_dir = src / "build" / "bin"
-    if all((bin_dir / p).is_file() for p in LLAMA_PROGRAMS):
+    flags_file = src / "build" / "qpcbuild-cmake-flags.json"
+    flags = list(LLAMA_CMAKE_FLAGS)
+    built_with = json.loads(flags_file.read_text()) if flags_file.is_file() else None
+    if built_with == flags and all((bin_dir / p).is_file() for p in LLAMA_PROGRAMS):
         log(f"llama.cpp programs already built in {bin_dir}")
         return bin_dir
-    # Native code for this CPU (the peer should be at its best here); no curl: no model hub.
-    _run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"], "configuring llama.cpp")
+    if (src / "build").exists():
+        log("llama.cpp was built with other flags: building it again")
+        shutil.rmtree(src / "build")
+    _run(["cmake", "-S", str(src), "-B", str(src / "build"), *flags], "configuring llama.cpp")
     _run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2), "--target",
           *LLAMA_PROGRAMS], "building llama.cpp (10-25 minutes on two cores)")
+    flags_file.write_text(json.dumps(flags))
     return bin_dir
 
 

@@ -184,6 +184,13 @@ def _numerics_options(r: Recipe, add: Add) -> None:
         add("backends", f"duplicate backends in {r.backends}")
     for role in ("draft", "target"):
         key, fmt = f"onnxruntime.{role}_weights", getattr(r.onnxruntime, f"{role}_weights")
+        block_key = f"onnxruntime.{role}_block_size"
+        block = getattr(r.onnxruntime, f"{role}_block_size")
+        if block is not None and fmt == "float32":
+            add(block_key, f"blocks are for int8/int4 weights, but {key} is float32")
+        elif block is not None and p.quantization == "mxfp6":
+            add(block_key, "precision.quantization: mxfp6 emulates the card's blocks of 32; "
+                "leave the block size out")
         if fmt == "float32":
             continue
         if role == "draft" and d.method not in ("draft_model", "eagle3"):

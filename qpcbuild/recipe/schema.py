@@ -180,6 +180,7 @@ class Disaggregated(_Strict):
 
 
 WeightFormat = Literal["float32", "int8", "int4"]
+BlockSize = Literal[32, 64, 128]
 
 
 class OrtOptions(_Strict):
@@ -193,6 +194,11 @@ class OrtOptions(_Strict):
     # EAGLE-3 head's projections (method eagle3): the head proposes, so the same holds for it.
     draft_weights: WeightFormat = "float32"
     target_weights: WeightFormat = "float32"
+    # The int8/int4 blocks' length along K: longer blocks store fewer scales and run the
+    # integer kernel faster, at some agreement with the float32 weights (docs/weight-formats.md
+    # measures both). None: blocks of 32.
+    draft_block_size: BlockSize | None = None
+    target_block_size: BlockSize | None = None
 
 
 class Recipe(_Strict):

@@ -30,7 +30,7 @@ from .sampling import (SamplingParams, WindowProbabilities, accept_greedy, accep
                        probabilities, sample)
 from .heads import keep_head_logits, propose_from_heads
 from .eagle3 import Eagle3Drafter
-from .model_session import FeatureSession, HeadsSession, ModelSession
+from .model_session import FeatureSession, HeadsSession, ModelSession, padded_window
 
 
 @dataclass
@@ -75,10 +75,6 @@ class SpecDecoder:
         self.ks, self.prefill_len, self.eos_ids, self.method = tuple(sorted(ks)), prefill_len, \
             eos_ids, method
         self.ctx_len, self.batch = target.ctx_len, target.batch_size
-        # A target whose logits depend on a call's width below some window (an int8/int4 one on
-        # ONNX Runtime: 2) gets every window padded to it, target-only decode included, so that
-        # speculation and target-only compute each token alike (sessions that do not say: 1).
-        self.min_window = int(getattr(target, "min_window", 1))
         # Continuous batching: `batch` KV slots; each request is prefilled alone into a free
         # slot (batch_index) and decode steps run over every slot.
         self.cb = continuous_batching
@@ -320,7 +316,10 @@ class SpecDecoder:
         k_step = next((k for k in self.ks if k >= need), None)
         if k_step is None:
             raise UsageError(f"a proposal of {need} tokens exceeds the compiled Ks {list(self.ks)}")
-        s = max(k_step + 1, self.min_window)
+        # A target whose logits depend on a call's width (an int8/int4 one on ONNX Runtime) gets
+        # every window padded as its session says, target-only decode included, so that
+        # speculation and target-only compute each token alike (model_session.padded_window).
+        s = padded_window(self.target, k_step + 1)
         times.windows[k_step] = times.windows.get(k_step, 0) + 1
         ids = np.zeros((self.batch, s), np.int64)
         pos = np.full((self.batch, s), -1, np.int64)

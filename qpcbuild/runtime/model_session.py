@@ -37,8 +37,10 @@ class ModelSession(Protocol):
     vocab_size: int
     specializations: list[Specialization]
     # the fewest tokens a call carries: the engine pads a lone token's window to it (2 for an
-    # int8/int4 ONNX Runtime target, whose logits would otherwise depend on the window)
+    # int8/int4 ONNX Runtime target, whose logits would otherwise depend on the window); and
+    # a multiple every window is padded to (2 for such a target in blocks longer than 32)
     min_window: int
+    window_step: int
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray,
             batch_index: np.ndarray | None = None) -> np.ndarray:
@@ -46,19 +48,34 @@ class ModelSession(Protocol):
         [B, num_logits, V], valid until the next call."""
 
 
-def floor_windows(specs: list[Specialization], min_window: int) -> list[Specialization]:
-    """The windows of `min_window` tokens that a session with that floor runs in place of
-    narrower compiled ones (one per batch size that has a narrower window and not that one).
-    Such a window keeps the logits rows the narrower ones keep (1 for a lone token: the LM
-    head does not compute the padding's), ending at the last real token."""
+def padded_window(session: object, seq_len: int) -> int:
+    """The window a call of `seq_len` tokens goes through on `session`: at least its
+    `min_window`, rounded up to a multiple of its `window_step` (sessions that say neither: the
+    call's own). An int8/int4 ONNX Runtime target needs both for a token's logits not to depend
+    on the window it comes in (nbits.TARGET_NBITS)."""
+    width = max(seq_len, int(getattr(session, "min_window", 1)))
+    step = int(getattr(session, "window_step", 1))
+    return -(-width // step) * step
+
+
+def padded_windows(specs: list[Specialization], min_window: int, step: int = 1
+                   ) -> list[Specialization]:
+    """The windows a session with that floor and step runs in place of compiled ones it may
+    not run as they are (one per batch size and width, where that width is not compiled).
+    Such a window keeps the logits rows of the widest compiled window it stands for (1 for a
+    lone token: the LM head does not compute the padding's), ending at the last real token,
+    also rounded up to the step (the LM head's call carries those rows; a kept padding row is
+    never read)."""
     have = {(s.batch_size, s.seq_len) for s in specs}
-    extra: dict[int, Specialization] = {}
+    extra: dict[tuple[int, int], Specialization] = {}
     for s in specs:
-        if s.seq_len < min_window and (s.batch_size, min_window) not in have:
-            rows = max(s.num_logits, extra[s.batch_size].num_logits) \
-                if s.batch_size in extra else s.num_logits
-            extra[s.batch_size] = Specialization(f"Window_{min_window}", s.batch_size,
-                                                 min_window, s.ctx_len, rows)
+        width = -(-max(s.seq_len, min_window) // step) * step
+        key = (s.batch_size, width)
+        if width == s.seq_len or key in have:
+            continue
+        rows = -(-s.num_logits // step) * step
+        rows = max(rows, extra[key].num_logits) if key in extra else rows
+        extra[key] = Specialization(f"Window_{width}", s.batch_size, width, s.ctx_len, rows)
     return list(extra.values())
 
 

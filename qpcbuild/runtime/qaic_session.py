@@ -46,7 +46,7 @@ class QaicSession:
         self.role, self.specializations, self.vocab_size = role, specs, vocab_size
         self.batch_size = max(s.batch_size for s in specs)  # decode batch (slots with CB)
         self.ctx_len = specs[0].ctx_len
-        self.min_window = 1  # the card's compiled windows are what they are
+        self.min_window = self.window_step = 1  # the card's compiled windows are what they are
         devices = qaicrt.QIDList(list(device_group))
         self._context = qaicrt.Context(devices)
         self._queue = qaicrt.Queue(self._context, device_group[0])

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import BundleError
 from ..ort_threads import pool_threads, session_options
 from .model_session import ModelSession, Specialization, pick_specialization  # noqa: F401  (re-exported)
-from .model_session import FEATURES, floor_windows
+from .model_session import FEATURES, padded_windows
 
 REMEASURE = 64  # single-token calls between re-timings of the way not taken (RowwiseOrtSession)
 # ONNX Runtime ships no type information: its sessions, values and bindings are Any here.
@@ -75,16 +75,18 @@ def check_graph_io(sess: Any, path: Path, role: str, kv_shape: tuple[int, ...],
 class OrtSession:
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
                  num_layers: int, vocab_size: int, threads: int | None = None,
-                 in_place: bool = False, min_window: int = 1, heads: int = 0):
+                 in_place: bool = False, min_window: int = 1, heads: int = 0,
+                 window_step: int = 1):
         """threads: the recipe's `onnxruntime.intra_op_threads`; None: every CPU (see
         ort_threads for how the two roles share them). min_window: the fewest tokens a call
-        must carry (the engine pads a lone token to it); its window is bound beside the
-        compiled ones (the fused graph's seq_len is symbolic). heads: turbo heads compiled
+        must carry (the engine pads a lone token to it), window_step: a multiple every call's
+        window is padded to; such windows are bound beside the compiled ones (the fused
+        graph's seq_len is symbolic). heads: turbo heads compiled
         into the logits (their [.., heads + 1, V] axis: `run` returns index 0, `head_logits`
         the rest)."""
         self.path, self.role = Path(path), role
-        self.min_window = min_window
-        self.specializations = specs + floor_windows(specs, min_window)
+        self.min_window, self.window_step = min_window, window_step
+        self.specializations = specs + padded_windows(specs, min_window, window_step)
         self.heads = heads
         self._last_logits: np.ndarray | None = None
         self._last_features: np.ndarray | None = None
@@ -248,9 +250,10 @@ class RowwiseOrtSession(OrtSession):
 
     def __init__(self, path: Path, role: str, specs: list[Specialization], kv_shape: KVShape,
                  num_layers: int, vocab_size: int, threads: int | None = None,
-                 min_window: int = 1, heads: int = 0):
+                 min_window: int = 1, heads: int = 0, window_step: int = 1):
         super().__init__(path, role, specs, kv_shape, num_layers, vocab_size, threads,
-                         in_place=True, min_window=min_window, heads=heads)
+                         in_place=True, min_window=min_window, heads=heads,
+                         window_step=window_step)
 
     def _open(self) -> None:
         import onnxruntime as ort

@@ -17,6 +17,7 @@ from typing import Any
 from ..bundle.backend import get_backend
 from ..backend_api import HOST_BACKEND, backend_info, card_backend
 from ..errors import UsageError
+from ..runtime.model_session import padded_window
 
 ROOFLINE_ASSUMPTIONS = [
     "each call reads every matmul weight of its role once (the layers and the LM head, a tied "
@@ -80,7 +81,7 @@ def measure_costs(gen, ks: list[int], position: int, rounds: int = 20,
                     dsamples[k].append(time.perf_counter() - t0)
             # the window the engine sends: K+1 tokens, padded to the target's floor (an
             # int8/int4 target runs a lone token as 2)
-            ids = np.full((b, max(k + 1, target.min_window)), tok, np.int64)
+            ids = np.full((b, padded_window(target, k + 1)), tok, np.int64)
             window = np.full(ids.shape[1], -1, np.int64)
             window[:k + 1] = np.arange(pos0, pos0 + k + 1)
             pos = np.where(free, -1, np.tile(window, (b, 1)))

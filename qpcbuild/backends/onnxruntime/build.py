@@ -101,7 +101,7 @@ class OrtBackend:
         operators with a copy of that embedding (export/eagle3.py)."""
         from ...export.eagle3 import export_head
         from .eagle3_graph import export_fused_head, fits_fused
-        from .nbits import LEGACY_NBITS, WEIGHT_BITS, matmul_nbits
+        from .nbits import WEIGHT_BITS, matmul_nbits, nbits_layout
         from .weights import PortableWeights
 
         assert role.eagle3 is not None
@@ -111,8 +111,9 @@ class OrtBackend:
         # which tokens it proposes (a draft's layout, the fastest)
         weights = ctx.plan.recipe.onnxruntime.draft_weights
         bits = WEIGHT_BITS.get(weights)
+        layout = nbits_layout("draft", ctx.plan.recipe.onnxruntime.draft_block_size)
         project = None if bits is None else (
-            lambda g, x, name, w, out: matmul_nbits(g, x, name, w, bits, LEGACY_NBITS, out))
+            lambda g, x, name, w, out: matmul_nbits(g, x, name, w, bits, layout, out))
         out = ctx.staging / role.role / "ort" / EAGLE3_DIR
         if self.part(role).graph == "fused" and fits_fused(head.info):
             export_fused_head(head, a.max_position_embeddings, out, project or (
@@ -126,7 +127,7 @@ class OrtBackend:
         out = ctx.staging / role.role / "ort"
         import onnx
 
-        from .nbits import nbits_layout
+        from .nbits import INT8_BLOCK, nbits_layout
         from .ort_graph import PortableWeights, build_ort_graph
 
         weights = PortableWeights(onnx_dir / GRAPH_FILE, spend=ctx.spend_export)
@@ -134,7 +135,7 @@ class OrtBackend:
         metadata = {p.key: p.value for p in source.metadata_props}
         ort = self.part(role)
         batch, ctx_len = ort.batch_size, ort.ctx_len
-        layout = nbits_layout(role.model_role)
+        layout = nbits_layout(role.model_role, ort.block_size)
         build_ort_graph(role.arch, weights, role.model_role, batch, ctx_len, out,
                         {**metadata, "ort_graph": "fused"}, ort.weights,
                         ort.numerics_formats if ort.numerics == "emulated" else None,
@@ -146,6 +147,10 @@ class OrtBackend:
         return {"status": "compiled", "artifact": f"{role.role}/ort/{GRAPH_FILE}", **experts,
                 "graph": "fused", "kv_binding": "in_place", "weights": ort.weights,
                 **({"min_window": floor} if floor > 1 else {}),
+                **({"block_size": layout.block_size} if ort.weights != "float32"
+                   and layout.block_size != INT8_BLOCK else {}),
+                **({"window_step": layout.window_step} if ort.weights != "float32"
+                   and layout.window_step > 1 else {}),
                 # exact float32, or the card's mxfp6 / mxint8 emulated (qpcbuild.numerics)
                 "numerics": ort.numerics,
                 "numerics_formats": dict(ort.numerics_formats),

@@ -19,6 +19,11 @@ class OrtEntry(BackendEntry):
     # the fewest tokens a call carries (a lone token is padded): an int8/int4 target's, whose
     # logits must not depend on the window (nbits.TARGET_NBITS)
     min_window: int = Field(default=1, ge=1)
+    # int8/int4 blocks along K where they are not 32 (recorded only then)
+    block_size: Optional[Literal[64, 128]] = None
+    # a multiple every call's window is padded to: 2 for a target in such blocks, whose integer
+    # kernel runs a call's rows in pairs and an odd last row alone (nbits.TARGET_NBITS)
+    window_step: int = Field(default=1, ge=1)
     numerics: Optional[str] = None
     numerics_formats: Optional[dict[str, str]] = None
 

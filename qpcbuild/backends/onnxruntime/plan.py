@@ -66,6 +66,7 @@ class OrtPart(BackendPart):
     kv_dtype: str
     graph: str  # fused | portable (ort_graph)
     weights: str  # the fused graph's matmul weights: float32 | int8 | int4
+    block_size: int | None  # int8/int4 blocks along K (None: nbits.INT8_BLOCK)
     core_share: float  # of a QID's cores: the role's share of the host's threads
     intra_op_threads: int | None
     numerics: str  # exact | emulated (ort_numerics)
@@ -90,24 +91,29 @@ class OrtPart(BackendPart):
                         "intra_op_threads": self.intra_op_threads}}
 
 
-def _layout_key(role: str, weights: str) -> dict[str, Any]:
-    """A quantized role's MatMulNBits layout where it is not the earlier one (a target's)."""
+def _layout_key(role: str, part: "OrtPart") -> dict[str, Any]:
+    """A quantized role's MatMulNBits layout where it is not the earlier one (a target's, or
+    a draft's with a block size of its own)."""
     from .nbits import nbits_layout
 
-    changed = nbits_layout(role).changed() if weights != "float32" else {}
+    changed = (nbits_layout(role, part.block_size).changed() if part.weights != "float32"
+               else {})
     return {"nbits": changed} if changed else {}
 
 
-def _head_key(r: Recipe, role: str) -> dict[str, str]:
+def _head_key(r: Recipe, role: str) -> dict[str, Any]:
     """An EAGLE-3 head's weight format where it is not float32, and its graph's form where it is
     the fused one (eagle3_graph.py; the head's graph is built beside the target's artifact, in
     the target's form), so that other bundles keep their ids."""
     if role != "target" or r.draft.method != "eagle3":
         return {}
     from .eagle3_graph import HEAD_GRAPH  # (a graph module: imported for eagle3 recipes only)
+    from .nbits import nbits_layout
 
     fmt = r.onnxruntime.draft_weights
+    layout = nbits_layout("draft", r.onnxruntime.draft_block_size).changed()
     return {**({"eagle3_head_weights": fmt} if fmt != "float32" else {}),
+            **({"eagle3_head_nbits": layout} if fmt != "float32" and layout else {}),
             **({"eagle3_head_graph": HEAD_GRAPH} if ort_graph(r) == "fused" else {})}
 
 
@@ -119,6 +125,7 @@ class OrtPlan:
             artifact=f"{role}/ort/model.onnx", batch_size=ort_batch(r),
             ctx_len=r.shapes.ctx_len, kv_dtype="float32", graph=ort_graph(r),
             weights=getattr(r.onnxruntime, f"{facts.model_role}_weights"),
+            block_size=getattr(r.onnxruntime, f"{facts.model_role}_block_size"),
             core_share=facts.cores / CARDS[r.hardware.card]["cores_per_qid"],
             intra_op_threads=r.onnxruntime.intra_op_threads,
             numerics=numerics["numerics"], numerics_formats=numerics["numerics_formats"])
@@ -129,7 +136,7 @@ class OrtPlan:
         return {"export": facts.export_key, "lowering": ORT_LOWERING_VERSION,
                 "graph": part.graph, "batch_size": part.batch_size, "ctx_len": part.ctx_len,
                 "kv_dtype": part.kv_dtype, "weights": part.weights,
-                **_layout_key(facts.model_role, part.weights),
+                **_layout_key(facts.model_role, part),
                 **_head_key(r, facts.model_role),
                 # emulated card formats (exact builds keep their key)
                 **({"numerics": part.numerics_formats} if part.numerics == "emulated" else {})}

@@ -30,7 +30,9 @@ def open_session(bundle: Path, manifest: Manifest, role: str,
     heads = manifest.speculation.turbo_heads if role == "target" else 0
     if entry.graph == "fused" and shapes.kv_batch > 1:  # its windows take one row per call
         return RowwiseOrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
-                                 threads, min_window=entry.min_window, heads=heads)
+                                 threads, min_window=entry.min_window, heads=heads,
+                                 window_step=entry.window_step)
     return OrtSession(path, role, specs, kv_shape, arch.num_layers, arch.vocab_size,
                       threads, in_place=entry.kv_binding == "in_place",
-                      min_window=entry.min_window, heads=heads)
+                      min_window=entry.min_window, heads=heads,
+                      window_step=entry.window_step)
