@@ -48,14 +48,18 @@ class ModelSession(Protocol):
         [B, num_logits, V], valid until the next call."""
 
 
+def _round_up(n: int, floor: int, step: int) -> int:
+    """n raised to at least `floor`, then to a multiple of `step`."""
+    return -(-max(n, floor) // step) * step
+
+
 def padded_window(session: object, seq_len: int) -> int:
     """The window a call of `seq_len` tokens goes through on `session`: at least its
     `min_window`, rounded up to a multiple of its `window_step` (sessions that say neither: the
     call's own). An int8/int4 ONNX Runtime target needs both for a token's logits not to depend
     on the window it comes in (nbits.TARGET_NBITS)."""
-    width = max(seq_len, int(getattr(session, "min_window", 1)))
-    step = int(getattr(session, "window_step", 1))
-    return -(-width // step) * step
+    return _round_up(seq_len, int(getattr(session, "min_window", 1)),
+                     int(getattr(session, "window_step", 1)))
 
 
 def padded_windows(specs: list[Specialization], min_window: int, step: int = 1
@@ -69,11 +73,11 @@ def padded_windows(specs: list[Specialization], min_window: int, step: int = 1
     have = {(s.batch_size, s.seq_len) for s in specs}
     extra: dict[tuple[int, int], Specialization] = {}
     for s in specs:
-        width = -(-max(s.seq_len, min_window) // step) * step
+        width = _round_up(s.seq_len, min_window, step)
         key = (s.batch_size, width)
         if width == s.seq_len or key in have:
             continue
-        rows = -(-s.num_logits // step) * step
+        rows = _round_up(s.num_logits, 1, step)
         rows = max(rows, extra[key].num_logits) if key in extra else rows
         extra[key] = Specialization(f"Window_{width}", s.batch_size, width, s.ctx_len, rows)
     return list(extra.values())
